@@ -1,0 +1,38 @@
+"""mmcache: an asyncio tiered GPU -> pinned-host cache of multimodal features."""
+
+from __future__ import annotations
+
+from mmcache.cache import FeatureCache
+from mmcache.errors import (
+    CacheClosedError,
+    CopyFailedError,
+    DeviceOutOfMemoryError,
+    InvalidKeyError,
+    InvalidRowsError,
+    InvalidValueError,
+    MMCacheError,
+    SettingsError,
+    ValueTooLargeError,
+    WrongLoopError,
+)
+from mmcache.settings import CacheSettings
+from mmcache.stats import CacheStats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CacheClosedError",
+    "CacheSettings",
+    "CacheStats",
+    "CopyFailedError",
+    "DeviceOutOfMemoryError",
+    "FeatureCache",
+    "InvalidKeyError",
+    "InvalidRowsError",
+    "InvalidValueError",
+    "MMCacheError",
+    "SettingsError",
+    "ValueTooLargeError",
+    "WrongLoopError",
+    "__version__",
+]

@@ -1,0 +1,823 @@
+"""FeatureCache: the asyncio tiered (GPU -> pinned host) cache of multimodal features."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from cachetools import LRUCache
+from prometheus_client import CollectorRegistry
+
+from mmcache.device import Device, Fence, Stream, resolve_device
+from mmcache.entry import Entry, State, check_key, row_range
+from mmcache.errors import (
+    CacheClosedError,
+    InvalidValueError,
+    MMCacheError,
+    ValueTooLargeError,
+    WrongLoopError,
+)
+from mmcache.host_pool import HostBlock, HostPool
+from mmcache.metrics import CacheMetrics
+from mmcache.settings import CacheSettings
+from mmcache.stats import CacheStats
+from mmcache.waiting import FenceWatcher, fence_error, wait_fences
+
+__all__ = ["FeatureCache"]
+
+log = logging.getLogger("mmcache")
+
+MiB = 1024 * 1024
+ComputeFn = Callable[[], "torch.Tensor | Awaitable[torch.Tensor]"]
+
+
+@dataclass(slots=True, eq=False)
+class _BudgetWaiter:
+    nbytes: int
+    future: asyncio.Future[None]
+
+
+class FeatureCache:
+    """A size-bounded, two-tier cache of feature tensors for an asyncio serving loop.
+
+    Hot features stay on the device; cold ones are offloaded to a pinned host
+    arena through fenced asynchronous copies and promoted back on use. Every
+    read resolves only after the copies it depends on have finished.
+    """
+
+    def __init__(
+        self,
+        settings: CacheSettings | None = None,
+        device: str | Device = "cuda",
+        *,
+        name: str = "default",
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.settings = settings if settings is not None else CacheSettings()
+        self.name = name
+        self._owns_device = not isinstance(device, Device)
+        self._device = resolve_device(device)
+        self._gpu_capacity = self.settings.gpu_cache_bytes
+        self._cpu_capacity = self.settings.cpu_cache_bytes
+        self._promote = self.settings.promote_on_hit
+        self._metrics = CacheMetrics(name, registry)
+        self._metrics.set_capacity("gpu", self._gpu_capacity)
+
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._watcher: FenceWatcher | None = None
+        self._pool: HostPool | None = None
+        self._closed = False
+        self._entries: dict[Hashable, Entry] = {}
+        # Recency per tier only; the byte ledger is ours (cachetools cannot see bytes in flight).
+        self._gpu_lru: LRUCache[Hashable, Entry] = LRUCache(maxsize=math.inf)
+        self._host_lru: LRUCache[Hashable, Entry] = LRUCache(maxsize=math.inf)
+        self._gpu_waiters: deque[_BudgetWaiter] = deque()
+        self._host_waiters: deque[_BudgetWaiter] = deque()
+        self._inflight: dict[Hashable, asyncio.Task[tuple[torch.Tensor, Fence]]] = {}
+
+        # GPU ledger: _gpu_used = entries on the device + granted reservations + releasing.
+        self._gpu_used = 0
+        self._gpu_granted = 0  # reserved for puts that have not inserted yet
+        self._gpu_releasing = 0  # entries being offloaded and tensors released after fences
+        self._gpu_released_pending = 0  # the part of _gpu_releasing not owned by an entry
+        self._gpu_entries = 0
+        self._cpu_entries = 0
+        # Every offload in flight (linked or already discarded) -> whether it is GPU-charged.
+        self._offloading: dict[Entry, bool] = {}
+        self._pending = {"d2h": 0, "h2d": 0}
+        self._c = dict.fromkeys(
+            (
+                "hits_gpu",
+                "hits_cpu",
+                "misses",
+                "evictions_gpu",
+                "evictions_cpu",
+                "dropped",
+                "d2h_bytes",
+                "h2d_bytes",
+                "rejected",
+                "promotions",
+                "copy_failures",
+            ),
+            0,
+        )
+
+    # --- lifecycle ----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Bind to the running event loop and allocate the host arena (in the background)."""
+        if self._closed:
+            raise CacheClosedError("this FeatureCache was closed; create a new one")
+        if self._loop is not None:
+            return
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        self._watcher = FenceWatcher(loop)
+        if self._cpu_capacity > 0:
+            future = self._device.host_arena_async(self._cpu_capacity)
+            future.add_done_callback(
+                lambda f: loop.call_soon_threadsafe(self._arena_ready, f)
+            )
+            if future.done():
+                await asyncio.sleep(0)  # let _arena_ready run: the simulator's arena is ready now
+        self._push_tiers()
+
+    async def close(self, timeout: float | None = None) -> None:
+        """Finish queued copies, release everything and stop; later calls raise."""
+        if self._closed:
+            return
+        self._closed = True
+        for waiters in (self._gpu_waiters, self._host_waiters):
+            while waiters:
+                w = waiters.popleft()
+                if not w.future.done():
+                    w.future.set_exception(CacheClosedError("the cache closed while put waited"))
+        for task in list(self._inflight.values()):
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(asyncio.shield(task), timeout)
+        for entry in list(self._entries.values()):
+            self._unlink(entry)
+        if self._watcher is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._watcher.idle(), timeout)
+        self._push_tiers()
+        self._metrics.close()
+        if self._owns_device:
+            self._device.close()
+
+    async def __aenter__(self) -> FeatureCache:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def drain(self) -> None:
+        """Wait until every queued copy and deferred release has completed."""
+        await self._ready_to_serve()
+        assert self._watcher is not None
+        await self._watcher.idle()
+
+    @property
+    def device(self) -> Device:
+        """The device the cache keeps its GPU tier on."""
+        return self._device
+
+    # --- public API ---------------------------------------------------------------------
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    async def put(
+        self,
+        key: Hashable,
+        value: torch.Tensor,
+        *,
+        stream: Stream | None = None,
+        wait: bool = True,
+    ) -> bool:
+        """Cache value under key, taking ownership of it; wait for budget unless wait=False.
+
+        Returns False (and drops the value) when wait=False and the tier has no room
+        now, or when both tiers are off.
+        """
+        if stream is None:
+            stream = self._device.current_stream()  # read before any await: it is per thread
+        await self._ready_to_serve()
+        check_key(key)
+        nbytes = self._check_value(value)
+        to_gpu = self._gpu_capacity > 0
+        if not to_gpu and self._cpu_capacity == 0:
+            return False
+        self._check_fits(nbytes, to_gpu)
+        ready = self._device.record(stream)
+        own, ready = self._own(value, stream, ready)
+        del value
+        block: HostBlock | None = None
+        try:
+            if to_gpu:
+                ok = await self._reserve_gpu(nbytes, wait)
+            else:
+                block = await self._reserve_host(nbytes, wait)
+                ok = block is not None
+        except BaseException:
+            self._device.release(own, after=[ready])
+            raise
+        if not ok:
+            self._device.release(own, after=[ready])
+            self._c["rejected"] += 1
+            return False
+        old = self._entries.get(key)
+        if old is not None:
+            self._unlink(old)
+            self._wake_gpu()
+        entry = Entry(key, tuple(own.shape), own.dtype, nbytes, State.GPU, own, ready)
+        self._entries[key] = entry
+        if to_gpu:
+            self._gpu_granted -= nbytes
+            self._gpu_entries += 1
+            self._gpu_lru[key] = entry
+        else:
+            assert block is not None
+            self._start_offload(entry, block, charged_gpu=False)
+        self._push_tiers()
+        return True
+
+    async def get(
+        self,
+        key: Hashable,
+        *,
+        device: str | torch.device | None = None,
+        rows: slice | None = None,
+        stream: Stream | None = None,
+    ) -> torch.Tensor | None:
+        """The cached tensor (or rows of it), or None on a miss.
+
+        On the device (default) it is usable on `stream` (the current one if None);
+        with device="cpu" it is a host copy the caller owns, after any pending offload.
+        """
+        if stream is None:
+            stream = self._device.current_stream()
+        to_host = _wants_host(device)
+        await self._ready_to_serve()
+        check_key(key)
+        entry = self._entries.get(key)
+        if entry is None:
+            self._c["misses"] += 1
+            self._metrics.lookup("miss")
+            return None
+        span = row_range(rows, entry.shape)
+        state = entry.state
+        if state is State.GPU or state is State.D2H:
+            self._c["hits_gpu"] += 1
+            self._metrics.lookup("hit_gpu")
+            if state is State.GPU:
+                self._gpu_lru[key]  # noqa: B018 - touching the key refreshes its recency
+            assert entry.tensor is not None
+            if to_host:
+                if state is State.D2H:
+                    return await self._read_host(entry, span)
+                return await self._download(entry.tensor, entry.ready, span, entry)
+            return await self._serve_device(entry.tensor, entry.ready, span, stream)
+        self._c["hits_cpu"] += 1
+        self._metrics.lookup("hit_cpu")
+        self._host_lru[key]  # noqa: B018 - touching the key refreshes its recency
+        if to_host:
+            return await self._read_host(entry, span)
+        return await self._upload(entry, span, stream)
+
+    async def get_or_compute(
+        self,
+        key: Hashable,
+        fn: ComputeFn,
+        *,
+        device: str | torch.device | None = None,
+        rows: slice | None = None,
+        stream: Stream | None = None,
+    ) -> torch.Tensor:
+        """get(key), or compute it once for all concurrent callers, cache it and return it.
+
+        fn() returns a device tensor (or an awaitable of one). The computation is
+        shared: a caller that is cancelled does not cancel it, and its result is
+        cached even if every caller went away.
+        """
+        if stream is None:
+            stream = self._device.current_stream()
+        found = await self.get(key, device=device, rows=rows, stream=stream)
+        if found is not None:
+            return found
+        task = self._inflight.get(key)
+        if task is None:
+            task = asyncio.ensure_future(self._compute(key, fn, stream))
+            self._inflight[key] = task
+            task.add_done_callback(lambda t: self._computed(key, t))
+        value, ready = await asyncio.shield(task)
+        span = row_range(rows, tuple(value.shape))
+        if _wants_host(device):
+            return await self._download(value, ready, span)
+        return await self._serve_device(value, ready, span, stream)
+
+    def discard(self, key: Hashable) -> bool:
+        """Remove key; its memory is released after the fences that use it. True if present."""
+        self._check_open()
+        entry = self._entries.get(key)
+        if entry is None:
+            return False
+        self._unlink(entry)
+        self._wake_gpu()
+        self._push_tiers()
+        return True
+
+    @contextlib.asynccontextmanager
+    async def borrow(self, key: Hashable) -> AsyncIterator[torch.Tensor | None]:
+        """Zero-copy host access to a host-resident feature for the duration of the block.
+
+        Yields None on a miss, and a host copy the caller owns for a feature that is
+        only on the device. Do not keep or write to the tensor after the block.
+        """
+        await self._ready_to_serve()
+        entry = self._entries.get(key)
+        if entry is None or entry.block is None or self._pool is None:
+            yield await self.get(key, device="cpu")
+            return
+        block = entry.block
+        self._pool.pin(block)
+        try:
+            if entry.copy_fence is not None:
+                self._observe_wait(await wait_fences([entry.copy_fence]))
+            yield entry.host_whole()
+        finally:
+            self._pool.unpin(block)
+
+    def stats(self) -> CacheStats:
+        """A snapshot of the ledger and counters; also audits it for leaked bytes."""
+        leaked = self._audit()
+        pool = self._pool
+        return CacheStats(
+            gpu_bytes=self._gpu_used,
+            cpu_bytes=pool.used_bytes if pool else 0,
+            gpu_capacity_bytes=self._gpu_capacity,
+            cpu_capacity_bytes=pool.capacity_bytes if pool else self._cpu_capacity,
+            gpu_entries=self._gpu_entries,
+            cpu_entries=self._cpu_entries,
+            pending_copies=self._pending["d2h"] + self._pending["h2d"],
+            leaked_bytes=leaked["gpu"] + leaked["cpu"],
+            host_ready=pool is not None or self._cpu_capacity == 0,
+            **self._c,
+        )
+
+    # --- checks -------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CacheClosedError("this FeatureCache is closed")
+
+    async def _ready_to_serve(self) -> None:
+        if self._closed:
+            raise CacheClosedError("this FeatureCache is closed")
+        loop = self._loop
+        if loop is None:
+            await self.start()
+        elif asyncio.get_running_loop() is not loop:
+            raise WrongLoopError(
+                "this FeatureCache belongs to another event loop; call it from the loop "
+                "that started it (asyncio.run_coroutine_threadsafe from other threads)"
+            )
+
+    def _check_value(self, value: object) -> int:
+        if not isinstance(value, torch.Tensor):
+            raise InvalidValueError(f"put() takes a torch.Tensor, not {type(value).__name__}")
+        if not self._device.is_device_tensor(value):
+            raise InvalidValueError(
+                f"this cache keeps features on {self._device.name}; got a tensor on "
+                f"{value.device} (move it with .to({self._device.name!r}) first)"
+            )
+        nbytes = value.numel() * value.element_size()
+        if nbytes == 0:
+            raise InvalidValueError(f"refusing an empty tensor of shape {tuple(value.shape)}")
+        return nbytes
+
+    def _check_fits(self, nbytes: int, to_gpu: bool) -> None:
+        if to_gpu and nbytes > self._gpu_capacity:
+            raise ValueTooLargeError(
+                f"value of {nbytes / MiB:.1f} MB exceeds the GPU tier "
+                f"({self._gpu_capacity / MiB:.1f} MB); raise "
+                f"{' or '.join(CacheSettings.env_names('gpu_cache_mb'))}"
+            )
+        limit = self._cpu_capacity if self._pool is None else self._pool.max_block_bytes
+        if not to_gpu and nbytes > limit:
+            raise ValueTooLargeError(
+                f"value of {nbytes / MiB:.1f} MB exceeds the host tier ({limit / MiB:.1f} MB), "
+                f"and the GPU tier is off; raise "
+                f"{' or '.join(CacheSettings.env_names('cpu_cache_mb'))}"
+            )
+
+    def _own(self, value: torch.Tensor, stream: Stream, ready: Fence) -> tuple[torch.Tensor, Fence]:
+        """The cache's own alias of value; a view of a larger storage is compacted first."""
+        if value.is_contiguous() and value.untyped_storage().nbytes() == value.nbytes:
+            return self._device.adopt(value, stream), ready
+        # Charging the budget for a view would under-count what it keeps alive: copy it
+        # into storage of its own, ordered after the producer on the producer's stream.
+        own = self._device.empty(tuple(value.shape), value.dtype)
+        return own, self._device.copy_d2d(value, own, stream)
+
+    # --- GPU budget ---------------------------------------------------------------------
+
+    def _gpu_free(self) -> int:
+        return self._gpu_capacity - self._gpu_used
+
+    async def _reserve_gpu(self, nbytes: int, wait: bool) -> bool:
+        if not self._gpu_waiters and self._gpu_free() < nbytes:
+            self._evict_gpu_for(nbytes)
+        if not self._gpu_waiters and self._gpu_free() >= nbytes:
+            self._gpu_used += nbytes
+            self._gpu_granted += nbytes
+            return True
+        if not wait:
+            return False
+        assert self._loop is not None
+        waiter = _BudgetWaiter(nbytes, self._loop.create_future())
+        self._gpu_waiters.append(waiter)
+        self._evict_gpu_for(sum(w.nbytes for w in self._gpu_waiters))
+        try:
+            await waiter.future
+        except BaseException:
+            if waiter.future.done() and not waiter.future.cancelled() and not self._closed:
+                self._gpu_used -= nbytes  # granted just as we were cancelled: give it back
+                self._gpu_granted -= nbytes
+            with contextlib.suppress(ValueError):
+                self._gpu_waiters.remove(waiter)
+            self._wake_gpu()
+            raise
+        return True
+
+    def _evict_gpu_for(self, needed: int) -> None:
+        """Offload least recently used entries until needed bytes are free or on their way."""
+        while self._gpu_free() + self._gpu_releasing < needed and self._gpu_lru:
+            _, entry = self._gpu_lru.popitem()
+            self._c["evictions_gpu"] += 1
+            self._metrics.eviction("gpu")
+            block = self._host_alloc(entry.nbytes)
+            if block is None:
+                self._drop(entry)
+            else:
+                self._start_offload(entry, block, charged_gpu=True)
+
+    def _wake_gpu(self) -> None:
+        """Grant waiting puts in arrival order while they fit; offload more for the rest."""
+        waiters = self._gpu_waiters
+        while True:
+            while waiters:
+                head = waiters[0]
+                if head.future.done():
+                    waiters.popleft()
+                    continue
+                if self._gpu_free() < head.nbytes:
+                    break
+                waiters.popleft()
+                self._gpu_used += head.nbytes
+                self._gpu_granted += head.nbytes
+                head.future.set_result(None)
+            if not waiters:
+                return
+            free_before = self._gpu_free()
+            self._evict_gpu_for(sum(w.nbytes for w in waiters))
+            if self._gpu_free() == free_before:
+                return  # the rest is on its way (copies in flight)
+
+    def _release_device(self, tensor: torch.Tensor, nbytes: int, after: Sequence[Fence]) -> None:
+        """Release a device tensor charged to the GPU tier once after's fences are done."""
+        pending = [f for f in after if not f.done()]
+        self._device.release(tensor, after=pending)
+        if not pending:
+            self._gpu_used -= nbytes
+            return
+        self._gpu_releasing += nbytes
+        self._gpu_released_pending += nbytes
+
+        def released() -> None:
+            self._gpu_releasing -= nbytes
+            self._gpu_released_pending -= nbytes
+            self._gpu_used -= nbytes
+            self._wake_gpu()
+            self._push_tiers()
+
+        self._when_done(pending, released)
+
+    # --- host tier ----------------------------------------------------------------------
+
+    def _arena_ready(self, future: Any) -> None:
+        if self._closed or self._watcher is None:
+            return
+        try:
+            arena = future.result()
+        except Exception as e:
+            log.error("host arena of %d bytes could not be allocated: %s", self._cpu_capacity, e)
+            return
+        self._pool = HostPool(
+            self._device,
+            arena,
+            alignment=self.settings.host_alignment,
+            defer=self._when_done,
+            on_free=self._wake_host,
+            chunk_bytes=self._device.arena_chunk_bytes,
+        )
+        self._metrics.set_capacity("cpu", self._pool.capacity_bytes)
+        self._wake_host()
+
+    def _host_alloc(self, nbytes: int) -> HostBlock | None:
+        """A host block now, dropping least recently used host entries if needed; never waits."""
+        pool = self._pool
+        if pool is None or nbytes > pool.max_block_bytes:
+            return None
+        while True:
+            block = pool.allocate(nbytes)
+            if block is not None or not self._host_lru:
+                return block
+            _, victim = self._host_lru.popitem()
+            self._c["evictions_cpu"] += 1
+            self._metrics.eviction("cpu")
+            self._unlink(victim)
+
+    async def _reserve_host(self, nbytes: int, wait: bool) -> HostBlock | None:
+        """A host block for a put that bypasses the GPU tier (GPU budget 0)."""
+        if not self._host_waiters:
+            block = self._host_alloc(nbytes)
+            if block is not None:
+                return block
+        if not wait:
+            return None
+        assert self._loop is not None
+        waiter = _BudgetWaiter(nbytes, self._loop.create_future())
+        self._host_waiters.append(waiter)
+        try:
+            while True:
+                await waiter.future
+                block = self._host_alloc(nbytes)
+                if block is not None:
+                    return block
+                waiter.future = self._loop.create_future()
+                self._host_waiters.appendleft(waiter)
+        finally:
+            with contextlib.suppress(ValueError):
+                self._host_waiters.remove(waiter)
+            self._wake_host()
+
+    def _wake_host(self) -> None:
+        # Host waiters retry their allocation in order; wake the first live one.
+        while self._host_waiters:
+            head = self._host_waiters.popleft()
+            if not head.future.done():
+                head.future.set_result(None)
+                return
+
+    # --- offload, promotion, release ----------------------------------------------------
+
+    def _start_offload(self, entry: Entry, block: HostBlock, *, charged_gpu: bool) -> None:
+        """Queue the device -> host copy of entry into block, after the producer's fence."""
+        assert entry.tensor is not None
+        dst = block.bytes(0, entry.nbytes)
+        fence = self._device.copy_d2h(entry.tensor, dst, after=[entry.ready])
+        entry.state = State.D2H
+        entry.block = block
+        entry.copy_fence = fence
+        self._cpu_entries += 1
+        self._offloading[entry] = charged_gpu
+        if charged_gpu:
+            self._gpu_releasing += entry.nbytes
+        started = time.perf_counter()
+        self._copy_started("d2h")
+        self._when_done([fence], lambda: self._offload_done(entry, fence, started, charged_gpu))
+
+    def _offload_done(self, entry: Entry, fence: Fence, started: float, charged_gpu: bool) -> None:
+        self._copy_finished("d2h", entry.nbytes, started)
+        del self._offloading[entry]
+        failed = fence.exception()
+        if failed is None:
+            self._c["d2h_bytes"] += entry.nbytes
+        tensor, entry.tensor = entry.tensor, None
+        assert tensor is not None
+        readers = entry.device_readers_pending()
+        if charged_gpu:
+            self._gpu_releasing -= entry.nbytes
+            self._gpu_entries -= 1
+            self._release_device(tensor, entry.nbytes, readers)
+        else:
+            self._device.release(tensor, after=readers)
+        if entry.state is State.D2H and failed is None:
+            entry.state = State.HOST
+            self._host_lru[entry.key] = entry
+        else:
+            if entry.state is State.D2H:  # the copy failed: the feature is lost
+                log.warning("offload of %r failed (%s); entry dropped", entry.key, failed)
+                self._c["copy_failures"] += 1
+                self._c["dropped"] += 1
+                self._metrics.fault("copy_failed")
+                if self._entries.get(entry.key) is entry:
+                    del self._entries[entry.key]
+                entry.state = State.GONE
+            self._free_block(entry)
+        if charged_gpu:
+            self._wake_gpu()
+        self._push_tiers()
+
+    def _drop(self, entry: Entry) -> None:
+        """Lose a GPU entry that the host tier cannot take now."""
+        self._c["dropped"] += 1
+        self._metrics.dropped()
+        self._unlink(entry)
+
+    def _unlink(self, entry: Entry) -> None:
+        """Remove entry from the index and release what it holds after its fences."""
+        if self._entries.get(entry.key) is entry:
+            del self._entries[entry.key]
+        state, entry.state = entry.state, State.GONE
+        if state is State.GPU:
+            self._gpu_lru.pop(entry.key, None)
+            self._gpu_entries -= 1
+            tensor, entry.tensor = entry.tensor, None
+            assert tensor is not None
+            self._release_device(tensor, entry.nbytes, [entry.ready, *entry.device_readers])
+        elif state is State.HOST:
+            self._host_lru.pop(entry.key, None)
+            self._free_block(entry)
+        # State.D2H: _offload_done releases both sides once the copy has finished.
+
+    def _free_block(self, entry: Entry) -> None:
+        block, entry.block = entry.block, None
+        if block is not None and self._pool is not None:
+            self._cpu_entries -= 1
+            self._pool.free(block, after=entry.readers_pending())
+
+    # --- reads --------------------------------------------------------------------------
+
+    async def _serve_device(
+        self, tensor: torch.Tensor, ready: Fence, span: tuple[int, int] | None, stream: Stream
+    ) -> torch.Tensor:
+        """A fresh alias (or row view) of a device tensor, ordered after ready on stream."""
+        out = tensor.detach() if span is None else tensor[span[0] : span[1]]
+        if not ready.done():
+            if self._device.stream_ordered_reads:
+                self._device.wait_on(stream, ready)
+            else:
+                self._observe_wait(await wait_fences([ready]))
+        self._device.use_on(out, stream)
+        return out
+
+    async def _download(
+        self,
+        tensor: torch.Tensor,
+        ready: Fence,
+        span: tuple[int, int] | None,
+        entry: Entry | None = None,
+    ) -> torch.Tensor:
+        """A host copy the caller owns of a device tensor (or rows of it)."""
+        src = tensor if span is None else tensor[span[0] : span[1]]
+        dst = torch.empty(tuple(src.shape), dtype=src.dtype)
+        fence = self._device.copy_d2h(src, dst, after=[ready])
+        if entry is not None:
+            entry.device_readers_pending().append(fence)  # a release of the tensor waits for this copy
+        del src
+        started = time.perf_counter()
+        self._copy_started("d2h")
+        try:
+            self._observe_wait(await wait_fences([fence]))
+        finally:
+            if fence.done():
+                self._copy_finished("d2h", dst.nbytes, started)
+            else:  # cancelled: account for it when it lands
+                self._when_done([fence], lambda: self._copy_finished("d2h", dst.nbytes, started))
+        return dst
+
+    async def _read_host(self, entry: Entry, span: tuple[int, int] | None) -> torch.Tensor:
+        """A copy the caller owns of (rows of) the host copy, after the offload completes."""
+        block = entry.block
+        pool = self._pool
+        assert block is not None and pool is not None and entry.copy_fence is not None
+        pool.pin(block)  # a discard while we wait must not recycle the block under us
+        try:
+            if not entry.copy_fence.done():
+                self._observe_wait(await wait_fences([entry.copy_fence]))
+            elif entry.copy_fence.exception() is not None:
+                await wait_fences([entry.copy_fence])  # raises CopyFailedError
+            view = entry.host_whole() if span is None else entry.host_view(*span)
+            return view.clone()
+        finally:
+            pool.unpin(block)
+
+    async def _upload(
+        self, entry: Entry, span: tuple[int, int] | None, stream: Stream
+    ) -> torch.Tensor:
+        """A device copy of a host-resident entry; promotes it back to the GPU tier if it fits."""
+        assert entry.block is not None and entry.copy_fence is not None
+        promote = (
+            span is None
+            and self._promote
+            and not self._gpu_waiters
+            and self._gpu_free() >= entry.nbytes
+        )
+        start, stop = span if span is not None else (0, entry.shape[0] if entry.shape else 1)
+        src = entry.host_whole() if span is None else entry.host_view(start, stop)
+        dst = self._device.empty(tuple(src.shape), entry.dtype)
+        fence = self._device.copy_h2d(src, dst, after=[entry.copy_fence])
+        del src
+        entry.readers_pending().append(fence)
+        started = time.perf_counter()
+        self._copy_started("h2d")
+        nbytes = dst.nbytes
+        self._when_done([fence], lambda: self._upload_done(fence, nbytes, started))
+        if promote:
+            self._promote_entry(entry, dst, fence)
+            return await self._serve_device(dst, fence, None, stream)
+        try:
+            return await self._serve_device(dst, fence, None, stream)
+        finally:
+            self._device.release(dst, after=[fence])  # the caller's alias keeps it alive
+
+    def _upload_done(self, fence: Fence, nbytes: int, started: float) -> None:
+        self._copy_finished("h2d", nbytes, started)
+        if fence.exception() is None:
+            self._c["h2d_bytes"] += nbytes
+
+    def _promote_entry(self, entry: Entry, tensor: torch.Tensor, fence: Fence) -> None:
+        """Make entry GPU-resident again (exclusive tiers: its host block is freed)."""
+        self._host_lru.pop(entry.key, None)
+        self._free_block(entry)
+        entry.state = State.GPU
+        entry.tensor = tensor
+        entry.ready = fence
+        entry.copy_fence = None
+        self._gpu_used += entry.nbytes
+        self._gpu_entries += 1
+        self._gpu_lru[entry.key] = entry
+        self._c["promotions"] += 1
+        self._push_tiers()
+
+    # --- single flight ------------------------------------------------------------------
+
+    async def _compute(
+        self, key: Hashable, fn: ComputeFn, stream: Stream
+    ) -> tuple[torch.Tensor, Fence]:
+        result = fn()
+        value = await result if inspect.isawaitable(result) else result
+        if not isinstance(value, torch.Tensor):
+            raise InvalidValueError(
+                f"get_or_compute's fn must return a torch.Tensor, not {type(value).__name__}"
+            )
+        ready = self._device.record(stream)
+        # The caller's alias below keeps the tensor valid whatever the cache does next.
+        await self.put(key, value, stream=stream)
+        return value, ready
+
+    def _computed(self, key: Hashable, task: asyncio.Task[tuple[torch.Tensor, Fence]]) -> None:
+        if self._inflight.get(key) is task:
+            del self._inflight[key]
+        if not task.cancelled() and task.exception() is not None:
+            log.debug("get_or_compute(%r) failed: %s", key, task.exception())
+
+    # --- bookkeeping --------------------------------------------------------------------
+
+    def _when_done(self, fences: Sequence[Fence], callback: Callable[[], None]) -> None:
+        assert self._watcher is not None
+        self._watcher.when_done(fences, callback)
+
+    def _copy_started(self, direction: str) -> None:
+        self._pending[direction] += 1
+        self._metrics.copy_started(direction)
+
+    def _copy_finished(self, direction: str, nbytes: int, started: float) -> None:
+        self._pending[direction] -= 1
+        self._metrics.copy_finished(direction, nbytes, time.perf_counter() - started)
+
+    def _observe_wait(self, seconds: float) -> None:
+        if seconds:
+            self._metrics.get_wait(seconds)
+
+    def _push_tiers(self) -> None:
+        self._metrics.set_tier("gpu", self._gpu_used, self._gpu_entries)
+        pool = self._pool
+        self._metrics.set_tier("cpu", pool.used_bytes if pool else 0, self._cpu_entries)
+
+    def _audit(self) -> dict[str, int]:
+        """Bytes in the ledgers that no entry, copy or pending release owns (should be 0)."""
+        gpu_owned = self._gpu_granted + self._gpu_released_pending
+        holders = {id(e): e for e in self._entries.values()}
+        for e, charged in self._offloading.items():
+            holders[id(e)] = e  # discarded while offloading: still holds both sides
+            if charged:
+                gpu_owned += e.nbytes
+        cpu_owned = 0
+        for e in holders.values():
+            if e.state is State.GPU:
+                gpu_owned += e.nbytes
+            if e.block is not None:
+                cpu_owned += e.block.nbytes
+        pool = self._pool
+        cpu_used = pool.used_bytes - pool.freeing_bytes if pool else 0
+        leaked = {"gpu": self._gpu_used - gpu_owned, "cpu": cpu_used - cpu_owned}
+        for tier, nbytes in leaked.items():
+            self._metrics.set_leaked(tier, nbytes)
+        return leaked
+
+
+def _wants_host(device: str | torch.device | None) -> bool:
+    if device is None:
+        return False
+    kind = device.type if isinstance(device, torch.device) else device
+    if kind == "cpu":
+        return True
+    if isinstance(kind, str) and kind.split(":")[0] in ("cuda", "sim", "gpu"):
+        return False
+    raise MMCacheError(f"get(device=...) takes None (the cache's device) or 'cpu', not {device!r}")

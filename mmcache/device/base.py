@@ -1,0 +1,162 @@
+"""The Device interface: streams, fences, device memory and asynchronous copies."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any, Protocol
+
+import torch
+
+__all__ = ["Device", "Fence", "Stream", "storage_use_count"]
+
+
+class Stream(Protocol):
+    """An ordered queue of device work (a CUDA stream, or a simulated one)."""
+
+
+class Fence(abc.ABC):
+    """Marks a point in a stream: done once all work queued before it has completed."""
+
+    __slots__ = ()
+
+    @abc.abstractmethod
+    def done(self) -> bool:
+        """Return True once the work before the fence has completed (successfully or not)."""
+
+    @abc.abstractmethod
+    def exception(self) -> BaseException | None:
+        """The error of the work before the fence, once done; None on success."""
+
+    @abc.abstractmethod
+    def add_done_callback(self, fn: Callable[[], None]) -> None:
+        """Call fn() once the fence is done, from any thread (at once if already done)."""
+
+    @abc.abstractmethod
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block the calling thread until done or timeout; return done(). Never on the loop."""
+
+
+def storage_use_count(tensor: torch.Tensor) -> int:
+    """Number of tensor objects that share tensor's storage (names do not count)."""
+    # The temporary storage object made by untyped_storage() holds one count itself.
+    return int(torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)) - 1
+
+
+class Device(abc.ABC):
+    """Where features live, and the only way the cache touches their bytes.
+
+    Every operation that reads or writes device memory or the host arena is
+    queued here and returns a Fence; memory handed to release() is reused
+    only after the fences it is given.
+    """
+
+    #: "cuda:0", "sim", ...
+    name: str
+
+    #: True when a consumer stream can be ordered after a fence without host
+    #: synchronisation (CUDA). False when consumers read on the host thread
+    #: (the simulator): then the cache awaits the fence before handing out data.
+    stream_ordered_reads: bool
+
+    # --- streams and fences -------------------------------------------------
+
+    @abc.abstractmethod
+    def current_stream(self) -> Stream:
+        """The calling thread's current stream (read at call entry by put/get)."""
+
+    @abc.abstractmethod
+    def record(self, stream: Stream) -> Fence:
+        """A fence that completes after all work queued on stream so far."""
+
+    @abc.abstractmethod
+    def wait_on(self, stream: Stream, fence: Fence) -> None:
+        """Make later work on stream wait for fence (no host synchronisation)."""
+
+    def completed_fence(self) -> Fence:
+        """A fence that is already done."""
+        return _DONE
+
+    # --- memory -------------------------------------------------------------
+
+    @abc.abstractmethod
+    def is_device_tensor(self, tensor: torch.Tensor) -> bool:
+        """True if tensor lives in this device's memory."""
+
+    @abc.abstractmethod
+    def adopt(self, tensor: torch.Tensor, stream: Stream) -> torch.Tensor:
+        """Take ownership of a device tensor: return the cache's own alias of it."""
+
+    @abc.abstractmethod
+    def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """Allocate an uninitialised device tensor owned by the cache."""
+
+    @abc.abstractmethod
+    def release(self, tensor: torch.Tensor, after: Sequence[Fence]) -> None:
+        """Give back the cache's alias of device memory once every fence in after is done."""
+
+    @abc.abstractmethod
+    def host_arena(self, nbytes: int) -> torch.Tensor:
+        """Allocate the host arena once (pinned on CUDA): a flat uint8 tensor."""
+
+    #: When the arena is made of separately pinned chunks, a block must not
+    #: straddle two of them (one copy cannot span two registrations).
+    arena_chunk_bytes: int | None = None
+
+    def host_arena_async(self, nbytes: int) -> Future[torch.Tensor]:
+        """Allocate the host arena in the background (pinning is slow); default: at once."""
+        future: Future[torch.Tensor] = Future()
+        try:
+            future.set_result(self.host_arena(nbytes))
+        except BaseException as e:  # handed to whoever waits on the future
+            future.set_exception(e)
+        return future
+
+    def use_on(self, tensor: torch.Tensor, stream: Stream) -> None:  # noqa: B027 - optional hook
+        """Tell the allocator that stream uses tensor (CUDA record_stream); default: nothing."""
+
+    def poison_host(self, view: torch.Tensor) -> None:  # noqa: B027 - optional hook
+        """Overwrite a freed host block (the simulator poisons it; CUDA does nothing)."""
+
+    # --- copies (queued on the device's copy streams) -------------------------
+
+    @abc.abstractmethod
+    def copy_d2h(self, src: torch.Tensor, dst: torch.Tensor, after: Sequence[Fence]) -> Fence:
+        """Queue src (device) -> dst (host, same byte size) after the fences; return its fence."""
+
+    @abc.abstractmethod
+    def copy_h2d(self, src: torch.Tensor, dst: torch.Tensor, after: Sequence[Fence]) -> Fence:
+        """Queue src (host) -> dst (device, same byte size) after the fences; return its fence."""
+
+    @abc.abstractmethod
+    def copy_d2d(self, src: torch.Tensor, dst: torch.Tensor, stream: Stream) -> Fence:
+        """Queue src -> dst on stream (compaction of views at put); return its fence."""
+
+    # --- lifecycle ------------------------------------------------------------
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Stop background threads; queued work is completed first."""
+
+    def describe(self) -> dict[str, Any]:
+        """A few facts about the device for logs and benchmark tables."""
+        return {"name": self.name}
+
+
+class _CompletedFence(Fence):
+    __slots__ = ()
+
+    def done(self) -> bool:
+        return True
+
+    def exception(self) -> BaseException | None:
+        return None
+
+    def add_done_callback(self, fn: Callable[[], None]) -> None:
+        fn()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return True
+
+
+_DONE = _CompletedFence()

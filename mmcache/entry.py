@@ -1,0 +1,106 @@
+"""Entry: one cached feature, its state in the GPU -> host lifecycle, and what it holds."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+import torch
+
+from mmcache.device.base import Fence
+from mmcache.errors import InvalidKeyError, InvalidRowsError
+from mmcache.host_pool import HostBlock
+
+__all__ = ["Entry", "State", "check_key", "row_range"]
+
+
+class State(enum.Enum):
+    """Where an entry's bytes are."""
+
+    GPU = "gpu"  # device tensor resident; `ready` is the producer's fence
+    D2H = "d2h"  # being offloaded: device tensor alive until `copy_fence` completes
+    HOST = "host"  # only the host block remains
+    GONE = "gone"  # discarded, replaced or dropped; its memory is released after its fences
+
+
+@dataclass(slots=True, eq=False)
+class Entry:
+    """A cached feature; the cache owns `tensor` (its own alias) and `block`."""
+
+    key: Hashable
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    nbytes: int
+    state: State
+    tensor: torch.Tensor | None
+    ready: Fence
+    block: HostBlock | None = None
+    copy_fence: Fence | None = None
+    #: fences of copies that read the host block (uploads of host hits)
+    host_readers: list[Fence] = field(default_factory=list)
+    #: fences of copies that read the device tensor (downloads for host gets)
+    device_readers: list[Fence] = field(default_factory=list)
+
+    def readers_pending(self) -> list[Fence]:
+        """Fences of host-block readers still running (done ones are forgotten)."""
+        self.host_readers = [f for f in self.host_readers if not f.done()]
+        return self.host_readers
+
+    def device_readers_pending(self) -> list[Fence]:
+        """Fences of device-tensor readers still running (done ones are forgotten)."""
+        self.device_readers = [f for f in self.device_readers if not f.done()]
+        return self.device_readers
+
+    def host_view(self, start: int, stop: int) -> torch.Tensor:
+        """Rows start..stop of the host copy, typed and shaped (a view into the arena)."""
+        assert self.block is not None
+        row_bytes = self.nbytes // self.shape[0]
+        raw = self.block.bytes(start * row_bytes, stop * row_bytes)
+        return raw.view(self.dtype).view((stop - start, *self.shape[1:]))
+
+    def host_whole(self) -> torch.Tensor:
+        """The whole host copy, typed and shaped (a view into the arena)."""
+        assert self.block is not None
+        return self.block.bytes(0, self.nbytes).view(self.dtype).view(self.shape)
+
+
+_KEY_TYPES = (str, bytes, int)
+
+
+def check_key(key: object) -> None:
+    """Accept str, bytes, int and (nested) tuples of these; refuse anything else clearly."""
+    if isinstance(key, _KEY_TYPES):
+        return
+    if isinstance(key, tuple):
+        for part in key:
+            check_key(part)
+        return
+    raise InvalidKeyError(
+        f"cache keys must be str, bytes, int or tuples of these, not {type(key).__name__} "
+        f"({key!r:.60}); hash the source with mmcache.keys.feature_key(...) for content keys"
+    )
+
+
+def row_range(rows: slice | None, shape: tuple[int, ...]) -> tuple[int, int] | None:
+    """Validate rows against shape; None means the whole tensor."""
+    if rows is None:
+        return None
+    if not isinstance(rows, slice):
+        raise InvalidRowsError(f"rows must be a slice, not {type(rows).__name__}")
+    if not shape:
+        raise InvalidRowsError("rows= needs a tensor with at least one dimension")
+    if rows.step not in (None, 1):
+        raise InvalidRowsError(f"rows must be contiguous (step 1), got step {rows.step}")
+    n = shape[0]
+    start = 0 if rows.start is None else rows.start
+    stop = n if rows.stop is None else rows.stop
+    if not isinstance(start, int) or not isinstance(stop, int):
+        raise InvalidRowsError(f"rows bounds must be integers, got {rows!r}")
+    if start < 0:
+        start += n
+    if stop < 0:
+        stop += n
+    if not 0 <= start <= stop <= n:
+        raise InvalidRowsError(f"rows {rows.start}:{rows.stop} out of range for {n} rows")
+    return start, stop

@@ -1,0 +1,43 @@
+"""The exception hierarchy: every error mmcache raises derives from MMCacheError."""
+
+from __future__ import annotations
+
+
+class MMCacheError(Exception):
+    """Base class of every error raised by mmcache."""
+
+
+class SettingsError(MMCacheError, ValueError):
+    """A setting (usually an environment variable) has an invalid value."""
+
+
+class CacheClosedError(MMCacheError, RuntimeError):
+    """The cache (or transport) was used after close() or before start()."""
+
+
+class InvalidKeyError(MMCacheError, TypeError):
+    """A key is not hashable or not of a supported type."""
+
+
+class InvalidValueError(MMCacheError, TypeError):
+    """A value is not a tensor the cache can hold (wrong type, device or size)."""
+
+
+class ValueTooLargeError(MMCacheError, ValueError):
+    """A value is larger than the whole tier it targets."""
+
+
+class CopyFailedError(MMCacheError, RuntimeError):
+    """A device copy failed; the data it was moving is not available."""
+
+
+class DeviceOutOfMemoryError(MMCacheError, MemoryError):
+    """The device could not allocate memory for a copy."""
+
+
+class WrongLoopError(MMCacheError, RuntimeError):
+    """The cache was called from a thread or event loop other than the one it runs on."""
+
+
+class InvalidRowsError(MMCacheError, IndexError):
+    """A rows= slice is not a contiguous range inside the feature."""

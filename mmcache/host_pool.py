@@ -1,0 +1,167 @@
+"""HostPool: one host arena allocated once, carved into aligned blocks with a coalescing free list."""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from mmcache.device.base import Device, Fence
+
+__all__ = ["HostBlock", "HostPool"]
+
+Defer = Callable[[Sequence[Fence], Callable[[], None]], None]
+
+
+@dataclass(slots=True, eq=False)
+class HostBlock:
+    """A byte range of the arena: offset and size are multiples of the pool's alignment."""
+
+    offset: int
+    nbytes: int
+    view: torch.Tensor
+    pins: int = 0
+    freeing: bool = False
+    fences_pending: bool = False
+
+    def bytes(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """A uint8 view of bytes start..stop of the block."""
+        return self.view[start : self.nbytes if stop is None else stop]
+
+
+class HostPool:
+    """Allocates blocks from one arena; a freed block is reused only after its fences and pins."""
+
+    def __init__(
+        self,
+        device: Device,
+        arena: torch.Tensor,
+        *,
+        alignment: int,
+        defer: Defer,
+        on_free: Callable[[], None] = lambda: None,
+        chunk_bytes: int | None = None,
+    ) -> None:
+        if alignment <= 0 or alignment & (alignment - 1):
+            raise ValueError(f"alignment must be a power of two, got {alignment}")
+        self._device = device
+        self._arena = arena
+        self.alignment = alignment
+        self.capacity_bytes = arena.numel() // alignment * alignment
+        self._chunk = chunk_bytes if chunk_bytes else self.capacity_bytes
+        if self._chunk % alignment:
+            raise ValueError("arena chunk size must be a multiple of the alignment")
+        self._defer = defer
+        self._on_free = on_free
+        # Free ranges as two parallel sorted lists (offsets, sizes): bisect keeps it O(log n).
+        self._free_offsets: list[int] = [0] if self.capacity_bytes else []
+        self._free_sizes: list[int] = [self.capacity_bytes] if self.capacity_bytes else []
+        self.used_bytes = 0
+        self.freeing_bytes = 0
+        self.blocks_live = 0
+
+    @property
+    def max_block_bytes(self) -> int:
+        """The largest block this pool could ever hand out."""
+        return min(self._chunk, self.capacity_bytes)
+
+    @property
+    def free_bytes(self) -> int:
+        return self.capacity_bytes - self.used_bytes
+
+    def rounded(self, nbytes: int) -> int:
+        """The block size that nbytes occupies."""
+        a = self.alignment
+        return max(a, (nbytes + a - 1) // a * a)
+
+    def allocate(self, nbytes: int) -> HostBlock | None:
+        """Best-fit allocate a block of at least nbytes, or None if no free range fits now."""
+        size = self.rounded(nbytes)
+        best = -1
+        best_start = 0
+        best_size = 0
+        for i, (off, free) in enumerate(zip(self._free_offsets, self._free_sizes, strict=True)):
+            if free < size or (best >= 0 and free >= best_size):
+                continue
+            start = self._fit(off, free, size)
+            if start is not None:
+                best, best_start, best_size = i, start, free
+                if free == size:
+                    break
+        if best < 0:
+            return None
+        off, free = self._free_offsets[best], self._free_sizes[best]
+        del self._free_offsets[best], self._free_sizes[best]
+        if best_start > off:
+            self._insert_free(off, best_start - off)
+        end = best_start + size
+        if end < off + free:
+            self._insert_free(end, off + free - end)
+        self.used_bytes += size
+        self.blocks_live += 1
+        return HostBlock(best_start, size, self._arena[best_start:end])
+
+    def free(self, block: HostBlock, after: Sequence[Fence] = ()) -> None:
+        """Give block back; it is reused once every fence in after is done and it is unpinned."""
+        if block.freeing:
+            raise RuntimeError("host block freed twice")
+        block.freeing = True
+        self.freeing_bytes += block.nbytes
+        pending = [f for f in after if not f.done()]
+        if pending:
+            block.fences_pending = True
+            self._defer(pending, lambda: self._fences_done(block))
+        else:
+            self._maybe_reclaim(block)
+
+    def pin(self, block: HostBlock) -> None:
+        """Keep block from being reclaimed while a reader uses it."""
+        block.pins += 1
+
+    def unpin(self, block: HostBlock) -> None:
+        block.pins -= 1
+        self._maybe_reclaim(block)
+
+    def free_ranges(self) -> list[tuple[int, int]]:
+        """(offset, size) of every free range, in arena order (for tests and fragmentation stats)."""
+        return list(zip(self._free_offsets, self._free_sizes, strict=True))
+
+    # --- internals ------------------------------------------------------------------
+
+    def _fit(self, off: int, free: int, size: int) -> int | None:
+        """Where a block of size fits in [off, off+free) without straddling a chunk."""
+        start = off
+        if start // self._chunk != (start + size - 1) // self._chunk:
+            start = (start // self._chunk + 1) * self._chunk
+        return start if start + size <= off + free else None
+
+    def _fences_done(self, block: HostBlock) -> None:
+        block.fences_pending = False
+        self._maybe_reclaim(block)
+
+    def _maybe_reclaim(self, block: HostBlock) -> None:
+        if not block.freeing or block.pins or block.fences_pending:
+            return
+        block.freeing = False
+        self._device.poison_host(block.view)  # an early reader shows poison, never old data
+        self.freeing_bytes -= block.nbytes
+        self.used_bytes -= block.nbytes
+        self.blocks_live -= 1
+        self._insert_free(block.offset, block.nbytes)
+        self._on_free()
+
+    def _insert_free(self, off: int, size: int) -> None:
+        """Insert a free range, coalescing with its neighbours."""
+        i = bisect.bisect_left(self._free_offsets, off)
+        if i > 0 and self._free_offsets[i - 1] + self._free_sizes[i - 1] == off:
+            i -= 1
+            off = self._free_offsets[i]
+            size += self._free_sizes[i]
+            del self._free_offsets[i], self._free_sizes[i]
+        if i < len(self._free_offsets) and off + size == self._free_offsets[i]:
+            size += self._free_sizes[i]
+            del self._free_offsets[i], self._free_sizes[i]
+        self._free_offsets.insert(i, off)
+        self._free_sizes.insert(i, size)

@@ -1,0 +1,48 @@
+"""CacheStats: a consistent snapshot of a cache's ledger and counters."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+__all__ = ["CacheStats"]
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStats:
+    """A snapshot of a FeatureCache; bytes are resident plus in flight."""
+
+    gpu_bytes: int
+    cpu_bytes: int
+    gpu_capacity_bytes: int
+    cpu_capacity_bytes: int
+    gpu_entries: int
+    cpu_entries: int
+    pending_copies: int
+    hits_gpu: int
+    hits_cpu: int
+    misses: int
+    evictions_gpu: int
+    evictions_cpu: int
+    dropped: int
+    d2h_bytes: int
+    h2d_bytes: int
+    leaked_bytes: int
+    #: puts refused because wait=False and the tier had no room now
+    rejected: int = 0
+    #: promotions of host-tier hits back to the GPU tier
+    promotions: int = 0
+    #: False while the pinned host arena is still being allocated
+    host_ready: bool = True
+    #: device copies that failed (their entries were dropped)
+    copy_failures: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        """The snapshot as a plain dict (for logs and JSON)."""
+        return asdict(self)
+
+    @property
+    def hit_ratio(self) -> float:
+        """Hits over lookups (0 when nothing was looked up)."""
+        lookups = self.hits_gpu + self.hits_cpu + self.misses
+        return (self.hits_gpu + self.hits_cpu) / lookups if lookups else 0.0

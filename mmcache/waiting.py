@@ -1,0 +1,105 @@
+"""Turning fences into awaitables without blocking the event loop or spinning a core.
+
+A fence's completion callback runs on whatever thread completed it (the
+simulator's worker, the CUDA waiter thread); it only schedules work on the
+loop with call_soon_threadsafe, which wakes the selector through its
+self-pipe. Nothing polls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+
+from mmcache.device.base import Fence
+from mmcache.errors import CopyFailedError
+
+__all__ = ["FenceWatcher", "fence_error", "wait_fences"]
+
+
+def fence_error(fences: Sequence[Fence]) -> BaseException | None:
+    """The first error among done fences, if any."""
+    for f in fences:
+        exc = f.exception()
+        if exc is not None:
+            return exc
+    return None
+
+
+def _call_on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[[], None]) -> None:
+    try:
+        loop.call_soon_threadsafe(fn)
+    except RuntimeError:
+        pass  # the loop is closed: nobody is left to tell
+
+
+async def wait_fences(fences: Sequence[Fence]) -> float:
+    """Wait until every fence is done; return the seconds waited. Raises CopyFailedError."""
+    pending = [f for f in fences if not f.done()]
+    if pending:
+        loop = asyncio.get_running_loop()
+        started = time.perf_counter()
+        future: asyncio.Future[None] = loop.create_future()
+        left = len(pending)
+
+        def one_done() -> None:
+            nonlocal left
+            left -= 1
+            if left == 0 and not future.done():
+                future.set_result(None)
+
+        for f in pending:
+            f.add_done_callback(lambda: _call_on_loop(loop, one_done))
+        await future
+        waited = time.perf_counter() - started
+    else:
+        waited = 0.0
+    exc = fence_error(fences)
+    if exc is not None:
+        if isinstance(exc, CopyFailedError):
+            raise exc
+        raise CopyFailedError(f"device copy failed: {exc}") from exc
+    return waited
+
+
+class FenceWatcher:
+    """Runs callbacks on the event loop once all of their fences are done."""
+
+    __slots__ = ("_idle", "_loop", "outstanding")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self.outstanding = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def when_done(self, fences: Sequence[Fence], callback: Callable[[], None]) -> None:
+        """Call callback() on the loop after every fence is done (at once if they are)."""
+        pending = [f for f in fences if not f.done()]
+        if not pending:
+            callback()
+            return
+        self.outstanding += 1
+        self._idle.clear()
+        left = len(pending)
+
+        def one_done() -> None:
+            nonlocal left
+            left -= 1
+            if left:
+                return
+            try:
+                callback()
+            finally:
+                self.outstanding -= 1
+                if self.outstanding == 0:
+                    self._idle.set()
+
+        for f in pending:
+            f.add_done_callback(lambda: _call_on_loop(self._loop, one_done))
+
+    async def idle(self) -> None:
+        """Wait until no callback is outstanding."""
+        while self.outstanding:
+            await self._idle.wait()
