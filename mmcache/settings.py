@@ -1,0 +1,289 @@
+"""CacheSettings: every knob, read from MMCACHE_* and SGLang environment variables."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Annotated, Any, Final, NamedTuple, final
+
+from pydantic import Field, PrivateAttr, ValidationError, field_validator
+from pydantic_core import ErrorDetails
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from mmcache.errors import SettingsError
+
+__all__ = ["SETTINGS_TABLE", "CacheSettings", "SettingRow"]
+
+_MiB: Final = 1024**2
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class _Env:
+    """The environment variables a field is read from, the winning one first."""
+
+    names: tuple[str, ...]
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class _EnvRead:
+    """The variable a field's value was taken from, and its text."""
+
+    name: str
+    raw: str
+
+
+# SGLang reads these with int() (its EnvInt), so a value SGLang would reject must
+# not mean something else here; the MMCACHE_ names take fractional MiB.
+_SGLANG_INTEGER_NAMES: Final = frozenset({"SGLANG_VLM_CACHE_SIZE_MB", "SGLANG_MM_FEATURE_CACHE_MB"})
+
+
+class CacheSettings(BaseSettings):
+    """Settings of the cache, from keyword arguments, else the environment, else defaults.
+
+    Each field is read from its MMCACHE_ variable, else from the SGLang variable
+    of the same knob (see SETTINGS_TABLE). Names are matched exactly (upper
+    case, as SGLang does), a variable set to an empty string counts as unset,
+    and only the value that wins is validated: an invalid SGLang value is
+    ignored when the MMCACHE_ variable or a keyword argument is given. Unknown
+    MMCACHE_* variables are ignored; unknown keyword arguments are refused.
+    Every invalid value raises SettingsError naming the variable it came from.
+    """
+
+    model_config = SettingsConfigDict(
+        extra="forbid",
+        frozen=True,
+        allow_inf_nan=False,
+    )
+
+    gpu_cache_mb: Annotated[float, _Env(("MMCACHE_GPU_CACHE_MB", "SGLANG_VLM_CACHE_SIZE_MB"))] = (
+        Field(default=1024, ge=0, description="GPU tier budget in MiB; 0 turns the GPU tier off")
+    )
+    cpu_cache_mb: Annotated[float, _Env(("MMCACHE_CPU_CACHE_MB",))] = Field(
+        default=4096, ge=0, description="pinned host tier budget in MiB; 0 turns the host tier off"
+    )
+    ipc_pool_mb: Annotated[float, _Env(("MMCACHE_IPC_POOL_MB", "SGLANG_MM_FEATURE_CACHE_MB"))] = (
+        Field(default=512, ge=0, description="CUDA IPC pool size in MiB; 0 turns the pool off")
+    )
+    use_cuda_ipc: Annotated[
+        bool, _Env(("MMCACHE_USE_CUDA_IPC", "SGLANG_USE_CUDA_IPC_TRANSPORT"))
+    ] = Field(default=False, description="hand features to other processes through CUDA IPC")
+    ipc_recycle_interval_s: Annotated[
+        float,
+        _Env(
+            (
+                "MMCACHE_IPC_RECYCLE_INTERVAL_SEC",
+                "SGLANG_MM_ITEM_MEM_POOL_RECYCLE_INTERVAL_SEC",
+            )
+        ),
+    ] = Field(
+        default=0.1, gt=0, description="seconds between sweeps that recycle released IPC blocks"
+    )
+    ipc_lease_timeout_s: Annotated[float, _Env(("MMCACHE_IPC_LEASE_TIMEOUT_SEC",))] = Field(
+        default=30.0,
+        gt=0,
+        description="seconds before an IPC block a consumer never released is reclaimed",
+    )
+    ipc_fallback_mb: Annotated[float, _Env(("MMCACHE_IPC_FALLBACK_MB",))] = Field(
+        default=1024, ge=0, description="host memory in MiB for IPC handoffs when the pool is full"
+    )
+    promote_on_hit: Annotated[bool, _Env(("MMCACHE_PROMOTE_ON_HIT",))] = Field(
+        default=True,
+        description="move host tier hits back to the GPU tier when they fit without waiting",
+    )
+    metrics_port: Annotated[int | None, _Env(("MMCACHE_METRICS_PORT",))] = Field(
+        default=None,
+        ge=0,
+        le=65535,
+        description="port of the Prometheus HTTP server; unset: no server, 0: any free port",
+    )
+    small_copy_bytes: Annotated[int, _Env(("MMCACHE_SMALL_COPY_BYTES",))] = Field(
+        default=_MiB,
+        ge=0,
+        description="features smaller than this many bytes are batched into one copy",
+    )
+    host_alignment: Annotated[int, _Env(("MMCACHE_HOST_ALIGNMENT",))] = Field(
+        default=512,
+        ge=1,
+        le=_MiB,
+        description="alignment in bytes of host tier blocks; a power of two up to 1 MiB",
+    )
+    copy_timeout_s: Annotated[float, _Env(("MMCACHE_COPY_TIMEOUT_SEC",))] = Field(
+        default=60.0, gt=0, description="seconds before a copy still pending is quarantined"
+    )
+
+    # Which variable each field was read from, for env_name().
+    _env_reads: dict[str, _EnvRead] = PrivateAttr(default_factory=dict)
+
+    if not TYPE_CHECKING:
+        # Hidden from type checkers, which then check keyword arguments against the fields.
+        def __init__(self, **values: Any) -> None:
+            """Validate keyword arguments over the environment over the defaults."""
+            self._validate_over_environment(values)
+
+    def _validate_over_environment(self, values: Mapping[str, Any]) -> None:
+        """Validate values over the environment over the defaults; remember what was read."""
+        reads = _read_environment(type(self), os.environ, skip=values.keys())
+        problems: list[str] = []
+        merged: dict[str, Any] = {}
+        for field, read in reads.items():
+            if read.name in _SGLANG_INTEGER_NAMES:
+                try:
+                    merged[field] = int(read.raw)
+                except ValueError:
+                    problems.append(
+                        f"{read.name}={read.raw!r} is invalid: must be an integer, as SGLang "
+                        f"reads it; set {type(self).env_names(field)[0]} for fractional MiB"
+                    )
+            else:
+                # pydantic strips spaces around numbers but not around booleans.
+                merged[field] = read.raw.strip()
+        merged.update(values)
+        try:
+            super().__init__(**merged)
+        except ValidationError as exc:
+            problems.extend(_explain(type(self), error, reads) for error in exc.errors())
+        if problems:
+            raise SettingsError("\n".join(problems)) from None
+        self._env_reads = reads
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Take values from the constructor only: __init__ reads the environment itself."""
+        # pydantic-settings' env source reports an alias by its first name, not the
+        # variable it actually read, and cannot apply SGLang's integer rule.
+        return (init_settings,)
+
+    @field_validator("host_alignment")
+    @classmethod
+    def _power_of_two(cls, value: int) -> int:
+        """Refuse alignments that are not a power of two."""
+        if value & (value - 1):
+            raise ValueError("must be a power of two")
+        return value
+
+    @classmethod
+    def env_names(cls, field: str) -> tuple[str, ...]:
+        """All environment variables field is read from, the winning one first."""
+        info = cls.model_fields.get(field)
+        if info is None:
+            raise SettingsError(
+                f"{field!r} is not a setting; settings are {', '.join(cls.model_fields)}"
+            )
+        for marker in info.metadata:
+            if isinstance(marker, _Env):
+                return marker.names
+        raise AssertionError(f"setting {field!r} declares no environment variable")
+
+    def env_name(self, field: str) -> str:
+        """The environment variable field was read from, else its MMCACHE_ name."""
+        read = self._env_reads.get(field)
+        return read.name if read is not None else type(self).env_names(field)[0]
+
+    @property
+    def gpu_cache_bytes(self) -> int:
+        """GPU tier budget in bytes (rounded down)."""
+        return int(self.gpu_cache_mb * _MiB)
+
+    @property
+    def cpu_cache_bytes(self) -> int:
+        """Pinned host tier budget in bytes (rounded down)."""
+        return int(self.cpu_cache_mb * _MiB)
+
+    @property
+    def ipc_pool_bytes(self) -> int:
+        """CUDA IPC pool size in bytes (rounded down)."""
+        return int(self.ipc_pool_mb * _MiB)
+
+    @property
+    def ipc_fallback_bytes(self) -> int:
+        """Host memory bound of the IPC fallback in bytes (rounded down)."""
+        return int(self.ipc_fallback_mb * _MiB)
+
+
+def _read_environment(
+    settings_cls: type[CacheSettings], environ: Mapping[str, str], skip: Collection[str]
+) -> dict[str, _EnvRead]:
+    """For each field not in skip, the first of its variables that is set and not empty."""
+    reads: dict[str, _EnvRead] = {}
+    for field in settings_cls.model_fields:
+        if field in skip:
+            continue
+        for name in settings_cls.env_names(field):
+            raw = environ.get(name)
+            if raw is not None and raw.strip():
+                reads[field] = _EnvRead(name, raw)
+                break
+    return reads
+
+
+_REASONS: Final[Mapping[str, str]] = {
+    "greater_than_equal": "must be >= {ge}",
+    "greater_than": "must be > {gt}",
+    "less_than_equal": "must be <= {le}",
+    "less_than": "must be < {lt}",
+    "finite_number": "must be a finite number",
+    "float_parsing": "must be a number",
+    "float_type": "must be a number",
+    "int_parsing": "must be an integer",
+    "int_from_float": "must be an integer",
+    "int_type": "must be an integer",
+    "bool_parsing": "must be a boolean (1/0, true/false, yes/no, on/off)",
+    "bool_type": "must be a boolean",
+    "value_error": "{error}",
+}
+
+
+def _explain(
+    settings_cls: type[CacheSettings], error: ErrorDetails, reads: Mapping[str, _EnvRead]
+) -> str:
+    """One line that names where a bad value came from, the value, and what is expected."""
+    field = str(error["loc"][0]) if error["loc"] else ""
+    if error["type"] == "extra_forbidden":
+        known = ", ".join(settings_cls.model_fields)
+        return f"{field}={error['input']!r} is not a setting; settings are {known}"
+    read = reads.get(field)
+    given = f"{read.name}={read.raw!r}" if read is not None else f"{field}={error['input']!r}"
+    template = _REASONS.get(error["type"])
+    ctx = {key: _plain(value) for key, value in error.get("ctx", {}).items()}
+    reason = template.format(**ctx) if template else error["msg"]
+    info = settings_cls.model_fields.get(field)
+    meaning = f" ({info.description})" if info is not None and info.description else ""
+    return f"{given} is invalid: {reason}{meaning}"
+
+
+def _plain(value: object) -> object:
+    """A bound as a user wrote it: pydantic turns ge=0 on a float field into 0.0."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+class SettingRow(NamedTuple):
+    """One setting, as the README and `mmcache settings` list it."""
+
+    field: str
+    env_names: tuple[str, ...]
+    default: float | int | bool | None
+    description: str
+
+
+def _settings_table() -> tuple[SettingRow, ...]:
+    """Rows for every CacheSettings field, in declaration order."""
+    return tuple(
+        SettingRow(field, CacheSettings.env_names(field), info.default, info.description or "")
+        for field, info in CacheSettings.model_fields.items()
+    )
+
+
+#: Every setting: field, environment variables (winning first), default, meaning.
+SETTINGS_TABLE: Final[tuple[SettingRow, ...]] = _settings_table()

@@ -1,0 +1,340 @@
+"""CacheSettings: environment names, SGLang aliases, precedence and error messages."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from mmcache.errors import MMCacheError, SettingsError
+from mmcache.settings import SETTINGS_TABLE, CacheSettings, SettingRow
+
+MiB = 1024**2
+
+FIELDS = list(CacheSettings.model_fields)
+
+
+@pytest.fixture(autouse=True)
+def clean_environment(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Run each test without any MMCACHE_* or SGLANG_* variable of the caller."""
+    for name in list(os.environ):
+        if name.upper().startswith(("MMCACHE_", "SGLANG_")):
+            monkeypatch.delenv(name)
+    yield
+
+
+def test_defaults() -> None:
+    settings = CacheSettings()
+    assert settings.gpu_cache_mb == 1024
+    assert settings.cpu_cache_mb == 4096
+    assert settings.ipc_pool_mb == 512
+    assert settings.use_cuda_ipc is False
+    assert settings.ipc_recycle_interval_s == 0.1
+    assert settings.ipc_lease_timeout_s == 30.0
+    assert settings.ipc_fallback_mb == 1024
+    assert settings.promote_on_hit is True
+    assert settings.metrics_port is None
+    assert settings.small_copy_bytes == 1048576
+    assert settings.host_alignment == 512
+    assert settings.copy_timeout_s == 60.0
+    assert settings.gpu_cache_bytes == 1024 * MiB
+    assert settings.cpu_cache_bytes == 4096 * MiB
+    assert settings.ipc_pool_bytes == 512 * MiB
+    assert settings.ipc_fallback_bytes == 1024 * MiB
+
+
+OWN_NAMES = [
+    ("gpu_cache_mb", "MMCACHE_GPU_CACHE_MB", "64.5", 64.5),
+    ("cpu_cache_mb", "MMCACHE_CPU_CACHE_MB", "256", 256.0),
+    ("ipc_pool_mb", "MMCACHE_IPC_POOL_MB", "32.25", 32.25),
+    ("use_cuda_ipc", "MMCACHE_USE_CUDA_IPC", "true", True),
+    ("ipc_recycle_interval_s", "MMCACHE_IPC_RECYCLE_INTERVAL_SEC", "0.5", 0.5),
+    ("ipc_lease_timeout_s", "MMCACHE_IPC_LEASE_TIMEOUT_SEC", "5", 5.0),
+    ("ipc_fallback_mb", "MMCACHE_IPC_FALLBACK_MB", "128", 128.0),
+    ("promote_on_hit", "MMCACHE_PROMOTE_ON_HIT", "0", False),
+    ("metrics_port", "MMCACHE_METRICS_PORT", "9090", 9090),
+    ("small_copy_bytes", "MMCACHE_SMALL_COPY_BYTES", "4096", 4096),
+    ("host_alignment", "MMCACHE_HOST_ALIGNMENT", "4096", 4096),
+    ("copy_timeout_s", "MMCACHE_COPY_TIMEOUT_SEC", "2.5", 2.5),
+]
+
+SGLANG_NAMES = [
+    ("gpu_cache_mb", "SGLANG_VLM_CACHE_SIZE_MB", "100", 100.0),
+    ("ipc_pool_mb", "SGLANG_MM_FEATURE_CACHE_MB", "2048", 2048.0),
+    ("use_cuda_ipc", "SGLANG_USE_CUDA_IPC_TRANSPORT", "1", True),
+    ("ipc_recycle_interval_s", "SGLANG_MM_ITEM_MEM_POOL_RECYCLE_INTERVAL_SEC", "0.05", 0.05),
+]
+
+
+def test_every_field_is_tested_by_its_own_name() -> None:
+    assert sorted(field for field, *_ in OWN_NAMES) == sorted(FIELDS)
+
+
+@pytest.mark.parametrize(("field", "name", "raw", "expected"), OWN_NAMES + SGLANG_NAMES)
+def test_each_variable_is_read(
+    monkeypatch: pytest.MonkeyPatch, field: str, name: str, raw: str, expected: object
+) -> None:
+    monkeypatch.setenv(name, raw)
+    settings = CacheSettings()
+    assert getattr(settings, field) == expected
+    assert settings.env_name(field) == name
+
+
+@pytest.mark.parametrize(("field", "sglang_name", "raw", "expected"), SGLANG_NAMES)
+def test_mmcache_name_wins_over_sglang_name(
+    monkeypatch: pytest.MonkeyPatch, field: str, sglang_name: str, raw: str, expected: object
+) -> None:
+    own_name = CacheSettings.env_names(field)[0]
+    own_raw, own_value = {
+        "gpu_cache_mb": ("7", 7.0),
+        "ipc_pool_mb": ("7", 7.0),
+        "use_cuda_ipc": ("0", False),
+        "ipc_recycle_interval_s": ("7", 7.0),
+    }[field]
+    assert own_value != expected
+    monkeypatch.setenv(sglang_name, raw)
+    monkeypatch.setenv(own_name, own_raw)
+    settings = CacheSettings()
+    assert getattr(settings, field) == own_value
+    assert settings.env_name(field) == own_name
+
+
+def test_losing_sglang_value_is_not_validated(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SGLANG_VLM_CACHE_SIZE_MB", "-5")
+    monkeypatch.setenv("MMCACHE_GPU_CACHE_MB", "64")
+    assert CacheSettings().gpu_cache_mb == 64
+
+
+def test_empty_variable_counts_as_unset(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MMCACHE_GPU_CACHE_MB", "")
+    monkeypatch.setenv("SGLANG_VLM_CACHE_SIZE_MB", "100")
+    monkeypatch.setenv("MMCACHE_CPU_CACHE_MB", " ")
+    settings = CacheSettings()
+    assert settings.gpu_cache_mb == 100
+    assert settings.env_name("gpu_cache_mb") == "SGLANG_VLM_CACHE_SIZE_MB"
+    assert settings.cpu_cache_mb == 4096
+
+
+def test_names_are_case_sensitive(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("mmcache_gpu_cache_mb", "64")
+    assert CacheSettings().gpu_cache_mb == 1024
+
+
+def test_unknown_mmcache_variables_are_ignored(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MMCACHE_GPU_CACHE", "not a number")
+    assert CacheSettings().gpu_cache_mb == 1024
+
+
+@pytest.mark.parametrize(
+    ("name", "field", "property_name"),
+    [
+        ("MMCACHE_GPU_CACHE_MB", "gpu_cache_mb", "gpu_cache_bytes"),
+        ("SGLANG_VLM_CACHE_SIZE_MB", "gpu_cache_mb", "gpu_cache_bytes"),
+        ("MMCACHE_CPU_CACHE_MB", "cpu_cache_mb", "cpu_cache_bytes"),
+        ("MMCACHE_IPC_POOL_MB", "ipc_pool_mb", "ipc_pool_bytes"),
+        ("SGLANG_MM_FEATURE_CACHE_MB", "ipc_pool_mb", "ipc_pool_bytes"),
+        ("MMCACHE_IPC_FALLBACK_MB", "ipc_fallback_mb", "ipc_fallback_bytes"),
+    ],
+)
+def test_zero_budget_is_allowed(
+    monkeypatch: pytest.MonkeyPatch, name: str, field: str, property_name: str
+) -> None:
+    monkeypatch.setenv(name, "0")
+    settings = CacheSettings()
+    assert getattr(settings, field) == 0
+    assert getattr(settings, property_name) == 0
+
+
+def test_bytes_of_fractional_mib() -> None:
+    settings = CacheSettings(gpu_cache_mb=0.5, cpu_cache_mb=1.5, ipc_pool_mb=2, ipc_fallback_mb=3)
+    assert settings.gpu_cache_bytes == MiB // 2
+    assert settings.cpu_cache_bytes == 3 * MiB // 2
+    assert settings.ipc_pool_bytes == 2 * MiB
+    assert settings.ipc_fallback_bytes == 3 * MiB
+    assert isinstance(settings.gpu_cache_bytes, int)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "MMCACHE_GPU_CACHE_MB",
+        "SGLANG_VLM_CACHE_SIZE_MB",
+        "MMCACHE_CPU_CACHE_MB",
+        "MMCACHE_IPC_POOL_MB",
+        "SGLANG_MM_FEATURE_CACHE_MB",
+        "MMCACHE_IPC_FALLBACK_MB",
+    ],
+)
+def test_negative_budget_names_the_variable_read(
+    monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    monkeypatch.setenv(name, "-5")
+    with pytest.raises(SettingsError) as caught:
+        CacheSettings()
+    assert str(caught.value).startswith(f"{name}='-5' is invalid: must be >= 0 (")
+    assert "MiB" in str(caught.value)
+
+
+def test_sglang_budget_error_does_not_name_the_mmcache_variable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("SGLANG_VLM_CACHE_SIZE_MB", "-5")
+    with pytest.raises(SettingsError) as caught:
+        CacheSettings()
+    assert str(caught.value) == (
+        "SGLANG_VLM_CACHE_SIZE_MB='-5' is invalid: must be >= 0"
+        " (GPU tier budget in MiB; 0 turns the GPU tier off)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("sglang_name", "own_name", "field"),
+    [
+        ("SGLANG_VLM_CACHE_SIZE_MB", "MMCACHE_GPU_CACHE_MB", "gpu_cache_mb"),
+        ("SGLANG_MM_FEATURE_CACHE_MB", "MMCACHE_IPC_POOL_MB", "ipc_pool_mb"),
+    ],
+)
+def test_sglang_budgets_take_integers_only(
+    monkeypatch: pytest.MonkeyPatch, sglang_name: str, own_name: str, field: str
+) -> None:
+    monkeypatch.setenv(sglang_name, "100.5")
+    with pytest.raises(SettingsError) as caught:
+        CacheSettings()
+    message = str(caught.value)
+    assert message.startswith(f"{sglang_name}='100.5' is invalid: must be an integer")
+    assert own_name in message  # it tells the user where fractional MiB are accepted
+
+    monkeypatch.setenv(sglang_name, "100")
+    assert getattr(CacheSettings(), field) == 100
+
+    monkeypatch.delenv(sglang_name)
+    monkeypatch.setenv(own_name, "100.5")
+    assert getattr(CacheSettings(), field) == 100.5
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        ("1", True),
+        ("true", True),
+        ("TRUE", True),
+        ("yes", True),
+        (" 1 ", True),
+        ("0", False),
+        ("false", False),
+        ("no", False),
+    ],
+)
+def test_sglang_cuda_ipc_flag(monkeypatch: pytest.MonkeyPatch, raw: str, expected: bool) -> None:
+    monkeypatch.setenv("SGLANG_USE_CUDA_IPC_TRANSPORT", raw)
+    assert CacheSettings().use_cuda_ipc is expected
+
+
+def test_invalid_flag_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SGLANG_USE_CUDA_IPC_TRANSPORT", "maybe")
+    with pytest.raises(SettingsError, match=r"^SGLANG_USE_CUDA_IPC_TRANSPORT='maybe' is invalid"):
+        CacheSettings()
+
+
+def test_keyword_arguments_override_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MMCACHE_GPU_CACHE_MB", "100")
+    monkeypatch.setenv("SGLANG_MM_FEATURE_CACHE_MB", "not a number")  # loses, so not validated
+    monkeypatch.setenv("MMCACHE_CPU_CACHE_MB", "300")
+    settings = CacheSettings(gpu_cache_mb=64, ipc_pool_mb=8)
+    assert settings.gpu_cache_mb == 64
+    assert settings.ipc_pool_mb == 8
+    assert settings.cpu_cache_mb == 300  # the environment still fills what was not given
+    assert settings.env_name("gpu_cache_mb") == "MMCACHE_GPU_CACHE_MB"
+    assert settings.env_name("cpu_cache_mb") == "MMCACHE_CPU_CACHE_MB"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [
+        ({"gpu_cache_mb": -1}, "gpu_cache_mb=-1 is invalid: must be >= 0"),
+        ({"gpu_cache_mb": "lots"}, "gpu_cache_mb='lots' is invalid: must be a number"),
+        ({"cpu_cache_mb": float("inf")}, "cpu_cache_mb=inf is invalid: must be a finite number"),
+        ({"copy_timeout_s": 0}, "copy_timeout_s=0 is invalid: must be > 0"),
+        ({"host_alignment": 3}, "host_alignment=3 is invalid: must be a power of two"),
+        ({"host_alignment": 0}, "host_alignment=0 is invalid: must be >= 1"),
+        ({"host_alignment": 2 * MiB}, "host_alignment=2097152 is invalid: must be <= 1048576"),
+        ({"small_copy_bytes": -1}, "small_copy_bytes=-1 is invalid: must be >= 0"),
+        ({"use_cuda_ipc": "maybe"}, "use_cuda_ipc='maybe' is invalid: must be a boolean"),
+        ({"gpu_cache": 64}, "gpu_cache=64 is not a setting; settings are gpu_cache_mb, "),
+    ],
+)
+def test_bad_keyword_argument_names_the_field(kwargs: dict[str, Any], expected: str) -> None:
+    with pytest.raises(SettingsError) as caught:
+        CacheSettings(**kwargs)
+    assert str(caught.value).startswith(expected)
+
+
+def test_every_bad_value_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SGLANG_VLM_CACHE_SIZE_MB", "1.5")
+    monkeypatch.setenv("MMCACHE_CPU_CACHE_MB", "-1")
+    with pytest.raises(SettingsError) as caught:
+        CacheSettings(copy_timeout_s=-1)
+    lines = str(caught.value).splitlines()
+    assert [line.split("=")[0] for line in lines] == [
+        "SGLANG_VLM_CACHE_SIZE_MB",
+        "MMCACHE_CPU_CACHE_MB",
+        "copy_timeout_s",
+    ]
+
+
+def test_settings_error_is_an_mmcache_error() -> None:
+    with pytest.raises(MMCacheError):
+        CacheSettings(gpu_cache_mb=-1)
+    assert issubclass(SettingsError, ValueError)
+
+
+@pytest.mark.parametrize("port", [0, 1, 9090, 65535])
+def test_metrics_port_in_range(port: int) -> None:
+    assert CacheSettings(metrics_port=port).metrics_port == port
+
+
+@pytest.mark.parametrize(("port", "reason"), [(-1, "must be >= 0"), (65536, "must be <= 65535")])
+def test_metrics_port_out_of_range(monkeypatch: pytest.MonkeyPatch, port: int, reason: str) -> None:
+    with pytest.raises(SettingsError, match=f"^metrics_port={port} is invalid: {reason}"):
+        CacheSettings(metrics_port=port)
+    monkeypatch.setenv("MMCACHE_METRICS_PORT", str(port))
+    with pytest.raises(SettingsError, match=f"^MMCACHE_METRICS_PORT='{port}' is invalid: {reason}"):
+        CacheSettings()
+
+
+def test_settings_cannot_be_changed_after_start() -> None:
+    settings = CacheSettings()
+    with pytest.raises(ValidationError):
+        settings.gpu_cache_mb = 1
+    assert settings.gpu_cache_mb == 1024
+
+
+def test_env_names() -> None:
+    assert CacheSettings.env_names("gpu_cache_mb") == (
+        "MMCACHE_GPU_CACHE_MB",
+        "SGLANG_VLM_CACHE_SIZE_MB",
+    )
+    assert CacheSettings.env_names("cpu_cache_mb") == ("MMCACHE_CPU_CACHE_MB",)
+    for field in FIELDS:
+        assert CacheSettings.env_names(field)[0].startswith("MMCACHE_")
+    with pytest.raises(SettingsError, match="'gpu_cache' is not a setting"):
+        CacheSettings.env_names("gpu_cache")
+
+
+def test_env_name_of_a_default_is_the_mmcache_name() -> None:
+    settings = CacheSettings()
+    assert settings.env_name("gpu_cache_mb") == "MMCACHE_GPU_CACHE_MB"
+    assert settings.env_name("ipc_pool_mb") == "MMCACHE_IPC_POOL_MB"
+
+
+def test_settings_table() -> None:
+    defaults = CacheSettings()
+    assert [row.field for row in SETTINGS_TABLE] == FIELDS
+    for row in SETTINGS_TABLE:
+        assert isinstance(row, SettingRow)
+        assert row.env_names == CacheSettings.env_names(row.field)
+        assert row.default == getattr(defaults, row.field)
+        assert row.description and "\n" not in row.description

@@ -1,0 +1,153 @@
+"""The simulator itself must punish what a GPU would: early reuse, early reads, lost fences."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from mmcache.device import SimDevice, storage_use_count
+from mmcache.device.sim import POISON_BYTE
+
+
+def _poisoned(t: torch.Tensor) -> bool:
+    return bool((t.reshape(-1).view(torch.uint8) == POISON_BYTE).all())
+
+
+def test_storage_use_count_counts_tensor_objects_not_names() -> None:
+    t = torch.ones(4)
+    assert storage_use_count(t) == 1
+    name = t
+    assert storage_use_count(t) == 1
+    alias = t.detach()
+    view = t[1:]
+    assert storage_use_count(t) == 3
+    del alias, view, name
+    assert storage_use_count(t) == 1
+
+
+def test_release_without_fence_then_queued_copy_reads_poison() -> None:
+    dev = SimDevice()
+    src = dev.adopt(torch.arange(1024, dtype=torch.float32), dev.default_stream)
+    dst = torch.zeros(1024, dtype=torch.float32)
+    with dev.hold():
+        fence = dev.copy_d2h(src, dst, after=[])
+        dev.release(src, after=[])  # the seed bug: no fence, source recycled at once
+        del src
+    fence.wait(5)
+    assert fence.done()
+    assert _poisoned(dst)
+    dev.close()
+
+
+def test_release_after_copy_fence_keeps_data() -> None:
+    dev = SimDevice()
+    src = dev.adopt(torch.arange(1024, dtype=torch.float32), dev.default_stream)
+    dst = torch.zeros(1024, dtype=torch.float32)
+    with dev.hold():
+        fence = dev.copy_d2h(src, dst, after=[])
+        dev.release(src, after=[fence])
+        del src
+        assert not fence.done()
+        assert dev.allocated_bytes == 4096  # kept alive for the fence
+    fence.wait(5)
+    assert torch.equal(dst, torch.arange(1024, dtype=torch.float32))
+    assert dev.allocated_bytes == 0
+    dev.close()
+
+
+def test_memory_held_outside_is_not_recycled_until_dropped() -> None:
+    dev = SimDevice()
+    own = dev.adopt(torch.full((16,), 7.0), dev.default_stream)
+    outside = own.detach()  # a caller's alias (what get() returns)
+    dev.release(own, after=[])
+    del own
+    assert torch.equal(outside, torch.full((16,), 7.0))
+    assert dev.allocated_bytes == 64
+    del outside
+    assert dev.allocated_bytes == 0
+    dev.close()
+
+
+def test_copies_read_their_source_when_they_run_not_when_queued() -> None:
+    dev = SimDevice()
+    src = dev.adopt(torch.zeros(8), dev.default_stream)
+    dst = torch.empty(8)
+    with dev.hold():
+        fence = dev.copy_d2h(src, dst, after=[])
+        src.fill_(3.0)
+    fence.wait(5)
+    assert torch.equal(dst, torch.full((8,), 3.0))
+    dev.close()
+
+
+def test_stream_order_and_held_copies_block_later_work_on_their_stream() -> None:
+    dev = SimDevice()
+    a = dev.adopt(torch.ones(4), dev.default_stream)
+    b = torch.empty(4)
+    with dev.hold():
+        first = dev.copy_d2h(a, b, after=[])
+    second = dev.copy_d2h(a, torch.empty(4), after=[])  # not held, but queued behind
+    other = dev.copy_h2d(torch.ones(4), dev.empty((4,), torch.float32), after=[])
+    other.wait(5)
+    assert first.done() and second.done()  # the hold ended before these ran
+    dev.close()
+
+
+def test_hold_keeps_copies_pending_until_the_block_exits() -> None:
+    dev = SimDevice()
+    a = dev.adopt(torch.ones(4), dev.default_stream)
+    with dev.hold():
+        fence = dev.copy_d2h(a, torch.empty(4), after=[])
+        later = dev.copy_d2h(a, torch.empty(4), after=[])
+        assert not fence.wait(0.05)
+        assert not later.done()
+    assert fence.wait(5) and later.wait(5)
+    dev.close()
+
+
+def test_dependencies_order_copies_across_streams() -> None:
+    dev = SimDevice()
+    producer = dev.stream("producer")
+    out = dev.adopt(torch.zeros(4), producer)
+    gate = threading.Event()
+    with dev.hold():
+        dev.launch(producer, lambda: (gate.wait(5), out.fill_(5.0)))
+        ready = dev.record(producer)
+    dst = torch.empty(4)
+    fence = dev.copy_d2h(out, dst, after=[ready])
+    gate.set()
+    fence.wait(5)
+    assert torch.equal(dst, torch.full((4,), 5.0))
+    dev.close()
+
+
+def test_fresh_arena_and_fresh_device_memory_are_poisoned() -> None:
+    dev = SimDevice()
+    assert _poisoned(dev.host_arena(4096))
+    t = dev.empty((8, 8), torch.bfloat16)
+    assert torch.isnan(t.float()).all()
+    dev.close()
+
+
+@pytest.mark.parametrize("kind", ["copy_fails", "fence_never_completes"])
+def test_injected_faults(kind: str) -> None:
+    dev = SimDevice()
+    src = dev.adopt(torch.ones(4), dev.default_stream)
+    dev.inject(kind)  # type: ignore[arg-type]
+    fence = dev.copy_d2h(src, torch.empty(4), after=[])
+    if kind == "copy_fails":
+        assert fence.wait(5) and fence.exception() is not None
+    else:
+        assert not fence.wait(0.05)
+    dev.close()
+
+
+def test_bandwidth_and_latency_slow_copies_down() -> None:
+    dev = SimDevice(bandwidth_gbps=0.01, latency_s=0.0)  # 10 MB/s
+    src = dev.adopt(torch.ones(256 * 1024, dtype=torch.uint8), dev.default_stream)
+    fence = dev.copy_d2h(src, torch.empty(256 * 1024, dtype=torch.uint8), after=[])
+    assert not fence.wait(0.005)  # 256 KiB at 10 MB/s takes ~26 ms
+    assert fence.wait(5)
+    dev.close()
