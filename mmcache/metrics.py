@@ -1,0 +1,479 @@
+"""Prometheus metrics of each cache, pushed on every change so multiprocess mode works.
+
+Serving the metrics from an aiohttp application (no extra dependency)::
+
+    from aiohttp import web
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+    from mmcache.metrics import exposition_registry
+
+    async def metrics(request: web.Request) -> web.Response:
+        body = generate_latest(exposition_registry())
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    app.router.add_get("/metrics", metrics)
+
+From an ASGI application (FastAPI, Starlette): ``app.mount("/metrics", asgi_app())``.
+Standalone: ``start_metrics_server(9464)``.
+
+Multiprocess mode: set ``PROMETHEUS_MULTIPROC_DIR`` to an empty directory before any
+process imports prometheus_client, expose ``make_multiprocess_registry()`` (the three
+helpers above do so by themselves), and call ``mark_process_dead(pid)`` when a worker
+exits so that its gauges stop counting.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from collections.abc import Callable
+from threading import Thread
+from typing import Any, Final, NamedTuple, TypeVar
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import (
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    make_asgi_app,
+    start_http_server,
+)
+from prometheus_client import multiprocess as _multiprocess
+from prometheus_client.metrics import MetricWrapperBase
+
+from mmcache.errors import MMCacheError, SettingsError
+
+__all__ = [
+    "CacheMetrics",
+    "CacheNameInUseError",
+    "DIRECTIONS",
+    "FAULT_KINDS",
+    "IPC_FALLBACK_REASONS",
+    "IPC_POOL_STATES",
+    "LATENCY_BUCKETS",
+    "LEAK_TIERS",
+    "LOOKUP_RESULTS",
+    "METRICS_TABLE",
+    "MetricInfo",
+    "TIERS",
+    "asgi_app",
+    "exposition_registry",
+    "make_multiprocess_registry",
+    "mark_process_dead",
+    "multiprocess_dir",
+    "start_metrics_server",
+]
+
+LOOKUP_RESULTS: Final = ("hit_gpu", "hit_cpu", "miss")
+TIERS: Final = ("gpu", "cpu")
+LEAK_TIERS: Final = ("gpu", "cpu", "ipc")
+DIRECTIONS: Final = ("d2h", "h2d")
+IPC_POOL_STATES: Final = ("used", "free", "leased")
+# Open sets: these are pre-bound (exported at 0 from the start, so rate() sees the
+# first event); other values are accepted and bound on first use.
+IPC_FALLBACK_REASONS: Final = ("pool_full", "too_large", "disabled", "no_peer")
+FAULT_KINDS: Final = ("copy_failed", "oom", "quarantined")
+
+# Copies and waits run from ~10 µs (a small H2D) to ~100 ms (hundreds of MB at 55 GB/s);
+# a wait past 1 s is a stall and only needs to be counted, which +Inf does.
+LATENCY_BUCKETS: Final = (
+    1e-5,
+    2.5e-5,
+    5e-5,
+    1e-4,
+    2.5e-4,
+    5e-4,
+    1e-3,
+    2.5e-3,
+    5e-3,
+    1e-2,
+    2.5e-2,
+    5e-2,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+)
+
+
+class MetricInfo(NamedTuple):
+    """One metric family as exposed: name, type, label names and meaning."""
+
+    name: str
+    type: str
+    labels: tuple[str, ...]
+    meaning: str
+
+
+METRICS_TABLE: Final[list[MetricInfo]] = [
+    MetricInfo(
+        "mmcache_tier_bytes",
+        "gauge",
+        ("cache", "tier"),
+        "Bytes held by a tier, resident plus in flight.",
+    ),
+    MetricInfo(
+        "mmcache_tier_capacity_bytes",
+        "gauge",
+        ("cache", "tier"),
+        "Byte budget of a tier (0: the tier is off).",
+    ),
+    MetricInfo("mmcache_tier_entries", "gauge", ("cache", "tier"), "Entries held by a tier."),
+    MetricInfo(
+        "mmcache_lookups_total",
+        "counter",
+        ("cache", "result"),
+        "Lookups by result: hit_gpu, hit_cpu or miss.",
+    ),
+    MetricInfo(
+        "mmcache_evictions_total",
+        "counter",
+        ("cache", "tier"),
+        "Entries that left a tier (gpu: offloaded or dropped; cpu: dropped).",
+    ),
+    MetricInfo(
+        "mmcache_dropped_total",
+        "counter",
+        ("cache",),
+        "Entries lost because the host tier could not take them.",
+    ),
+    MetricInfo(
+        "mmcache_pending_copies",
+        "gauge",
+        ("cache", "direction"),
+        "Copies queued and not yet observed complete (d2h: offload, h2d: upload).",
+    ),
+    MetricInfo(
+        "mmcache_copy_bytes_total",
+        "counter",
+        ("cache", "direction"),
+        "Bytes copied between device and host (d2h: offload, h2d: upload).",
+    ),
+    MetricInfo(
+        "mmcache_copy_duration_seconds",
+        "histogram",
+        ("cache", "direction"),
+        "Time from enqueueing a copy to observing its completion.",
+    ),
+    MetricInfo(
+        "mmcache_get_wait_seconds",
+        "histogram",
+        ("cache",),
+        "Time a get waited on pending copies.",
+    ),
+    MetricInfo(
+        "mmcache_leaked_bytes",
+        "gauge",
+        ("cache", "tier"),
+        "Bytes owned by no entry, copy, lease or pool slice (gpu, cpu, ipc); 0 when healthy.",
+    ),
+    MetricInfo(
+        "mmcache_ipc_pool_bytes",
+        "gauge",
+        ("cache", "state"),
+        "IPC pool bytes by state: used, free, leased.",
+    ),
+    MetricInfo(
+        "mmcache_ipc_fallbacks_total",
+        "counter",
+        ("cache", "reason"),
+        "Sends that fell back to host memory, by reason.",
+    ),
+    MetricInfo(
+        "mmcache_faults_total",
+        "counter",
+        ("cache", "kind"),
+        "Faults by kind: copy_failed, oom, quarantined, ...",
+    ),
+]
+
+_INFO: Final = {info.name: info for info in METRICS_TABLE}
+
+_M = TypeVar("_M", bound=MetricWrapperBase)
+
+
+class CacheNameInUseError(MMCacheError, ValueError):
+    """Two live caches tried to report under the same name to one registry."""
+
+
+def _counter(name: str, registry: CollectorRegistry) -> Counter:
+    info = _INFO[name]
+    return Counter(name, info.meaning, info.labels, registry=registry)
+
+
+def _gauge(name: str, registry: CollectorRegistry) -> Gauge:
+    info = _INFO[name]
+    # livesum: each process reports its own caches, so the sum over live processes is
+    # the total, and a dead process's bytes are no longer held by anyone.
+    return Gauge(name, info.meaning, info.labels, registry=registry, multiprocess_mode="livesum")
+
+
+def _histogram(name: str, registry: CollectorRegistry) -> Histogram:
+    info = _INFO[name]
+    return Histogram(name, info.meaning, info.labels, registry=registry, buckets=LATENCY_BUCKETS)
+
+
+class _Families:
+    """The metric families of one registry, shared by every cache reporting to it."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.tier_bytes = _gauge("mmcache_tier_bytes", registry)
+        self.tier_capacity_bytes = _gauge("mmcache_tier_capacity_bytes", registry)
+        self.tier_entries = _gauge("mmcache_tier_entries", registry)
+        self.lookups = _counter("mmcache_lookups_total", registry)
+        self.evictions = _counter("mmcache_evictions_total", registry)
+        self.dropped = _counter("mmcache_dropped_total", registry)
+        self.pending_copies = _gauge("mmcache_pending_copies", registry)
+        self.copy_bytes = _counter("mmcache_copy_bytes_total", registry)
+        self.copy_duration = _histogram("mmcache_copy_duration_seconds", registry)
+        self.get_wait = _histogram("mmcache_get_wait_seconds", registry)
+        self.leaked_bytes = _gauge("mmcache_leaked_bytes", registry)
+        self.ipc_pool_bytes = _gauge("mmcache_ipc_pool_bytes", registry)
+        self.ipc_fallbacks = _counter("mmcache_ipc_fallbacks_total", registry)
+        self.faults = _counter("mmcache_faults_total", registry)
+        self._owners: dict[str, weakref.ref[CacheMetrics]] = {}
+        self._lock = threading.Lock()
+
+    def claim(self, name: str, owner: CacheMetrics) -> None:
+        with self._lock:
+            ref = self._owners.get(name)
+            if ref is not None and ref() is not None:
+                raise CacheNameInUseError(
+                    f"a cache named {name!r} already reports to this Prometheus registry; "
+                    "give each cache its own name, or close() the other cache first"
+                )
+            self._owners[name] = weakref.ref(owner)
+
+    def release(self, name: str, owner: CacheMetrics) -> None:
+        with self._lock:
+            ref = self._owners.get(name)
+            if ref is not None and ref() is owner:
+                del self._owners[name]
+
+
+# Weak keys: a registry that is gone takes its families along, and a new registry that
+# happens to reuse its id() does not inherit them.
+_families: weakref.WeakKeyDictionary[CollectorRegistry, _Families] = weakref.WeakKeyDictionary()
+_families_lock = threading.Lock()
+
+
+def _families_for(registry: CollectorRegistry) -> _Families:
+    with _families_lock:
+        families = _families.get(registry)
+        if families is None:
+            families = _families[registry] = _Families(registry)
+        return families
+
+
+def multiprocess_dir() -> str | None:
+    """Return the prometheus-client multiprocess directory, or None in single-process mode."""
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or os.environ.get("prometheus_multiproc_dir")
+
+
+class CacheMetrics:
+    """The metrics of one cache; every series carries its `cache` label."""
+
+    def __init__(self, cache_name: str, registry: CollectorRegistry | None = None) -> None:
+        if not cache_name:
+            raise ValueError("cache_name must be a non-empty string (it is the `cache` label)")
+        self._name = cache_name
+        self._families = families = _families_for(REGISTRY if registry is None else registry)
+        families.claim(cache_name, self)
+        self._closed = False
+        # (family, label values, child) of every series this cache created, for close().
+        self._children: list[tuple[MetricWrapperBase, tuple[str, ...], MetricWrapperBase]] = []
+        self._lookups = {r: self._bind(families.lookups, r) for r in LOOKUP_RESULTS}
+        self._tier = {
+            t: (
+                self._bind(families.tier_bytes, t),
+                self._bind(families.tier_entries, t),
+            )
+            for t in TIERS
+        }
+        self._capacity = {t: self._bind(families.tier_capacity_bytes, t) for t in TIERS}
+        self._evictions = {t: self._bind(families.evictions, t) for t in TIERS}
+        self._dropped = self._bind(families.dropped)
+        self._copies = {
+            d: (
+                self._bind(families.pending_copies, d),
+                self._bind(families.copy_bytes, d),
+                self._bind(families.copy_duration, d),
+            )
+            for d in DIRECTIONS
+        }
+        self._get_wait = self._bind(families.get_wait)
+        self._leaked = {t: self._bind(families.leaked_bytes, t) for t in LEAK_TIERS}
+        self._ipc_pool = {s: self._bind(families.ipc_pool_bytes, s) for s in IPC_POOL_STATES}
+        self._fallbacks = {r: self._bind(families.ipc_fallbacks, r) for r in IPC_FALLBACK_REASONS}
+        self._faults = {k: self._bind(families.faults, k) for k in FAULT_KINDS}
+        # A cache reusing the name of one that was garbage-collected without close()
+        # would otherwise inherit its gauges (pending copies never finished, bytes held).
+        for _, _, child in self._children:
+            if isinstance(child, Gauge):
+                child.set(0)
+
+    @property
+    def cache_name(self) -> str:
+        """The value of the `cache` label on every series of this cache."""
+        return self._name
+
+    def _bind(self, family: _M, *labels: str) -> _M:
+        values = (self._name, *labels)
+        child = family.labels(*values)
+        self._children.append((family, values, child))
+        return child
+
+    def lookup(self, result: str) -> None:
+        """Count one lookup: result is hit_gpu, hit_cpu or miss."""
+        try:
+            child = self._lookups[result]
+        except KeyError:
+            raise _unknown("lookup result", result, LOOKUP_RESULTS) from None
+        child.inc()
+
+    def set_tier(self, tier: str, nbytes: int, entries: int) -> None:
+        """Report a tier's bytes (resident plus in flight) and entries."""
+        try:
+            nbytes_gauge, entries_gauge = self._tier[tier]
+        except KeyError:
+            raise _unknown("tier", tier, TIERS) from None
+        nbytes_gauge.set(nbytes)
+        entries_gauge.set(entries)
+
+    def set_capacity(self, tier: str, nbytes: int) -> None:
+        """Report a tier's byte budget."""
+        try:
+            child = self._capacity[tier]
+        except KeyError:
+            raise _unknown("tier", tier, TIERS) from None
+        child.set(nbytes)
+
+    def eviction(self, tier: str) -> None:
+        """Count an entry leaving a tier (gpu: offloaded or dropped; cpu: dropped)."""
+        try:
+            child = self._evictions[tier]
+        except KeyError:
+            raise _unknown("tier", tier, TIERS) from None
+        child.inc()
+
+    def dropped(self) -> None:
+        """Count an entry lost because the host tier could not take it."""
+        self._dropped.inc()
+
+    def copy_started(self, direction: str) -> None:
+        """Count a copy as pending: direction is d2h (offload) or h2d (upload)."""
+        try:
+            pending = self._copies[direction][0]
+        except KeyError:
+            raise _unknown("copy direction", direction, DIRECTIONS) from None
+        pending.inc()
+
+    def copy_finished(self, direction: str, nbytes: int, seconds: float) -> None:
+        """Record a copy observed complete: its bytes and its enqueue-to-completion time."""
+        try:
+            pending, copied, duration = self._copies[direction]
+        except KeyError:
+            raise _unknown("copy direction", direction, DIRECTIONS) from None
+        pending.dec()
+        copied.inc(nbytes)
+        duration.observe(seconds)
+
+    def get_wait(self, seconds: float) -> None:
+        """Record how long a get waited on pending copies."""
+        self._get_wait.observe(seconds)
+
+    def set_leaked(self, tier: str, nbytes: int) -> None:
+        """Report bytes owned by nothing in a ledger: tier is gpu, cpu or ipc."""
+        try:
+            child = self._leaked[tier]
+        except KeyError:
+            raise _unknown("leak tier", tier, LEAK_TIERS) from None
+        child.set(nbytes)
+
+    def ipc_fallback(self, reason: str) -> None:
+        """Count a send that fell back to host memory."""
+        child = self._fallbacks.get(reason)
+        if child is None:
+            child = self._fallbacks[reason] = self._bind(self._families.ipc_fallbacks, reason)
+        child.inc()
+
+    def set_ipc_pool(self, state: str, nbytes: int) -> None:
+        """Report IPC pool bytes in a state: used, free or leased."""
+        try:
+            child = self._ipc_pool[state]
+        except KeyError:
+            raise _unknown("IPC pool state", state, IPC_POOL_STATES) from None
+        child.set(nbytes)
+
+    def fault(self, kind: str) -> None:
+        """Count a fault (copy_failed, oom, quarantined, ...)."""
+        child = self._faults.get(kind)
+        if child is None:
+            child = self._faults[kind] = self._bind(self._families.faults, kind)
+        child.inc()
+
+    def close(self) -> None:
+        """Remove this cache's series from the registry; later calls change nothing visible."""
+        if self._closed:
+            return
+        self._closed = True
+        if multiprocess_dir() is None:
+            for family, values, _ in self._children:
+                family.remove(*values)
+        else:
+            # Series live in the per-process files until the process is marked dead, and
+            # prometheus-client cannot remove them there; zeroed gauges add nothing to a sum.
+            for _, _, child in self._children:
+                if isinstance(child, Gauge):
+                    child.set(0)
+        self._families.release(self._name, self)
+
+
+def _unknown(what: str, value: str, expected: tuple[str, ...]) -> ValueError:
+    return ValueError(f"unknown {what} {value!r}; expected one of {', '.join(expected)}")
+
+
+def make_multiprocess_registry(path: str | None = None) -> CollectorRegistry:
+    """Return a registry that collects every process's metrics from the multiprocess directory."""
+    path = path or multiprocess_dir()
+    if not path or not os.path.isdir(path):
+        raise SettingsError(
+            f"PROMETHEUS_MULTIPROC_DIR={path!r} is not a directory; set it to an empty "
+            "directory in every process before prometheus_client is first imported"
+        )
+    registry = CollectorRegistry()
+    # prometheus-client leaves its multiprocess module unannotated.
+    _multiprocess.MultiProcessCollector(registry, path=path)  # type: ignore[no-untyped-call]
+    return registry
+
+
+def mark_process_dead(pid: int, path: str | None = None) -> None:
+    """Drop an exited process's live gauges; its counters and histograms stay."""
+    path = path or multiprocess_dir()
+    if not path:
+        raise SettingsError(
+            "mark_process_dead needs PROMETHEUS_MULTIPROC_DIR (or path=): multiprocess mode is off"
+        )
+    _multiprocess.mark_process_dead(pid, path)  # type: ignore[no-untyped-call]
+
+
+def exposition_registry(registry: CollectorRegistry | None = None) -> CollectorRegistry:
+    """Return the registry to expose: the given one, else the multiprocess or default one."""
+    if registry is not None:
+        return registry
+    return make_multiprocess_registry() if multiprocess_dir() else REGISTRY
+
+
+def start_metrics_server(
+    port: int, registry: CollectorRegistry | None = None, addr: str = "127.0.0.1"
+) -> tuple[WSGIServer, Thread]:
+    """Serve /metrics on addr:port from a daemon thread; shut down with server.shutdown()."""
+    return start_http_server(port, addr=addr, registry=exposition_registry(registry))
+
+
+def asgi_app(registry: CollectorRegistry | None = None) -> Callable[..., Any]:
+    """Return an ASGI app serving the metrics, to mount at /metrics."""
+    app: Callable[..., Any] = make_asgi_app(exposition_registry(registry))
+    return app
