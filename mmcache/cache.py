@@ -647,12 +647,13 @@ class FeatureCache:
         self, tensor: torch.Tensor, ready: Fence, span: tuple[int, int] | None, stream: Stream
     ) -> torch.Tensor:
         """A fresh alias (or row view) of a device tensor, ordered after ready on stream."""
-        out = tensor.detach() if span is None else tensor[span[0] : span[1]]
         if not ready.done():
             if self._device.stream_ordered_reads:
                 self._device.wait_on(stream, ready)
             else:
                 self._observe_wait(await wait_fences([ready]))
+        # Made after the wait: a cancelled read leaves no alias behind in its traceback.
+        out = tensor.detach() if span is None else tensor[span[0] : span[1]]
         self._device.use_on(out, stream)
         return out
 
@@ -684,15 +685,13 @@ class FeatureCache:
     async def _read_host(self, entry: Entry, span: tuple[int, int] | None) -> torch.Tensor:
         """A copy the caller owns of (rows of) the host copy, after the offload completes."""
         block = entry.block
+        fence = entry.copy_fence
         pool = self._pool
-        assert block is not None and pool is not None and entry.copy_fence is not None
+        assert block is not None and pool is not None and fence is not None
         pool.pin(block)  # a discard while we wait must not recycle the block under us
         try:
-            if not entry.copy_fence.done():
-                self._observe_wait(await wait_fences([entry.copy_fence]))
-            elif entry.copy_fence.exception() is not None:
-                await wait_fences([entry.copy_fence])  # raises CopyFailedError
-            view = entry.host_whole() if span is None else entry.host_view(*span)
+            self._observe_wait(await wait_fences([fence]))  # raises CopyFailedError
+            view = entry.host_whole(block) if span is None else entry.host_view(*span, block)
             return view.clone()
         finally:
             pool.unpin(block)

@@ -52,17 +52,21 @@ class Entry:
         self.device_readers = [f for f in self.device_readers if not f.done()]
         return self.device_readers
 
-    def host_view(self, start: int, stop: int) -> torch.Tensor:
-        """Rows start..stop of the host copy, typed and shaped (a view into the arena)."""
-        assert self.block is not None
+    def host_view(
+        self, start: int, stop: int, block: HostBlock | None = None
+    ) -> torch.Tensor:
+        """Rows start..stop of the host copy (in block, default the entry's), typed and shaped."""
+        block = block if block is not None else self.block
+        assert block is not None
         row_bytes = self.nbytes // self.shape[0]
-        raw = self.block.bytes(start * row_bytes, stop * row_bytes)
+        raw = block.bytes(start * row_bytes, stop * row_bytes)
         return raw.view(self.dtype).view((stop - start, *self.shape[1:]))
 
-    def host_whole(self) -> torch.Tensor:
-        """The whole host copy, typed and shaped (a view into the arena)."""
-        assert self.block is not None
-        return self.block.bytes(0, self.nbytes).view(self.dtype).view(self.shape)
+    def host_whole(self, block: HostBlock | None = None) -> torch.Tensor:
+        """The whole host copy (in block, default the entry's), typed and shaped."""
+        block = block if block is not None else self.block
+        assert block is not None
+        return block.bytes(0, self.nbytes).view(self.dtype).view(self.shape)
 
 
 _KEY_TYPES = (str, bytes, int)

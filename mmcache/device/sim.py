@@ -400,16 +400,22 @@ class SimDevice(Device):
                     exc = e
             with self._cond:
                 op.stream.ops.popleft()
-                for alloc, t in op.holds:
-                    # by identity: == on tensors compares elements
-                    idx = next(i for i, x in enumerate(alloc.op_tensors) if x is t)
-                    del alloc.op_tensors[idx]
-                op.holds.clear()
-                op.run = None
+                self._drop_operands(op)
                 if op.nbytes:
                     self.copies_run += 1
                 self._cond.notify_all()
             op.fence._complete(exc)
+            del op  # this frame lives on: it must not keep the last operands alive
+
+    @staticmethod
+    def _drop_operands(op: _Op) -> None:
+        """Forget a finished operation's tensors (queued work keeps nothing alive afterwards)."""
+        for alloc, t in op.holds:
+            # by identity: == on tensors compares elements
+            idx = next(i for i, x in enumerate(alloc.op_tensors) if x is t)
+            del alloc.op_tensors[idx]
+        op.holds.clear()
+        op.run = None
 
     def _fence_done_for(self, key: int) -> None:
         with self._cond:

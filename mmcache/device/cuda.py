@@ -1,0 +1,840 @@
+"""CudaDevice: the Device interface over torch.cuda (copy streams, event fences, a pinned arena)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import itertools
+import logging
+import mmap
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, Final, Literal, final
+
+import torch
+
+from mmcache.device.base import Device, Fence, Stream
+from mmcache.errors import (
+    CacheClosedError,
+    CopyFailedError,
+    DeviceOutOfMemoryError,
+    InvalidValueError,
+    MMCacheError,
+)
+
+__all__ = [
+    "DEFAULT_PIN_CHUNK_BYTES",
+    "DEFAULT_PACK_MAX_BYTES",
+    "ArenaMethod",
+    "CudaDevice",
+    "CudaFence",
+]
+
+_log = logging.getLogger(__name__)
+
+#: "register": cuMemHostRegister of an anonymous mapping, chunk by chunk (default).
+#: "hostalloc": one cuMemHostAlloc call (one region, no chunk boundaries).
+ArenaMethod = Literal["register", "hostalloc"]
+
+_MiB: Final = 1 << 20
+DEFAULT_PIN_CHUNK_BYTES: Final = 256 * _MiB
+DEFAULT_PACK_MAX_BYTES: Final = 1 * _MiB
+# A packed run of small copies needs a device staging buffer of its size: keep it modest.
+_PACK_RUN_MAX_BYTES: Final = 64 * _MiB
+_HUGE_PAGE: Final = 2 * _MiB
+_PAGE: Final = mmap.PAGESIZE
+
+# CUDA driver constants (cuda.h).
+_CU_MEMHOSTALLOC_PORTABLE: Final = 0x01
+_CU_MEMHOSTREGISTER_PORTABLE: Final = 0x01
+_CUDA_ERROR_OUT_OF_MEMORY: Final = 2
+
+
+def _event_query(event: torch.cuda.Event) -> bool:
+    """event.query(), typed."""
+    return bool(event.query())  # type: ignore[no-untyped-call]
+
+
+def _new_event() -> torch.cuda.Event:
+    """A blocking, untimed event: a thread in synchronize() sleeps instead of spinning."""
+    return torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+
+
+def _new_stream(device: torch.device, priority: int) -> torch.cuda.Stream:
+    """torch.cuda.Stream(device, priority), typed."""
+    return torch.cuda.Stream(device, priority=priority)  # type: ignore[no-untyped-call]
+
+
+@final
+class CudaFence(Fence):
+    """A blocking torch.cuda.Event recorded on a stream: done once the GPU has passed it."""
+
+    __slots__ = ("_done", "_error", "_waiter", "event", "stream")
+
+    def __init__(
+        self, event: torch.cuda.Event, stream: torch.cuda.Stream, waiter: _FenceWaiter
+    ) -> None:
+        self.event = event
+        self.stream = stream
+        self._waiter = waiter
+        self._done = False
+        self._error: BaseException | None = None
+
+    def done(self) -> bool:
+        """Return True once the work before the fence has completed (successfully or not)."""
+        if self._done:
+            return True
+        try:
+            if not _event_query(self.event):
+                return False
+        except RuntimeError as exc:  # a sticky CUDA error surfaces at the next query
+            self._error = CopyFailedError(f"device work before a fence failed: {exc}")
+        self._done = True
+        return True
+
+    def exception(self) -> BaseException | None:
+        """The sticky CUDA error seen while waiting, if any (copies fail at enqueue instead)."""
+        return self._error
+
+    def add_done_callback(self, fn: Callable[[], object]) -> None:
+        """Call fn() at once if done, else from the device's waiter thread once done."""
+        if self.done():
+            fn()
+        else:
+            self._waiter.submit(self, fn)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until done (sleeping in the driver) or until timeout; return done()."""
+        if self.done():
+            return True
+        if timeout is None:
+            self.synchronize()
+            return True
+        deadline = time.monotonic() + timeout
+        pause = 20e-6
+        while not self.done():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            time.sleep(min(pause, remaining))
+            pause = min(pause * 2, 1e-3)
+        return True
+
+    def synchronize(self) -> None:
+        """Block the calling thread in cudaEventSynchronize (the GIL is released meanwhile)."""
+        if self._done:
+            return
+        try:
+            self.event.synchronize()
+        except RuntimeError as exc:
+            self._error = CopyFailedError(f"device work before a fence failed: {exc}")
+        self._done = True
+
+    def pending_event(self) -> torch.cuda.Event | None:
+        """The event to wait on, or None once the fence is known to be done."""
+        return None if self._done else self.event
+
+
+_Job = tuple[CudaFence, Callable[[], object]]
+
+
+@final
+class _FenceWaiter:
+    """One thread that sleeps on fences in FIFO order and then runs their callbacks."""
+
+    __slots__ = ("_closed", "_device", "_lock", "_name", "_queue", "_thread")
+
+    def __init__(self, device: torch.device, name: str) -> None:
+        self._device = device
+        self._name = name
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def submit(self, fence: CudaFence, fn: Callable[[], object]) -> None:
+        """Run fn() on the waiter thread once fence is done."""
+        with self._lock:
+            if not self._closed:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                    self._thread.start()
+                self._queue.put((fence, fn))
+                return
+        # Closed: no thread is left to wait, so honour the contract on this thread.
+        fence.synchronize()
+        fn()
+
+    def close(self, timeout: float | None = None) -> None:
+        """Run every queued callback, then stop the thread."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            thread = self._thread
+            self._queue.put(None)
+        if thread is not None:
+            thread.join(timeout)
+            if thread.is_alive():
+                _log.warning("%s: fences still pending after %.0f s at close", self._name, timeout)
+
+    def _run(self) -> None:
+        # Without this the runtime would make a context current on GPU 0 for this thread.
+        torch.cuda.set_device(self._device)
+        while (job := self._queue.get()) is not None:
+            fence, fn = job
+            # Drop the job before blocking again: its closure may hold tensors or futures.
+            del job
+            fence.synchronize()
+            try:
+                fn()
+            except Exception:
+                _log.exception("%s: a fence callback raised", self._name)
+            del fence, fn
+
+
+@final
+class _Keepalive:
+    """Holds a tensor until every fence that still uses it is done."""
+
+    __slots__ = ("_lock", "_remaining", "_tensor")
+
+    def __init__(self, tensor: torch.Tensor, fences: int) -> None:
+        self._tensor: torch.Tensor | None = tensor
+        self._remaining = fences
+        self._lock = threading.Lock()
+
+    def fence_done(self) -> None:
+        """Count one fence down; drop the tensor after the last."""
+        with self._lock:
+            self._remaining -= 1
+            if self._remaining > 0:
+                return
+            tensor, self._tensor = self._tensor, None
+        # The caching allocator frees (thread-safely) when the last reference goes.
+        del tensor
+
+
+@final
+class _CudaDriver:
+    """The few CUDA driver calls torch does not expose: pinned host allocation and registration."""
+
+    def __init__(self, ordinal: int) -> None:
+        # The runtime itself loads the driver under exactly this name, so it is always found.
+        lib = ctypes.CDLL("libcuda.so.1")
+        vp, size_t, uint, cint = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint, ctypes.c_int
+        signatures: dict[str, list[type[Any]]] = {
+            "cuInit": [uint],
+            "cuDriverGetVersion": [ctypes.POINTER(cint)],
+            "cuDeviceGet": [ctypes.POINTER(cint), cint],
+            "cuDevicePrimaryCtxRetain": [ctypes.POINTER(vp), cint],
+            "cuCtxPushCurrent_v2": [vp],
+            "cuCtxPopCurrent_v2": [ctypes.POINTER(vp)],
+            "cuMemHostAlloc": [ctypes.POINTER(vp), size_t, uint],
+            "cuMemFreeHost": [vp],
+            "cuMemHostRegister_v2": [vp, size_t, uint],
+            "cuMemHostUnregister": [vp],
+            "cuGetErrorString": [cint, ctypes.POINTER(ctypes.c_char_p)],
+        }
+        for fname, argtypes in signatures.items():
+            func = getattr(lib, fname)
+            func.argtypes = argtypes
+            func.restype = cint
+        self._lib = lib
+        self._check(lib.cuInit(0), "cuInit")
+        device = ctypes.c_int()
+        self._check(lib.cuDeviceGet(ctypes.byref(device), ordinal), "cuDeviceGet")
+        context = ctypes.c_void_p()
+        # torch runs on the primary context; retaining it (never released) keeps it alive.
+        self._check(
+            lib.cuDevicePrimaryCtxRetain(ctypes.byref(context), device), "cuDevicePrimaryCtxRetain"
+        )
+        self._context = context
+        version = ctypes.c_int()
+        self._check(lib.cuDriverGetVersion(ctypes.byref(version)), "cuDriverGetVersion")
+        self.version = f"{version.value // 1000}.{version.value % 1000 // 10}"
+
+    def host_alloc(self, nbytes: int) -> int:
+        """cuMemHostAlloc: nbytes of pinned, portable host memory; return its address."""
+        ptr = ctypes.c_void_p()
+        with self._current():
+            code = self._lib.cuMemHostAlloc(ctypes.byref(ptr), nbytes, _CU_MEMHOSTALLOC_PORTABLE)
+        self._check(code, "cuMemHostAlloc", nbytes)
+        assert ptr.value is not None
+        return ptr.value
+
+    def free_host(self, ptr: int) -> None:
+        """cuMemFreeHost."""
+        with self._current():
+            self._check(self._lib.cuMemFreeHost(ptr), "cuMemFreeHost")
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        """cuMemHostRegister: pin an existing range for every context (portable)."""
+        with self._current():
+            code = self._lib.cuMemHostRegister_v2(ptr, nbytes, _CU_MEMHOSTREGISTER_PORTABLE)
+        self._check(code, "cuMemHostRegister", nbytes)
+
+    def unregister(self, ptr: int) -> None:
+        """cuMemHostUnregister."""
+        with self._current():
+            self._check(self._lib.cuMemHostUnregister(ptr), "cuMemHostUnregister")
+
+    @contextmanager
+    def _current(self) -> Iterator[None]:
+        # Pushing the primary context explicitly lets any thread (the pinning thread, a
+        # finaliser) call the driver without touching the runtime's per-thread device.
+        self._check(self._lib.cuCtxPushCurrent_v2(self._context), "cuCtxPushCurrent")
+        try:
+            yield
+        finally:
+            self._lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+
+    def _check(self, code: int, call: str, nbytes: int | None = None) -> None:
+        if code == 0:
+            return
+        text = ctypes.c_char_p()
+        self._lib.cuGetErrorString(code, ctypes.byref(text))
+        reason = text.value.decode() if text.value else f"CUresult {code}"
+        if code == _CUDA_ERROR_OUT_OF_MEMORY and nbytes is not None:
+            raise DeviceOutOfMemoryError(
+                f"{call} could not pin {nbytes / _MiB:.1f} MiB of host memory ({reason}); "
+                "lower MMCACHE_CPU_CACHE_MB or free host memory"
+            )
+        raise MMCacheError(f"{call} failed: {reason}")
+
+
+def _release_registered(driver: _CudaDriver, ptrs: tuple[int, ...], mapping: mmap.mmap) -> None:
+    """Unregister an arena's chunks; the mapping itself lives on while tensors view it."""
+    for ptr in ptrs:
+        try:
+            driver.unregister(ptr)
+        except MMCacheError as exc:
+            _log.warning("unpinning the host arena failed: %s", exc)
+    del mapping
+
+
+def _free_host(driver: _CudaDriver, ptr: int) -> None:
+    """Free a cuMemHostAlloc arena once no tensor views it."""
+    try:
+        driver.free_host(ptr)
+    except MMCacheError as exc:
+        _log.warning("freeing the pinned host arena failed: %s", exc)
+
+
+def _as_cuda_stream(stream: Stream) -> torch.cuda.Stream:
+    """The torch.cuda.Stream behind stream (a torch.Stream of CUDA type is converted)."""
+    if isinstance(stream, torch.cuda.Stream):
+        return stream
+    if isinstance(stream, torch.Stream) and stream.device.type == "cuda":
+        return torch.cuda.Stream(  # type: ignore[no-untyped-call]
+            stream_id=stream.stream_id,
+            device_index=stream.device_index,
+            device_type=stream.device_type,
+        )
+    raise InvalidValueError(f"expected a torch.cuda.Stream, got {type(stream).__name__}")
+
+
+def _flat_bytes(tensor: torch.Tensor, role: str) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor (any dtype, 0-dim included)."""
+    if not tensor.is_contiguous():
+        raise InvalidValueError(
+            f"copy {role} must be contiguous (shape {tuple(tensor.shape)}, "
+            f"strides {tensor.stride()}); compact it with copy_d2d first"
+        )
+    flat = tensor.reshape(-1)
+    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+
+
+class CudaDevice(Device):
+    """The Device interface over torch.cuda: copy streams, event fences and a pinned host arena."""
+
+    stream_ordered_reads = True
+
+    #: None: the host pool may place blocks anywhere. A "register" arena is pinned in
+    #: pin_chunk_bytes chunks, and a copy that crosses a chunk boundary is split here, so
+    #: blocks may straddle chunks and exceed their size.
+    arena_chunk_bytes = None
+
+    def __init__(
+        self,
+        index: int | str | torch.device = 0,
+        *,
+        arena_method: ArenaMethod = "register",
+        pin_chunk_bytes: int = DEFAULT_PIN_CHUNK_BYTES,
+        huge_pages: bool = True,
+        pack_max_bytes: int = DEFAULT_PACK_MAX_BYTES,
+    ) -> None:
+        if not torch.cuda.is_available():
+            raise MMCacheError(
+                "CUDA is not available (no GPU, or a CPU-only torch build); use device='sim'"
+            )
+        if arena_method not in ("register", "hostalloc"):
+            raise InvalidValueError(
+                f"arena_method must be 'register' or 'hostalloc', not {arena_method!r}"
+            )
+        if pin_chunk_bytes <= 0 or pin_chunk_bytes % _PAGE:
+            raise InvalidValueError(
+                f"pin_chunk_bytes must be a positive multiple of {_PAGE}, not {pin_chunk_bytes}"
+            )
+        self._device = _resolve_device(index)
+        self.name = str(self._device)
+        self.index: int = self._device.index if self._device.index is not None else 0
+        self.arena_method: ArenaMethod = arena_method
+        self.pin_chunk_bytes = pin_chunk_bytes
+        self.huge_pages = huge_pages
+        self.pack_max_bytes = pack_max_bytes
+        with torch.cuda.device(self._device):
+            # Priorities only order kernels (the copy engines ignore them): the D2H stream runs
+            # the packing kernel and should yield to compute; promotions are on the get path.
+            self._d2h = _new_stream(self._device, priority=0)
+            self._h2d = _new_stream(self._device, priority=-1)
+        # A waiter per copy stream: fences on one stream complete in order, so FIFO waiting
+        # never holds a short promotion behind a long eviction. Other streams share one.
+        self._d2h_waiter = _FenceWaiter(self._device, f"mmcache-fences-d2h-{self.name}")
+        self._h2d_waiter = _FenceWaiter(self._device, f"mmcache-fences-h2d-{self.name}")
+        self._other_waiter = _FenceWaiter(self._device, f"mmcache-fences-{self.name}")
+        self._waiters = {
+            self._d2h.cuda_stream: self._d2h_waiter,
+            self._h2d.cuda_stream: self._h2d_waiter,
+        }
+        self._driver_instance: _CudaDriver | None = None
+        self._arena_claimed = False
+        self._arena_ptr = 0
+        self._arena_nbytes = 0
+        self._arena_split_chunk = 0  # chunk size copies are split at; 0 = one registration
+        self._arena_finalizer: weakref.finalize[Any, Any] | None = None
+        self._pin_thread: threading.Thread | None = None
+        self._closed = False
+
+    # --- streams and fences -------------------------------------------------
+
+    def current_stream(self) -> Stream:
+        """The calling thread's current stream on this device."""
+        return torch.cuda.current_stream(self._device)
+
+    def copy_streams(self) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+        """The dedicated (D2H, H2D) copy streams."""
+        return self._d2h, self._h2d
+
+    def synchronize(self) -> None:
+        """Block until all work queued on this GPU has completed (tests and benchmarks)."""
+        torch.cuda.synchronize(self._device)
+
+    @property
+    def d2h_stream(self) -> torch.cuda.Stream:
+        """The dedicated device-to-host copy stream."""
+        return self._d2h
+
+    @property
+    def h2d_stream(self) -> torch.cuda.Stream:
+        """The dedicated host-to-device copy stream."""
+        return self._h2d
+
+    def record(self, stream: Stream) -> CudaFence:
+        """A fence that completes after all work queued on stream so far."""
+        cuda_stream = _as_cuda_stream(stream)
+        return self._record_on(
+            cuda_stream, self._waiters.get(cuda_stream.cuda_stream, self._other_waiter)
+        )
+
+    def wait_on(self, stream: Stream, fence: Fence) -> None:
+        """Make later work on stream wait for fence (no host synchronisation)."""
+        event = _pending_event(fence)
+        if event is not None:
+            _as_cuda_stream(stream).wait_event(event)
+
+    # --- memory -------------------------------------------------------------
+
+    def is_device_tensor(self, tensor: torch.Tensor) -> bool:
+        """True if tensor lives in this GPU's memory."""
+        return tensor.device == self._device
+
+    def adopt(self, tensor: torch.Tensor, stream: Stream) -> torch.Tensor:
+        """Return the cache's own alias of a tensor on this GPU."""
+        if not self.is_device_tensor(tensor):
+            raise InvalidValueError(
+                f"expected a tensor on {self.name}, got one on {tensor.device}; "
+                f"move it to {self.name} first"
+            )
+        return tensor.detach()
+
+    def empty(
+        self, shape: Sequence[int], dtype: torch.dtype, stream: Stream | None = None
+    ) -> torch.Tensor:
+        """Allocate on this GPU from the pool of stream (default: the H2D copy stream).
+
+        The pool is the stream that first writes the memory: a block the caching allocator
+        hands out on stream S may still be read by work queued on S before it was freed.
+        """
+        alloc_stream = self._h2d if stream is None else _as_cuda_stream(stream)
+        try:
+            with torch.cuda.stream(alloc_stream):
+                return torch.empty(tuple(shape), dtype=dtype, device=self._device)
+        except torch.OutOfMemoryError as exc:
+            nbytes = torch.Size(shape).numel() * dtype.itemsize
+            raise DeviceOutOfMemoryError(
+                f"could not allocate {nbytes / _MiB:.1f} MiB on {self.name}; lower "
+                "MMCACHE_GPU_CACHE_MB (SGLANG_VLM_CACHE_SIZE_MB) or free GPU memory"
+            ) from exc
+
+    def use_on(self, tensor: torch.Tensor, stream: Stream) -> None:
+        """record_stream: the allocator keeps tensor's block until stream's queued work is done."""
+        tensor.record_stream(_as_cuda_stream(stream))
+
+    def release(self, tensor: torch.Tensor, after: Sequence[Fence]) -> None:
+        """Drop the cache's alias once every fence in after is done.
+
+        Copies this device queued already called record_stream, so only fences of other
+        streams (consumers) keep the tensor referenced, from the waiters' callbacks.
+        """
+        pending = [fence for fence in after if not fence.done()]
+        if not pending:
+            return
+        keepalive = _Keepalive(tensor, len(pending))
+        for fence in pending:
+            fence.add_done_callback(keepalive.fence_done)
+
+    def host_arena(self, nbytes: int) -> torch.Tensor:
+        """Allocate and pin the host arena, once: a flat uint8 tensor of nbytes."""
+        self._claim_arena(nbytes)
+        return self._allocate_arena(nbytes)
+
+    def host_arena_async(self, nbytes: int) -> concurrent.futures.Future[torch.Tensor]:
+        """Pin the host arena on a background thread (~0.5 ms/MiB): a future of host_arena()."""
+        self._claim_arena(nbytes)
+        future: concurrent.futures.Future[torch.Tensor] = concurrent.futures.Future()
+
+        def pin() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                arena = self._allocate_arena(nbytes)
+            except BaseException as exc:
+                future.set_exception(exc)
+            else:
+                future.set_result(arena)
+
+        thread = threading.Thread(target=pin, name=f"mmcache-pin-{self.name}", daemon=True)
+        self._pin_thread = thread
+        thread.start()
+        return future
+
+    # --- copies -------------------------------------------------------------
+
+    def copy_d2h(self, src: torch.Tensor, dst: torch.Tensor, after: Sequence[Fence]) -> CudaFence:
+        """Queue src (this GPU) -> dst (pinned host) on the D2H stream after the fences."""
+        self._check_open()
+        src_bytes, dst_bytes = self._copy_operands(src, dst, device_src=True)
+        stream = self._d2h
+        try:
+            with torch.cuda.stream(stream):
+                self._order_after(stream, after)
+                self._copy_bytes(dst_bytes, src_bytes, host=dst_bytes)
+                # The caching allocator must not recycle src while the copy engine reads it.
+                src.record_stream(stream)
+                return self._record_on(stream, self._d2h_waiter)
+        except RuntimeError as exc:
+            raise _enqueue_error("device-to-host", src_bytes.numel(), exc) from exc
+
+    def copy_h2d(self, src: torch.Tensor, dst: torch.Tensor, after: Sequence[Fence]) -> CudaFence:
+        """Queue src (pinned host) -> dst (this GPU) on the H2D stream after the fences."""
+        self._check_open()
+        dst_bytes, src_bytes = self._copy_operands(dst, src, device_src=False)
+        stream = self._h2d
+        try:
+            with torch.cuda.stream(stream):
+                self._order_after(stream, after)
+                self._copy_bytes(dst_bytes, src_bytes, host=src_bytes)
+                dst.record_stream(stream)
+                return self._record_on(stream, self._h2d_waiter)
+        except RuntimeError as exc:
+            raise _enqueue_error("host-to-device", src_bytes.numel(), exc) from exc
+
+    def copy_d2d(self, src: torch.Tensor, dst: torch.Tensor, stream: Stream) -> CudaFence:
+        """Queue src -> dst (both on this GPU; src may be strided) on stream."""
+        self._check_open()
+        cuda_stream = _as_cuda_stream(stream)
+        for tensor, role in ((src, "source"), (dst, "destination")):
+            if not self.is_device_tensor(tensor):
+                raise InvalidValueError(f"copy {role} is on {tensor.device}, not {self.name}")
+        same_layout = src.shape == dst.shape and src.dtype == dst.dtype
+        if not same_layout and src.nbytes != dst.nbytes:
+            raise InvalidValueError(
+                f"copy of {src.nbytes} bytes into a {dst.nbytes}-byte destination"
+            )
+        try:
+            with torch.cuda.stream(cuda_stream):
+                if same_layout:
+                    dst.copy_(src, non_blocking=True)
+                else:
+                    _flat_bytes(dst, "destination").copy_(
+                        _flat_bytes(src, "source"), non_blocking=True
+                    )
+                src.record_stream(cuda_stream)
+                dst.record_stream(cuda_stream)
+                return self.record(cuda_stream)
+        except RuntimeError as exc:
+            raise _enqueue_error("device-to-device", src.nbytes, exc) from exc
+
+    def copy_d2h_batch(
+        self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], after: Sequence[Fence]
+    ) -> CudaFence:
+        """Queue many src -> dst copies on the D2H stream behind one fence.
+
+        Small sources whose destinations are adjacent in host memory (in any order) are
+        packed into one device staging buffer by one kernel and moved by one copy.
+        """
+        self._check_open()
+        items = [(src, *self._copy_operands(src, dst, device_src=True)) for src, dst in pairs]
+        stream = self._d2h
+        total = sum(src_bytes.numel() for _, src_bytes, _ in items)
+        try:
+            with torch.cuda.stream(stream):
+                self._order_after(stream, after)
+                for run in self._packed_runs(items):
+                    if len(run) == 1:
+                        _, src_bytes, dst_bytes = run[0]
+                        self._copy_bytes(dst_bytes, src_bytes, host=dst_bytes)
+                        continue
+                    # Allocated on the D2H stream, so reuse after the copy is stream-ordered.
+                    staging = torch.cat([src_bytes for _, src_bytes, _ in run])
+                    first = run[0][2]
+                    region = first.as_strided((staging.numel(),), (1,))
+                    self._copy_bytes(region, staging, host=region)
+                for src, _, _ in items:
+                    src.record_stream(stream)
+                return self._record_on(stream, self._d2h_waiter)
+        except RuntimeError as exc:
+            raise _enqueue_error("batched device-to-host", total, exc) from exc
+
+    # --- lifecycle ------------------------------------------------------------
+
+    def close(self) -> None:
+        """Finish queued copies and callbacks, stop the waiters, unpin a registered arena."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._pin_thread is not None:
+            self._pin_thread.join()
+        self._d2h.synchronize()
+        self._h2d.synchronize()
+        for waiter in (self._d2h_waiter, self._h2d_waiter, self._other_waiter):
+            waiter.close(timeout=60.0)
+        # Unpinning leaves the memory valid (pageable) for views still alive; a cuMemHostAlloc
+        # arena cannot be freed under them, so it is freed when its last view goes.
+        if self._arena_finalizer is not None and self.arena_method == "register":
+            self._arena_finalizer()
+
+    def describe(self) -> dict[str, Any]:
+        """GPU model and memory, torch/CUDA/driver versions, arena facts."""
+        props = torch.cuda.get_device_properties(self._device)
+        facts: dict[str, Any] = {
+            "name": self.name,
+            "gpu": props.name,
+            "memory_bytes": props.total_memory,
+            "capability": f"{props.major}.{props.minor}",
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "arena_method": self.arena_method,
+            "arena_bytes": self._arena_nbytes,
+            "pin_chunk_bytes": self.pin_chunk_bytes,
+            "huge_pages": self.huge_pages,
+            "pack_max_bytes": self.pack_max_bytes,
+        }
+        if self._driver_instance is not None:
+            facts["driver_cuda"] = self._driver_instance.version
+        return facts
+
+    # --- internals ------------------------------------------------------------
+
+    def _record_on(self, stream: torch.cuda.Stream, waiter: _FenceWaiter) -> CudaFence:
+        event = _new_event()
+        event.record(stream)
+        return CudaFence(event, stream, waiter)
+
+    def _order_after(self, stream: torch.cuda.Stream, after: Sequence[Fence]) -> None:
+        for fence in after:
+            event = _pending_event(fence)
+            if event is not None:
+                stream.wait_event(event)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CacheClosedError(f"{self.name}: the device was closed")
+
+    def _copy_operands(
+        self, device_side: torch.Tensor, host_side: torch.Tensor, *, device_src: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Validate a device/host pair; return (device bytes, host bytes) views."""
+        device_role, host_role = (
+            ("source", "destination") if device_src else ("destination", "source")
+        )
+        if not self.is_device_tensor(device_side):
+            raise InvalidValueError(
+                f"copy {device_role} is on {device_side.device}, not {self.name}"
+            )
+        if host_side.device.type != "cpu":
+            raise InvalidValueError(f"copy {host_role} is on {host_side.device}, not host memory")
+        device_bytes = _flat_bytes(device_side, device_role)
+        host_bytes = _flat_bytes(host_side, host_role)
+        if device_bytes.numel() != host_bytes.numel():
+            src_n, dst_n = (
+                (device_bytes.numel(), host_bytes.numel())
+                if device_src
+                else (host_bytes.numel(), device_bytes.numel())
+            )
+            raise InvalidValueError(f"copy of {src_n} bytes into a {dst_n}-byte destination")
+        return device_bytes, host_bytes
+
+    def _copy_bytes(self, dst: torch.Tensor, src: torch.Tensor, *, host: torch.Tensor) -> None:
+        """dst.copy_(src) on the current stream, split where host crosses an arena chunk."""
+        if dst.numel() == 0:
+            return
+        pieces = self._chunk_pieces(host)
+        if pieces is None:
+            dst.copy_(src, non_blocking=True)
+            return
+        for start, stop in pieces:
+            dst[start:stop].copy_(src[start:stop], non_blocking=True)
+
+    def _chunk_pieces(self, host: torch.Tensor) -> list[tuple[int, int]] | None:
+        """Byte ranges of host that each lie in one registered chunk; None if it needs no split."""
+        chunk = self._arena_split_chunk
+        if chunk == 0:
+            return None
+        start = host.data_ptr() - self._arena_ptr
+        stop = start + host.numel()
+        if start < 0 or stop > self._arena_nbytes:
+            return None
+        first, last = start // chunk, (stop - 1) // chunk
+        if first == last:
+            return None
+        edges = [start, *(k * chunk for k in range(first + 1, last + 1)), stop]
+        return [(a - start, b - start) for a, b in itertools.pairwise(edges)]
+
+    def _packed_runs(
+        self, items: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    ) -> Iterator[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
+        """Group small copies whose host destinations are adjacent; large ones go alone."""
+        small = [item for item in items if item[1].numel() <= self.pack_max_bytes]
+        for item in items:
+            if item[1].numel() > self.pack_max_bytes:
+                yield [item]
+        small.sort(key=lambda item: item[2].data_ptr())
+        run: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        run_end = run_bytes = 0
+        storage = 0
+        for item in small:
+            dst = item[2]
+            nbytes = dst.numel()
+            dst_storage = dst.untyped_storage().data_ptr()
+            if (
+                run
+                and dst.data_ptr() == run_end
+                and dst_storage == storage
+                and run_bytes + nbytes <= _PACK_RUN_MAX_BYTES
+            ):
+                run.append(item)
+                run_bytes += nbytes
+            else:
+                if run:
+                    yield run
+                run, run_bytes, storage = [item], nbytes, dst_storage
+            run_end = dst.data_ptr() + nbytes
+        if run:
+            yield run
+
+    def _driver(self) -> _CudaDriver:
+        if self._driver_instance is None:
+            self._driver_instance = _CudaDriver(self.index)
+        return self._driver_instance
+
+    def _claim_arena(self, nbytes: int) -> None:
+        self._check_open()
+        if nbytes < 0:
+            raise InvalidValueError(f"host arena size must be >= 0, not {nbytes}")
+        if self._arena_claimed:
+            raise MMCacheError(
+                f"{self.name}: the host arena was already allocated (it is made once)"
+            )
+        self._arena_claimed = True
+
+    def _allocate_arena(self, nbytes: int) -> torch.Tensor:
+        if nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        driver = self._driver()
+        if self.arena_method == "hostalloc":
+            ptr = driver.host_alloc(nbytes)
+            buffer = (ctypes.c_uint8 * nbytes).from_address(ptr)
+            arena = torch.frombuffer(buffer, dtype=torch.uint8)
+            # Freed only when the last view of the buffer goes: never under a live tensor.
+            weakref.finalize(buffer, _free_host, driver, ptr).atexit = False
+            self.pin_chunk_bytes = nbytes
+            self._arena_ptr, self._arena_nbytes = ptr, nbytes
+            return arena
+        chunk = self.pin_chunk_bytes
+        size = -(-nbytes // _PAGE) * _PAGE
+        # Over-map by one huge page so the arena can start on a 2 MiB boundary.
+        mapping = mmap.mmap(-1, size + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        whole = torch.frombuffer(mapping, dtype=torch.uint8)
+        offset = -whole.data_ptr() % _HUGE_PAGE
+        if self.huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):
+            # Pinning is mostly per-page work: 2 MiB pages make it several times cheaper.
+            mapping.madvise(mmap.MADV_HUGEPAGE, offset, size)
+        arena = whole[offset : offset + nbytes]
+        ptr = arena.data_ptr()
+        registered: list[int] = []
+        try:
+            # Whole pages: the tail page past nbytes is mapped and registering it is harmless.
+            for start in range(0, size, chunk):
+                driver.register(ptr + start, min(chunk, size - start))
+                registered.append(ptr + start)
+        except BaseException:
+            _release_registered(driver, tuple(registered), mapping)
+            raise
+        self._arena_finalizer = weakref.finalize(
+            self, _release_registered, driver, tuple(registered), mapping
+        )
+        self._arena_finalizer.atexit = False
+        self._arena_ptr, self._arena_nbytes = ptr, nbytes
+        self._arena_split_chunk = chunk if nbytes > chunk else 0
+        return arena
+
+
+def _pending_event(fence: Fence) -> torch.cuda.Event | None:
+    """The CUDA event a stream must wait on for fence, or None if it is done."""
+    if isinstance(fence, CudaFence):
+        return fence.pending_event()
+    if fence.done():
+        return None
+    raise InvalidValueError(
+        f"cannot order CUDA work after a pending {type(fence).__name__}; "
+        "use fences made by the same CudaDevice"
+    )
+
+
+def _enqueue_error(direction: str, nbytes: int, exc: RuntimeError) -> MMCacheError:
+    """The mmcache error for a copy that CUDA refused at enqueue."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return DeviceOutOfMemoryError(
+            f"no GPU memory to queue a {direction} copy of {nbytes} bytes; lower "
+            "MMCACHE_GPU_CACHE_MB (SGLANG_VLM_CACHE_SIZE_MB) or free GPU memory"
+        )
+    return CopyFailedError(f"queuing a {direction} copy of {nbytes} bytes failed: {exc}")
+
+
+def _resolve_device(index: int | str | torch.device) -> torch.device:
+    """A torch.device with an explicit index, checked against the visible GPUs."""
+    device = torch.device("cuda", index) if isinstance(index, int) else torch.device(index)
+    if device.type != "cuda":
+        raise InvalidValueError(f"CudaDevice needs a CUDA device, not {device}")
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    count = torch.cuda.device_count()
+    if not 0 <= (device.index or 0) < count:
+        raise InvalidValueError(f"{device} does not exist: {count} GPU(s) are visible")
+    return device
