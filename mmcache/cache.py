@@ -30,7 +30,7 @@ from mmcache.host_pool import HostBlock, HostPool
 from mmcache.metrics import CacheMetrics
 from mmcache.settings import CacheSettings
 from mmcache.stats import CacheStats
-from mmcache.waiting import FenceWatcher, fence_error, wait_fences
+from mmcache.waiting import FenceWatcher, wait_fences
 
 __all__ = ["FeatureCache"]
 
@@ -124,15 +124,13 @@ class FeatureCache:
         self._watcher = FenceWatcher(loop)
         if self._cpu_capacity > 0:
             future = self._device.host_arena_async(self._cpu_capacity)
-            future.add_done_callback(
-                lambda f: loop.call_soon_threadsafe(self._arena_ready, f)
-            )
+            future.add_done_callback(lambda f: loop.call_soon_threadsafe(self._arena_ready, f))
             if future.done():
                 await asyncio.sleep(0)  # let _arena_ready run: the simulator's arena is ready now
         self._push_tiers()
 
-    async def close(self, timeout: float | None = None) -> None:
-        """Finish queued copies, release everything and stop; later calls raise."""
+    async def close(self, timeout: float | None = None) -> None:  # noqa: ASYNC109
+        """Finish queued copies (waiting up to timeout s each step), release everything, stop."""
         if self._closed:
             return
         self._closed = True
@@ -264,7 +262,7 @@ class FeatureCache:
             self._c["hits_gpu"] += 1
             self._metrics.lookup("hit_gpu")
             if state is State.GPU:
-                self._gpu_lru[key]  # noqa: B018 - touching the key refreshes its recency
+                self._gpu_lru[key]
             assert entry.tensor is not None
             if to_host:
                 if state is State.D2H:
@@ -273,7 +271,7 @@ class FeatureCache:
             return await self._serve_device(entry.tensor, entry.ready, span, stream)
         self._c["hits_cpu"] += 1
         self._metrics.lookup("hit_cpu")
-        self._host_lru[key]  # noqa: B018 - touching the key refreshes its recency
+        self._host_lru[key]
         if to_host:
             return await self._read_host(entry, span)
         return await self._upload(entry, span, stream)
@@ -410,7 +408,7 @@ class FeatureCache:
             return self._device.adopt(value, stream), ready
         # Charging the budget for a view would under-count what it keeps alive: copy it
         # into storage of its own, ordered after the producer on the producer's stream.
-        own = self._device.empty(tuple(value.shape), value.dtype)
+        own = self._device.empty(tuple(value.shape), value.dtype, stream)
         return own, self._device.copy_d2d(value, own, stream)
 
     # --- GPU budget ---------------------------------------------------------------------
@@ -666,10 +664,11 @@ class FeatureCache:
     ) -> torch.Tensor:
         """A host copy the caller owns of a device tensor (or rows of it)."""
         src = tensor if span is None else tensor[span[0] : span[1]]
-        dst = torch.empty(tuple(src.shape), dtype=src.dtype)
+        dst = self._device.host_empty(tuple(src.shape), src.dtype)
         fence = self._device.copy_d2h(src, dst, after=[ready])
         if entry is not None:
-            entry.device_readers_pending().append(fence)  # a release of the tensor waits for this copy
+            # A release of the tensor waits for this copy too.
+            entry.device_readers_pending().append(fence)
         del src
         started = time.perf_counter()
         self._copy_started("d2h")

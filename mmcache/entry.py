@@ -52,9 +52,7 @@ class Entry:
         self.device_readers = [f for f in self.device_readers if not f.done()]
         return self.device_readers
 
-    def host_view(
-        self, start: int, stop: int, block: HostBlock | None = None
-    ) -> torch.Tensor:
+    def host_view(self, start: int, stop: int, block: HostBlock | None = None) -> torch.Tensor:
         """Rows start..stop of the host copy (in block, default the entry's), typed and shaped."""
         block = block if block is not None else self.block
         assert block is not None

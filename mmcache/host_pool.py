@@ -1,4 +1,4 @@
-"""HostPool: one host arena allocated once, carved into aligned blocks with a coalescing free list."""
+"""HostPool: one host arena allocated once, carved into aligned blocks; coalescing free list."""
 
 from __future__ import annotations
 
@@ -125,7 +125,7 @@ class HostPool:
         self._maybe_reclaim(block)
 
     def free_ranges(self) -> list[tuple[int, int]]:
-        """(offset, size) of every free range, in arena order (for tests and fragmentation stats)."""
+        """(offset, size) of every free range in arena order (tests, fragmentation stats)."""
         return list(zip(self._free_offsets, self._free_sizes, strict=True))
 
     # --- internals ------------------------------------------------------------------

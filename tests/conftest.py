@@ -34,7 +34,9 @@ class Rig:
     device: Device
     kind: str
 
-    def tensor(self, *shape: int, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> torch.Tensor:
+    def tensor(
+        self, *shape: int, dtype: torch.dtype = torch.bfloat16, seed: int = 0
+    ) -> torch.Tensor:
         """Random data (never zeros: they hide unwritten memory) on the device."""
         g = torch.Generator().manual_seed(seed)
         t = torch.randn(*shape, generator=g).to(dtype)
@@ -51,7 +53,7 @@ class Rig:
         streams = self.device.copy_streams()  # type: ignore[attr-defined]
         for s in streams:
             with torch.cuda.stream(s):
-                torch.cuda._sleep(int(2e8))  # ~100 ms at H200 clocks
+                torch.cuda._sleep(int(2e8))  # type: ignore[no-untyped-call]  # ~100 ms
         yield
 
     def settle(self) -> None:

@@ -10,9 +10,9 @@ memory equal to what the cache owns (4).
 from __future__ import annotations
 
 import asyncio
-import os
 import contextlib
 import gc
+import os
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
@@ -118,9 +118,11 @@ class CacheMachine(RuleBasedStateMachine):
             return holder.pop()
 
         task = self.loop.create_task(self.cache.get_or_compute(key, compute))
-        candidates = set(self.current.get(key, set())) | {vid} | {
-            p.value_id for p in self.pending if p.key == key and p.value_id is not None
-        }
+        candidates = (
+            set(self.current.get(key, set()))
+            | {vid}
+            | {p.value_id for p in self.pending if p.key == key and p.value_id is not None}
+        )
         self.start(_Pending("compute", key, task, value_id=vid, candidates=candidates))
 
     @rule(key=KEYS)

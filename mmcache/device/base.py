@@ -89,8 +89,14 @@ class Device(abc.ABC):
         """Take ownership of a device tensor: return the cache's own alias of it."""
 
     @abc.abstractmethod
-    def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        """Allocate an uninitialised device tensor owned by the cache."""
+    def empty(
+        self, shape: Sequence[int], dtype: torch.dtype, stream: Stream | None = None
+    ) -> torch.Tensor:
+        """Allocate an uninitialised device tensor owned by the cache, for use on stream."""
+
+    def host_empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """A host tensor a caller will own, fit to receive an asynchronous copy."""
+        return torch.empty(tuple(shape), dtype=dtype)
 
     @abc.abstractmethod
     def release(self, tensor: torch.Tensor, after: Sequence[Fence]) -> None:
@@ -128,6 +134,15 @@ class Device(abc.ABC):
     @abc.abstractmethod
     def copy_h2d(self, src: torch.Tensor, dst: torch.Tensor, after: Sequence[Fence]) -> Fence:
         """Queue src (host) -> dst (device, same byte size) after the fences; return its fence."""
+
+    def copy_d2h_batch(
+        self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], after: Sequence[Fence]
+    ) -> Fence:
+        """Queue many device-to-host copies behind one fence (they complete in order)."""
+        fence = self.completed_fence()
+        for src, dst in pairs:
+            fence = self.copy_d2h(src, dst, after)
+        return fence
 
     @abc.abstractmethod
     def copy_d2d(self, src: torch.Tensor, dst: torch.Tensor, stream: Stream) -> Fence:

@@ -481,6 +481,14 @@ class CudaDevice(Device):
                 "MMCACHE_GPU_CACHE_MB (SGLANG_VLM_CACHE_SIZE_MB) or free GPU memory"
             ) from exc
 
+    def host_empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """Pinned, so a download into it is asynchronous (a pageable one blocks the loop).
+
+        Caller-owned results come from torch's caching host allocator: it rounds sizes up,
+        but reuses blocks across gets, and these are not the cache's arena.
+        """
+        return torch.empty(tuple(shape), dtype=dtype, pin_memory=True)
+
     def use_on(self, tensor: torch.Tensor, stream: Stream) -> None:
         """record_stream: the allocator keeps tensor's block until stream's queued work is done."""
         tensor.record_stream(_as_cuda_stream(stream))

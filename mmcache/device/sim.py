@@ -10,6 +10,7 @@ after is done, so a cache that forgets a fence reads poison in tests.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 from collections import deque
@@ -95,7 +96,7 @@ class _Op:
     fence: SimFence
     deps: list[Fence]
     held: bool
-    run: Callable[[], None] | None = None
+    run: Callable[[], object] | None = None
     nbytes: int = 0
     holds: list[tuple[_Allocation, torch.Tensor]] = field(default_factory=list)
     fail: BaseException | None = None
@@ -178,7 +179,7 @@ class SimDevice(Device):
         with self._cond:
             self._enqueue(self._as_sim_stream(stream), [fence], None)
 
-    def launch(self, stream: SimStream, kernel: Callable[[], None]) -> Fence:
+    def launch(self, stream: SimStream, kernel: Callable[[], object]) -> Fence:
         """Queue a host function as a "kernel" on stream (a producer that writes later)."""
         with self._cond:
             return self._enqueue(stream, [], kernel).fence
@@ -234,7 +235,9 @@ class SimDevice(Device):
                 self._allocated_bytes += nbytes
         return alias
 
-    def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    def empty(
+        self, shape: Sequence[int], dtype: torch.dtype, stream: Stream | None = None
+    ) -> torch.Tensor:
         with self._cond:
             if self._take_fault("alloc_fails"):
                 raise DeviceOutOfMemoryError(
@@ -260,7 +263,7 @@ class SimDevice(Device):
                 self._try_recycle(key, alloc)
                 return
         for f in pending:
-            f.add_done_callback(lambda key=key: self._fence_done_for(key))
+            f.add_done_callback(functools.partial(self._fence_done_for, key))
 
     @property
     def allocated_bytes(self) -> int:
@@ -347,7 +350,7 @@ class SimDevice(Device):
         self,
         stream: SimStream,
         deps: list[Fence],
-        run: Callable[[], None] | None,
+        run: Callable[[], object] | None,
         nbytes: int = 0,
     ) -> _Op:
         """Queue an operation; the caller holds self._cond."""

@@ -1,0 +1,106 @@
+"""Python overhead per cache operation: GPU-tier hit, miss, put without eviction.
+
+Runs on the simulator by default (no copies on these paths, so it measures the
+cache's own bookkeeping, metrics included), or on CUDA with --device cuda.
+Prints median and p99 in microseconds, next to the cost of a bare dict lookup
+and of an `await` of a trivial coroutine measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from prometheus_client import CollectorRegistry
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _common import fmt, markdown_table, summary_us, write_json  # noqa: E402
+
+from mmcache import CacheSettings, FeatureCache  # noqa: E402
+
+HIT_TARGET_US = 10.0
+
+
+async def _trivial() -> None:
+    return None
+
+
+async def measure(device: str, n: int) -> dict[str, dict[str, float]]:
+    """Time n calls of each operation, one call at a time."""
+    settings = CacheSettings(gpu_cache_mb=256, cpu_cache_mb=16)
+    keys = [("img", i) for i in range(n)]
+    make = (lambda: torch.ones(16, 64)) if device == "sim" else (
+        lambda: torch.ones(16, 64, device=device)
+    )
+    values = [make() for _ in range(n)]
+    results: dict[str, list[float]] = {"put (no eviction)": [], "get GPU hit": [], "get miss": []}
+    baseline: dict[str, list[float]] = {"dict lookup": [], "await trivial coroutine": []}
+    cache = FeatureCache(settings, device=device, registry=CollectorRegistry())
+    async with cache:
+        clock = time.perf_counter
+        gc.disable()  # a collection inside one timed call is noise, not cache overhead
+        try:
+            for key in keys:
+                value = values.pop()
+                t0 = clock()
+                await cache.put(key, value)
+                results["put (no eviction)"].append(clock() - t0)
+            del value
+            for key in keys:
+                t0 = clock()
+                await cache.get(key)
+                results["get GPU hit"].append(clock() - t0)
+            for i in range(n):
+                t0 = clock()
+                await cache.get(("absent", i))
+                results["get miss"].append(clock() - t0)
+            table: dict[tuple[str, int], int] = {k: 1 for k in keys}  # type: ignore[misc]
+            for key in keys:
+                t0 = clock()
+                table.get(key)
+                baseline["dict lookup"].append(clock() - t0)
+            for _ in range(n):
+                t0 = clock()
+                await _trivial()
+                baseline["await trivial coroutine"].append(clock() - t0)
+        finally:
+            gc.enable()
+        stats = cache.stats()
+        assert stats.hits_gpu == n and stats.misses == n and stats.evictions_gpu == 0
+    return {name: summary_us(v) for name, v in {**results, **baseline}.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--device", default="sim", help="sim (default) or cuda")
+    parser.add_argument("--n", type=int, default=20_000, help="calls per operation")
+    parser.add_argument("--quick", action="store_true", help="fewer calls")
+    parser.add_argument("--out", help="write the figures as JSON here")
+    args = parser.parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("bench_ops: no CUDA device; run with --device sim")
+        return 0
+    n = 2_000 if args.quick else args.n
+    figures = asyncio.run(measure(args.device, n))
+    rows: list[list[Any]] = [
+        [name, fmt(f["p50_us"]), fmt(f["p99_us"]), int(f["n"])] for name, f in figures.items()
+    ]
+    print(f"bench_ops on {args.device}: Python overhead per call, {n} calls each")
+    print(markdown_table(["operation", "median µs", "p99 µs", "calls"], rows))
+    hit = figures["get GPU hit"]["p50_us"]
+    verdict = "meets" if hit <= HIT_TARGET_US else "misses"
+    print(f"GPU-tier hit median {hit:.2f} µs {verdict} the {HIT_TARGET_US:.0f} µs target")
+    write_json(args.out, {"device": args.device, "n": n, "figures": figures})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
