@@ -1,0 +1,174 @@
+"""Small helpers shared by the benchmark scripts (timing, percentiles, tables, JSON)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import torch
+
+MiB = 1 << 20
+GB = 1e9
+
+
+def gbps(nbytes: float, seconds: float) -> float:
+    """Throughput in GB/s (10^9 bytes per second, as copy engines are quoted)."""
+    return nbytes / seconds / GB if seconds > 0 else math.inf
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100) by linear interpolation; NaN for no values."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    low = math.floor(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+def summary_us(seconds: Sequence[float]) -> dict[str, float]:
+    """p50 / p99 / max / mean of durations given in seconds, reported in microseconds."""
+    us = [s * 1e6 for s in seconds]
+    return {
+        "p50_us": percentile(us, 50),
+        "p99_us": percentile(us, 99),
+        "max_us": max(us) if us else math.nan,
+        "mean_us": statistics.fmean(us) if us else math.nan,
+        "n": float(len(us)),
+    }
+
+
+def median(values: Sequence[float]) -> float:
+    """statistics.median, NaN for no values."""
+    return statistics.median(values) if values else math.nan
+
+
+def fmt(value: Any, digits: int = 2) -> str:
+    """A number for a table cell; dashes for missing values."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A GitHub-flavoured markdown table."""
+    lines = [
+        "| " + " | ".join(headers) + " |",
+        "| " + " | ".join("---" for _ in headers) + " |",
+    ]
+    lines += ["| " + " | ".join(fmt(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_json(path: str | None, data: dict[str, Any]) -> None:
+    """Write results as JSON (NaN and inf become null) when a path was given."""
+    if not path:
+        return
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(_finite(data), indent=2, default=str) + "\n")
+    print(f"wrote {target}", file=sys.stderr)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
+def cuda_elapsed_s(fn: Callable[[], object], stream: torch.cuda.Stream) -> float:
+    """GPU time of the work fn() queues on stream, by timing events (host-synchronises)."""
+    start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    with torch.cuda.stream(stream):
+        start.record(stream)
+        fn()
+        end.record(stream)
+    end.synchronize()
+    return float(start.elapsed_time(end)) / 1e3
+
+
+def gpu_sleep(cycles: int, stream: torch.cuda.Stream) -> None:
+    """Queue a kernel that spins for cycles GPU clocks on stream (holds the stream)."""
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(int(cycles))  # type: ignore[no-untyped-call]
+
+
+def sleep_cycles_per_second(stream: torch.cuda.Stream) -> float:
+    """Clock rate seen by torch.cuda._sleep, to hold a stream for a chosen time."""
+    cycles = 20_000_000
+    gpu_sleep(1_000, stream)  # warm-up: the first launch loads the kernel
+    stream.synchronize()
+    elapsed = cuda_elapsed_s(lambda: gpu_sleep(cycles, stream), stream)
+    return cycles / elapsed
+
+
+@contextlib.contextmanager
+def timed() -> Iterator[list[float]]:
+    """Wall time of a with-block, in seconds, in the yielded list's first item."""
+    box = [0.0]
+    start = time.perf_counter()
+    try:
+        yield box
+    finally:
+        box[0] = time.perf_counter() - start
+
+
+class LoopLag:
+    """Measures the event loop's worst lateness with a ticker task (async context manager)."""
+
+    def __init__(self, period_s: float = 0.001) -> None:
+        self.period_s = period_s
+        self.max_lag_s = 0.0
+        self.ticks = 0
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> LoopLag:
+        self._task = asyncio.create_task(self._tick())
+        await asyncio.sleep(0)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        assert self._task is not None
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+
+    async def _tick(self) -> None:
+        while True:
+            start = time.perf_counter()
+            await asyncio.sleep(self.period_s)
+            self.max_lag_s = max(self.max_lag_s, time.perf_counter() - start - self.period_s)
+            self.ticks += 1
+
+
+def pinned_pool_bytes() -> int | None:
+    """Bytes torch's caching host (pinned) allocator holds, if it reports them."""
+    if not torch.cuda.is_available():
+        return None
+    stats = torch.cuda.host_memory_stats()
+    for key in ("allocated_bytes.current", "reserved_bytes.current"):
+        if key in stats:
+            return int(stats[key])
+    return None

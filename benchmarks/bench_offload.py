@@ -1,0 +1,591 @@
+"""Offload benchmark: sync .cpu(), torch's pinned non_blocking copies and mmcache, one workload.
+
+Run from the repository root (about two minutes on an H200; --quick: under a minute):
+
+    python benchmarks/bench_offload.py --out bench.json [--quick] [--device cuda|sim]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import math
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+# Run as a script from a checkout: make the package and the sibling helpers importable.
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+
+from _common import (  # noqa: E402
+    LoopLag,
+    MiB,
+    cuda_elapsed_s,
+    gbps,
+    markdown_table,
+    pinned_pool_bytes,
+    summary_us,
+    write_json,
+)
+
+if TYPE_CHECKING:
+    from mmcache import FeatureCache
+
+HIDDEN = 4096
+DTYPE = torch.bfloat16
+#: feature name -> rows of HIDDEN bf16 values (8 MB is a 1000-token image embedding).
+SPECS = {"8MB": 1000, "1MB": 128, "64KB": 8}
+GET_SAMPLES = 50
+PHASE_TIMEOUT_S = 120.0
+
+
+@dataclass
+class Workload:
+    """count features of rows x HIDDEN bf16, each a fresh tensor with its own storage."""
+
+    name: str
+    rows: int
+    count: int
+    base: torch.Tensor
+
+    @classmethod
+    def build(cls, name: str, rows: int, total_bytes: int, device: torch.device) -> Workload:
+        """A workload of about total_bytes; values come from one random base tensor."""
+        nbytes = rows * HIDDEN * DTYPE.itemsize
+        base = torch.randn(rows + 256, HIDDEN, device=device).to(DTYPE)
+        return cls(name, rows, max(8, total_bytes // nbytes), base)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one feature."""
+        return self.rows * HIDDEN * DTYPE.itemsize
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of all features."""
+        return self.nbytes * self.count
+
+    def expected(self, i: int) -> torch.Tensor:
+        """The value of feature i (a view of the base tensor)."""
+        return self.base[i % 256 : i % 256 + self.rows]
+
+    def make(self, i: int) -> torch.Tensor:
+        """A fresh copy of feature i, as an encoder would produce it."""
+        return self.expected(i).clone()
+
+    def make_all(self) -> list[torch.Tensor]:
+        """Every feature, produced up front so that only the offload is timed."""
+        features = [self.make(i) for i in range(self.count)]
+        if self.base.is_cuda:
+            torch.cuda.synchronize(self.base.device)
+        return features
+
+    def check(self, i: int, value: torch.Tensor | None) -> bool:
+        """value is bit-for-bit feature i."""
+        expected = self.expected(i)
+        return value is not None and torch.equal(value.to(expected.device), expected)
+
+
+# --- baselines (CUDA only) ------------------------------------------------------------------
+
+
+def raw_pinned(w: Workload) -> dict[str, float]:
+    """The ceiling: the same copies into one pinned buffer in a tight loop; one big copy."""
+    features = w.make_all()
+    pinned = torch.empty(w.total_bytes, dtype=torch.uint8, pin_memory=True)
+    stream = torch.cuda.current_stream()
+    best = math.inf
+    for _ in range(3):
+        start = time.perf_counter()
+        for i, feature in enumerate(features):
+            pinned[i * w.nbytes : (i + 1) * w.nbytes].copy_(
+                feature.view(-1).view(torch.uint8), non_blocking=True
+            )
+        stream.synchronize()
+        best = min(best, time.perf_counter() - start)
+    big = min(w.total_bytes, 256 * MiB)
+    flat = torch.empty(big, dtype=torch.uint8, device=w.base.device)
+    host = pinned[:big]
+
+    def one_big_copy() -> None:
+        host.copy_(flat, non_blocking=True)
+
+    peak = max(gbps(big, cuda_elapsed_s(one_big_copy, stream)) for _ in range(3))
+    return {"loop_gbps": gbps(w.total_bytes, best), "peak_gbps": peak}
+
+
+async def sync_cpu(w: Workload) -> dict[str, Any]:
+    """Baseline (a): t.cpu() per eviction (pageable, host-synchronous)."""
+    features = w.make_all()
+    hosts: list[torch.Tensor] = []
+    async with LoopLag() as lag:
+        start = time.perf_counter()
+        for feature in features:
+            hosts.append(feature.cpu())
+            await asyncio.sleep(0)
+        wall = time.perf_counter() - start
+    exact = all(w.check(i, hosts[i]) for i in range(0, w.count, max(1, w.count // 16)))
+    return {"gbps": gbps(w.total_bytes, wall), "max_lag_ms": lag.max_lag_s * 1e3, "exact": exact}
+
+
+async def nonblocking_pinned(w: Workload) -> dict[str, Any]:
+    """Baseline (b): t.to("cpu", non_blocking=True) via torch's pinned caching allocator."""
+    results: dict[str, Any] = {}
+    for attempt in ("cold", "warm"):
+        features = w.make_all()
+        pool_before = pinned_pool_bytes() or 0
+        hosts: list[torch.Tensor] = []
+        async with LoopLag() as lag:
+            start = time.perf_counter()
+            for feature in features:
+                hosts.append(feature.to("cpu", non_blocking=True))
+                await asyncio.sleep(0)
+            done = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+            done.record()
+            await asyncio.get_running_loop().run_in_executor(None, done.synchronize)
+            wall = time.perf_counter() - start
+        pool_after = pinned_pool_bytes() or 0
+        exact = all(w.check(i, hosts[i]) for i in range(0, w.count, max(1, w.count // 16)))
+        results[attempt] = {
+            "gbps": gbps(w.total_bytes, wall),
+            "max_lag_ms": lag.max_lag_s * 1e3,
+            "exact": exact,
+            # The caching host allocator rounds each block up to a power of two.
+            "pinned_pool_bytes": pool_after,
+            "pinned_pool_growth_bytes": pool_after - pool_before,
+            "bytes_held": w.total_bytes,
+        }
+        del hosts, features
+        gc.collect()
+    return results
+
+
+# --- mmcache ------------------------------------------------------------------------------------
+
+
+def cache_settings_mb(w: Workload, gpu_fraction: float) -> tuple[int, int]:
+    """(gpu_cache_mb, cpu_cache_mb): a GPU tier that forces eviction, a host tier that fits all."""
+    total_mb = math.ceil(w.total_bytes / MiB)
+    gpu_mb = max(1, math.floor(total_mb * gpu_fraction)) if gpu_fraction > 0 else 0
+    return gpu_mb, total_mb + 4 * math.ceil(w.nbytes / MiB) + 16
+
+
+async def drain(cache: FeatureCache) -> None:
+    """Wait until no copy is in flight (polls the public stats)."""
+    deadline = time.perf_counter() + PHASE_TIMEOUT_S
+    while cache.stats().pending_copies:
+        if time.perf_counter() > deadline:
+            raise TimeoutError("copies still pending after the phase timeout")
+        await asyncio.sleep(0.0005)
+
+
+async def warm_up(cache: FeatureCache, w: Workload, puts: int) -> bool:
+    """Evict through the cache until the host tier takes entries (its arena may pin lazily)."""
+    deadline = time.perf_counter() + 30.0
+    for attempt in range(1000):
+        keys = [("warm", attempt, j) for j in range(puts)]
+        for j, key in enumerate(keys):
+            await cache.put(key, w.make(j))
+        await drain(cache)
+        ready = cache.stats().cpu_entries > 0
+        for key in keys:
+            cache.discard(key)
+        if ready or time.perf_counter() > deadline:
+            return ready
+        await asyncio.sleep(0.05)
+    return False
+
+
+async def offload_phase(
+    cache: FeatureCache, w: Workload, tag: str, features: list[torch.Tensor | None]
+) -> dict[str, Any]:
+    """put every feature (handing over ownership), then wait for the offloads; time both."""
+    before = cache.stats()
+    put_latency: list[float] = []
+    async with LoopLag() as lag:
+        start = time.perf_counter()
+        for i in range(w.count):
+            feature, features[i] = features[i], None
+            assert feature is not None
+            t0 = time.perf_counter()
+            await cache.put((tag, i), feature)
+            put_latency.append(time.perf_counter() - t0)
+            del feature
+        puts_s = time.perf_counter() - start
+        await drain(cache)
+        wall = time.perf_counter() - start
+    after = cache.stats()
+    d2h = after.d2h_bytes - before.d2h_bytes
+    return {
+        "wall_s": wall,
+        "puts_s": puts_s,
+        "d2h_bytes": d2h,
+        "gbps": gbps(d2h, wall),
+        "put": summary_us(put_latency),
+        "max_lag_ms": lag.max_lag_s * 1e3,
+        "dropped": after.dropped - before.dropped,
+    }
+
+
+async def get_latencies(cache: FeatureCache, w: Workload, tag: str) -> dict[str, Any]:
+    """get latency on GPU hits, host hits (to host and to GPU) and their exactness."""
+    stats = cache.stats()
+    on_gpu = min(stats.gpu_entries, w.count)
+    n_gpu = min(GET_SAMPLES, on_gpu)
+    n_host = min(GET_SAMPLES, max(0, (w.count - on_gpu) // 2))
+    gpu_keys = list(range(w.count - n_gpu, w.count))
+    host_keys = list(range(n_host))
+    cpu_keys = list(range(n_host, 2 * n_host))
+    cuda = w.base.is_cuda
+    results: dict[str, Any] = {}
+    exact = True
+    async with LoopLag() as lag:
+        samples: list[float] = []
+        for i in gpu_keys:
+            start = time.perf_counter()
+            value = await cache.get((tag, i))
+            samples.append(time.perf_counter() - start)
+            exact &= w.check(i, value)
+        results["gpu_hit"] = summary_us(samples)
+        samples = []
+        for i in cpu_keys:
+            start = time.perf_counter()
+            value = await cache.get((tag, i), device="cpu")
+            samples.append(time.perf_counter() - start)
+            exact &= w.check(i, value)
+        results["host_hit_to_cpu"] = summary_us(samples)
+        samples, ready = [], []
+        for i in host_keys:
+            start = time.perf_counter()
+            value = await cache.get((tag, i))
+            samples.append(time.perf_counter() - start)
+            if cuda:  # the promoted tensor is stream-ordered: time until it is really there
+                torch.cuda.current_stream().synchronize()
+            ready.append(time.perf_counter() - start)
+            exact &= w.check(i, value)
+        results["host_hit_to_gpu"] = summary_us(samples)
+        results["host_hit_to_gpu_ready"] = summary_us(ready)
+    results["max_lag_ms"] = lag.max_lag_s * 1e3
+    results["exact"] = exact
+    return results
+
+
+async def pending_get_latency(w: Workload, device: str) -> dict[str, Any]:
+    """get(device="cpu") right after put with the GPU tier off: it awaits the queued D2H copy."""
+    from mmcache import CacheSettings, FeatureCache
+
+    settings = CacheSettings(gpu_cache_mb=0, cpu_cache_mb=4 * math.ceil(w.nbytes / MiB) + 16)
+    samples: list[float] = []
+    exact = True
+    cache = FeatureCache(settings, device=device)
+    async with cache:
+        await warm_up(cache, w, 2)
+        for j in range(min(GET_SAMPLES, w.count)):
+            feature = w.make(j)
+            if w.base.is_cuda:
+                torch.cuda.current_stream().synchronize()
+            await cache.put(("pending", j), feature)
+            del feature
+            start = time.perf_counter()
+            value = await cache.get(("pending", j), device="cpu")
+            samples.append(time.perf_counter() - start)
+            exact &= w.check(j, value)
+            cache.discard(("pending", j))
+    return {"pending_offload_to_cpu": summary_us(samples), "exact": exact}
+
+
+def matmul_operands(quick: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Square bf16 operands for the compute stream's matmul."""
+    n = 4096 if quick else 8192
+    a = torch.randn(n, n, device="cuda").to(DTYPE)
+    b = torch.randn(n, n, device="cuda").to(DTYPE)
+    return a, b, torch.empty(n, n, device="cuda", dtype=DTYPE)
+
+
+async def mmcache_column(w: Workload, device: str, quick: bool) -> dict[str, Any]:
+    """mmcache through its public API: offload, gets, pending gets, matmul interference."""
+    from mmcache import CacheSettings, FeatureCache
+
+    gpu_mb, cpu_mb = cache_settings_mb(w, 0.25)
+    settings = CacheSettings(gpu_cache_mb=gpu_mb, cpu_cache_mb=cpu_mb)
+    cuda = device != "sim"
+    pool_before = pinned_pool_bytes() if cuda else None
+    results: dict[str, Any] = {"gpu_cache_mb": gpu_mb, "cpu_cache_mb": cpu_mb}
+    cache = FeatureCache(settings, device=device)
+    async with cache:
+        results["host_tier_ready"] = await warm_up(
+            cache, w, min(w.count, gpu_mb * MiB // w.nbytes + 4)
+        )
+        features: list[torch.Tensor | None] = list(w.make_all())
+        results["offload"] = await offload_phase(cache, w, "a", features)
+        results["gets"] = await get_latencies(cache, w, "a")
+        stats = cache.stats()
+        results["stats"] = {
+            name: getattr(stats, name)
+            for name in (
+                "gpu_bytes",
+                "cpu_bytes",
+                "gpu_capacity_bytes",
+                "cpu_capacity_bytes",
+                "gpu_entries",
+                "cpu_entries",
+                "pending_copies",
+                "d2h_bytes",
+                "h2d_bytes",
+                "dropped",
+                "leaked_bytes",
+            )
+        }
+        results["pinned"] = {
+            "budget_bytes": stats.cpu_capacity_bytes,
+            # Growth of torch's pinned pool while mmcache ran: its own arena is outside it.
+            "torch_pool_growth_bytes": (
+                (pinned_pool_bytes() or 0) - (pool_before or 0) if cuda else None
+            ),
+        }
+        for i in range(w.count):
+            cache.discard(("a", i))
+        if cuda:
+            results["matmul"] = await matmul_interference(cache, w, quick, results["offload"])
+    results["pending"] = await pending_get_latency(w, device)
+    return results
+
+
+async def matmul_interference(
+    cache: FeatureCache, w: Workload, quick: bool, alone: dict[str, Any]
+) -> dict[str, Any]:
+    """bf16 matmuls on a compute stream, alone and while the same offload runs."""
+    a, b, c = matmul_operands(quick)
+    compute = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+
+    def matmuls(k: int) -> None:
+        for _ in range(k):
+            torch.mm(a, b, out=c)
+
+    cuda_elapsed_s(lambda: matmuls(3), compute)  # warm-up (cuBLAS handles, clocks)
+    per_matmul = cuda_elapsed_s(lambda: matmuls(20), compute) / 20
+    # Enough matmuls to cover the whole offload, so every copy overlaps compute.
+    k = max(5, min(5000, math.ceil(1.5 * alone["wall_s"] / per_matmul)))
+    per_matmul = cuda_elapsed_s(lambda: matmuls(k), compute) / k
+    features: list[torch.Tensor | None] = list(w.make_all())
+    start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    with torch.cuda.stream(compute):
+        start.record(compute)
+        matmuls(k)
+        end.record(compute)
+    offload = await offload_phase(cache, w, "m", features)
+    await asyncio.get_running_loop().run_in_executor(None, end.synchronize)
+    during = float(start.elapsed_time(end)) / 1e3 / k
+    for i in range(w.count):
+        cache.discard(("m", i))
+    return {
+        "matmul_ms_alone": per_matmul * 1e3,
+        "matmul_ms_during_offload": during * 1e3,
+        "slowdown": during / per_matmul,
+        "overlap": min(1.0, k * per_matmul / offload["wall_s"]),
+        "offload_gbps_under_compute": offload["gbps"],
+    }
+
+
+# --- driver -------------------------------------------------------------------------------------
+
+
+async def run(device: str, quick: bool) -> dict[str, Any]:
+    """Every column for every feature size."""
+    cuda = device != "sim"
+    total = (256 if quick else 1024) * MiB if cuda else 32 * MiB
+    torch_device = torch.device("cuda") if cuda else torch.device("cpu")
+    results: dict[str, Any] = {"device": device, "quick": quick, "sizes": {}}
+    if cuda:
+        props = torch.cuda.get_device_properties(torch_device)
+        results["gpu"] = props.name
+        results["torch"] = torch.__version__
+        results["cuda"] = torch.version.cuda
+    try:
+        from mmcache import FeatureCache  # noqa: F401
+    except ImportError as exc:
+        mmcache_error: str | None = f"mmcache public API unavailable: {exc}"
+    else:
+        mmcache_error = None
+    for name, rows in SPECS.items():
+        w = Workload.build(name, rows, total, torch_device)
+        print(f"[{name}] {w.count} features, {w.total_bytes / MiB:.0f} MiB", file=sys.stderr)
+        row: dict[str, Any] = {"count": w.count, "feature_bytes": w.nbytes}
+        if cuda:
+            row["raw"] = raw_pinned(w)
+            row["sync_cpu"] = await sync_cpu(w)
+            row["nonblocking"] = await nonblocking_pinned(w)
+        if mmcache_error is None:
+            row["mmcache"] = await mmcache_column(w, device, quick)
+        else:
+            row["mmcache"] = {"error": mmcache_error}
+        results["sizes"][name] = row
+        del w
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    return results
+
+
+def _get(d: dict[str, Any], *path: str) -> Any:
+    for key in path:
+        if not isinstance(d, dict) or key not in d:
+            return None
+        d = d[key]
+    return d
+
+
+def _ratio(a: Any, b: Any) -> float | None:
+    if isinstance(a, int | float) and isinstance(b, int | float) and b:
+        return float(a) / float(b)
+    return None
+
+
+def report(results: dict[str, Any]) -> str:
+    """Detail tables, then the summary table with ratios against the baselines (last)."""
+    sizes: dict[str, dict[str, Any]] = results["sizes"]
+    out = []
+    out.append("### get latency, µs (p50 / p99)")
+    rows: list[list[Any]] = []
+    for name, r in sizes.items():
+        m = r.get("mmcache", {})
+
+        def cell(*path: str, m: dict[str, Any] = m) -> str:
+            s = _get(m, *path)
+            return f"{s['p50_us']:.0f} / {s['p99_us']:.0f}" if s else "-"
+
+        rows.append(
+            [
+                name,
+                cell("gets", "gpu_hit"),
+                cell("gets", "host_hit_to_cpu"),
+                cell("gets", "host_hit_to_gpu"),
+                cell("gets", "host_hit_to_gpu_ready"),
+                cell("pending", "pending_offload_to_cpu"),
+                cell("offload", "put"),
+            ]
+        )
+    out.append(
+        markdown_table(
+            [
+                "size",
+                "GPU hit",
+                "host hit -> cpu",
+                "host hit -> GPU (API)",
+                "host hit -> GPU (ready)",
+                "pending offload -> cpu",
+                "put",
+            ],
+            rows,
+        )
+    )
+    out.append("\n### pinned host memory and compute interference")
+    rows = []
+    for name, r in sizes.items():
+        rows.append(
+            [
+                name,
+                _get(r, "nonblocking", "cold", "bytes_held"),
+                _get(r, "nonblocking", "cold", "pinned_pool_growth_bytes"),
+                _get(r, "mmcache", "pinned", "budget_bytes"),
+                _get(r, "mmcache", "pinned", "torch_pool_growth_bytes"),
+                _get(r, "mmcache", "matmul", "slowdown"),
+                _get(r, "mmcache", "matmul", "offload_gbps_under_compute"),
+            ]
+        )
+    out.append(
+        markdown_table(
+            [
+                "size",
+                "non_blocking: bytes held",
+                "non_blocking: pinned pool growth",
+                "mmcache: pinned arena (budget)",
+                "mmcache: torch pool growth",
+                "matmul slowdown (x)",
+                "mmcache GB/s under compute",
+            ],
+            rows,
+        )
+    )
+    out.append("\n### Offload summary (GB/s; ratios are mmcache / baseline)")
+    rows = []
+    for name, r in sizes.items():
+        mm = _get(r, "mmcache", "offload", "gbps")
+        rows.append(
+            [
+                name,
+                _get(r, "raw", "loop_gbps"),
+                _get(r, "raw", "peak_gbps"),
+                _get(r, "sync_cpu", "gbps"),
+                _get(r, "nonblocking", "warm", "gbps"),
+                mm,
+                _ratio(mm, _get(r, "raw", "loop_gbps")),
+                _ratio(mm, _get(r, "raw", "peak_gbps")),
+                _ratio(mm, _get(r, "sync_cpu", "gbps")),
+                _ratio(mm, _get(r, "nonblocking", "warm", "gbps")),
+                "/".join(
+                    f"{v:.1f}" if isinstance(v, float) else "-"
+                    for v in (
+                        _get(r, "sync_cpu", "max_lag_ms"),
+                        _get(r, "nonblocking", "warm", "max_lag_ms"),
+                        _get(r, "mmcache", "offload", "max_lag_ms"),
+                    )
+                ),
+            ]
+        )
+    out.append(
+        markdown_table(
+            [
+                "size",
+                "raw pinned loop",
+                "raw pinned peak",
+                "sync .cpu()",
+                "non_blocking (warm)",
+                "mmcache",
+                "÷ raw loop",
+                "÷ raw peak",
+                "÷ sync",
+                "÷ non_blocking",
+                "loop lag ms sync/nb/mmcache",
+            ],
+            rows,
+        )
+    )
+    return "\n".join(out)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point: parse arguments, run, print tables (summary last), write JSON."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--out", help="write results as JSON to this path")
+    parser.add_argument("--quick", action="store_true", help="256 MiB per size, smaller matmul")
+    parser.add_argument(
+        "--device",
+        choices=("cuda", "sim"),
+        default="cuda",
+        help="sim: only the mmcache column, on the CPU simulator (exercises the script)",
+    )
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: bench_offload compares GPU offload paths; nothing to do")
+        print("(use --device sim to run the mmcache column on the simulator)")
+        write_json(args.out, {"skipped": "no CUDA device"})
+        return 0
+    start = time.perf_counter()
+    results = asyncio.run(run(args.device, args.quick))
+    results["elapsed_s"] = time.perf_counter() - start
+    print(report(results))
+    print(f"\nbench took {results['elapsed_s']:.1f} s", file=sys.stderr)
+    write_json(args.out, results)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One call on a GPU machine: the GPU test suite, then the benchmarks; results under $OUT.
+#   OUT=/tmp/out bash benchmarks/gpu_suite.sh [tests|bench|all] [--quick]
+# Wheels for packages the machine lacks may be carried in .whl/ (installed to /tmp/site).
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+what="${1:-all}"
+quick="${2:-}"
+out="${OUT:-/tmp/mmcache-out}"
+mkdir -p "$out"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+else
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$out/device.txt"
+status=0
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  timeout 300 python3 -m pytest tests -q -p no:cacheprovider -x --timeout 120 \
+    -o addopts="" 2>&1 | tee "$out/tests.log" | tail -25
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  timeout 150 python3 benchmarks/gpu_probe.py $quick --out "$out/probe.json" 2>&1 | tee "$out/probe.log" | tail -40
+  timeout 200 python3 benchmarks/bench_offload.py $quick --out "$out/offload.json" 2>&1 | tee "$out/offload.log" | tail -40
+  timeout 60 python3 benchmarks/bench_ops.py --device cuda --out "$out/ops.json" 2>&1 | tee "$out/ops.log" | tail -12
+fi
+exit $status

@@ -1,0 +1,323 @@
+"""CudaDevice on a real GPU: fences, exact copies, record_stream keep-alive, the pinned arena."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import gc
+import random
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from mmcache.device.cuda import ArenaMethod, CudaDevice, CudaFence
+from mmcache.errors import CacheClosedError, InvalidValueError, MMCacheError
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU"),
+]
+
+MiB = 1 << 20
+HOLD_CYCLES = int(2e8)  # ~100 ms at H200 clocks: far longer than queuing the work under test
+
+
+@pytest.fixture
+def device() -> Iterator[CudaDevice]:
+    dev = CudaDevice(0)
+    yield dev
+    dev.close()
+
+
+def side_stream() -> torch.cuda.Stream:
+    return torch.cuda.Stream(0)  # type: ignore[no-untyped-call]
+
+
+def hold(stream: torch.cuda.Stream, cycles: int = HOLD_CYCLES) -> None:
+    """Park stream behind a long kernel so that work queued next cannot start yet."""
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(cycles)  # type: ignore[no-untyped-call]
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Random values (never zeros: they hide unwritten memory) on the GPU."""
+    g = torch.Generator().manual_seed(seed)
+    if dtype.is_floating_point:
+        t = torch.randn(shape, generator=g).to(dtype)
+    else:
+        t = torch.randint(-100, 100, shape, generator=g).to(dtype)
+    return t.to("cuda:0")
+
+
+# --- fences ------------------------------------------------------------------------------
+
+
+def test_fence_callback_runs_on_waiter_thread_once_done(device: CudaDevice) -> None:
+    side = side_stream()
+    hold(side)
+    fence = device.record(side)
+    assert not fence.done()
+    called = threading.Event()
+    threads: list[str] = []
+
+    def callback() -> None:
+        threads.append(threading.current_thread().name)
+        called.set()
+
+    fence.add_done_callback(callback)
+    assert not called.is_set()
+    assert called.wait(30)
+    assert fence.done()
+    assert fence.exception() is None
+    assert threads != [threading.current_thread().name]
+    now: list[int] = []
+    fence.add_done_callback(lambda: now.append(1))
+    assert now == [1]  # already done: called at once, on this thread
+
+
+def test_fence_wait_with_timeout(device: CudaDevice) -> None:
+    side = side_stream()
+    hold(side)
+    fence = device.record(side)
+    assert fence.wait(timeout=0.005) is False
+    assert fence.wait() is True
+    assert fence.done()
+
+
+async def test_fence_wakes_the_event_loop(device: CudaDevice) -> None:
+    loop = asyncio.get_running_loop()
+    side = side_stream()
+    hold(side)
+    fence = device.record(side)
+    woken: asyncio.Future[None] = loop.create_future()
+    fence.add_done_callback(lambda: loop.call_soon_threadsafe(woken.set_result, None))
+    await asyncio.sleep(0.01)
+    assert not woken.done()
+    await asyncio.wait_for(woken, 30)
+    assert fence.done()
+
+
+def test_callbacks_of_one_waiter_run_in_order(device: CudaDevice) -> None:
+    side = side_stream()
+    order: list[int] = []
+    fences = []
+    for _ in range(5):
+        hold(side, HOLD_CYCLES // 10)
+        fences.append(device.record(side))
+    for i, fence in enumerate(fences):
+        fence.add_done_callback(functools.partial(order.append, i))
+    fences[-1].wait()
+    deadline = time.monotonic() + 10
+    while len(order) < 5 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert order == [0, 1, 2, 3, 4]
+
+
+# --- copies ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int8])
+@pytest.mark.parametrize("shape", [(1000, 257), (3,), ()])
+def test_round_trip_is_bit_exact(
+    device: CudaDevice, dtype: torch.dtype, shape: tuple[int, ...]
+) -> None:
+    src = random_tensor(shape, dtype, seed=1)
+    arena = device.host_arena(4 * MiB)
+    host = arena[: src.nbytes]
+    # The H2D must wait for the D2H that fills host: hold the D2H back to prove it does.
+    hold(device.d2h_stream)
+    down = device.copy_d2h(src, host, [])
+    back = device.empty(src.shape, src.dtype)
+    up = device.copy_h2d(host, back, [down])
+    assert not down.done()
+    assert up.wait(30)
+    assert torch.equal(host, as_bytes(src).cpu())
+    assert back.shape == src.shape and back.dtype == src.dtype
+    assert torch.equal(as_bytes(back), as_bytes(src))
+
+
+def test_source_survives_release_right_after_queuing(device: CudaDevice) -> None:
+    n = 64 * MiB
+    # Control: without record_stream the allocator hands a freed block straight back.
+    probe = torch.empty(n, dtype=torch.uint8, device="cuda:0")
+    probe_ptr = probe.data_ptr()
+    del probe
+    again = torch.empty(n, dtype=torch.uint8, device="cuda:0")
+    assert again.data_ptr() == probe_ptr
+    del again
+
+    arena = device.host_arena(n)
+    src = torch.full((n,), 7, dtype=torch.uint8, device="cuda:0")
+    src_ptr = src.data_ptr()
+    side = side_stream()
+    hold(side)
+    gate = device.record(side)
+    fence = device.copy_d2h(src, arena, [gate])
+    del src  # the cache releases its alias as soon as the copy is queued
+    newcomers = [torch.empty(n, dtype=torch.uint8, device="cuda:0") for _ in range(2)]
+    for t in newcomers:
+        t.fill_(1)
+    assert all(t.data_ptr() != src_ptr for t in newcomers)
+    assert fence.wait(30)
+    assert bool((arena == 7).all())
+
+
+def test_copy_waits_for_a_producer_on_a_side_stream(device: CudaDevice) -> None:
+    n = 8 * MiB
+    arena = device.host_arena(n)
+    src = torch.zeros(n, dtype=torch.uint8, device="cuda:0")
+    torch.cuda.synchronize()
+    side = side_stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(HOLD_CYCLES)  # type: ignore[no-untyped-call]
+        src.fill_(9)  # the producer's kernel is still queued when the copy is
+    src.record_stream(side)
+    ready = device.record(side)
+    fence = device.copy_d2h(src, arena, [ready])
+    assert not ready.done()
+    assert fence.wait(30)
+    assert bool((arena == 9).all())
+
+
+def test_consumer_stream_waits_on_an_upload(device: CudaDevice) -> None:
+    n = 8 * MiB
+    arena = device.host_arena(n)
+    arena.copy_(torch.randint(0, 255, (n,), dtype=torch.uint8))
+    hold(device.h2d_stream)
+    dst = device.empty((n,), torch.uint8)
+    fence = device.copy_h2d(arena, dst, [])
+    consumer = side_stream()
+    device.wait_on(consumer, fence)
+    with torch.cuda.stream(consumer):
+        seen = dst.clone()
+    device.use_on(dst, consumer)
+    consumer.synchronize()
+    assert torch.equal(seen.cpu(), arena)
+
+
+def test_batch_copy_is_exact_and_keeps_sources_alive(device: CudaDevice) -> None:
+    rng = random.Random(0)
+    specs: list[tuple[tuple[int, ...], torch.dtype]] = [
+        ((32, 1024), torch.bfloat16),  # 64 KiB
+        ((7,), torch.int8),
+        ((), torch.float32),
+        ((1000, 4096), torch.bfloat16),  # 8 MB: copied on its own
+        ((128, 4096), torch.bfloat16),  # 1 MiB: packed
+        ((33, 3), torch.float32),
+    ] * 6
+    srcs = [random_tensor(shape, dtype, seed=i) for i, (shape, dtype) in enumerate(specs)]
+    expected = [as_bytes(s).cpu() for s in srcs]
+    arena = device.host_arena(sum(s.nbytes for s in srcs) + 64 * MiB)
+    dsts: list[torch.Tensor] = []
+    offset = 0
+    for i, s in enumerate(srcs):
+        offset += 4096 if i % 5 == 4 else 0  # some gaps: runs of adjacent blocks, and breaks
+        dsts.append(arena[offset : offset + s.nbytes])
+        offset += s.nbytes
+    pairs = list(zip(srcs, dsts, strict=True))
+    rng.shuffle(pairs)
+    side = side_stream()
+    hold(side)
+    gate = device.record(side)
+    fence = device.copy_d2h_batch(pairs, [gate])
+    del pairs, srcs
+    # Same sizes as the sources: without record_stream these would land on their blocks.
+    scribble = [
+        torch.full((e.numel(),), 0xEE, dtype=torch.uint8, device="cuda:0") for e in expected
+    ]
+    assert not fence.done()
+    assert fence.wait(30)
+    for dst, want in zip(dsts, expected, strict=True):
+        assert torch.equal(dst, want)
+    del scribble
+
+
+def test_release_holds_the_tensor_until_its_fences(device: CudaDevice) -> None:
+    side = side_stream()
+    hold(side)
+    reader = device.record(side)
+    t = torch.empty(1024, device="cuda:0")
+    ref = weakref.ref(t)
+    device.release(t, [reader, device.completed_fence()])
+    del t
+    gc.collect()
+    assert ref() is not None
+    assert reader.wait(30)
+    deadline = time.monotonic() + 10
+    while ref() is not None and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert ref() is None
+
+
+def test_invalid_operands_are_refused(device: CudaDevice) -> None:
+    arena = device.host_arena(MiB)
+    gpu = torch.zeros(256, dtype=torch.float32, device="cuda:0")
+    with pytest.raises(InvalidValueError):
+        device.adopt(torch.zeros(4), device.current_stream())
+    with pytest.raises(InvalidValueError):
+        device.copy_d2h(gpu, arena[:100], [])  # 1024 bytes into 100
+    with pytest.raises(InvalidValueError):
+        device.copy_d2h(gpu.view(16, 16).t(), arena[:1024], [])  # not contiguous
+    with pytest.raises(InvalidValueError):
+        device.copy_h2d(arena[:1024], torch.zeros(256), [])  # destination on the host
+    device.close()
+    with pytest.raises(CacheClosedError):
+        device.copy_d2h(gpu, arena[:1024], [])
+
+
+def test_adopt_returns_an_alias(device: CudaDevice) -> None:
+    t = torch.ones(10, device="cuda:0")
+    own = device.adopt(t, device.current_stream())
+    assert own is not t
+    assert own.data_ptr() == t.data_ptr()
+
+
+# --- the pinned host arena ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["register", "hostalloc"])
+def test_host_arena_is_pinned_and_copies_across_chunks(method: ArenaMethod) -> None:
+    dev = CudaDevice(0, arena_method=method, pin_chunk_bytes=4 * MiB)
+    n = 10 * MiB + 123
+    arena = dev.host_arena(n)
+    assert arena.dtype == torch.uint8
+    assert arena.numel() == n
+    for offset in (0, 4 * MiB - 1, 4 * MiB, 8 * MiB + 5, n - 1):
+        assert arena[offset : offset + 1].is_pinned()
+    with pytest.raises(MMCacheError):
+        dev.host_arena(1)  # made once
+    # 3 MiB .. 9 MiB crosses two 4 MiB registrations.
+    src = torch.randint(0, 255, (6 * MiB,), dtype=torch.uint8, device="cuda:0")
+    window = arena[3 * MiB : 9 * MiB]
+    down = dev.copy_d2h(src, window, [])
+    back = dev.empty((6 * MiB,), torch.uint8)
+    assert dev.copy_h2d(window, back, [down]).wait(30)
+    assert torch.equal(window, src.cpu())
+    assert torch.equal(back, src)
+    dev.close()
+    if method == "register":
+        assert not arena.is_pinned()  # unpinned at close ...
+    assert torch.equal(window, src.cpu())  # ... and still readable
+
+
+async def test_host_arena_pins_in_the_background(device: CudaDevice) -> None:
+    future = device.host_arena_async(64 * MiB)
+    arena = await asyncio.wrap_future(future)
+    assert arena.numel() == 64 * MiB
+    assert arena.is_pinned()
+    assert device.arena_chunk_bytes is None  # the host pool may place blocks anywhere
+
+
+def test_fence_type(device: CudaDevice) -> None:
+    fence = device.record(device.current_stream())
+    assert isinstance(fence, CudaFence)
+    assert fence.wait(30)
+    assert "gpu" in device.describe()
