@@ -22,9 +22,9 @@ from prometheus_client import CollectorRegistry
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _common import fmt, markdown_table, summary_us, write_json  # noqa: E402
+from _common import fmt, markdown_table, summary_us, write_json
 
-from mmcache import CacheSettings, FeatureCache  # noqa: E402
+from mmcache import CacheSettings, FeatureCache
 
 HIT_TARGET_US = 10.0
 
@@ -37,10 +37,8 @@ async def measure(device: str, n: int) -> dict[str, dict[str, float]]:
     """Time n calls of each operation, one call at a time."""
     settings = CacheSettings(gpu_cache_mb=256, cpu_cache_mb=16)
     keys = [("img", i) for i in range(n)]
-    make = (lambda: torch.ones(16, 64)) if device == "sim" else (
-        lambda: torch.ones(16, 64, device=device)
-    )
-    values = [make() for _ in range(n)]
+    where = "cpu" if device == "sim" else device  # the simulator's device memory is the CPU's
+    values = [torch.ones(16, 64, device=where) for _ in range(n)]
     results: dict[str, list[float]] = {"put (no eviction)": [], "get GPU hit": [], "get miss": []}
     baseline: dict[str, list[float]] = {"dict lookup": [], "await trivial coroutine": []}
     cache = FeatureCache(settings, device=device, registry=CollectorRegistry())
@@ -62,7 +60,7 @@ async def measure(device: str, n: int) -> dict[str, dict[str, float]]:
                 t0 = clock()
                 await cache.get(("absent", i))
                 results["get miss"].append(clock() - t0)
-            table: dict[tuple[str, int], int] = {k: 1 for k in keys}  # type: ignore[misc]
+            table = dict.fromkeys(keys, 1)
             for key in keys:
                 t0 = clock()
                 table.get(key)

@@ -22,7 +22,6 @@ from mmcache.entry import Entry, State, check_key, row_range
 from mmcache.errors import (
     CacheClosedError,
     InvalidValueError,
-    MMCacheError,
     ValueTooLargeError,
     WrongLoopError,
 )
@@ -173,6 +172,7 @@ class FeatureCache:
     # --- public API ---------------------------------------------------------------------
 
     def __contains__(self, key: object) -> bool:
+        check_key(key)
         return key in self._entries
 
     def __len__(self) -> int:
@@ -203,6 +203,12 @@ class FeatureCache:
         ready = self._device.record(stream)
         own, ready = self._own(value, stream, ready)
         del value
+        old = self._entries.get(key)
+        if old is not None:
+            # Replace first, then reserve: the old value's bytes must not push others out
+            # (nor be offloaded for nothing). A put that then fails leaves the key absent.
+            self._unlink(old)
+            self._wake_gpu()
         block: HostBlock | None = None
         try:
             if to_gpu:
@@ -218,15 +224,16 @@ class FeatureCache:
             self._c["rejected"] += 1
             return False
         old = self._entries.get(key)
-        if old is not None:
+        if old is not None:  # another put of this key finished while we waited
             self._unlink(old)
-            self._wake_gpu()
         entry = Entry(key, tuple(own.shape), own.dtype, nbytes, State.GPU, own, ready)
         self._entries[key] = entry
         if to_gpu:
             self._gpu_granted -= nbytes
             self._gpu_entries += 1
             self._gpu_lru[key] = entry
+            if self._gpu_waiters:
+                self._wake_gpu()  # the next waiter may need this entry offloaded
         else:
             assert block is not None
             self._start_offload(entry, block, charged_gpu=False)
@@ -248,7 +255,7 @@ class FeatureCache:
         """
         if stream is None:
             stream = self._device.current_stream()
-        to_host = _wants_host(device)
+        to_host = self._wants_host(device)
         await self._ready_to_serve()
         check_key(key)
         entry = self._entries.get(key)
@@ -303,13 +310,14 @@ class FeatureCache:
             task.add_done_callback(lambda t: self._computed(key, t))
         value, ready = await asyncio.shield(task)
         span = row_range(rows, tuple(value.shape))
-        if _wants_host(device):
+        if self._wants_host(device):
             return await self._download(value, ready, span)
         return await self._serve_device(value, ready, span, stream)
 
     def discard(self, key: Hashable) -> bool:
         """Remove key; its memory is released after the fences that use it. True if present."""
         self._check_open()
+        check_key(key)
         entry = self._entries.get(key)
         if entry is None:
             return False
@@ -357,6 +365,21 @@ class FeatureCache:
         )
 
     # --- checks -------------------------------------------------------------------------
+
+    def _wants_host(self, device: str | torch.device | None) -> bool:
+        """True for a host read ("cpu"); False for this cache's own device (None or its name)."""
+        if device is None:
+            return False
+        name = str(device)
+        if name == "cpu":
+            return True
+        own = self._device.name
+        if name == own or name == own.split(":")[0]:
+            return False
+        raise InvalidValueError(
+            f"get(device={device!r}): this cache returns tensors on {own!r} (device=None) "
+            f"or host copies (device='cpu'); move the result yourself for another device"
+        )
 
     def _check_open(self) -> None:
         if self._closed:
@@ -808,14 +831,3 @@ class FeatureCache:
         for tier, nbytes in leaked.items():
             self._metrics.set_leaked(tier, nbytes)
         return leaked
-
-
-def _wants_host(device: str | torch.device | None) -> bool:
-    if device is None:
-        return False
-    kind = device.type if isinstance(device, torch.device) else device
-    if kind == "cpu":
-        return True
-    if isinstance(kind, str) and kind.split(":")[0] in ("cuda", "sim", "gpu"):
-        return False
-    raise MMCacheError(f"get(device=...) takes None (the cache's device) or 'cpu', not {device!r}")

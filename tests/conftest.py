@@ -50,10 +50,8 @@ class Rig:
                 yield
             return
         # On a GPU a copy cannot be paused: park each copy stream behind a long kernel.
-        streams = self.device.copy_streams()  # type: ignore[attr-defined]
-        for s in streams:
-            with torch.cuda.stream(s):
-                torch.cuda._sleep(int(2e8))  # type: ignore[no-untyped-call]  # ~100 ms
+        for s in self.device.copy_streams():  # type: ignore[attr-defined]
+            stall(s, 0.2)
         yield
 
     def settle(self) -> None:
@@ -69,12 +67,34 @@ class Rig:
         return int(torch.cuda.memory_allocated())
 
 
+_SLEEP_CYCLES_PER_S: list[float] = []
+
+
+def stall(stream: torch.cuda.Stream, seconds: float) -> None:
+    """Queue a kernel that keeps stream busy for about seconds (calibrated once)."""
+    if not _SLEEP_CYCLES_PER_S:
+        probe = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+        start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        with torch.cuda.stream(probe):
+            torch.cuda._sleep(1000)  # type: ignore[no-untyped-call]  # loads the kernel
+            start.record()
+            torch.cuda._sleep(50_000_000)  # type: ignore[no-untyped-call]
+            end.record()
+        end.synchronize()
+        _SLEEP_CYCLES_PER_S.append(50_000_000 / (start.elapsed_time(end) / 1e3))
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(int(seconds * _SLEEP_CYCLES_PER_S[0]))  # type: ignore[no-untyped-call]
+
+
 def _make_device(kind: str) -> Device:
     if kind == "sim":
         return SimDevice()
     from mmcache.device.cuda import CudaDevice
 
-    return CudaDevice(0)
+    # Pinning in the foreground: tests see the host tier from the first put. The
+    # background path has a test of its own.
+    return CudaDevice(0, background_pinning=False)
 
 
 @pytest.fixture(params=["sim", pytest.param("cuda", marks=pytest.mark.cuda)])

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from conftest import stall
 
 from mmcache.device.cuda import ArenaMethod, CudaDevice, CudaFence
 from mmcache.errors import CacheClosedError, InvalidValueError, MMCacheError
@@ -23,7 +24,7 @@ pytestmark = [
 ]
 
 MiB = 1 << 20
-HOLD_CYCLES = int(2e8)  # ~100 ms at H200 clocks: far longer than queuing the work under test
+HOLD_SECONDS = 0.3  # far longer than queuing the work under test
 
 
 @pytest.fixture
@@ -37,10 +38,9 @@ def side_stream() -> torch.cuda.Stream:
     return torch.cuda.Stream(0)  # type: ignore[no-untyped-call]
 
 
-def hold(stream: torch.cuda.Stream, cycles: int = HOLD_CYCLES) -> None:
+def hold(stream: torch.cuda.Stream, seconds: float = HOLD_SECONDS) -> None:
     """Park stream behind a long kernel so that work queued next cannot start yet."""
-    with torch.cuda.stream(stream):
-        torch.cuda._sleep(cycles)  # type: ignore[no-untyped-call]
+    stall(stream, seconds)
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -110,7 +110,7 @@ def test_callbacks_of_one_waiter_run_in_order(device: CudaDevice) -> None:
     order: list[int] = []
     fences = []
     for _ in range(5):
-        hold(side, HOLD_CYCLES // 10)
+        hold(side, HOLD_SECONDS / 10)
         fences.append(device.record(side))
     for i, fence in enumerate(fences):
         fence.add_done_callback(functools.partial(order.append, i))
@@ -177,7 +177,7 @@ def test_copy_waits_for_a_producer_on_a_side_stream(device: CudaDevice) -> None:
     torch.cuda.synchronize()
     side = side_stream()
     with torch.cuda.stream(side):
-        torch.cuda._sleep(HOLD_CYCLES)  # type: ignore[no-untyped-call]
+        stall(torch.cuda.current_stream(), HOLD_SECONDS)
         src.fill_(9)  # the producer's kernel is still queued when the copy is
     src.record_stream(side)
     ready = device.record(side)

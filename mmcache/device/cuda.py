@@ -363,7 +363,8 @@ class CudaDevice(Device):
         self,
         index: int | str | torch.device = 0,
         *,
-        arena_method: ArenaMethod = "register",
+        arena_method: ArenaMethod = "hostalloc",
+        background_pinning: bool = True,
         pin_chunk_bytes: int = DEFAULT_PIN_CHUNK_BYTES,
         huge_pages: bool = True,
         pack_max_bytes: int = DEFAULT_PACK_MAX_BYTES,
@@ -384,6 +385,7 @@ class CudaDevice(Device):
         self.name = str(self._device)
         self.index: int = self._device.index if self._device.index is not None else 0
         self.arena_method: ArenaMethod = arena_method
+        self.background_pinning = background_pinning
         self.pin_chunk_bytes = pin_chunk_bytes
         self.huge_pages = huge_pages
         self.pack_max_bytes = pack_max_bytes
@@ -513,6 +515,8 @@ class CudaDevice(Device):
 
     def host_arena_async(self, nbytes: int) -> concurrent.futures.Future[torch.Tensor]:
         """Pin the host arena on a background thread (~0.5 ms/MiB): a future of host_arena()."""
+        if not self.background_pinning:
+            return super().host_arena_async(nbytes)
         self._claim_arena(nbytes)
         future: concurrent.futures.Future[torch.Tensor] = concurrent.futures.Future()
 

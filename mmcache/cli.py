@@ -1,0 +1,219 @@
+"""The `mmcache` command line: demo, bench, settings."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import mmcache
+from mmcache.demo import DemoConfig, format_table, run_demo
+from mmcache.errors import MMCacheError
+from mmcache.settings import SETTINGS_TABLE, CacheSettings
+
+__all__ = ["find_benchmarks", "main"]
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # also refuses NaN
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port 0..65535 (0: any free one), got {value}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mmcache", description="Tiered GPU -> pinned host cache of multimodal features."
+    )
+    parser.add_argument("--version", action="version", version=f"mmcache {mmcache.__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    defaults = DemoConfig()
+    demo = commands.add_parser(
+        "demo",
+        help="serve a vision-language workload through the cache and verify every read",
+        description="Serve a vision-language workload through the cache and verify every read; "
+        "exit 0 only when every read matched what the encoder produced and nothing leaked.",
+    )
+    demo.add_argument(
+        "--device",
+        choices=("auto", "sim", "cuda"),
+        default=defaults.device,
+        help="auto (default): cuda when a GPU is present, else the CPU simulator",
+    )
+    demo.add_argument("--requests", type=_positive_int, default=defaults.requests)
+    demo.add_argument("--concurrency", type=_positive_int, default=defaults.concurrency)
+    demo.add_argument("--seed", type=int, default=defaults.seed)
+    demo.add_argument("--gpu-mb", type=_non_negative, default=defaults.gpu_mb, help="GPU tier MiB")
+    demo.add_argument("--cpu-mb", type=_non_negative, default=defaults.cpu_mb, help="host tier MiB")
+    demo.add_argument(
+        "--hidden", type=_positive_int, default=defaults.hidden, help="feature width (bf16 values)"
+    )
+    demo.add_argument(
+        "--images", type=int, default=defaults.images, help="catalogue size (Zipf popularity)"
+    )
+    demo.add_argument(
+        "--metrics-port",
+        type=_port,
+        default=None,
+        help="serve Prometheus metrics on this port while running (0: any free port); "
+        "default: MMCACHE_METRICS_PORT if set",
+    )
+    demo.add_argument(
+        "--linger",
+        type=_non_negative,
+        default=0.0,
+        metavar="S",
+        help="keep the metrics server up S seconds after the run, with the final values",
+    )
+    demo.add_argument("--quiet", action="store_true", help="no progress lines")
+
+    bench = commands.add_parser(
+        "bench",
+        help="run the benchmark scripts (benchmarks/bench_*.py)",
+        description="Run benchmarks/bench_*.py (all, or those named) with this python. "
+        "Arguments after `--` are passed to every script.",
+    )
+    bench.add_argument("names", nargs="*", help="e.g. offload, bench_offload or bench_offload.py")
+    bench.add_argument("--quick", action="store_true", help="passed through: shorter runs")
+    bench.add_argument("--dir", type=Path, default=None, help="benchmarks directory to use")
+
+    commands.add_parser("settings", help="list every setting, its variables and current value")
+    return parser
+
+
+def find_benchmarks(directory: Path | None = None) -> list[Path]:
+    """The bench_*.py scripts of the given directory, or of ./benchmarks, or of the checkout."""
+    if directory is not None:
+        candidates = [directory]
+    else:
+        checkout = Path(mmcache.__file__).resolve().parents[1] / "benchmarks"
+        candidates = [Path.cwd() / "benchmarks", checkout]
+    for candidate in candidates:
+        scripts = sorted(candidate.glob("bench_*.py"))
+        if scripts:
+            return scripts
+    return []
+
+
+def _bench(names: Sequence[str], quick: bool, directory: Path | None, extra: Sequence[str]) -> int:
+    scripts = find_benchmarks(directory)
+    if not scripts:
+        print("no benchmarks/bench_*.py found here or in the mmcache checkout", file=sys.stderr)
+        return 2
+    if names:
+        by_name = {s.stem.removeprefix("bench_"): s for s in scripts}
+        chosen = []
+        for name in names:
+            script = by_name.get(Path(name).stem.removeprefix("bench_"))
+            if script is None:
+                known = ", ".join(by_name)
+                print(f"unknown benchmark {name!r}; available: {known}", file=sys.stderr)
+                return 2
+            chosen.append(script)
+        scripts = chosen
+    failed = []
+    for script in scripts:
+        command = [sys.executable, str(script), *(["--quick"] if quick else []), *extra]
+        print(f"=== {script.name}: {' '.join(command[1:])}", flush=True)
+        # Relayed line by line through our stdout so callers that capture it see it too.
+        with subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        ) as proc:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                print(line, end="", flush=True)
+        if proc.returncode != 0:
+            print(f"=== {script.name} failed with exit status {proc.returncode}", flush=True)
+            failed.append(script.name)
+    if failed:
+        print(f"failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _settings() -> int:
+    try:
+        current = CacheSettings()
+    except MMCacheError as e:
+        print(f"invalid settings in the environment:\n{e}", file=sys.stderr)
+        return 1
+    rows = []
+    for row in SETTINGS_TABLE:
+        value = getattr(current, row.field)
+        source = current.env_name(row.field)
+        changed = value != row.default
+        rows.append(
+            (
+                row.field,
+                " / ".join(row.env_names),
+                str(row.default),
+                f"{value} (from {source})" if changed else str(value),
+                row.description,
+            )
+        )
+    print(format_table(("setting", "environment", "default", "current", "meaning"), rows))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the `mmcache` command line; returns the exit status."""
+    args_in = list(sys.argv[1:] if argv is None else argv)
+    extra: list[str] = []
+    if "--" in args_in:  # everything after `--` is for the benchmark scripts
+        cut = args_in.index("--")
+        args_in, extra = args_in[:cut], args_in[cut + 1 :]
+    parser = _parser()
+    args = parser.parse_args(args_in)
+    if extra and args.command != "bench":
+        parser.error("arguments after `--` are only for `mmcache bench`")
+    if args.command == "demo":
+        config = DemoConfig(
+            device=args.device,
+            requests=args.requests,
+            concurrency=args.concurrency,
+            seed=args.seed,
+            gpu_mb=args.gpu_mb,
+            cpu_mb=args.cpu_mb,
+            hidden=args.hidden,
+            images=args.images,
+            metrics_port=args.metrics_port,
+            linger_s=args.linger,
+            quiet=args.quiet,
+        )
+        if args.device == "cuda" and not _cuda_available():
+            print("--device cuda: no CUDA device here; use --device sim", file=sys.stderr)
+            return 2
+        try:
+            return run_demo(config)
+        except MMCacheError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+    if args.command == "bench":
+        return _bench(args.names, args.quick, args.dir, extra)
+    if args.command == "settings":
+        return _settings()
+    parser.print_help(sys.stderr)
+    return 2
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

@@ -1,0 +1,441 @@
+"""The `mmcache demo` workload: a vision-language scheduler serving requests through the cache.
+
+Requests carry a few images (1120x700 is 1,000 tokens) and now and then a video
+(several thousand tokens), drawn with a Zipf popularity from a catalogue so that
+images recur. Each request is admitted (its features fetched, or encoded on a
+miss through get_or_compute), then prefilled in token chunks that read each
+feature's rows with get(key, rows=...). Every read is compared with the bytes
+the encoder produced. Only the public API is used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import itertools
+import random
+import statistics
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Final, TextIO
+
+import torch
+
+from mmcache import CacheSettings, FeatureCache
+from mmcache.device import Device, SimDevice
+from mmcache.metrics import start_metrics_server
+
+__all__ = ["DemoConfig", "format_table", "run_demo"]
+
+#: ViT patch merging in Qwen2-VL style: one token per 28x28 pixels.
+PIXELS_PER_TOKEN_SIDE: Final = 28
+#: Image sizes seen in the catalogue, most often the 1120x700 screenshot.
+IMAGE_SIZES: Final = ((1120, 700), (1120, 700), (1120, 700), (840, 560), (1400, 840))
+VIDEO_TOKENS: Final = (3000, 6000)
+ENCODE_S_PER_1K_TOKENS: Final = 0.003
+FORWARD_S_PER_CHUNK: Final = 0.001
+PROGRESS_PERIOD_S: Final = 2.0
+TICK_PERIOD_S: Final = 0.005
+GB: Final = 1e9
+MiB: Final = 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class DemoConfig:
+    """What `mmcache demo` runs; defaults finish in about half a minute on the simulator."""
+
+    device: str = "auto"
+    requests: int = 1500
+    concurrency: int = 8
+    seed: int = 0
+    gpu_mb: float = 256
+    cpu_mb: float = 1024
+    hidden: int = 3584
+    images: int = 600
+    videos: int = 24
+    video_ratio: float = 0.1
+    host_read_ratio: float = 0.125
+    chunk_tokens: int = 2048
+    zipf_s: float = 1.0
+    metrics_port: int | None = None
+    linger_s: float = 0.0
+    quiet: bool = False
+    #: Simulated PCIe link of the sim device (H200 pinned copies run at ~55 GB/s).
+    sim_bandwidth_gbps: float = 50.0
+    sim_latency_s: float = 10e-6
+
+
+@dataclass(frozen=True, slots=True)
+class Item:
+    """One image or video: its cache key and where its rows sit in the reference buffer."""
+
+    key: str
+    offset: int
+    rows: int
+
+    @property
+    def encode_s(self) -> float:
+        """Simulated encoder time, proportional to the tokens produced."""
+        return ENCODE_S_PER_1K_TOKENS * self.rows / 1000
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """A prompt: text runs and multimodal items, laid out as (start token, item) spans."""
+
+    rid: int
+    spans: tuple[tuple[int, Item], ...]
+    tokens: int
+    host_reads: bool
+
+
+class Catalogue:
+    """Every image and video the workload may show, and the exact features of each.
+
+    The encoder's output for an item is a window of one seeded random buffer
+    starting at the item's own row offset, so regenerating the expected bytes of
+    any rows costs a view, and two items never share a window.
+    """
+
+    def __init__(self, config: DemoConfig, device: str) -> None:
+        rng = random.Random(config.seed)
+        items: list[Item] = []
+        for i in range(config.images):
+            width, height = rng.choice(IMAGE_SIZES)
+            rows = (width // PIXELS_PER_TOKEN_SIDE) * (height // PIXELS_PER_TOKEN_SIDE)
+            items.append(Item(f"image/{i:05d}", i, rows))
+        self.images = tuple(items)
+        videos = [
+            Item(f"video/{j:03d}", config.images + j, rng.randint(*VIDEO_TOKENS))
+            for j in range(config.videos)
+        ]
+        self.videos = tuple(videos)
+        max_rows = max((it.rows for it in (*self.images, *self.videos)), default=0)
+        generator = torch.Generator().manual_seed(config.seed)
+        total_rows = config.images + config.videos + max_rows
+        host = torch.randn(total_rows, config.hidden, generator=generator).to(torch.bfloat16)
+        self.host_reference = host
+        self.device_reference = host if device == "cpu" else host.to(device)
+
+    def reference(self, item: Item, start: int, stop: int, on_host: bool) -> torch.Tensor:
+        """The bytes the encoder produced for rows start..stop of item."""
+        buf = self.host_reference if on_host else self.device_reference
+        return buf[item.offset + start : item.offset + stop]
+
+
+def _zipf_weights(n: int, s: float) -> list[float]:
+    """Cumulative Zipf weights over n ranks (rank 0 most popular)."""
+    return list(itertools.accumulate(1.0 / (k + 1) ** s for k in range(n)))
+
+
+def make_requests(config: DemoConfig, catalogue: Catalogue) -> list[Request]:
+    """The whole request stream, fixed by the seed."""
+    rng = random.Random(config.seed + 1)
+    image_weights = _zipf_weights(len(catalogue.images), config.zipf_s)
+    video_weights = _zipf_weights(len(catalogue.videos), config.zipf_s)
+    requests: list[Request] = []
+    for rid in range(config.requests):
+        items: list[Item] = []
+        if catalogue.images:
+            count = rng.choice((1, 1, 2, 2, 3, 4, 6))
+            # A prompt shows an image once: duplicates within one request are redrawn.
+            chosen = rng.choices(catalogue.images, cum_weights=image_weights, k=count)
+            items.extend(dict.fromkeys(chosen))
+        if catalogue.videos and rng.random() < config.video_ratio:
+            items.extend(rng.choices(catalogue.videos, cum_weights=video_weights, k=1))
+        tokens = rng.randint(16, 256)  # system prompt
+        spans: list[tuple[int, Item]] = []
+        for item in items:
+            spans.append((tokens, item))
+            tokens += item.rows + rng.randint(8, 96)  # the text around each item
+        host = rng.random() < config.host_read_ratio
+        requests.append(Request(rid, tuple(spans), tokens, host))
+    return requests
+
+
+@dataclass(slots=True)
+class Verifier:
+    """Compares every read with the encoder's bytes; device reads are checked on the device."""
+
+    catalogue: Catalogue
+    device_is_host: bool
+    mismatches: int = 0
+    messages: list[str] = field(default_factory=list)
+    chunks: int = 0
+    nbytes: int = 0
+    _device_bad: torch.Tensor | None = None
+
+    def check(self, item: Item, start: int, stop: int, got: torch.Tensor, on_host: bool) -> None:
+        """Record a mismatch unless got holds exactly rows start..stop of item."""
+        self.chunks += 1
+        self.nbytes += got.numel() * got.element_size()
+        want = self.catalogue.reference(item, start, stop, on_host or self.device_is_host)
+        if got.shape != want.shape or got.dtype != want.dtype:
+            self._fail(item, start, stop, f"got {tuple(got.shape)} {got.dtype}")
+            return
+        # Bitwise, as int16: NaN (the simulator's poison) never equals itself anyway,
+        # and integer compares are three times faster than bf16 ones on the CPU.
+        got16, want16 = got.view(torch.int16), want.view(torch.int16)
+        if on_host or self.device_is_host:
+            if not torch.equal(got16, want16):
+                differ = int(torch.count_nonzero(got16 != want16))
+                self._fail(item, start, stop, f"{differ} of {got.numel()} values differ")
+            return
+        # On a GPU, compare on the caller's stream and look at the sum once at the end:
+        # a host sync per chunk would stall the loop and hide the cache's own timing.
+        bad = (got16 != want16).any()
+        self._device_bad = bad.long() if self._device_bad is None else self._device_bad + bad
+
+    def settle(self) -> None:
+        """Fold the device-side comparisons into the count (synchronises once)."""
+        if self._device_bad is not None:
+            bad = int(self._device_bad.item())
+            self._device_bad = None
+            if bad:
+                self.mismatches += bad
+                self.messages.append(f"{bad} device reads differ from the encoder's output")
+
+    def _fail(self, item: Item, start: int, stop: int, why: str) -> None:
+        self.mismatches += 1
+        if len(self.messages) < 10:
+            self.messages.append(f"{item.key} rows {start}:{stop}: {why}")
+
+
+@dataclass(slots=True)
+class LoopLag:
+    """A ticker task that measures how late the event loop wakes it (its worst oversleep)."""
+
+    period_s: float = TICK_PERIOD_S
+    max_lag_s: float = 0.0
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        """Tick for the duration of the block."""
+        task = asyncio.create_task(self._tick())
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _tick(self) -> None:
+        while True:
+            started = time.perf_counter()
+            await asyncio.sleep(self.period_s)
+            self.max_lag_s = max(self.max_lag_s, time.perf_counter() - started - self.period_s)
+
+
+@dataclass(slots=True)
+class Scheduler:
+    """Admits requests, encodes misses, and prefills in chunks that read feature rows."""
+
+    cache: FeatureCache
+    catalogue: Catalogue
+    verifier: Verifier
+    chunk_tokens: int
+    done: int = 0
+    encodes: int = 0
+    reencodes: int = 0
+    get_s: list[float] = field(default_factory=list)
+    host_get_s: list[float] = field(default_factory=list)
+
+    async def encode(self, item: Item) -> torch.Tensor:
+        """The vision encoder: deterministic output, at a cost proportional to its tokens."""
+        self.encodes += 1
+        await asyncio.sleep(item.encode_s)
+        # A tensor of its own, as an encoder's output would be.
+        return self.catalogue.reference(item, 0, item.rows, on_host=False).clone()
+
+    async def serve(self, requests: Iterator[Request]) -> None:
+        """Serve requests from a shared iterator until it runs out (one per worker task)."""
+        for request in requests:
+            await self.admit(request)
+            await self.prefill(request)
+            self.done += 1
+
+    async def admit(self, request: Request) -> None:
+        """Fetch every item's feature, encoding misses (and promoting host-tier hits)."""
+        for _, item in request.spans:
+            got = await self.cache.get_or_compute(item.key, functools.partial(self.encode, item))
+            self.verifier.check(item, 0, item.rows, got, on_host=False)
+            del got  # hold nothing across awaits: the cache's budget is what it keeps
+
+    async def prefill(self, request: Request) -> None:
+        """Run the prompt through in chunks; each chunk reads the rows of items it covers."""
+        device = "cpu" if request.host_reads else None
+        for chunk_start in range(0, request.tokens, self.chunk_tokens):
+            chunk_stop = chunk_start + self.chunk_tokens
+            for item_start, item in request.spans:
+                start = max(chunk_start, item_start) - item_start
+                stop = min(chunk_stop, item_start + item.rows) - item_start
+                if start >= stop:
+                    continue
+                rows = slice(start, stop)
+                began = time.perf_counter()
+                got = await self.cache.get(item.key, rows=rows, device=device)
+                (self.host_get_s if request.host_reads else self.get_s).append(
+                    time.perf_counter() - began
+                )
+                if got is None:  # dropped or evicted since admission: encode it again
+                    self.reencodes += 1
+                    encode = functools.partial(self.encode, item)
+                    got = await self.cache.get_or_compute(
+                        item.key, encode, rows=rows, device=device
+                    )
+                self.verifier.check(item, start, stop, got, on_host=request.host_reads)
+                del got
+            await asyncio.sleep(FORWARD_S_PER_CHUNK)  # the model's forward pass on this chunk
+
+
+def _percentile(values: Sequence[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A plain text table with aligned columns."""
+    widths = [max(len(str(r[i])) for r in (headers, *rows)) for i in range(len(headers))]
+    line = "  ".join("-" * w for w in widths)
+    out = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip(), line]
+    out += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    return "\n".join(out)
+
+
+def _resolve(spec: str) -> tuple[str, bool]:
+    """The device to run on ("sim" or a CUDA name) and whether it is the simulator."""
+    if spec == "auto":
+        spec = "cuda" if torch.cuda.is_available() else "sim"
+    return spec, spec == "sim"
+
+
+async def _progress(
+    cache: FeatureCache, scheduler: Scheduler, total: int, started: float, out: TextIO
+) -> None:
+    while True:
+        await asyncio.sleep(PROGRESS_PERIOD_S)
+        s = cache.stats()
+        moved = (s.d2h_bytes + s.h2d_bytes) / GB
+        print(
+            f"[{time.perf_counter() - started:6.1f}s] {scheduler.done}/{total} requests  "
+            f"hit {s.hit_ratio:6.1%}  moved {moved:6.2f} GB  pending copies {s.pending_copies}",
+            file=out,
+            flush=True,
+        )
+
+
+async def _run(config: DemoConfig, out: TextIO, err: TextIO) -> int:
+    spec, is_sim = _resolve(config.device)
+    device: str | Device = (
+        SimDevice(bandwidth_gbps=config.sim_bandwidth_gbps, latency_s=config.sim_latency_s)
+        if is_sim
+        else spec
+    )
+    settings = CacheSettings(gpu_cache_mb=config.gpu_mb, cpu_cache_mb=config.cpu_mb)
+    port = config.metrics_port if config.metrics_port is not None else settings.metrics_port
+    server = None
+    if port is not None:
+        server, thread = start_metrics_server(port)
+        print(f"metrics: http://127.0.0.1:{server.server_port}/metrics", file=out, flush=True)
+    cache = FeatureCache(settings, device, name="demo")
+    try:
+        async with cache:
+            device_name = "cpu" if is_sim else cache.device.name
+            catalogue = Catalogue(config, device_name)
+            requests = make_requests(config, catalogue)
+            verifier = Verifier(catalogue, device_is_host=is_sim)
+            scheduler = Scheduler(cache, catalogue, verifier, config.chunk_tokens)
+            lag = LoopLag()
+            started = time.perf_counter()
+            async with lag.running():
+                progress = None
+                if not config.quiet:
+                    progress = asyncio.create_task(
+                        _progress(cache, scheduler, len(requests), started, err)
+                    )
+                try:
+                    stream = iter(requests)
+                    async with asyncio.TaskGroup() as group:
+                        for _ in range(max(1, config.concurrency)):
+                            group.create_task(scheduler.serve(stream))
+                finally:
+                    if progress is not None:
+                        progress.cancel()
+                        with contextlib.suppress(asyncio.CancelledError):
+                            await progress
+                elapsed = time.perf_counter() - started
+                await cache.drain()
+            verifier.settle()
+            stats = cache.stats()
+            lookups = stats.hits_gpu + stats.hits_cpu + stats.misses
+            moved = stats.d2h_bytes + stats.h2d_bytes
+            ms = 1e3
+
+            def ratio(n: int) -> str:
+                return f"{n / lookups:.1%} ({n})" if lookups else "-"
+
+            def latency(values: Sequence[float]) -> str:
+                if not values:
+                    return "-"
+                p50, p99 = statistics.median(values) * ms, _percentile(values, 99) * ms
+                return f"{p50:.3f} / {p99:.3f} ms ({len(values)} gets)"
+
+            rows = [
+                ("device", f"{device_name if not is_sim else 'sim'} ({spec})"),
+                (
+                    "requests",
+                    f"{scheduler.done} in {elapsed:.1f} s, concurrency {config.concurrency}",
+                ),
+                ("GPU / CPU tier", f"{config.gpu_mb:g} MiB / {config.cpu_mb:g} MiB"),
+                ("lookups", str(lookups)),
+                ("hit ratio gpu", ratio(stats.hits_gpu)),
+                ("hit ratio cpu", ratio(stats.hits_cpu)),
+                ("miss ratio", ratio(stats.misses)),
+                ("encodes (re-encodes)", f"{scheduler.encodes} ({scheduler.reencodes})"),
+                ("evictions gpu / cpu", f"{stats.evictions_gpu} / {stats.evictions_cpu}"),
+                ("dropped / promotions", f"{stats.dropped} / {stats.promotions}"),
+                ("offloaded d2h", f"{stats.d2h_bytes / GB:.2f} GB"),
+                ("uploaded h2d", f"{stats.h2d_bytes / GB:.2f} GB"),
+                ("effective copy rate", f"{moved / GB / elapsed:.2f} GB/s" if elapsed else "-"),
+                ("get p50 / p99 device", latency(scheduler.get_s)),
+                ("get p50 / p99 host", latency(scheduler.host_get_s)),
+                ("event loop max lag", f"{lag.max_lag_s * ms:.1f} ms"),
+                ("verified", f"{verifier.chunks} reads, {verifier.nbytes / GB:.2f} GB"),
+                ("mismatches", str(verifier.mismatches)),
+                ("leaked bytes", str(stats.leaked_bytes)),
+            ]
+            print(format_table(("metric", "value"), rows), file=out, flush=True)
+            if server is not None and config.linger_s > 0:
+                print(
+                    f"metrics: serving final values for {config.linger_s:g} s",
+                    file=out,
+                    flush=True,
+                )
+                await asyncio.sleep(config.linger_s)
+    finally:
+        if isinstance(device, SimDevice):
+            device.close()  # ours, not the cache's: it only closes devices it created
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+            thread.join()
+    failed = False
+    for message in verifier.messages:
+        print(f"MISMATCH: {message}", file=err)
+    if verifier.mismatches:
+        print(f"FAILED: {verifier.mismatches} reads differ from what was encoded", file=err)
+        failed = True
+    if stats.leaked_bytes:
+        print(f"FAILED: {stats.leaked_bytes} bytes leaked after drain()", file=err)
+        failed = True
+    return 1 if failed else 0
+
+
+def run_demo(config: DemoConfig, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    """Run the workload; 0 when every read verified and nothing leaked, else 1."""
+    return asyncio.run(_run(config, out or sys.stdout, err or sys.stderr))

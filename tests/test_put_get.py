@@ -1,0 +1,328 @@
+"""put and get: bit-exact round trips in every tier, rows= reads, host copies the caller owns."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Hashable
+
+import pytest
+import torch
+from conftest import CacheFactory, Rig
+
+from mmcache import FeatureCache, InvalidRowsError
+
+DTYPES = [torch.bfloat16, torch.float32, torch.int8, torch.int64]
+SHAPES = [(4096,), (64, 128), (8, 16, 32)]
+
+
+def make_data(
+    rig: Rig, *shape: int, dtype: torch.dtype = torch.bfloat16, seed: int = 0
+) -> torch.Tensor:
+    """Random data on the rig's device; integers spread over a wide range (few zeros)."""
+    if dtype.is_floating_point:
+        return rig.tensor(*shape, dtype=dtype, seed=seed)
+    info = torch.iinfo(dtype)
+    low, high = max(info.min, -(2**31)), min(info.max, 2**31 - 1)
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randint(low, high, shape, generator=g, dtype=dtype)
+    return t if rig.kind == "sim" else t.to(rig.device.name)
+
+
+def assert_exact(got: torch.Tensor | None, want: torch.Tensor) -> None:
+    """Same dtype, shape and bytes (poison, NaN or zeros never pass)."""
+    assert got is not None
+    assert got.dtype == want.dtype
+    assert tuple(got.shape) == tuple(want.shape)
+    a = got.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    b = want.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    assert torch.equal(a, b)
+
+
+def needs_hold(rig: Rig) -> None:
+    if rig.kind != "sim":
+        pytest.skip("holds copies back: SimDevice only")
+
+
+async def put_resident(cache: FeatureCache, key: Hashable, value: torch.Tensor, state: str) -> None:
+    """Put value and settle it in state "gpu" or "host" (the cache's GPU budget decides)."""
+    assert await cache.put(key, value)
+    await cache.drain()
+    s = cache.stats()
+    if state == "gpu":
+        assert s.gpu_entries == 1 and s.cpu_entries == 0
+    else:
+        assert s.gpu_entries == 0 and s.cpu_entries == 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("state", ["gpu", "host"])
+@pytest.mark.parametrize("device", [None, "cpu"])
+async def test_round_trip_is_bit_exact(
+    rig: Rig,
+    make_cache: CacheFactory,
+    dtype: torch.dtype,
+    shape: tuple[int, ...],
+    state: str,
+    device: str | None,
+) -> None:
+    cache = make_cache(gpu_mb=1 if state == "gpu" else 0, cpu_mb=1)
+    t = make_data(rig, *shape, dtype=dtype, seed=3)
+    expected = t.cpu().clone()
+    await put_resident(cache, "k", t, state)
+    del t
+    out = await cache.get("k", device=device)
+    assert_exact(out, expected)
+    assert out is not None
+    if device == "cpu":
+        assert out.device.type == "cpu"
+    else:
+        assert rig.device.is_device_tensor(out)
+    # A second read is as good as the first (nothing was consumed or recycled).
+    assert_exact(await cache.get("k", device=device), expected)
+
+
+ROWS = [
+    slice(0, 3),
+    slice(2, 7),
+    slice(None, 4),
+    slice(6, None),
+    slice(None),
+    slice(-3, None),
+    slice(-5, -2),
+    slice(4, 4),
+    slice(0, 10, 1),
+]
+
+
+@pytest.mark.parametrize("state", ["gpu", "host"])
+@pytest.mark.parametrize("device", [None, "cpu"])
+async def test_rows_of_a_resident_entry(
+    rig: Rig, make_cache: CacheFactory, state: str, device: str | None
+) -> None:
+    cache = make_cache(gpu_mb=1 if state == "gpu" else 0, cpu_mb=1)
+    t = make_data(rig, 10, 8, 32, dtype=torch.float32, seed=5)
+    expected = t.cpu().clone()
+    await put_resident(cache, "k", t, state)
+    del t
+    for rows in ROWS:
+        assert_exact(await cache.get("k", rows=rows, device=device), expected[rows])
+    # The whole feature is still intact after partial reads.
+    assert_exact(await cache.get("k", device=device), expected)
+
+
+@pytest.mark.parametrize("device", [None, "cpu"])
+async def test_rows_of_an_entry_being_offloaded(
+    rig: Rig, make_cache: CacheFactory, device: str | None
+) -> None:
+    needs_hold(rig)
+    cache = make_cache(gpu_mb=0, cpu_mb=1)  # every put is offloaded at once
+    t = make_data(rig, 10, 8, 32, dtype=torch.float32, seed=6)
+    expected = t.cpu().clone()
+    with rig.hold():
+        assert await cache.put("k", t)
+        del t
+        assert cache.stats().pending_copies == 1
+        tasks = [asyncio.create_task(cache.get("k", rows=r, device=device)) for r in ROWS]
+        await asyncio.sleep(0.01)
+        if device == "cpu":  # host reads wait for the offload to land
+            assert not any(task.done() for task in tasks)
+    results = await asyncio.wait_for(asyncio.gather(*tasks), 2)
+    for rows, out in zip(ROWS, results, strict=True):
+        assert_exact(out, expected[rows])
+    await cache.drain()
+    assert_exact(await cache.get("k", device=device), expected)
+
+
+@pytest.mark.parametrize("state", ["gpu", "host"])
+@pytest.mark.parametrize(
+    "rows",
+    [slice(0, 4, 2), slice(0, 4, -1), slice(0, 11), slice(-11, None), slice(5, 3), slice(0, 2.0)],
+    ids=str,
+)
+async def test_bad_rows_raise(rig: Rig, make_cache: CacheFactory, state: str, rows: slice) -> None:
+    cache = make_cache(gpu_mb=1 if state == "gpu" else 0, cpu_mb=1)
+    t = make_data(rig, 10, 64, seed=7)
+    expected = t.cpu().clone()
+    await put_resident(cache, "k", t, state)
+    del t
+    for device in (None, "cpu"):
+        with pytest.raises(InvalidRowsError):
+            await cache.get("k", rows=rows, device=device)
+    assert_exact(await cache.get("k"), expected)
+
+
+@pytest.mark.parametrize("rows", [3, (0, 2), range(2), [0, 1], "0:2"], ids=repr)
+async def test_rows_must_be_a_slice(rig: Rig, make_cache: CacheFactory, rows: object) -> None:
+    cache = make_cache()
+    t = make_data(rig, 10, 64, seed=8)
+    await cache.put("k", t)
+    del t
+    with pytest.raises(InvalidRowsError, match="slice"):
+        await cache.get("k", rows=rows)  # type: ignore[arg-type]
+
+
+async def test_rows_need_a_dimension(rig: Rig, make_cache: CacheFactory) -> None:
+    cache = make_cache()
+    t = make_data(rig, 1, dtype=torch.float32).reshape(())
+    await cache.put("scalar", t)
+    del t
+    with pytest.raises(InvalidRowsError):
+        await cache.get("scalar", rows=slice(0, 1))
+
+
+@pytest.mark.parametrize("state", ["gpu", "offloading", "host"])
+async def test_host_get_returns_a_copy_the_caller_owns(
+    rig: Rig, make_cache: CacheFactory, state: str
+) -> None:
+    cache = make_cache(gpu_mb=1 if state == "gpu" else 0, cpu_mb=1)
+    t = make_data(rig, 16, 64, seed=9)
+    expected = t.cpu().clone()
+    if state == "offloading":
+        needs_hold(rig)
+        with rig.hold():
+            await cache.put("k", t)
+            del t
+            task = asyncio.create_task(cache.get("k", device="cpu"))
+            rows_task = asyncio.create_task(cache.get("k", device="cpu", rows=slice(2, 5)))
+            await asyncio.sleep(0.01)
+            assert not task.done() and not rows_task.done()
+        out = await asyncio.wait_for(task, 2)
+        part = await asyncio.wait_for(rows_task, 2)
+    else:
+        await put_resident(cache, "k", t, state)
+        del t
+        out = await cache.get("k", device="cpu")
+        part = await cache.get("k", device="cpu", rows=slice(2, 5))
+    assert out is not None and part is not None
+    assert_exact(out, expected)
+    assert_exact(part, expected[2:5])
+    out.fill_(7)
+    part.fill_(7)
+    del out, part
+    await cache.drain()
+    assert_exact(await cache.get("k", device="cpu"), expected)
+    assert_exact(await cache.get("k"), expected)
+
+
+async def test_contains_len_and_discard(rig: Rig, make_cache: CacheFactory) -> None:
+    cache = make_cache(gpu_mb=0.0625, cpu_mb=1)  # 64 KiB GPU: the first entry goes to host
+    keys: list[Hashable] = ["img", b"raw", 7, ("video", 3, (b"f", 1))]
+    expected = {}
+    for i, key in enumerate(keys):
+        t = make_data(rig, 64, 256, seed=i)  # 32 KiB each
+        expected[key] = t.cpu().clone()
+        assert key not in cache
+        assert await cache.put(key, t)
+        del t
+        assert key in cache
+        assert len(cache) == i + 1
+    await cache.drain()
+    s = cache.stats()
+    assert s.gpu_entries == 2 and s.cpu_entries == 2
+
+    for key in keys[:2]:  # host-resident ones
+        assert cache.discard(key) is True
+        assert key not in cache
+        assert cache.discard(key) is False
+    assert len(cache) == 2
+    await cache.drain()
+    s = cache.stats()
+    assert (s.cpu_entries, s.cpu_bytes) == (0, 0)
+    assert await cache.get(keys[0]) is None
+
+    assert cache.discard(keys[2]) is True  # GPU-resident
+    assert len(cache) == 1
+    await cache.drain()
+    s = cache.stats()
+    assert (s.gpu_entries, s.gpu_bytes) == (1, 32 * 1024)
+    assert s.leaked_bytes == 0
+    assert_exact(await cache.get(keys[3]), expected[keys[3]])
+    assert cache.discard("never-there") is False
+
+
+async def test_get_of_a_missing_key_is_a_miss(rig: Rig, make_cache: CacheFactory) -> None:
+    cache = make_cache()
+    t = make_data(rig, 8, 64)
+    await cache.put("present", t)
+    del t
+    before = cache.stats()
+    assert await cache.get("absent") is None
+    assert await cache.get("absent", device="cpu") is None
+    assert await cache.get(("absent", 1), rows=slice(0, 1)) is None
+    after = cache.stats()
+    assert after.misses == before.misses + 3
+    assert (after.hits_gpu, after.hits_cpu) == (before.hits_gpu, before.hits_cpu)
+    assert await cache.get("present") is not None
+    assert cache.stats().hits_gpu == before.hits_gpu + 1
+
+
+async def test_discard_while_a_host_get_waits_on_the_offload(
+    rig: Rig, make_cache: CacheFactory
+) -> None:
+    needs_hold(rig)
+    cache = make_cache(gpu_mb=0, cpu_mb=1)
+    t = make_data(rig, 16, 64, seed=11)
+    expected = t.cpu().clone()
+    with rig.hold():
+        await cache.put("k", t)
+        del t
+        task = asyncio.create_task(cache.get("k", device="cpu"))
+        await asyncio.sleep(0.01)
+        assert not task.done()
+        assert cache.discard("k") is True
+    # The read began before the discard: it returns the feature (its block is pinned).
+    assert_exact(await asyncio.wait_for(task, 2), expected)
+    await cache.drain()
+    assert cache.stats().cpu_bytes == 0
+
+
+@pytest.mark.parametrize("how", ["discard", "re-put"])
+async def test_replacing_a_gpu_entry_during_a_host_read_of_it(
+    rig: Rig, make_cache: CacheFactory, how: str
+) -> None:
+    needs_hold(rig)
+    cache = make_cache(gpu_mb=1, cpu_mb=1)
+    t = make_data(rig, 64, 256, dtype=torch.float32, seed=12)  # 64 KiB
+    expected = t.cpu().clone()
+    await cache.put("k", t)
+    del t
+    with rig.hold():
+        reading = asyncio.create_task(cache.get("k", device="cpu"))
+        rows = asyncio.create_task(cache.get("k", device="cpu", rows=slice(5, 9)))
+        await asyncio.sleep(0.01)
+        assert not reading.done() and not rows.done()
+        if how == "discard":
+            assert cache.discard("k")
+        else:
+            newer = make_data(rig, 8, 256, dtype=torch.float32, seed=13)
+            newer_expected = newer.cpu().clone()
+            assert await cache.put("k", newer)
+            del newer
+        # The old tensor is still read by the held copies: it stays alive and charged.
+        assert cache.stats().gpu_bytes >= 64 * 1024
+    assert_exact(await asyncio.wait_for(reading, 2), expected)
+    assert_exact(await asyncio.wait_for(rows, 2), expected[5:9])
+    del reading, rows
+    await cache.drain()
+    s = cache.stats()
+    if how == "discard":
+        assert (s.gpu_bytes, len(cache)) == (0, 0)
+    else:
+        assert s.gpu_bytes == 8 * 1024
+        assert_exact(await cache.get("k"), newer_expected)
+    assert s.leaked_bytes == 0
+
+
+async def test_a_rows_read_keeps_no_device_memory_alive(rig: Rig, make_cache: CacheFactory) -> None:
+    needs_hold(rig)  # counts SimDevice.allocated_bytes
+    cache = make_cache(gpu_mb=1, cpu_mb=1)
+    t = make_data(rig, 64, 256, dtype=torch.float32, seed=14)
+    expected = t.cpu().clone()
+    await cache.put("k", t)
+    del t
+    assert_exact(await cache.get("k", device="cpu", rows=slice(5, 9)), expected[5:9])
+    assert cache.discard("k")
+    await cache.drain()
+    assert cache.stats().gpu_bytes == 0
+    assert rig.allocated_bytes() == 0
