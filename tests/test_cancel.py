@@ -58,7 +58,7 @@ async def test_cancelled_put_completed_or_left_nothing(sim_rig: Rig, steps: int)
         with sim_rig.hold():  # "c" needs room that held offloads will free
             put = asyncio.create_task(cache.put("c", t))
             del t
-            await _cancel_after(put, steps)  # type: ignore[arg-type]
+            await _cancel_after(put, steps)
             await asyncio.sleep(0.005)
         with pytest.raises(asyncio.CancelledError):
             await put
@@ -83,7 +83,7 @@ async def test_cancelled_host_get_leaves_entry_and_pins_intact(sim_rig: Rig, ste
             newcomer = asyncio.create_task(cache.put("b", sim_rig.tensor(64, 256, seed=2)))
             await asyncio.sleep(0.005)  # "a" is offloading, held
             reader = asyncio.create_task(cache.get("a", device="cpu", rows=slice(3, 9)))
-            await _cancel_after(reader, steps)  # type: ignore[arg-type]
+            await _cancel_after(reader, steps)
         with pytest.raises(asyncio.CancelledError):
             await reader
         await newcomer
@@ -108,7 +108,7 @@ async def test_cancelled_upload_leaves_exact_data(sim_rig: Rig, steps: int) -> N
         await cache.drain()
         with sim_rig.hold():
             upload = asyncio.create_task(cache.get("a"))
-            await _cancel_after(upload, steps)  # type: ignore[arg-type]
+            await _cancel_after(upload, steps)
         with pytest.raises(asyncio.CancelledError):
             await upload
         await _settled(sim_rig, cache)
@@ -154,7 +154,7 @@ async def test_cancelled_compacting_put_releases_its_copy(sim_rig: Rig, steps: i
         batch = sim_rig.tensor(128, 256, seed=2)
         with sim_rig.hold():
             put = asyncio.create_task(cache.put("half", batch[:64]))
-            await _cancel_after(put, steps)  # type: ignore[arg-type]
+            await _cancel_after(put, steps)
             await asyncio.sleep(0.005)
         try:
             await put
