@@ -68,6 +68,7 @@ class FeatureCache:
         self._gpu_capacity = self.settings.gpu_cache_bytes
         self._cpu_capacity = self.settings.cpu_cache_bytes
         self._promote = self.settings.promote_on_hit
+        self._small_copy_bytes = self.settings.small_copy_bytes
         self._metrics = CacheMetrics(name, registry)
         self._metrics.set_capacity("gpu", self._gpu_capacity)
 
@@ -236,7 +237,7 @@ class FeatureCache:
                 self._wake_gpu()  # the next waiter may need this entry offloaded
         else:
             assert block is not None
-            self._start_offload(entry, block, charged_gpu=False)
+            self._start_offloads([(entry, block)], charged_gpu=False)
         self._push_tiers()
         return True
 
@@ -465,16 +466,27 @@ class FeatureCache:
         return True
 
     def _evict_gpu_for(self, needed: int) -> None:
-        """Offload least recently used entries until needed bytes are free or on their way."""
-        while self._gpu_free() + self._gpu_releasing < needed and self._gpu_lru:
+        """Offload least recently used entries until needed bytes are free or on their way.
+
+        Small features go in one batched copy: one ~5 µs enqueue each would cap them far
+        below the copy engine's bandwidth.
+        """
+        small: list[tuple[Entry, HostBlock]] = []
+        batched = 0
+        while self._gpu_free() + self._gpu_releasing + batched < needed and self._gpu_lru:
             _, entry = self._gpu_lru.popitem()
             self._c["evictions_gpu"] += 1
             self._metrics.eviction("gpu")
             block = self._host_alloc(entry.nbytes)
             if block is None:
                 self._drop(entry)
+            elif entry.nbytes < self._small_copy_bytes:
+                small.append((entry, block))
+                batched += entry.nbytes
             else:
-                self._start_offload(entry, block, charged_gpu=True)
+                self._start_offloads([(entry, block)], charged_gpu=True)
+        if small:
+            self._start_offloads(small, charged_gpu=True)
 
     def _wake_gpu(self) -> None:
         """Grant waiting puts in arrival order while they fit; offload more for the rest."""
@@ -586,21 +598,37 @@ class FeatureCache:
 
     # --- offload, promotion, release ----------------------------------------------------
 
-    def _start_offload(self, entry: Entry, block: HostBlock, *, charged_gpu: bool) -> None:
-        """Queue the device -> host copy of entry into block, after the producer's fence."""
-        assert entry.tensor is not None
-        dst = block.bytes(0, entry.nbytes)
-        fence = self._device.copy_d2h(entry.tensor, dst, after=[entry.ready])
-        entry.state = State.D2H
-        entry.block = block
-        entry.copy_fence = fence
-        self._cpu_entries += 1
-        self._offloading[entry] = charged_gpu
-        if charged_gpu:
-            self._gpu_releasing += entry.nbytes
+    def _start_offloads(
+        self, items: Sequence[tuple[Entry, HostBlock]], *, charged_gpu: bool
+    ) -> None:
+        """Queue the device -> host copies of entries into blocks, after their producers."""
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for entry, block in items:
+            assert entry.tensor is not None
+            pairs.append((entry.tensor, block.bytes(0, entry.nbytes)))
+        readies = [entry.ready for entry, _ in items]
+        if len(pairs) == 1:
+            fence = self._device.copy_d2h(pairs[0][0], pairs[0][1], after=readies)
+        else:
+            fence = self._device.copy_d2h_batch(pairs, after=readies)
+        del pairs
         started = time.perf_counter()
-        self._copy_started("d2h")
-        self._when_done([fence], lambda: self._offload_done(entry, fence, started, charged_gpu))
+        for entry, block in items:
+            entry.state = State.D2H
+            entry.block = block
+            entry.copy_fence = fence
+            self._cpu_entries += 1
+            self._offloading[entry] = charged_gpu
+            if charged_gpu:
+                self._gpu_releasing += entry.nbytes
+            self._copy_started("d2h")
+        batch = [entry for entry, _ in items]
+
+        def landed() -> None:
+            for entry in batch:
+                self._offload_done(entry, fence, started, charged_gpu)
+
+        self._when_done([fence], landed)
 
     def _offload_done(self, entry: Entry, fence: Fence, started: float, charged_gpu: bool) -> None:
         self._copy_finished("d2h", entry.nbytes, started)
@@ -668,13 +696,18 @@ class FeatureCache:
         self, tensor: torch.Tensor, ready: Fence, span: tuple[int, int] | None, stream: Stream
     ) -> torch.Tensor:
         """A fresh alias (or row view) of a device tensor, ordered after ready on stream."""
+        # The alias exists before any wait: a reader holds what it will read, so a release
+        # that lands meanwhile cannot recycle it.
+        out = tensor.detach() if span is None else tensor[span[0] : span[1]]
         if not ready.done():
             if self._device.stream_ordered_reads:
                 self._device.wait_on(stream, ready)
             else:
-                self._observe_wait(await wait_fences([ready]))
-        # Made after the wait: a cancelled read leaves no alias behind in its traceback.
-        out = tensor.detach() if span is None else tensor[span[0] : span[1]]
+                try:
+                    self._observe_wait(await wait_fences([ready]))
+                except BaseException:
+                    del out  # a cancelled read must not keep it alive through its traceback
+                    raise
         self._device.use_on(out, stream)
         return out
 

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import mmcache
-from mmcache.demo import DemoConfig, format_table, run_demo
+from mmcache.demo import DemoConfig, DemoError, format_table, run_demo
 from mmcache.errors import MMCacheError
 from mmcache.settings import SETTINGS_TABLE, CacheSettings
 
@@ -202,9 +202,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         try:
             return run_demo(config)
-        except MMCacheError as e:
+        except (MMCacheError, DemoError) as e:
             print(f"error: {e}", file=sys.stderr)
-            return 1
+            return 2
     if args.command == "bench":
         return _bench(args.names, args.quick, args.dir, extra)
     if args.command == "settings":

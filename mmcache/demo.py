@@ -18,17 +18,18 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Coroutine, Iterator, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Final, TextIO
+from typing import Any, Final, TextIO
 
 import torch
 
-from mmcache import CacheSettings, FeatureCache
-from mmcache.device import Device, SimDevice
+from mmcache import CacheSettings, CacheStats, FeatureCache
+from mmcache.device import SimDevice
 from mmcache.metrics import start_metrics_server
 
-__all__ = ["DemoConfig", "format_table", "run_demo"]
+__all__ = ["DemoConfig", "DemoError", "format_table", "run_demo"]
 
 #: ViT patch merging in Qwen2-VL style: one token per 28x28 pixels.
 PIXELS_PER_TOKEN_SIDE: Final = 28
@@ -48,7 +49,7 @@ class DemoConfig:
     """What `mmcache demo` runs; defaults finish in about half a minute on the simulator."""
 
     device: str = "auto"
-    requests: int = 1500
+    requests: int = 1000
     concurrency: int = 8
     seed: int = 0
     gpu_mb: float = 256
@@ -162,13 +163,16 @@ class Verifier:
 
     catalogue: Catalogue
     device_is_host: bool
+    executor: Executor
     mismatches: int = 0
     messages: list[str] = field(default_factory=list)
     chunks: int = 0
     nbytes: int = 0
     _device_bad: torch.Tensor | None = None
 
-    def check(self, item: Item, start: int, stop: int, got: torch.Tensor, on_host: bool) -> None:
+    async def check(
+        self, item: Item, start: int, stop: int, got: torch.Tensor, on_host: bool
+    ) -> None:
         """Record a mismatch unless got holds exactly rows start..stop of item."""
         self.chunks += 1
         self.nbytes += got.numel() * got.element_size()
@@ -180,7 +184,10 @@ class Verifier:
         # and integer compares are three times faster than bf16 ones on the CPU.
         got16, want16 = got.view(torch.int16), want.view(torch.int16)
         if on_host or self.device_is_host:
-            if not torch.equal(got16, want16):
+            # On a worker thread (torch releases the GIL): comparing on the loop would
+            # show up as event-loop lag and get latency that are the demo's, not the cache's.
+            loop = asyncio.get_running_loop()
+            if not await loop.run_in_executor(self.executor, torch.equal, got16, want16):
                 differ = int(torch.count_nonzero(got16 != want16))
                 self._fail(item, start, stop, f"{differ} of {got.numel()} values differ")
             return
@@ -211,18 +218,8 @@ class LoopLag:
     period_s: float = TICK_PERIOD_S
     max_lag_s: float = 0.0
 
-    @contextlib.asynccontextmanager
-    async def running(self) -> AsyncIterator[None]:
-        """Tick for the duration of the block."""
-        task = asyncio.create_task(self._tick())
-        try:
-            yield
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-    async def _tick(self) -> None:
+    async def tick(self) -> None:
+        """Sleep period_s again and again, keeping the worst oversleep; run it as a task."""
         while True:
             started = time.perf_counter()
             await asyncio.sleep(self.period_s)
@@ -247,8 +244,11 @@ class Scheduler:
         """The vision encoder: deterministic output, at a cost proportional to its tokens."""
         self.encodes += 1
         await asyncio.sleep(item.encode_s)
-        # A tensor of its own, as an encoder's output would be.
-        return self.catalogue.reference(item, 0, item.rows, on_host=False).clone()
+        # A tensor of its own, as an encoder's output would be; made off the loop, as a
+        # GPU encoder would not hold the loop either.
+        reference = self.catalogue.reference(item, 0, item.rows, on_host=False)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.verifier.executor, reference.clone)
 
     async def serve(self, requests: Iterator[Request]) -> None:
         """Serve requests from a shared iterator until it runs out (one per worker task)."""
@@ -261,7 +261,7 @@ class Scheduler:
         """Fetch every item's feature, encoding misses (and promoting host-tier hits)."""
         for _, item in request.spans:
             got = await self.cache.get_or_compute(item.key, functools.partial(self.encode, item))
-            self.verifier.check(item, 0, item.rows, got, on_host=False)
+            await self.verifier.check(item, 0, item.rows, got, on_host=False)
             del got  # hold nothing across awaits: the cache's budget is what it keeps
 
     async def prefill(self, request: Request) -> None:
@@ -286,7 +286,7 @@ class Scheduler:
                     got = await self.cache.get_or_compute(
                         item.key, encode, rows=rows, device=device
                     )
-                self.verifier.check(item, start, stop, got, on_host=request.host_reads)
+                await self.verifier.check(item, start, stop, got, on_host=request.host_reads)
                 del got
             await asyncio.sleep(FORWARD_S_PER_CHUNK)  # the model's forward pass on this chunk
 
@@ -329,101 +329,171 @@ async def _progress(
         )
 
 
+@contextlib.contextmanager
+def _metrics_server(port: int | None, out: TextIO) -> Iterator[None]:
+    """Serve /metrics for the duration of the block (nothing when port is None)."""
+    if port is None:
+        yield
+        return
+    server, thread = start_metrics_server(port)
+    print(f"metrics: http://127.0.0.1:{server.server_port}/metrics", file=out, flush=True)
+    try:
+        yield
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def _check_fits(config: DemoConfig, catalogue: Catalogue) -> None:
+    """Refuse tiers too small for the largest feature, naming the demo's own option."""
+    largest = max(it.rows for it in (*catalogue.images, *catalogue.videos)) * config.hidden * 2
+    for option, mb in (("--gpu-mb", config.gpu_mb), ("--cpu-mb", config.cpu_mb)):
+        if 0 < mb * MiB < largest:
+            raise DemoError(
+                f"{option} {mb:g} is smaller than the largest feature ({largest / MiB:.1f} MiB); "
+                f"raise {option} or set it to 0 to turn that tier off"
+            )
+
+
+class DemoError(ValueError):
+    """The demo was asked for something it cannot run."""
+
+
+@dataclass(slots=True)
+class _Outcome:
+    """What a finished run measured."""
+
+    scheduler: Scheduler
+    elapsed_s: float
+    max_lag_s: float
+
+
+@contextlib.asynccontextmanager
+async def _background(*jobs: Coroutine[Any, Any, None]) -> AsyncIterator[None]:
+    """Run jobs as tasks for the duration of the block, then cancel them."""
+    tasks = [asyncio.create_task(job) for job in jobs]
+    try:
+        yield
+    finally:
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+async def _recycle_sim_memory(sim: SimDevice) -> None:
+    """Read the simulator's live bytes now and then, which is when it frees deferred memory."""
+    # SimDevice frees memory that a reader still held when the cache released it only
+    # when allocated_bytes is read; unread, a long run piles up gigabytes of host RAM.
+    while True:
+        await asyncio.sleep(0.25)
+        _ = sim.allocated_bytes
+
+
+async def _serve_all(
+    config: DemoConfig,
+    cache: FeatureCache,
+    scheduler: Scheduler,
+    requests: list[Request],
+    err: TextIO,
+) -> _Outcome:
+    """Run every request through concurrency workers; drain the cache's copies after."""
+    lag = LoopLag()
+    started = time.perf_counter()
+    jobs = [lag.tick()]
+    if not config.quiet:
+        jobs.append(_progress(cache, scheduler, len(requests), started, err))
+    if isinstance(cache.device, SimDevice):
+        jobs.append(_recycle_sim_memory(cache.device))
+    async with _background(*jobs):
+        stream = iter(requests)
+        async with asyncio.TaskGroup() as group:
+            for _ in range(config.concurrency):
+                group.create_task(scheduler.serve(stream))
+        elapsed = time.perf_counter() - started
+        await cache.drain()
+    return _Outcome(scheduler, elapsed, lag.max_lag_s)
+
+
+def _report(config: DemoConfig, device: str, outcome: _Outcome, stats: CacheStats) -> str:
+    """The closing table."""
+    scheduler, elapsed = outcome.scheduler, outcome.elapsed_s
+    verifier = scheduler.verifier
+    lookups = stats.hits_gpu + stats.hits_cpu + stats.misses
+    moved = stats.d2h_bytes + stats.h2d_bytes
+
+    def share(n: int) -> str:
+        return f"{n / lookups:.1%} ({n})" if lookups else "-"
+
+    def latency(values: Sequence[float]) -> str:
+        if not values:
+            return "-"
+        p50, p99 = statistics.median(values) * 1e3, _percentile(values, 99) * 1e3
+        return f"{p50:.3f} / {p99:.3f} ms ({len(values)} gets)"
+
+    rows = [
+        ("device", device),
+        ("requests", f"{scheduler.done} in {elapsed:.1f} s, concurrency {config.concurrency}"),
+        ("GPU / CPU tier", f"{config.gpu_mb:g} MiB / {config.cpu_mb:g} MiB"),
+        ("lookups", str(lookups)),
+        ("hit ratio gpu", share(stats.hits_gpu)),
+        ("hit ratio cpu", share(stats.hits_cpu)),
+        ("miss ratio", share(stats.misses)),
+        ("encodes (re-encodes)", f"{scheduler.encodes} ({scheduler.reencodes})"),
+        ("evictions gpu / cpu", f"{stats.evictions_gpu} / {stats.evictions_cpu}"),
+        ("dropped / promotions", f"{stats.dropped} / {stats.promotions}"),
+        ("offloaded d2h", f"{stats.d2h_bytes / GB:.2f} GB"),
+        ("uploaded h2d", f"{stats.h2d_bytes / GB:.2f} GB"),
+        ("effective copy rate", f"{moved / GB / elapsed:.2f} GB/s" if elapsed > 0 else "-"),
+        ("get p50 / p99 device", latency(scheduler.get_s)),
+        ("get p50 / p99 host", latency(scheduler.host_get_s)),
+        ("event loop max lag", f"{outcome.max_lag_s * 1e3:.1f} ms"),
+        ("verified", f"{verifier.chunks} reads, {verifier.nbytes / GB:.2f} GB"),
+        ("mismatches", str(verifier.mismatches)),
+        ("leaked bytes", str(stats.leaked_bytes)),
+    ]
+    return format_table(("metric", "value"), rows)
+
+
 async def _run(config: DemoConfig, out: TextIO, err: TextIO) -> int:
     spec, is_sim = _resolve(config.device)
-    device: str | Device = (
-        SimDevice(bandwidth_gbps=config.sim_bandwidth_gbps, latency_s=config.sim_latency_s)
-        if is_sim
-        else spec
-    )
     settings = CacheSettings(gpu_cache_mb=config.gpu_mb, cpu_cache_mb=config.cpu_mb)
     port = config.metrics_port if config.metrics_port is not None else settings.metrics_port
-    server = None
-    if port is not None:
-        server, thread = start_metrics_server(port)
-        print(f"metrics: http://127.0.0.1:{server.server_port}/metrics", file=out, flush=True)
-    cache = FeatureCache(settings, device, name="demo")
-    try:
-        async with cache:
+    with contextlib.ExitStack() as resources:
+        sim: SimDevice | None = None
+        if is_sim:
+            sim = SimDevice(
+                bandwidth_gbps=config.sim_bandwidth_gbps, latency_s=config.sim_latency_s
+            )
+            # Ours, not the cache's: a cache closes only the devices it created itself.
+            resources.callback(sim.close)
+        executor = resources.enter_context(
+            ThreadPoolExecutor(max_workers=2, thread_name_prefix="mmcache-demo")
+        )
+        resources.enter_context(_metrics_server(port, out))
+        async with FeatureCache(settings, sim if sim is not None else spec, name="demo") as cache:
             device_name = "cpu" if is_sim else cache.device.name
             catalogue = Catalogue(config, device_name)
+            _check_fits(config, catalogue)
             requests = make_requests(config, catalogue)
-            verifier = Verifier(catalogue, device_is_host=is_sim)
+            verifier = Verifier(catalogue, device_is_host=is_sim, executor=executor)
             scheduler = Scheduler(cache, catalogue, verifier, config.chunk_tokens)
-            lag = LoopLag()
-            started = time.perf_counter()
-            async with lag.running():
-                progress = None
-                if not config.quiet:
-                    progress = asyncio.create_task(
-                        _progress(cache, scheduler, len(requests), started, err)
-                    )
-                try:
-                    stream = iter(requests)
-                    async with asyncio.TaskGroup() as group:
-                        for _ in range(max(1, config.concurrency)):
-                            group.create_task(scheduler.serve(stream))
-                finally:
-                    if progress is not None:
-                        progress.cancel()
-                        with contextlib.suppress(asyncio.CancelledError):
-                            await progress
-                elapsed = time.perf_counter() - started
-                await cache.drain()
+            outcome = await _serve_all(config, cache, scheduler, requests, err)
             verifier.settle()
             stats = cache.stats()
-            lookups = stats.hits_gpu + stats.hits_cpu + stats.misses
-            moved = stats.d2h_bytes + stats.h2d_bytes
-            ms = 1e3
-
-            def ratio(n: int) -> str:
-                return f"{n / lookups:.1%} ({n})" if lookups else "-"
-
-            def latency(values: Sequence[float]) -> str:
-                if not values:
-                    return "-"
-                p50, p99 = statistics.median(values) * ms, _percentile(values, 99) * ms
-                return f"{p50:.3f} / {p99:.3f} ms ({len(values)} gets)"
-
-            rows = [
-                ("device", f"{device_name if not is_sim else 'sim'} ({spec})"),
-                (
-                    "requests",
-                    f"{scheduler.done} in {elapsed:.1f} s, concurrency {config.concurrency}",
-                ),
-                ("GPU / CPU tier", f"{config.gpu_mb:g} MiB / {config.cpu_mb:g} MiB"),
-                ("lookups", str(lookups)),
-                ("hit ratio gpu", ratio(stats.hits_gpu)),
-                ("hit ratio cpu", ratio(stats.hits_cpu)),
-                ("miss ratio", ratio(stats.misses)),
-                ("encodes (re-encodes)", f"{scheduler.encodes} ({scheduler.reencodes})"),
-                ("evictions gpu / cpu", f"{stats.evictions_gpu} / {stats.evictions_cpu}"),
-                ("dropped / promotions", f"{stats.dropped} / {stats.promotions}"),
-                ("offloaded d2h", f"{stats.d2h_bytes / GB:.2f} GB"),
-                ("uploaded h2d", f"{stats.h2d_bytes / GB:.2f} GB"),
-                ("effective copy rate", f"{moved / GB / elapsed:.2f} GB/s" if elapsed else "-"),
-                ("get p50 / p99 device", latency(scheduler.get_s)),
-                ("get p50 / p99 host", latency(scheduler.host_get_s)),
-                ("event loop max lag", f"{lag.max_lag_s * ms:.1f} ms"),
-                ("verified", f"{verifier.chunks} reads, {verifier.nbytes / GB:.2f} GB"),
-                ("mismatches", str(verifier.mismatches)),
-                ("leaked bytes", str(stats.leaked_bytes)),
-            ]
-            print(format_table(("metric", "value"), rows), file=out, flush=True)
-            if server is not None and config.linger_s > 0:
+            if is_sim:
+                shown = f"sim (simulated {config.sim_bandwidth_gbps:g} GB/s link)"
+            else:
+                shown = f"{device_name} ({torch.cuda.get_device_name(device_name)})"
+            print(_report(config, shown, outcome, stats), file=out, flush=True)
+            if port is not None and config.linger_s > 0:
+                # Before close(): a closed cache takes its series out of the registry.
                 print(
-                    f"metrics: serving final values for {config.linger_s:g} s",
-                    file=out,
-                    flush=True,
+                    f"metrics: serving final values for {config.linger_s:g} s", file=out, flush=True
                 )
                 await asyncio.sleep(config.linger_s)
-    finally:
-        if isinstance(device, SimDevice):
-            device.close()  # ours, not the cache's: it only closes devices it created
-        if server is not None:
-            server.shutdown()
-            server.server_close()
-            thread.join()
     failed = False
     for message in verifier.messages:
         print(f"MISMATCH: {message}", file=err)
@@ -436,6 +506,15 @@ async def _run(config: DemoConfig, out: TextIO, err: TextIO) -> int:
     return 1 if failed else 0
 
 
+def _first_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The first leaf of an exception group (a worker's error, as the user should see it)."""
+    first = group.exceptions[0]
+    return _first_error(first) if isinstance(first, BaseExceptionGroup) else first
+
+
 def run_demo(config: DemoConfig, out: TextIO | None = None, err: TextIO | None = None) -> int:
     """Run the workload; 0 when every read verified and nothing leaked, else 1."""
-    return asyncio.run(_run(config, out or sys.stdout, err or sys.stderr))
+    try:
+        return asyncio.run(_run(config, out or sys.stdout, err or sys.stderr))
+    except BaseExceptionGroup as group:
+        raise _first_error(group) from group

@@ -68,11 +68,13 @@ class SimFence(Fence):
             self._exc = exc
             self._done = True
             callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            fn()
+        # Waiters wake after the callbacks: synchronize() then sees releases already done.
+        with self._lock:
             event = self._event
         if event is not None:
             event.set()
-        for fn in callbacks:
-            fn()
 
 
 class SimStream:

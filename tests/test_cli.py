@@ -1,0 +1,218 @@
+"""The `mmcache` command line: demo (verification, leaks, metrics), bench, settings, version."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Hashable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import mmcache
+from mmcache import FeatureCache
+from mmcache.cli import main
+from mmcache.settings import SETTINGS_TABLE
+
+# Small enough to run in about a second, large enough to offload, read back and re-encode.
+SMALL_DEMO = [
+    "demo",
+    "--device",
+    "sim",
+    "--requests",
+    "12",
+    "--seed",
+    "1",
+    "--gpu-mb",
+    "64",
+    "--cpu-mb",
+    "128",
+    "--images",
+    "40",
+    "--quiet",
+]
+TABLE_ROWS = ("hit ratio gpu", "hit ratio cpu", "offloaded d2h", "uploaded h2d", "leaked bytes")
+
+
+def _table_value(output: str, metric: str) -> str:
+    match = re.search(rf"^{re.escape(metric)}\s+(.+)$", output, re.MULTILINE)
+    assert match is not None, f"no {metric!r} row in:\n{output}"
+    return match.group(1).strip()
+
+
+def test_demo_verifies_and_prints_the_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(SMALL_DEMO) == 0
+    out = capsys.readouterr().out
+    for row in TABLE_ROWS:
+        assert row in out
+    assert _table_value(out, "requests").startswith("12 in ")
+    assert _table_value(out, "mismatches") == "0"
+    assert _table_value(out, "leaked bytes") == "0"
+    # The workload must exercise both tiers, or the verification proves little.
+    assert _table_value(out, "offloaded d2h") != "0.00 GB"
+    assert not _table_value(out, "hit ratio cpu").startswith("0.0%")
+
+
+def test_demo_fails_on_a_corrupted_read(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    real_get = FeatureCache.get
+    corrupted = 0
+
+    async def flipping_get(self: FeatureCache, key: Hashable, **kwargs: Any) -> torch.Tensor | None:
+        nonlocal corrupted
+        got = await real_get(self, key, **kwargs)
+        if got is None or corrupted >= 3:
+            return got
+        corrupted += 1
+        got = got.clone()  # never write to what the cache handed out
+        got.view(torch.int16).view(-1)[got.numel() // 2] ^= 1  # one bit of one value
+        return got
+
+    monkeypatch.setattr(FeatureCache, "get", flipping_get)
+    assert main(SMALL_DEMO) == 1
+    captured = capsys.readouterr()
+    assert corrupted == 3
+    assert _table_value(captured.out, "mismatches") == "3"
+    assert "FAILED: 3 reads differ" in captured.err
+    assert "1 of " in captured.err  # the report names how many values differ
+
+
+def test_demo_fails_when_bytes_leak(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    real_stats = FeatureCache.stats
+    monkeypatch.setattr(
+        FeatureCache,
+        "stats",
+        lambda self: dataclasses.replace(real_stats(self), leaked_bytes=4096),
+    )
+    assert main(SMALL_DEMO) == 1
+    assert "4096 bytes leaked" in capsys.readouterr().err
+
+
+def test_demo_refuses_a_gpu_tier_smaller_than_a_feature(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main([*SMALL_DEMO, "--gpu-mb", "4"]) == 2
+    assert "--gpu-mb 4 is smaller than the largest feature" in capsys.readouterr().err
+
+
+def test_demo_as_a_module_subprocess() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "mmcache", *SMALL_DEMO[:-1]],  # with progress lines
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert _table_value(done.stdout, "mismatches") == "0"
+
+
+def test_metrics_are_served_while_the_demo_lingers() -> None:
+    command = [sys.executable, "-m", "mmcache", *SMALL_DEMO, "--metrics-port", "0"]
+    with subprocess.Popen(
+        [*command, "--linger", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as proc:
+        try:
+            assert proc.stdout is not None
+            url = None
+            for line in proc.stdout:
+                if line.startswith("metrics: http://"):
+                    url = line.split()[1]
+                if line.startswith("metrics: serving final values"):
+                    break
+            else:
+                pytest.fail(f"the demo ended without lingering: {proc.wait()}")
+            assert url is not None
+            with urllib.request.urlopen(url, timeout=10) as response:
+                body = response.read().decode()
+        finally:
+            proc.kill()  # it would linger for a minute otherwise
+            proc.communicate()
+    hits = re.search(r'^mmcache_lookups_total\{cache="demo",result="hit_gpu"\} (\S+)$', body, re.M)
+    assert hits is not None, body
+    assert float(hits.group(1)) > 0
+
+
+def test_settings_lists_every_environment_variable(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("SGLANG_VLM_CACHE_SIZE_MB", "321")
+    assert main(["settings"]) == 0
+    out = capsys.readouterr().out
+    for row in SETTINGS_TABLE:
+        assert row.field in out
+        for name in row.env_names:
+            assert name in out
+    assert "321.0 (from SGLANG_VLM_CACHE_SIZE_MB)" in out
+
+
+def test_settings_names_an_invalid_variable(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("MMCACHE_CPU_CACHE_MB", "lots")
+    assert main(["settings"]) == 1
+    assert "MMCACHE_CPU_CACHE_MB" in capsys.readouterr().err
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out.strip() == f"mmcache {mmcache.__version__}"
+
+
+def test_no_command_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([]) == 2
+    assert "demo" in capsys.readouterr().err
+
+
+@pytest.fixture
+def bench_dir(tmp_path: Path) -> Path:
+    """Two stand-in benchmark scripts (no torch import: they start fast), one failing."""
+    (tmp_path / "bench_good.py").write_text("import sys\nprint('good ran with', sys.argv[1:])\n")
+    (tmp_path / "bench_bad.py").write_text("import sys\nprint('bad ran')\nsys.exit(3)\n")
+    (tmp_path / "helper.py").write_text("raise SystemExit('not a benchmark: never run')\n")
+    return tmp_path
+
+
+def test_bench_runs_every_script_and_fails_if_one_fails(
+    bench_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["bench", "--dir", str(bench_dir), "--quick"]) == 1
+    captured = capsys.readouterr()
+    assert "good ran with ['--quick']" in captured.out
+    assert "bad ran" in captured.out
+    assert "bench_bad.py failed with exit status 3" in captured.out
+    assert "never run" not in captured.out + captured.err
+
+
+def test_bench_runs_named_scripts_with_extra_arguments(
+    bench_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["bench", "--dir", str(bench_dir), "good", "--", "--device", "sim"]) == 0
+    out = capsys.readouterr().out
+    assert "good ran with ['--device', 'sim']" in out
+    assert "bad ran" not in out
+
+
+def test_bench_refuses_an_unknown_name(bench_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--dir", str(bench_dir), "nosuch"]) == 2
+    assert "available: bad, good" in capsys.readouterr().err
+
+
+def test_bench_finds_the_checkout_benchmarks(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mmcache.cli import find_benchmarks
+
+    monkeypatch.chdir(os.path.dirname(os.path.dirname(mmcache.__file__)))
+    scripts = find_benchmarks()
+    assert scripts, "no benchmarks/bench_*.py in the checkout"
+    assert all(s.name.startswith("bench_") and s.suffix == ".py" for s in scripts)
