@@ -32,11 +32,12 @@ FaultKind = Literal["copy_fails", "alloc_fails", "fence_never_completes"]
 class SimFence(Fence):
     """A fence completed by the simulator's worker thread."""
 
-    __slots__ = ("_callbacks", "_done", "_event", "_exc", "_lock")
+    __slots__ = ("_callbacks", "_done", "_event", "_exc", "_lock", "_settled")
 
     def __init__(self, lock: threading.Lock) -> None:
         self._lock = lock
         self._done = False
+        self._settled = False  # done and every callback has run
         self._exc: BaseException | None = None
         self._callbacks: list[Callable[[], None]] = []
         self._event: threading.Event | None = None
@@ -56,7 +57,7 @@ class SimFence(Fence):
 
     def wait(self, timeout: float | None = None) -> bool:
         with self._lock:
-            if self._done:
+            if self._settled:
                 return True
             if self._event is None:
                 self._event = threading.Event()
@@ -72,6 +73,7 @@ class SimFence(Fence):
             fn()
         # Waiters wake after the callbacks: synchronize() then sees releases already done.
         with self._lock:
+            self._settled = True
             event = self._event
         if event is not None:
             event.set()
