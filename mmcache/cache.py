@@ -69,6 +69,9 @@ class FeatureCache:
         self._cpu_capacity = self.settings.cpu_cache_bytes
         self._promote = self.settings.promote_on_hit
         self._small_copy_bytes = self.settings.small_copy_bytes
+        # Offloading a little ahead keeps the copy engine busy while the next puts run,
+        # instead of each put waiting for the one copy that makes its room.
+        self._evict_ahead = int(self._gpu_capacity * self.settings.evict_ahead)
         self._metrics = CacheMetrics(name, registry)
         self._metrics.set_capacity("gpu", self._gpu_capacity)
 
@@ -442,7 +445,7 @@ class FeatureCache:
 
     async def _reserve_gpu(self, nbytes: int, wait: bool) -> bool:
         if not self._gpu_waiters and self._gpu_free() < nbytes:
-            self._evict_gpu_for(nbytes)
+            self._evict_gpu_for(nbytes + self._evict_ahead)
         if not self._gpu_waiters and self._gpu_free() >= nbytes:
             self._gpu_used += nbytes
             self._gpu_granted += nbytes

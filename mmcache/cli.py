@@ -66,7 +66,10 @@ def _parser() -> argparse.ArgumentParser:
         "--hidden", type=_positive_int, default=defaults.hidden, help="feature width (bf16 values)"
     )
     demo.add_argument(
-        "--images", type=int, default=defaults.images, help="catalogue size (Zipf popularity)"
+        "--images",
+        type=_positive_int,
+        default=defaults.images,
+        help="catalogue size (Zipf popularity)",
     )
     demo.add_argument(
         "--metrics-port",

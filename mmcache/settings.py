@@ -110,6 +110,13 @@ class CacheSettings(BaseSettings):
         le=_MiB,
         description="alignment in bytes of host tier blocks; a power of two up to 1 MiB",
     )
+    evict_ahead: Annotated[float, _Env(("MMCACHE_EVICT_AHEAD",))] = Field(
+        default=0.0625,
+        ge=0,
+        le=0.5,
+        description="fraction of the GPU tier offloaded beyond what a put needs, so the "
+        "next puts find room while copies run",
+    )
     copy_timeout_s: Annotated[float, _Env(("MMCACHE_COPY_TIMEOUT_SEC",))] = Field(
         default=60.0, gt=0, description="seconds before a copy still pending is quarantined"
     )

@@ -120,6 +120,8 @@ async def make_cache(rig: Rig) -> AsyncIterator[CacheFactory]:
     made: list[FeatureCache] = []
 
     def factory(gpu_mb: float = 1, cpu_mb: float = 4, **settings: Any) -> FeatureCache:
+        # Exact eviction order is what these tests check: no offloading ahead unless asked.
+        settings.setdefault("evict_ahead", 0)
         s = CacheSettings(gpu_cache_mb=gpu_mb, cpu_cache_mb=cpu_mb, **settings)
         cache = FeatureCache(s, device=rig.device, registry=CollectorRegistry())
         made.append(cache)

@@ -40,6 +40,7 @@ def test_defaults() -> None:
     assert settings.small_copy_bytes == 1048576
     assert settings.host_alignment == 512
     assert settings.copy_timeout_s == 60.0
+    assert settings.evict_ahead == 0.0625
     assert settings.gpu_cache_bytes == 1024 * MiB
     assert settings.cpu_cache_bytes == 4096 * MiB
     assert settings.ipc_pool_bytes == 512 * MiB
@@ -59,6 +60,7 @@ OWN_NAMES = [
     ("small_copy_bytes", "MMCACHE_SMALL_COPY_BYTES", "4096", 4096),
     ("host_alignment", "MMCACHE_HOST_ALIGNMENT", "4096", 4096),
     ("copy_timeout_s", "MMCACHE_COPY_TIMEOUT_SEC", "2.5", 2.5),
+    ("evict_ahead", "MMCACHE_EVICT_AHEAD", "0.25", 0.25),
 ]
 
 SGLANG_NAMES = [

@@ -412,3 +412,20 @@ async def test_a_view_is_compacted_at_put(
     await cache.drain()
     assert await tier_of(cache, "k") == "host"
     assert_exact(await cache.get("k", device="cpu"), expected)
+
+
+async def test_evict_ahead_offloads_beyond_what_the_put_needs(
+    rig: Rig, make_cache: CacheFactory
+) -> None:
+    """With evict_ahead, one put that needs room offloads extra LRU entries in one go."""
+    cache = make_cache(gpu_mb=0.25, cpu_mb=1, evict_ahead=0.25)  # 64 KiB ahead
+    for i in range(8):  # 8 x 32 KiB fill the GPU tier
+        await cache.put(i, rig.tensor(64, 256, seed=i))
+    await cache.put("new", rig.tensor(64, 256, seed=99))
+    await cache.drain()
+    s = cache.stats()
+    assert s.evictions_gpu == 3  # 32 KiB needed + 64 KiB ahead
+    assert s.gpu_bytes == 6 * 32 * 1024
+    for i in range(3):  # the three least recently used went to the host, exact
+        got = await cache.get(i, device="cpu")
+        assert got is not None and torch.equal(got, rig.tensor(64, 256, seed=i).cpu())
