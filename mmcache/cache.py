@@ -76,6 +76,7 @@ class FeatureCache:
         self._metrics.set_capacity("gpu", self._gpu_capacity)
 
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._host_ready: asyncio.Event | None = None
         self._watcher: FenceWatcher | None = None
         self._pool: HostPool | None = None
         self._closed = False
@@ -125,7 +126,10 @@ class FeatureCache:
         loop = asyncio.get_running_loop()
         self._loop = loop
         self._watcher = FenceWatcher(loop)
-        if self._cpu_capacity > 0:
+        self._host_ready = asyncio.Event()
+        if self._cpu_capacity == 0:
+            self._host_ready.set()
+        else:
             future = self._device.host_arena_async(self._cpu_capacity)
             future.add_done_callback(lambda f: loop.call_soon_threadsafe(self._arena_ready, f))
             if future.done():
@@ -154,6 +158,19 @@ class FeatureCache:
         self._metrics.close()
         if self._owns_device:
             self._device.close()
+
+    async def wait_host_ready(self, timeout: float | None = None) -> bool:  # noqa: ASYNC109
+        """Wait until the pinned host arena is allocated (it pins in the background).
+
+        Until then the GPU tier serves as usual and evictions drop their entries
+        (counted in `dropped`). Returns False if timeout passed first, or if the
+        arena could not be allocated (the error is logged).
+        """
+        await self._ready_to_serve()
+        assert self._host_ready is not None
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._host_ready.wait(), timeout)
+        return self._pool is not None or self._cpu_capacity == 0
 
     async def __aenter__(self) -> FeatureCache:
         await self.start()
@@ -537,6 +554,8 @@ class FeatureCache:
     def _arena_ready(self, future: Any) -> None:
         if self._closed or self._watcher is None:
             return
+        assert self._host_ready is not None
+        self._host_ready.set()
         try:
             arena = future.result()
         except Exception as e:

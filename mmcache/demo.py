@@ -49,7 +49,7 @@ class DemoConfig:
     """What `mmcache demo` runs; the defaults take 20-30 s on the simulator on two cores."""
 
     device: str = "auto"
-    requests: int = 1000
+    requests: int = 1500
     concurrency: int = 8
     seed: int = 0
     gpu_mb: float = 256
@@ -385,24 +385,6 @@ async def _background(*jobs: Coroutine[Any, Any, None]) -> AsyncIterator[None]:
                 await task
 
 
-async def _recycle_sim_memory(sim: SimDevice) -> None:
-    """Read the simulator's live bytes now and then, which is when it frees deferred memory."""
-    # SimDevice frees memory that a reader still held when the cache released it only
-    # when allocated_bytes is read; unread, a long run piles up gigabytes of host RAM.
-    while True:
-        await asyncio.sleep(0.25)
-        _ = sim.allocated_bytes
-
-
-async def _host_tier_ready(cache: FeatureCache, timeout_s: float = 60.0) -> None:
-    """Wait until the pinned host arena exists, so early evictions are offloads, not drops."""
-    # The public API has no event for it; pinning takes a second or so on a GPU host.
-    for _ in range(int(timeout_s / 0.01)):
-        if cache.stats().host_ready:
-            return
-        await asyncio.sleep(0.01)
-
-
 async def _serve_all(
     config: DemoConfig,
     cache: FeatureCache,
@@ -416,8 +398,6 @@ async def _serve_all(
     jobs = [lag.tick()]
     if not config.quiet:
         jobs.append(_progress(cache, scheduler, len(requests), started, err))
-    if isinstance(cache.device, SimDevice):
-        jobs.append(_recycle_sim_memory(cache.device))
     async with _background(*jobs):
         stream = iter(requests)
         async with asyncio.TaskGroup() as group:
@@ -485,7 +465,7 @@ async def _run(config: DemoConfig, out: TextIO, err: TextIO) -> int:
         )
         resources.enter_context(_metrics_server(port, out))
         async with FeatureCache(settings, sim if sim is not None else spec, name="demo") as cache:
-            await _host_tier_ready(cache)
+            await cache.wait_host_ready(timeout=60)
             device_name = "cpu" if is_sim else cache.device.name
             catalogue = Catalogue(config, device_name)
             _check_fits(config, catalogue)

@@ -151,3 +151,16 @@ def test_bandwidth_and_latency_slow_copies_down() -> None:
     assert not fence.wait(0.005)  # 256 KiB at 10 MB/s takes ~26 ms
     assert fence.wait(5)
     dev.close()
+
+
+def test_memory_released_while_held_is_recycled_once_dropped_without_polling() -> None:
+    """Released memory an outside alias kept alive is recycled by later releases, not leaked."""
+    dev = SimDevice()
+    for _ in range(50):
+        own = dev.adopt(torch.ones(1024), dev.default_stream)
+        outside = own.detach()
+        dev.release(own, after=[])
+        del own, outside
+    assert len(dev._allocs) <= 1  # only the latest can still be waiting for a re-check
+    assert dev.allocated_bytes == 0
+    dev.close()

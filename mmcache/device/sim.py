@@ -255,6 +255,9 @@ class SimDevice(Device):
         key = tensor.untyped_storage().data_ptr()
         pending = [f for f in after if not f.done()]
         with self._cond:
+            # The caching allocator frees a block when its last tensor dies; we cannot see
+            # that moment, so memory released earlier is re-checked at every release.
+            self._sweep_released()
             alloc = self._allocs.get(key)
             if alloc is None:
                 raise RuntimeError("release() of memory the simulated device does not own")
@@ -273,11 +276,17 @@ class SimDevice(Device):
     def allocated_bytes(self) -> int:
         """Simulated device memory live: adopted or allocated and not yet recycled."""
         with self._cond:
-            for key in list(self._released_outside):
-                alloc = self._allocs.get(key)
-                if alloc is not None:
-                    self._try_recycle(key, alloc)
+            self._sweep_released()
             return self._allocated_bytes
+
+    def _sweep_released(self) -> None:
+        """Recycle released memory whose outside holders have let go; caller holds _cond."""
+        for key in list(self._released_outside):
+            alloc = self._allocs.get(key)
+            if alloc is None:
+                self._released_outside.discard(key)
+            else:
+                self._try_recycle(key, alloc)
 
     def host_arena(self, nbytes: int) -> torch.Tensor:
         arena = torch.empty(nbytes, dtype=torch.uint8)
