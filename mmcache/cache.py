@@ -461,8 +461,11 @@ class FeatureCache:
         return self._gpu_capacity - self._gpu_used
 
     async def _reserve_gpu(self, nbytes: int, wait: bool) -> bool:
-        if not self._gpu_waiters and self._gpu_free() < nbytes:
-            self._evict_gpu_for(nbytes + self._evict_ahead)
+        ahead = self._evict_ahead
+        if not self._gpu_waiters and self._gpu_free() + self._gpu_releasing < nbytes + ahead // 2:
+            # Below the low-water mark: offload a batch now, so the copies of the next
+            # batch overlap with the puts that use the room this one makes.
+            self._evict_gpu_for(nbytes + ahead)
         if not self._gpu_waiters and self._gpu_free() >= nbytes:
             self._gpu_used += nbytes
             self._gpu_granted += nbytes
@@ -649,6 +652,9 @@ class FeatureCache:
         def landed() -> None:
             for entry in batch:
                 self._offload_done(entry, fence, started, charged_gpu)
+            if charged_gpu:
+                self._wake_gpu()
+            self._push_tiers()
 
         self._when_done([fence], landed)
 
@@ -680,9 +686,6 @@ class FeatureCache:
                     del self._entries[entry.key]
                 entry.state = State.GONE
             self._free_block(entry)
-        if charged_gpu:
-            self._wake_gpu()
-        self._push_tiers()
 
     def _drop(self, entry: Entry) -> None:
         """Lose a GPU entry that the host tier cannot take now."""

@@ -100,7 +100,7 @@ class CacheSettings(BaseSettings):
         description="port of the Prometheus HTTP server; unset: no server, 0: any free port",
     )
     small_copy_bytes: Annotated[int, _Env(("MMCACHE_SMALL_COPY_BYTES",))] = Field(
-        default=_MiB,
+        default=4 * _MiB,
         ge=0,
         description="features smaller than this many bytes are batched into one copy",
     )

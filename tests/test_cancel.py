@@ -23,7 +23,7 @@ KiB32 = 32 / 1024  # MiB
 
 
 def _cache(rig: Rig, gpu_mb: float, cpu_mb: float) -> FeatureCache:
-    settings = CacheSettings(gpu_cache_mb=gpu_mb, cpu_cache_mb=cpu_mb)
+    settings = CacheSettings(gpu_cache_mb=gpu_mb, cpu_cache_mb=cpu_mb, evict_ahead=0)
     return FeatureCache(settings, rig.device, registry=CollectorRegistry())
 
 

@@ -37,7 +37,7 @@ def test_defaults() -> None:
     assert settings.ipc_fallback_mb == 1024
     assert settings.promote_on_hit is True
     assert settings.metrics_port is None
-    assert settings.small_copy_bytes == 1048576
+    assert settings.small_copy_bytes == 4 * MiB
     assert settings.host_alignment == 512
     assert settings.copy_timeout_s == 60.0
     assert settings.evict_ahead == 0.0625
