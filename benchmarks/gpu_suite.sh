@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: the GPU test suite, then the benchmarks; results under $OUT.
-#   OUT=/tmp/out bash benchmarks/gpu_suite.sh [tests|bench|demo|all] [--quick]
+#   OUT=/tmp/out bash benchmarks/gpu_suite.sh [tests|bench|demo|profile|all] [--quick]
 # Wheels for packages the machine lacks may be carried in .whl/ (installed to /tmp/site).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -27,6 +27,10 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   timeout 150 python3 benchmarks/gpu_probe.py $quick --out "$out/probe.json" 2>&1 | tee "$out/probe.log" | tail -40
   timeout 200 python3 benchmarks/bench_offload.py $quick --out "$out/offload.json" 2>&1 | tee "$out/offload.log" | tail -40
   timeout 60 python3 benchmarks/bench_ops.py --device cuda --out "$out/ops.json" 2>&1 | tee "$out/ops.log" | tail -12
+fi
+if [ "$what" = profile ]; then
+  timeout 120 python3 -m cProfile -o "$out/offload.prof" benchmarks/bench_offload.py --quick >/dev/null 2>&1
+  python3 -c "import pstats,sys; pstats.Stats(sys.argv[1]).sort_stats('tottime').print_stats(30)" "$out/offload.prof" | tail -45
 fi
 if [ "$what" = demo ] || [ "$what" = all ]; then
   timeout 150 python3 -m mmcache demo --device cuda 2>&1 | tee "$out/demo.log" | tail -25
