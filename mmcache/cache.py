@@ -26,7 +26,7 @@ from mmcache.errors import (
     WrongLoopError,
 )
 from mmcache.host_pool import HostBlock, HostPool
-from mmcache.metrics import CacheMetrics
+from mmcache.metrics import CacheMetrics, ensure_metrics_server
 from mmcache.settings import CacheSettings
 from mmcache.stats import CacheStats
 from mmcache.waiting import FenceWatcher, wait_fences
@@ -72,6 +72,7 @@ class FeatureCache:
         # Offloading a little ahead keeps the copy engine busy while the next puts run,
         # instead of each put waiting for the one copy that makes its room.
         self._evict_ahead = int(self._gpu_capacity * self.settings.evict_ahead)
+        self._registry = registry
         self._metrics = CacheMetrics(name, registry)
         self._metrics.set_capacity("gpu", self._gpu_capacity)
 
@@ -126,6 +127,10 @@ class FeatureCache:
         loop = asyncio.get_running_loop()
         self._loop = loop
         self._watcher = FenceWatcher(loop)
+        port = self.settings.metrics_port
+        if port is not None and self._registry is None:
+            # One server per process serves every cache on the default registry.
+            ensure_metrics_server(port, self.settings.metrics_addr)
         self._host_ready = asyncio.Event()
         if self._cpu_capacity == 0:
             self._host_ready.set()

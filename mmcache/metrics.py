@@ -473,6 +473,17 @@ def start_metrics_server(
     return start_http_server(port, addr=addr, registry=exposition_registry(registry))
 
 
+_SERVING: dict[tuple[str, int], tuple[WSGIServer, Thread]] = {}
+
+
+def ensure_metrics_server(port: int, addr: str = "0.0.0.0") -> tuple[WSGIServer, Thread]:
+    """Start the default-registry /metrics server on addr:port once per process."""
+    key = (addr, port)
+    if key not in _SERVING:
+        _SERVING[key] = start_metrics_server(port, addr=addr)
+    return _SERVING[key]
+
+
 def asgi_app(registry: CollectorRegistry | None = None) -> Callable[..., Any]:
     """Return an ASGI app serving the metrics, to mount at /metrics."""
     app: Callable[..., Any] = make_asgi_app(exposition_registry(registry))

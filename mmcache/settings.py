@@ -99,6 +99,11 @@ class CacheSettings(BaseSettings):
         le=65535,
         description="port of the Prometheus HTTP server; unset: no server, 0: any free port",
     )
+    metrics_addr: Annotated[str, _Env(("MMCACHE_METRICS_ADDR",))] = Field(
+        default="0.0.0.0",
+        min_length=1,
+        description="address the Prometheus HTTP server binds (with metrics_port)",
+    )
     small_copy_bytes: Annotated[int, _Env(("MMCACHE_SMALL_COPY_BYTES",))] = Field(
         default=4 * _MiB,
         ge=0,

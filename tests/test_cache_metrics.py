@@ -121,3 +121,20 @@ async def test_close_removes_the_caches_series(sim_rig: Rig) -> None:
             reg.get_sample_value("mmcache_tier_capacity_bytes", {"cache": "other", "tier": "gpu"})
             == 2**20
         )
+
+
+async def test_metrics_port_setting_serves_the_default_registry(sim_rig: Rig) -> None:
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    settings = CacheSettings(
+        gpu_cache_mb=1, cpu_cache_mb=1, metrics_port=port, metrics_addr="127.0.0.1"
+    )
+    async with FeatureCache(settings, sim_rig.device, name="served") as cache:
+        await cache.get("nothing")
+        url = f"http://127.0.0.1:{port}/metrics"
+        body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read())
+    assert b'mmcache_lookups_total{cache="served",result="miss"} 1.0' in body

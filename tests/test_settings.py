@@ -47,7 +47,7 @@ def test_defaults() -> None:
     assert settings.ipc_fallback_bytes == 1024 * MiB
 
 
-OWN_NAMES = [
+OWN_NAMES: list[tuple[str, str, str, object]] = [
     ("gpu_cache_mb", "MMCACHE_GPU_CACHE_MB", "64.5", 64.5),
     ("cpu_cache_mb", "MMCACHE_CPU_CACHE_MB", "256", 256.0),
     ("ipc_pool_mb", "MMCACHE_IPC_POOL_MB", "32.25", 32.25),
@@ -61,9 +61,10 @@ OWN_NAMES = [
     ("host_alignment", "MMCACHE_HOST_ALIGNMENT", "4096", 4096),
     ("copy_timeout_s", "MMCACHE_COPY_TIMEOUT_SEC", "2.5", 2.5),
     ("evict_ahead", "MMCACHE_EVICT_AHEAD", "0.25", 0.25),
+    ("metrics_addr", "MMCACHE_METRICS_ADDR", "127.0.0.1", "127.0.0.1"),
 ]
 
-SGLANG_NAMES = [
+SGLANG_NAMES: list[tuple[str, str, str, object]] = [
     ("gpu_cache_mb", "SGLANG_VLM_CACHE_SIZE_MB", "100", 100.0),
     ("ipc_pool_mb", "SGLANG_MM_FEATURE_CACHE_MB", "2048", 2048.0),
     ("use_cuda_ipc", "SGLANG_USE_CUDA_IPC_TRANSPORT", "1", True),
