@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,6 +112,40 @@ def sim_rig() -> Iterator[Rig]:
 
 
 CacheFactory = Callable[..., FeatureCache]
+
+KiB = 1024
+
+
+def feature(rig: Rig, kib: int, seed: int = 0) -> torch.Tensor:
+    """A float32 feature of kib KiB (rows of 1 KiB) on the rig's device."""
+    return rig.tensor(kib, 256, dtype=torch.float32, seed=seed)
+
+
+def assert_exact(got: torch.Tensor | None, want: torch.Tensor) -> None:
+    """Same dtype, shape and bytes (poison, NaN or zeros never pass)."""
+    assert got is not None
+    assert got.dtype == want.dtype
+    assert tuple(got.shape) == tuple(want.shape)
+    a = got.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    b = want.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    assert torch.equal(a, b)
+
+
+def needs_hold(rig: Rig) -> None:
+    """Skip where copies cannot be held back on demand (a GPU only delays them)."""
+    if rig.kind != "sim":
+        pytest.skip("holds copies back: SimDevice only")
+
+
+async def put_feature(
+    cache: FeatureCache, rig: Rig, key: Hashable, kib: int, seed: int = 0
+) -> torch.Tensor:
+    """Put a fresh feature, dropping our reference to it; return a clone to compare with."""
+    t = feature(rig, kib, seed)
+    expected = t.cpu().clone()
+    assert await cache.put(key, t)
+    del t
+    return expected
 
 
 @pytest.fixture

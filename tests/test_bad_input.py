@@ -8,7 +8,7 @@ from collections.abc import Hashable
 
 import pytest
 import torch
-from conftest import CacheFactory, Rig
+from conftest import CacheFactory, Rig, assert_exact
 
 import mmcache
 from mmcache import (
@@ -29,12 +29,6 @@ BAD_KEYS = [
     pytest.param(("img", 2.0), id="tuple-with-float"),
     pytest.param(None, id="None"),
 ]
-
-
-def assert_exact(got: torch.Tensor | None, want: torch.Tensor) -> None:
-    assert got is not None
-    assert got.dtype == want.dtype and tuple(got.shape) == tuple(want.shape)
-    assert torch.equal(got.cpu(), want)
 
 
 @pytest.mark.parametrize(

@@ -7,20 +7,9 @@ import contextlib
 
 import pytest
 import torch
-from conftest import CacheFactory, Rig
+from conftest import CacheFactory, Rig, assert_exact, needs_hold
 
 from mmcache import CacheClosedError, FeatureCache
-
-
-def assert_exact(got: torch.Tensor | None, want: torch.Tensor) -> None:
-    assert got is not None
-    assert got.dtype == want.dtype and tuple(got.shape) == tuple(want.shape)
-    assert torch.equal(got.cpu(), want)
-
-
-def needs_hold(rig: Rig) -> None:
-    if rig.kind != "sim":
-        pytest.skip("holds copies back: SimDevice only")
 
 
 async def assert_refuses_calls(cache: FeatureCache, rig: Rig) -> None:

@@ -2,36 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable
-
 import torch
-from conftest import CacheFactory, Rig
+from conftest import CacheFactory, KiB, Rig, assert_exact, put_feature
 
 from mmcache import FeatureCache
-
-KiB = 1024
-
-
-def feature(rig: Rig, kib: int, seed: int = 0) -> torch.Tensor:
-    """A float32 feature of kib KiB (rows of 1 KiB) on the rig's device."""
-    return rig.tensor(kib, 256, dtype=torch.float32, seed=seed)
-
-
-def assert_exact(got: torch.Tensor | None, want: torch.Tensor) -> None:
-    assert got is not None
-    assert got.dtype == want.dtype and tuple(got.shape) == tuple(want.shape)
-    assert torch.equal(got.cpu(), want)
-
-
-async def put_feature(
-    cache: FeatureCache, rig: Rig, key: Hashable, kib: int, seed: int = 0
-) -> torch.Tensor:
-    """Put a fresh feature, dropping our reference to it; return a clone to compare with."""
-    t = feature(rig, kib, seed)
-    expected = t.cpu().clone()
-    assert await cache.put(key, t)
-    del t
-    return expected
 
 
 async def offloaded(cache: FeatureCache, rig: Rig) -> dict[str, torch.Tensor]:

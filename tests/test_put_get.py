@@ -7,7 +7,7 @@ from collections.abc import Hashable
 
 import pytest
 import torch
-from conftest import CacheFactory, Rig
+from conftest import CacheFactory, Rig, assert_exact, needs_hold
 
 from mmcache import FeatureCache, InvalidRowsError
 
@@ -26,21 +26,6 @@ def make_data(
     g = torch.Generator().manual_seed(seed)
     t = torch.randint(low, high, shape, generator=g, dtype=dtype)
     return t if rig.kind == "sim" else t.to(rig.device.name)
-
-
-def assert_exact(got: torch.Tensor | None, want: torch.Tensor) -> None:
-    """Same dtype, shape and bytes (poison, NaN or zeros never pass)."""
-    assert got is not None
-    assert got.dtype == want.dtype
-    assert tuple(got.shape) == tuple(want.shape)
-    a = got.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-    b = want.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-    assert torch.equal(a, b)
-
-
-def needs_hold(rig: Rig) -> None:
-    if rig.kind != "sim":
-        pytest.skip("holds copies back: SimDevice only")
 
 
 async def put_resident(cache: FeatureCache, key: Hashable, value: torch.Tensor, state: str) -> None:

@@ -7,17 +7,11 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from conftest import CacheFactory, Rig
+from conftest import CacheFactory, Rig, assert_exact
 
 from mmcache import FeatureCache, ValueTooLargeError
 
 N = 8
-
-
-def assert_exact(got: torch.Tensor | None, want: torch.Tensor) -> None:
-    assert got is not None
-    assert got.dtype == want.dtype and tuple(got.shape) == tuple(want.shape)
-    assert torch.equal(got.cpu(), want)
 
 
 class Encoder:

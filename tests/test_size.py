@@ -8,27 +8,9 @@ from collections.abc import Callable, Hashable
 
 import pytest
 import torch
-from conftest import CacheFactory, Rig
+from conftest import CacheFactory, KiB, Rig, assert_exact, feature, needs_hold, put_feature
 
 from mmcache import CacheStats, FeatureCache, ValueTooLargeError
-
-KiB = 1024
-
-
-def feature(rig: Rig, kib: int, seed: int = 0) -> torch.Tensor:
-    """A float32 feature of kib KiB (rows of 1 KiB) on the rig's device."""
-    return rig.tensor(kib, 256, dtype=torch.float32, seed=seed)
-
-
-def assert_exact(got: torch.Tensor | None, want: torch.Tensor) -> None:
-    assert got is not None
-    assert got.dtype == want.dtype and tuple(got.shape) == tuple(want.shape)
-    assert torch.equal(got.cpu(), want)
-
-
-def needs_hold(rig: Rig) -> None:
-    if rig.kind != "sim":
-        pytest.skip("holds copies back: SimDevice only")
 
 
 def within_budget(s: CacheStats) -> None:
@@ -45,17 +27,6 @@ async def tier_of(cache: FeatureCache, key: Hashable) -> str:
         return "gpu"
     assert after.hits_cpu == before.hits_cpu + 1
     return "host"
-
-
-async def put_feature(
-    cache: FeatureCache, rig: Rig, key: Hashable, kib: int, seed: int = 0
-) -> torch.Tensor:
-    """Put a fresh feature, dropping our reference to it; return a clone to compare with."""
-    t = feature(rig, kib, seed)
-    expected = t.cpu().clone()
-    assert await cache.put(key, t)
-    del t
-    return expected
 
 
 async def test_tiers_never_exceed_their_budgets(rig: Rig, make_cache: CacheFactory) -> None:
