@@ -56,7 +56,10 @@ def main() -> int:
     parser.add_argument("--mb", type=float, default=1.0)
     parser.add_argument("--count", type=int, default=1024)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--switch-interval", type=float, help="sys.setswitchinterval (s)")
     args = parser.parse_args()
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("profile_put: no CUDA device")
         return 0
