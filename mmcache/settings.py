@@ -116,7 +116,7 @@ class CacheSettings(BaseSettings):
         description="alignment in bytes of host tier blocks; a power of two up to 1 MiB",
     )
     evict_ahead: Annotated[float, _Env(("MMCACHE_EVICT_AHEAD",))] = Field(
-        default=0.0625,
+        default=0.125,
         ge=0,
         le=0.5,
         description="fraction of the GPU tier offloaded beyond what a put needs, so the "

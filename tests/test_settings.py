@@ -40,7 +40,7 @@ def test_defaults() -> None:
     assert settings.small_copy_bytes == 4 * MiB
     assert settings.host_alignment == 512
     assert settings.copy_timeout_s == 60.0
-    assert settings.evict_ahead == 0.0625
+    assert settings.evict_ahead == 0.125
     assert settings.gpu_cache_bytes == 1024 * MiB
     assert settings.cpu_cache_bytes == 4096 * MiB
     assert settings.ipc_pool_bytes == 512 * MiB
