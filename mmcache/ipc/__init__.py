@@ -1,0 +1,32 @@
+"""Cross-process transport of features: a device IPC pool with a shared host fallback."""
+
+from __future__ import annotations
+
+from mmcache.ipc.errors import (
+    HandleExpiredError,
+    IPCError,
+    NoPeerAccessError,
+    SenderGoneError,
+    SharedMemoryFullError,
+    TooManyReceiversError,
+    TransportFullError,
+)
+from mmcache.ipc.handle import FeatureHandle, SenderEndpoint
+from mmcache.ipc.receiver import FeatureReceiver
+from mmcache.ipc.sender import FeatureSender
+from mmcache.ipc.stats import TransportStats
+
+__all__ = [
+    "FeatureHandle",
+    "FeatureReceiver",
+    "FeatureSender",
+    "HandleExpiredError",
+    "IPCError",
+    "NoPeerAccessError",
+    "SenderEndpoint",
+    "SenderGoneError",
+    "SharedMemoryFullError",
+    "TooManyReceiversError",
+    "TransportFullError",
+    "TransportStats",
+]

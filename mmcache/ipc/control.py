@@ -1,0 +1,245 @@
+"""The control block: a small shared table of receiver lanes and slot cells, one writer per cell.
+
+Layout (int64 cells): a header, then one row per receiver lane (state, pid,
+epoch, peer), then one row per slot: the sequence number of the send that
+holds it (sender), its ready mark (sender's copy fence: seq, or -seq if the
+copy failed), and per lane the seq the receiver leased and the seq it
+released (that receiver only). Sequence numbers are never reused, so a stale
+cell never matches a live send, and a writer never needs a lock; only lane
+registration takes one (flock on the segment: the kernel drops it if the
+holder dies).
+
+Cells are aligned 8-byte stores, never torn. A reader that sees a ready mark
+then reads the bytes it guards, and a reader that finds its slot's seq
+unchanged after reading knows they were not reused meanwhile: this relies on
+stores becoming visible in program order and loads not passing loads (x86-64
+TSO, where CI and the simulator run). On CUDA the ready signal a receiver
+waits on is the slot's IPC event, ordered by the GPU, not this cell.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Final, final
+
+from mmcache.ipc.errors import TooManyReceiversError
+from mmcache.ipc.shm import SharedSegment
+
+__all__ = ["FREE", "GONE", "LIVE", "ControlBlock", "LaneInfo", "process_alive"]
+
+MAGIC: Final = 0x6D6D636163686531  # "mmcache1"
+VERSION: Final = 1
+FREE: Final = 0
+LIVE: Final = 1
+GONE: Final = 2  # the receiver closed: the sender reclaims what it owed, then frees the lane
+
+_HEADER: Final = 8
+_H_MAGIC, _H_VERSION, _H_PID, _H_LANES, _H_SLOTS, _H_CLOSED = range(6)
+_LANE: Final = 4
+_L_STATE, _L_PID, _L_EPOCH, _L_PEER = range(4)
+_SLOT_FIXED: Final = 2
+_S_SEQ, _S_READY = range(2)
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class LaneInfo:
+    """One receiver lane as the sender sees it."""
+
+    lane: int
+    state: int
+    pid: int
+    epoch: int
+    peer_ok: bool
+
+
+def process_alive(pid: int) -> bool:
+    """True while process pid runs (a zombie counts as dead)."""
+    if pid <= 0:
+        return False
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # it exists, under another user
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return True  # no procfs: kill(0) is all we know
+    # The state letter follows the command name, which is in parentheses and may hold spaces.
+    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] not in (b"Z", b"X")
+
+
+@final
+class ControlBlock:
+    """The shared control table of one sender, mapped by the sender and every receiver."""
+
+    __slots__ = ("_c", "_lanes0", "_segment", "_slot_cells", "_slots0", "n_lanes", "n_slots")
+
+    def __init__(self, segment: SharedSegment) -> None:
+        self._segment = segment
+        c = segment.cells()
+        if c[_H_MAGIC] != MAGIC or c[_H_VERSION] != VERSION:
+            raise ValueError(f"{segment.path} is not an mmcache IPC control block of this version")
+        self._c = c
+        self.n_lanes = c[_H_LANES]
+        self.n_slots = c[_H_SLOTS]
+        self._lanes0 = _HEADER
+        self._slots0 = _HEADER + _LANE * self.n_lanes
+        self._slot_cells = _SLOT_FIXED + 2 * self.n_lanes
+
+    @classmethod
+    def create(cls, n_lanes: int, n_slots: int) -> ControlBlock:
+        """A new control block owned by this process (the sender)."""
+        cells = _HEADER + _LANE * n_lanes + (_SLOT_FIXED + 2 * n_lanes) * n_slots
+        segment = SharedSegment.create("control", cells * 8)
+        segment.commit(0, cells * 8, "lower the number of IPC slots or receivers")
+        c = segment.cells()
+        c[_H_PID] = os.getpid()
+        c[_H_LANES] = n_lanes
+        c[_H_SLOTS] = n_slots
+        c[_H_VERSION] = VERSION
+        c[_H_MAGIC] = MAGIC  # last: a reader that sees the magic sees the rest
+        return cls(segment)
+
+    @classmethod
+    def attach(cls, path: str) -> ControlBlock:
+        """Map the control block of a sender (a receiver does this once per sender)."""
+        return cls(SharedSegment.attach(path))
+
+    @property
+    def path(self) -> str:
+        return self._segment.path
+
+    @property
+    def sender_pid(self) -> int:
+        return self._c[_H_PID]
+
+    @property
+    def closed(self) -> bool:
+        """True once the sender closed: nothing will become ready any more."""
+        return self._c[_H_CLOSED] != 0
+
+    def sender_alive(self) -> bool:
+        """True while the sender is open and its process runs."""
+        return not self.closed and process_alive(self.sender_pid)
+
+    def close(self, unlink: bool) -> None:
+        """Close the file (and, for the sender, mark the block closed and unlink it).
+
+        The mapping stays until this object is gone: a receiver's late release lands
+        harmlessly in memory nobody reads any more.
+        """
+        if unlink:
+            self._c[_H_CLOSED] = 1
+            for slot in range(self.n_slots):
+                self._c[self._slot(slot) + _S_SEQ] = 0  # any reader mid-way sees its slice gone
+            self._segment.unlink()
+        self._segment.close()
+
+    # --- lanes ------------------------------------------------------------------------
+
+    def register(self, pid: int, peer_ok: bool) -> tuple[int, int]:
+        """Take a free lane for a receiver: return (lane, epoch)."""
+        with self._segment.lock():
+            for lane in range(self.n_lanes):
+                base = self._lanes0 + _LANE * lane
+                if self._c[base + _L_STATE] != FREE:
+                    continue
+                epoch = self._c[base + _L_EPOCH] + 1
+                self._c[base + _L_PID] = pid
+                self._c[base + _L_EPOCH] = epoch
+                self._c[base + _L_PEER] = int(peer_ok)
+                self._c[base + _L_STATE] = LIVE  # last: the sender sees a complete lane
+                return lane, epoch
+        raise TooManyReceiversError(
+            f"all {self.n_lanes} receiver lanes of the IPC sender (pid {self.sender_pid}) are "
+            "taken; close receivers you no longer use, or give FeatureSender a larger "
+            "max_receivers"
+        )
+
+    def leave(self, lane: int, epoch: int) -> None:
+        """Mark a receiver's lane gone (it closed): the sender reclaims what it owed."""
+        base = self._lanes0 + _LANE * lane
+        if self._c[base + _L_EPOCH] == epoch and self._c[base + _L_STATE] == LIVE:
+            self._c[base + _L_STATE] = GONE
+
+    def lanes(self) -> list[LaneInfo]:
+        """Every lane that is not free."""
+        out = []
+        c = self._c
+        for lane in range(self.n_lanes):
+            base = self._lanes0 + _LANE * lane
+            state = c[base + _L_STATE]
+            if state != FREE:
+                out.append(
+                    LaneInfo(
+                        lane, state, c[base + _L_PID], c[base + _L_EPOCH], c[base + _L_PEER] != 0
+                    )
+                )
+        return out
+
+    def free_lane(self, lane: int, epoch: int) -> None:
+        """Clear a dead or gone receiver's cells and make its lane free (sender only)."""
+        with self._segment.lock():
+            base = self._lanes0 + _LANE * lane
+            if self._c[base + _L_EPOCH] != epoch:
+                return
+            for slot in range(self.n_slots):
+                cell = self._slot(slot) + _SLOT_FIXED + 2 * lane
+                self._c[cell] = 0
+                self._c[cell + 1] = 0
+            self._c[base + _L_PID] = 0
+            self._c[base + _L_STATE] = FREE
+
+    # --- slots: the sender's cells ---------------------------------------------------------
+
+    def arm(self, slot: int, seq: int) -> None:
+        """Give slot to send seq (not ready yet)."""
+        base = self._slot(slot)
+        self._c[base + _S_READY] = 0
+        self._c[base + _S_SEQ] = seq
+
+    def mark_ready(self, slot: int, seq: int, ok: bool) -> None:
+        """Publish that send seq's bytes are written (or that the copy failed); any thread."""
+        base = self._slot(slot)
+        if self._c[base + _S_SEQ] == seq:
+            self._c[base + _S_READY] = seq if ok else -seq
+
+    def invalidate(self, slot: int, seq: int) -> None:
+        """Take slot back from send seq before its bytes are reused (a late reader sees it)."""
+        base = self._slot(slot)
+        if self._c[base + _S_SEQ] == seq:
+            self._c[base + _S_SEQ] = 0
+
+    def slot_seq(self, slot: int) -> int:
+        return self._c[self._slot(slot) + _S_SEQ]
+
+    def ready(self, slot: int) -> int:
+        return self._c[self._slot(slot) + _S_READY]
+
+    # --- slots: a receiver's cells -----------------------------------------------------------
+
+    def lease(self, slot: int, lane: int, seq: int) -> None:
+        """Receiver lane starts reading send seq."""
+        self._c[self._slot(slot) + _SLOT_FIXED + 2 * lane] = seq
+
+    def release(self, slot: int, lane: int, seq: int) -> None:
+        """Receiver lane is done with send seq (its reads have completed)."""
+        self._c[self._slot(slot) + _SLOT_FIXED + 2 * lane + 1] = seq
+
+    def leased(self, slot: int, lane: int) -> int:
+        return self._c[self._slot(slot) + _SLOT_FIXED + 2 * lane]
+
+    def released(self, slot: int, lane: int) -> int:
+        return self._c[self._slot(slot) + _SLOT_FIXED + 2 * lane + 1]
+
+    def _slot(self, slot: int) -> int:
+        if not 0 <= slot < self.n_slots:
+            raise IndexError(f"slot {slot} out of range (0..{self.n_slots - 1})")
+        return self._slots0 + self._slot_cells * slot

@@ -1,0 +1,43 @@
+"""Errors of the IPC transport: each says what went wrong and what to do about it."""
+
+from __future__ import annotations
+
+from mmcache.errors import MMCacheError
+
+__all__ = [
+    "HandleExpiredError",
+    "IPCError",
+    "NoPeerAccessError",
+    "SenderGoneError",
+    "SharedMemoryFullError",
+    "TooManyReceiversError",
+    "TransportFullError",
+]
+
+
+class IPCError(MMCacheError):
+    """Base class of the errors of the IPC transport."""
+
+
+class TransportFullError(IPCError, RuntimeError):
+    """Neither the IPC pool nor the host fallback had room, and send could not wait (longer)."""
+
+
+class SharedMemoryFullError(IPCError, MemoryError):
+    """The shared-memory filesystem (/dev/shm) has no room for the transport's memory."""
+
+
+class HandleExpiredError(IPCError, LookupError):
+    """A handle names a slice that was already recycled (received twice, or after a reclaim)."""
+
+
+class SenderGoneError(IPCError, ConnectionError):
+    """The sender of a handle closed or exited before its data was ready."""
+
+
+class NoPeerAccessError(IPCError, RuntimeError):
+    """This receiver's device cannot read the sender's device memory."""
+
+
+class TooManyReceiversError(IPCError, RuntimeError):
+    """Every receiver lane of a sender is taken."""

@@ -1,0 +1,369 @@
+"""FeatureReceiver: opens handles, waits for their data, copies it out, releases the slice.
+
+A receiver registers once per sender (a lane in the sender's control block,
+with its pid, so the sender can tell when it has died) and maps the sender's
+memory once. Each receive leases the slot, checks that the slot still holds
+this send, waits for the sender's ready signal, copies the bytes to the
+receiver's device and releases the slot once that copy has read them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Final, Literal
+
+import torch
+
+from mmcache.device import Device, Fence, SimDevice, Stream, resolve_device
+from mmcache.errors import CacheClosedError, CopyFailedError, InvalidValueError
+from mmcache.ipc.control import ControlBlock
+from mmcache.ipc.cuda_ipc import PeerPool, as_cuda_stream, ordinal_of, pin_host
+from mmcache.ipc.errors import HandleExpiredError, NoPeerAccessError, SenderGoneError
+from mmcache.ipc.handle import FeatureHandle, SenderEndpoint, dtype_from_name
+from mmcache.ipc.shm import SharedSegment
+from mmcache.waiting import wait_fences
+
+__all__ = ["FeatureReceiver"]
+
+log = logging.getLogger("mmcache.ipc")
+
+# The ready mark is a shared cell the sender's fence callback writes from another process:
+# nothing can wake this loop when it changes without a channel per receiver. Handles
+# usually arrive after their copy finished (no wait at all); otherwise short sleeps,
+# doubling from 50 us to 2 ms, bound the delay without spinning a core. CUDA receivers
+# of pool slices wait on the slot's IPC event on their stream instead.
+_POLL_MIN_S: Final = 50e-6
+_POLL_MAX_S: Final = 2e-3
+_SENDER_CHECK_S: Final = 0.1
+
+
+class _Channel:
+    """One sender as this receiver sees it: its control block, our lane, its memory mapped once."""
+
+    def __init__(
+        self, endpoint: SenderEndpoint, control: ControlBlock, lane: int, epoch: int
+    ) -> None:
+        self.endpoint = endpoint
+        self.control = control
+        self.lane = lane
+        self.epoch = epoch
+        self.sim_pool: torch.Tensor | None = None
+        self.fallback: torch.Tensor | None = None
+        self.peer_pool: PeerPool | None = None
+        self._segments: list[SharedSegment] = []
+        self._unpin: Callable[[], None] | None = None
+
+    def release(self, handle: FeatureHandle) -> None:
+        """Tell the sender we are done with handle's bytes (any thread)."""
+        self.control.release(handle.slot, self.lane, handle.seq)
+
+    def sim_pool_tensor(self) -> torch.Tensor:
+        if self.sim_pool is None:
+            self.sim_pool = self._map(self.endpoint.pool_path, "pool")
+        return self.sim_pool
+
+    async def fallback_tensor(self, device: Device) -> torch.Tensor:
+        if self.fallback is None:
+            tensor = self._map(self.endpoint.fallback_path, "host fallback")
+            index = getattr(device, "index", None)
+            if index is not None:
+                # Pinned in this process too, the copy to the GPU is asynchronous and fast.
+                loop = asyncio.get_running_loop()
+                try:
+                    self._unpin = await loop.run_in_executor(None, pin_host, index, tensor)
+                except Exception as exc:
+                    log.warning("cannot pin the IPC host fallback (%s); copies are slower", exc)
+            self.fallback = tensor
+        return self.fallback
+
+    def cuda_pool(self, device: Device) -> PeerPool:
+        if self.peer_pool is None:
+            index = getattr(device, "index", None)
+            if index is None:
+                raise NoPeerAccessError(
+                    f"a receiver on {device.name} cannot read a CUDA IPC pool; the sender "
+                    "falls back to host memory for receivers that registered before its send "
+                    "(call FeatureReceiver.connect(sender.endpoint) first)"
+                )
+            e = self.endpoint
+            self.peer_pool = PeerPool(e.control_path, e.pid, e.cuda_pool, e.pool_nbytes, index)
+        return self.peer_pool
+
+    def close(self) -> None:
+        """Leave the sender (it reclaims what we still owed) and unmap its memory."""
+        self.control.leave(self.lane, self.epoch)
+        if self.peer_pool is not None:
+            self.peer_pool.close()
+            self.peer_pool = None
+        if self._unpin is not None:
+            self._unpin()
+            self._unpin = None
+        self.sim_pool = self.fallback = None
+        for segment in self._segments:
+            segment.close()
+        self.control.close(unlink=False)
+
+    def _map(self, path: str, what: str) -> torch.Tensor:
+        if not path:
+            raise SenderGoneError(f"the sender of this handle has no {what}")
+        try:
+            segment = SharedSegment.attach(path)
+        except FileNotFoundError:
+            raise SenderGoneError(
+                f"the sender's {what} ({path}) is gone: the sender closed or exited"
+            ) from None
+        self._segments.append(segment)
+        return segment.tensor()
+
+
+class FeatureReceiver:
+    """Receives features sent by FeatureSenders in other processes (or this one) onto its device."""
+
+    def __init__(self, device: str | Device = "cuda") -> None:
+        self._owns_device = not isinstance(device, Device)
+        self._device = resolve_device(device)
+        self._kind: Literal["sim", "cuda"] = (
+            "sim" if isinstance(self._device, SimDevice) else "cuda"
+        )
+        self._channels: dict[str, _Channel] = {}
+        self._pending: set[Fence] = set()  # copies whose slices are released when they finish
+        self._pending_lock = threading.Lock()
+        self._closed = False
+        self.received = 0
+
+    @property
+    def device(self) -> Device:
+        """The device received features are copied to."""
+        return self._device
+
+    async def connect(self, endpoint: SenderEndpoint) -> None:
+        """Register with a sender ahead of its first handle (so it knows our device and pid)."""
+        self._check_open()
+        self._channel(endpoint)
+
+    async def receive(self, handle: FeatureHandle, *, stream: Stream | None = None) -> torch.Tensor:
+        """The feature of handle as a new tensor on this receiver's device; releases the slice.
+
+        On CUDA the tensor is ordered on stream (the current one if None) after the
+        copy; the slice is released once the copy has run. On the simulator it is
+        returned once the copy has run.
+        """
+        if stream is None:
+            stream = self._device.current_stream()  # read before any await: it is per thread
+        self._check_open()
+        channel = self._channel(handle.sender)
+        self._open(channel, handle)
+        try:
+            await self._wait_ready(channel, handle, stream)
+            src = await self._source(channel, handle)
+            dst, fence = self._copy_out(src, stream)
+            del src
+        except BaseException:
+            channel.release(handle)  # nothing of ours reads the slice
+            raise
+        out = dst.detach()  # the caller's own alias: ours goes back to the device below
+        self._device.release(dst, [fence])
+        del dst
+        if self._device.stream_ordered_reads:
+            self._release_after(channel, handle, fence, verify=True)
+            self.received += 1
+            return out
+        try:
+            await wait_fences([fence])
+        except BaseException:
+            self._release_after(channel, handle, fence, verify=False)
+            raise
+        intact = channel.control.slot_seq(handle.slot) == handle.seq
+        channel.release(handle)
+        if not intact:
+            raise HandleExpiredError(
+                f"{handle.describe()} was reclaimed by its sender while it was being read; "
+                "the data read is not trustworthy (see the sender's log for why it reclaimed it)"
+            )
+        self.received += 1
+        return out
+
+    @contextlib.asynccontextmanager
+    async def lease(
+        self, handle: FeatureHandle, *, stream: Stream | None = None
+    ) -> AsyncIterator[torch.Tensor]:
+        """Zero-copy: the feature's bytes where they are, held for us until the block exits.
+
+        A pool slice on CUDA is a tensor of this receiver's device (ordered on
+        stream); a host fallback block is a host tensor. Do not keep it past the
+        block: the slice is reused once the work queued on stream meanwhile is done.
+        """
+        if stream is None:
+            stream = self._device.current_stream()
+        self._check_open()
+        channel = self._channel(handle.sender)
+        self._open(channel, handle)
+        try:
+            await self._wait_ready(channel, handle, stream)
+            view = await self._source(channel, handle)
+        except BaseException:
+            channel.release(handle)
+            raise
+        try:
+            yield view
+        finally:
+            del view
+            self._release_after(channel, handle, self._device.record(stream), verify=True)
+
+    async def close(self, timeout: float | None = 10.0) -> None:  # noqa: ASYNC109
+        """Wait (up to timeout s) for copies still reading slices, then leave every sender."""
+        if self._closed:
+            return
+        self._closed = True
+        with self._pending_lock:
+            pending = list(self._pending)
+        if pending:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(wait_fences(pending), timeout)
+        for channel in self._channels.values():
+            channel.close()
+        self._channels.clear()
+        if self._owns_device:
+            self._device.close()
+
+    async def __aenter__(self) -> FeatureReceiver:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    # --- internals ------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CacheClosedError("this FeatureReceiver is closed")
+
+    def _channel(self, endpoint: SenderEndpoint) -> _Channel:
+        channel = self._channels.get(endpoint.control_path)
+        if channel is not None:
+            return channel
+        if not isinstance(endpoint, SenderEndpoint):
+            raise InvalidValueError(f"expected a SenderEndpoint, got {type(endpoint).__name__}")
+        try:
+            control = ControlBlock.attach(endpoint.control_path)
+        except FileNotFoundError:
+            raise SenderGoneError(
+                f"the IPC sender (pid {endpoint.pid}) is gone: its control block "
+                f"{endpoint.control_path} no longer exists"
+            ) from None
+        lane, epoch = control.register(os.getpid(), self._peer_ok(endpoint))
+        channel = _Channel(endpoint, control, lane, epoch)
+        self._channels[endpoint.control_path] = channel
+        return channel
+
+    def _peer_ok(self, endpoint: SenderEndpoint) -> bool:
+        """Whether this receiver can read the sender's pool where it is."""
+        if endpoint.device_kind == "sim" or not endpoint.cuda_pool:
+            return True  # shared host memory: every device can read it
+        index = getattr(self._device, "index", None)
+        if index is None:
+            return False
+        sender = ordinal_of(endpoint.device_uuid)
+        if sender is None:
+            return False
+        return sender == index or bool(torch.cuda.can_device_access_peer(index, sender))
+
+    def _open(self, channel: _Channel, handle: FeatureHandle) -> None:
+        """Lease handle's slot, then check the slot still holds this send."""
+        channel.control.lease(handle.slot, channel.lane, handle.seq)
+        if channel.control.slot_seq(handle.slot) != handle.seq:
+            raise HandleExpiredError(
+                f"{handle.describe()} is no longer held by its sender: it was received twice "
+                "by this receiver, or arrived after the sender reclaimed it (it credits a "
+                "receiver that died with what it owed), or the sender closed"
+            )
+
+    async def _wait_ready(self, channel: _Channel, handle: FeatureHandle, stream: Stream) -> None:
+        """Order stream after the sender's copy (CUDA IPC event), or wait for its ready mark."""
+        if handle.where == "pool" and handle.cuda_event and self._kind == "cuda":
+            event = channel.cuda_pool(self._device).event(handle.cuda_event)
+            if event is not None:
+                as_cuda_stream(stream).wait_event(event)
+                return
+        control, slot, seq = channel.control, handle.slot, handle.seq
+        delay = 0.0
+        next_check = time.monotonic() + _SENDER_CHECK_S
+        while True:
+            mark = control.ready(slot)
+            if mark == seq:
+                return
+            if mark == -seq:
+                raise CopyFailedError(f"the sender's copy into {handle.describe()} failed")
+            if control.slot_seq(slot) != seq:
+                raise HandleExpiredError(f"{handle.describe()} was reclaimed before it was ready")
+            now = time.monotonic()
+            if now >= next_check:
+                if not control.sender_alive():
+                    raise SenderGoneError(
+                        f"the sender of {handle.describe()} closed or exited before it was ready"
+                    )
+                next_check = now + _SENDER_CHECK_S
+            await asyncio.sleep(delay)
+            delay = min(_POLL_MAX_S, max(_POLL_MIN_S, delay * 2))
+
+    async def _source(self, channel: _Channel, handle: FeatureHandle) -> torch.Tensor:
+        """handle's bytes where they are, as a tensor of its shape and dtype."""
+        if handle.where == "host":
+            arena = await channel.fallback_tensor(self._device)
+        elif handle.sender.device_kind == "sim":
+            arena = channel.sim_pool_tensor()
+        else:
+            pool = channel.cuda_pool(self._device)
+            arena = pool.tensor
+        dtype = dtype_from_name(handle.dtype)
+        flat = arena[handle.offset : handle.offset + handle.nbytes]
+        return flat.view(dtype).view(handle.shape)
+
+    def _copy_out(self, src: torch.Tensor, stream: Stream) -> tuple[torch.Tensor, Fence]:
+        """Queue src -> a new tensor on this device, usable on stream; return it and its fence."""
+        device = self._device
+        if device.is_device_tensor(src):
+            dst = device.empty(src.shape, src.dtype, stream)
+            return dst, device.copy_d2d(src, dst, stream)
+        if src.device.type == "cpu":
+            dst = device.empty(src.shape, src.dtype)
+            fence = device.copy_h2d(src, dst, ())
+            device.wait_on(stream, fence)
+            device.use_on(dst, stream)
+            return dst, fence
+        if src.device.type == "cuda":
+            # A sender in this process on another GPU: torch copies between its own devices.
+            dst = device.empty(src.shape, src.dtype, stream)
+            with torch.cuda.stream(as_cuda_stream(stream)):
+                dst.copy_(src, non_blocking=True)
+            return dst, device.record(stream)
+        raise NoPeerAccessError(f"a receiver on {device.name} cannot read memory on {src.device}")
+
+    def _release_after(
+        self, channel: _Channel, handle: FeatureHandle, fence: Fence, *, verify: bool
+    ) -> None:
+        """Release handle's slice once fence (the last read of it) is done."""
+
+        def done() -> None:
+            if verify and channel.control.slot_seq(handle.slot) != handle.seq:
+                log.error(
+                    "%s was reclaimed by its sender while it was read: the tensor received "
+                    "may hold other data",
+                    handle.describe(),
+                )
+            channel.release(handle)
+            with self._pending_lock:
+                self._pending.discard(fence)
+
+        if fence.done():
+            done()
+            return
+        with self._pending_lock:
+            self._pending.add(fence)
+        fence.add_done_callback(done)

@@ -1,0 +1,798 @@
+"""FeatureSender: hands features to other processes through the IPC pool or the host fallback.
+
+send() takes ownership of a device tensor. If the pool can take it, the copy
+into a pool slice is queued on the producer's stream and the handle goes out
+at once (receivers wait for the slot's ready mark, or the slot's CUDA IPC
+event). Otherwise the tensor is copied into a block of the shared host
+fallback and the device source is released before send returns — the seed
+bug of this transport kept it alive. A recycler reclaims slices that every
+consumer released, and those of receivers that died.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Final, Literal
+
+import torch
+from prometheus_client import CollectorRegistry
+
+from mmcache.device import Device, Fence, SimDevice, Stream, resolve_device
+from mmcache.errors import (
+    CacheClosedError,
+    CopyFailedError,
+    InvalidValueError,
+    MMCacheError,
+    SettingsError,
+    ValueTooLargeError,
+    WrongLoopError,
+)
+from mmcache.host_pool import HostBlock
+from mmcache.ipc.control import LIVE, ControlBlock, LaneInfo, process_alive
+from mmcache.ipc.cuda_ipc import CudaPool, pin_host
+from mmcache.ipc.errors import NoPeerAccessError, TransportFullError
+from mmcache.ipc.handle import FeatureHandle, SenderEndpoint
+from mmcache.ipc.leases import Lease, LeaseLedger
+from mmcache.ipc.pool import SliceArena, SlotAllocator
+from mmcache.ipc.shm import SharedSegment
+from mmcache.ipc.stats import TransportStats
+from mmcache.metrics import CacheMetrics
+from mmcache.settings import CacheSettings
+from mmcache.waiting import FenceWatcher, wait_fences
+
+__all__ = ["FeatureSender"]
+
+log = logging.getLogger("mmcache.ipc")
+
+_MiB: Final = 1 << 20
+DEFAULT_ALIGNMENT: Final = 512
+DEFAULT_MAX_SLICES: Final = 8192
+# Receivers release slices by writing shared cells, which wake nobody: while sends wait
+# for room the recycler reads them this often instead of every ipc_recycle_interval_s.
+_BACKPRESSURE_POLL_S: Final = 0.002
+# A send that finds no room sweeps first, at most this often (a sweep reads every lease).
+_MIN_SWEEP_GAP_S: Final = 0.001
+
+Where = Literal["pool", "host"]
+#: The receivers registered at send, and how many releases the send is owed.
+_Owed = tuple[frozenset[tuple[int, int]], int]
+
+
+@dataclass(slots=True, eq=False)
+class _Placement:
+    """Room granted to one send: a slice of an arena and a control-block slot."""
+
+    where: Where
+    arena: SliceArena
+    block: HostBlock
+    slot: int
+
+
+@dataclass(slots=True, eq=False)
+class _Waiter:
+    """A send waiting for room (first come, first served)."""
+
+    nbytes: int
+    pool_ok: bool
+    future: asyncio.Future[_Placement]
+
+
+def _device_kind(device: Device) -> Literal["sim", "cuda"]:
+    if isinstance(device, SimDevice):
+        return "sim"
+    from mmcache.device.cuda import CudaDevice  # lazily: the module is only useful with a GPU
+
+    if isinstance(device, CudaDevice):
+        return "cuda"
+    raise InvalidValueError(
+        f"the IPC transport runs on a SimDevice or a CudaDevice, not {type(device).__name__}"
+    )
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class FeatureSender:
+    """Owns the IPC pool of one producer and hands its features to `consumers` receivers each."""
+
+    def __init__(
+        self,
+        settings: CacheSettings | None = None,
+        device: str | Device = "cuda",
+        *,
+        consumers: int = 1,
+        name: str = "ipc",
+        registry: CollectorRegistry | None = None,
+        max_receivers: int | None = None,
+        max_slices: int = DEFAULT_MAX_SLICES,
+        alignment: int = DEFAULT_ALIGNMENT,
+    ) -> None:
+        if consumers < 1:
+            raise SettingsError(f"consumers must be >= 1, not {consumers}")
+        lanes = max(8, 2 * consumers) if max_receivers is None else max_receivers
+        if lanes < consumers:
+            raise SettingsError(f"max_receivers ({lanes}) must be at least consumers ({consumers})")
+        if max_slices < 1:
+            raise SettingsError(f"max_slices must be >= 1, not {max_slices}")
+        if alignment < 1 or alignment & (alignment - 1):
+            raise SettingsError(f"alignment must be a power of two, not {alignment}")
+        self.settings = settings if settings is not None else CacheSettings()
+        self.name = name
+        self.consumers = consumers
+        self._owns_device = not isinstance(device, Device)
+        self._device = resolve_device(device)
+        self._kind = _device_kind(self._device)
+        self._n_lanes = lanes
+        self._alignment = alignment
+        self._pool_bytes = self.settings.ipc_pool_bytes if self.settings.use_cuda_ipc else 0
+        self._fallback_bytes = self.settings.ipc_fallback_bytes
+        self._interval = self.settings.ipc_recycle_interval_s
+        self._metrics = CacheMetrics(name, registry)
+
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
+        self._watcher: FenceWatcher | None = None
+        self._control: ControlBlock | None = None
+        self._ledger: LeaseLedger | None = None
+        self._endpoint: SenderEndpoint | None = None
+        self._pool: SliceArena | None = None
+        self._fallback: SliceArena | None = None
+        self._segments: list[SharedSegment] = []
+        self._pool_path = ""  # the simulator's pool segment
+        self._fallback_path = ""
+        self._sim_pool: torch.Tensor | None = None  # the simulator's adopted alias of the pool
+        self._cuda_pool: CudaPool | None = None
+        self._unpin: Callable[[], None] | None = None
+        self._slots = SlotAllocator(max_slices)
+        self._waiters: deque[_Waiter] = deque()
+        self._poke: asyncio.Event | None = None
+        self._recycler: asyncio.Task[None] | None = None
+        self._last_sweep = 0.0
+        self._seq = 0
+        self._inflight = {"pool": 0, "host": 0}  # bytes placed for sends still copying
+        self._sends = 0
+        self._fallbacks: dict[str, int] = {}
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Create the control block, the pool and the host fallback; start the recycler."""
+        if self._closed:
+            raise CacheClosedError("this FeatureSender was closed; create a new one")
+        if self._loop is not None:
+            return
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        self._watcher = FenceWatcher(loop)
+        self._poke = asyncio.Event()
+        try:
+            control = ControlBlock.create(self._n_lanes, self._slots.capacity)
+            self._control = control
+            self._ledger = LeaseLedger(control, self.consumers, self.settings.ipc_lease_timeout_s)
+            if self._pool_bytes:
+                self._pool = await self._make_pool(control.path)
+            if self._fallback_bytes:
+                self._fallback = await self._make_fallback()
+        except BaseException:
+            self._closed = True
+            self._teardown(keep_memory=False)
+            self._metrics.close()
+            if self._owns_device:
+                self._device.close()
+            raise
+        cuda_pool = self._cuda_pool
+        self._endpoint = SenderEndpoint(
+            control_path=control.path,
+            pid=control.sender_pid,
+            device_kind=self._kind,
+            device_uuid=cuda_pool.uuid if cuda_pool is not None else "",
+            pool_path=self._pool_path,
+            pool_nbytes=self._pool.tensor.numel() if self._pool is not None else 0,
+            cuda_pool=cuda_pool.ipc_handle if cuda_pool is not None else b"",
+            fallback_path=self._fallback_path,
+            fallback_nbytes=self._fallback.tensor.numel() if self._fallback is not None else 0,
+        )
+        self._recycler = loop.create_task(self._recycle_forever(), name=f"mmcache-ipc-{self.name}")
+        self._push_metrics()
+
+    async def close(self, timeout: float | None = 10.0) -> None:  # noqa: ASYNC109
+        """Stop sending; wait up to timeout s for receivers to release what they hold; free all.
+
+        Memory a receiver still holds after the timeout is kept (and logged), never
+        reused or poisoned under it.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.future.done():
+                waiter.future.set_exception(
+                    CacheClosedError("the IPC sender closed while send waited for room")
+                )
+        leftover: list[Lease] = []
+        if self._loop is not None and self._ledger is not None:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while len(self._ledger) and (deadline is None or time.monotonic() < deadline):
+                self._sweep()
+                if len(self._ledger):
+                    await asyncio.sleep(min(self._interval, 0.01))
+            if self._recycler is not None:
+                self._recycler.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._recycler
+            leftover = self._ledger.drop_all()
+            for lease in leftover:
+                log.warning(
+                    "IPC sender %r closed while %s was not released by every receiver; "
+                    "its memory is kept, not reused",
+                    self.name,
+                    lease.handle.describe(),
+                )
+            if self._watcher is not None:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._watcher.idle(), timeout)
+        self._teardown(keep_memory=bool(leftover))
+        self._metrics.close()
+        if self._owns_device:
+            self._device.close()
+
+    async def __aenter__(self) -> FeatureSender:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    @property
+    def device(self) -> Device:
+        """The device the sender's features live on."""
+        return self._device
+
+    @property
+    def endpoint(self) -> SenderEndpoint:
+        """What a receiver needs to connect before the first handle (picklable)."""
+        if self._endpoint is None:
+            raise MMCacheError("start() the FeatureSender before asking for its endpoint")
+        return self._endpoint
+
+    # --- public API -----------------------------------------------------------------------
+
+    async def send(
+        self, tensor: torch.Tensor, *, stream: Stream | None = None, wait: bool = True
+    ) -> FeatureHandle:
+        """Hand tensor to the consumers, taking ownership of it; return its picklable handle.
+
+        The pool is used when it can take the tensor now; otherwise the host
+        fallback, counted in mmcache_ipc_fallbacks_total{reason}. When neither has
+        room, send waits (up to the lease timeout) unless wait=False, and then
+        raises TransportFullError; the tensor is released either way.
+        """
+        if stream is None:
+            stream = self._device.current_stream()  # read before any await: it is per thread
+        await self._ready_to_serve()
+        nbytes = self._check_value(tensor)
+        ready = self._device.record(stream)
+        own = self._device.adopt(tensor, stream)
+        del tensor
+        assert self._control is not None
+        assert self._ledger is not None
+        lanes = self._control.lanes()
+        owed = frozenset((i.lane, i.epoch) for i in lanes if i.state == LIVE)
+        needed = self._ledger.needed(len(owed))
+        try:
+            placement, reason = await self._place(nbytes, lanes, wait)
+        except BaseException:
+            self._release_source(own, [ready])
+            raise
+        if placement.where == "pool":
+            handle = self._write_pool(own, placement, ready, stream, (owed, needed))
+        else:
+            self._count_fallback(reason)
+            handle = await self._write_host(own, placement, ready, stream, (owed, needed))
+        self._sends += 1
+        return handle
+
+    def stats(self) -> TransportStats:
+        """A snapshot of the pool, the fallback, the leases and the receivers."""
+        ledger, control = self._ledger, self._control
+        leases = list(ledger) if ledger is not None else []
+        live = 0
+        if control is not None and not self._closed:
+            live = sum(1 for i in control.lanes() if i.state == LIVE and process_alive(i.pid))
+        return TransportStats(
+            pool_used_bytes=self._pool.used_bytes if self._pool is not None else 0,
+            pool_capacity_bytes=self._pool.capacity_bytes if self._pool is not None else 0,
+            fallback_used_bytes=self._fallback.used_bytes if self._fallback is not None else 0,
+            fallback_capacity_bytes=(
+                self._fallback.capacity_bytes if self._fallback is not None else 0
+            ),
+            sends=self._sends,
+            fallbacks=sum(self._fallbacks.values()),
+            live_leases=len(leases),
+            open_leases=sum(1 for lease in leases if lease.open_by),
+            leaked_bytes=self._leaked_bytes(),
+            receivers=live,
+            receivers_lost=ledger.lost_receivers if ledger is not None else 0,
+            waiting_sends=len(self._waiters),
+            fallbacks_by_reason=dict(self._fallbacks),
+        )
+
+    def sweep(self) -> None:
+        """Run the recycler once now (it also runs every ipc_recycle_interval_s)."""
+        if self._ledger is not None and not self._closed:
+            self._sweep()
+
+    async def drain(self, timeout: float | None = None) -> bool:  # noqa: ASYNC109
+        """Wait until every send was released and reclaimed; False if timeout passed first."""
+        await self._ready_to_serve()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            self._sweep()
+            assert self._ledger is not None and self._watcher is not None
+            busy = (
+                len(self._ledger)
+                or self._waiters
+                or self._watcher.outstanding
+                or any(self._inflight.values())
+            )
+            if not busy:
+                return True
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(min(self._interval, 0.005))
+
+    async def wait_for_receivers(self, count: int, timeout: float | None = None) -> None:  # noqa: ASYNC109
+        """Wait until count receivers are registered and alive (TimeoutError otherwise)."""
+        await self._ready_to_serve()
+        assert self._control is not None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            lanes = self._control.lanes()
+            if sum(1 for i in lanes if i.state == LIVE and process_alive(i.pid)) >= count:
+                return
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"fewer than {count} IPC receivers connected in {timeout} s")
+            # Start-up only: registration writes a shared cell that wakes nobody.
+            await asyncio.sleep(0.01)
+
+    # --- placement ------------------------------------------------------------------------
+
+    async def _place(
+        self, nbytes: int, lanes: Sequence[LaneInfo], wait: bool
+    ) -> tuple[_Placement, str]:
+        """Room for nbytes, and why it is not in the pool if it is not."""
+        refusal = self._pool_refusal(nbytes, lanes)
+        pool_ok = refusal is None
+        self._check_fits(nbytes, refusal)
+        reason = refusal or "pool_full"
+        if not self._waiters:
+            placement = self._try_place(nbytes, pool_ok)
+            if placement is None and time.monotonic() - self._last_sweep >= _MIN_SWEEP_GAP_S:
+                self._sweep()
+                placement = self._try_place(nbytes, pool_ok)
+            if placement is not None:
+                return placement, reason
+        if not wait:
+            raise TransportFullError(self._full_message(nbytes, None))
+        return await self._wait_for_room(nbytes, pool_ok), reason
+
+    def _pool_refusal(self, nbytes: int, lanes: Sequence[LaneInfo]) -> str | None:
+        """Why nbytes may not go through the pool at all (None: it may)."""
+        if self._pool is None:
+            return "disabled"
+        if nbytes > self._pool.max_slice_bytes:
+            return "too_large"
+        if any(not i.peer_ok for i in lanes if i.state == LIVE):
+            return "no_peer"
+        return None
+
+    def _check_fits(self, nbytes: int, refusal: str | None) -> None:
+        """Refuse at once what could never be placed, saying which setting to change."""
+        pool, fallback = self._pool, self._fallback
+        if refusal is None and pool is not None and nbytes <= pool.max_slice_bytes:
+            return
+        if fallback is not None and nbytes <= fallback.max_slice_bytes:
+            return
+        env = self.settings.env_name
+        if refusal == "no_peer":
+            raise NoPeerAccessError(
+                "a registered receiver cannot read this GPU's IPC pool and the host fallback "
+                f"cannot take {nbytes / _MiB:.1f} MiB; raise {env('ipc_fallback_mb')}"
+            )
+        pool_mb = pool.capacity_bytes / _MiB if pool is not None else 0.0
+        fallback_mb = fallback.capacity_bytes / _MiB if fallback is not None else 0.0
+        off = "" if self.settings.use_cuda_ipc else f"; off: {env('use_cuda_ipc')}=0"
+        raise ValueTooLargeError(
+            f"a feature of {nbytes / _MiB:.1f} MiB fits neither the IPC pool "
+            f"({pool_mb:.1f} MiB, {env('ipc_pool_mb')}{off}) nor the host fallback "
+            f"({fallback_mb:.1f} MiB, {env('ipc_fallback_mb')}); raise one of them"
+        )
+
+    def _try_place(self, nbytes: int, pool_ok: bool) -> _Placement | None:
+        """Room for nbytes now: a pool slice if allowed, else a fallback block; None if full."""
+        slot = self._slots.take()
+        if slot is None:
+            return None
+        for where, arena in (("pool", self._pool if pool_ok else None), ("host", self._fallback)):
+            if arena is None:
+                continue
+            block = arena.allocate(nbytes)
+            if block is not None:
+                self._inflight[where] += block.nbytes
+                return _Placement("pool" if where == "pool" else "host", arena, block, slot)
+        self._slots.give(slot)
+        return None
+
+    async def _wait_for_room(self, nbytes: int, pool_ok: bool) -> _Placement:
+        assert self._loop is not None and self._poke is not None
+        waiter = _Waiter(nbytes, pool_ok, self._loop.create_future())
+        self._waiters.append(waiter)
+        self._poke.set()  # the recycler sweeps often while sends wait
+        timeout = self.settings.ipc_lease_timeout_s
+        try:
+            async with asyncio.timeout(timeout):
+                return await asyncio.shield(waiter.future)
+        except BaseException as exc:
+            self._abandon(waiter)
+            if isinstance(exc, TimeoutError):
+                raise TransportFullError(self._full_message(nbytes, timeout)) from None
+            raise
+
+    def _abandon(self, waiter: _Waiter) -> None:
+        """A waiting send gave up: forget it, and give back room granted meanwhile."""
+        with contextlib.suppress(ValueError):
+            self._waiters.remove(waiter)
+        future = waiter.future
+        if future.done() and not future.cancelled() and future.exception() is None:
+            self._abort(future.result(), ())
+        else:
+            future.cancel()
+
+    def _grant_waiters(self) -> None:
+        """Give room to waiting sends in arrival order, while the first one fits."""
+        while self._waiters:
+            waiter = self._waiters[0]
+            if waiter.future.done():
+                self._waiters.popleft()
+                continue
+            placement = self._try_place(waiter.nbytes, waiter.pool_ok)
+            if placement is None:
+                return
+            self._waiters.popleft()
+            waiter.future.set_result(placement)
+
+    def _abort(self, placement: _Placement, after: Sequence[Fence]) -> None:
+        """Give back room a send will not use (after the fences of copies into it)."""
+        self._inflight[placement.where] -= placement.block.nbytes
+        placement.arena.free(placement.block, after)
+        self._slots.give(placement.slot)
+
+    def _full_message(self, nbytes: int, waited: float | None) -> str:
+        env = self.settings.env_name
+        held = len(self._ledger) if self._ledger is not None else 0
+        used = sum(a.used_bytes for a in (self._pool, self._fallback) if a is not None)
+        how = "now" if waited is None else f"within {waited:.1f} s ({env('ipc_lease_timeout_s')})"
+        return (
+            f"no room for a {nbytes / _MiB:.2f} MiB feature in the IPC pool or the host "
+            f"fallback {how}: {used / _MiB:.1f} MiB are held by {held} sends that receivers "
+            f"have not released. Check that the receivers run and receive every handle, or "
+            f"raise {env('ipc_fallback_mb')} / {env('ipc_pool_mb')}"
+        )
+
+    # --- writing ----------------------------------------------------------------------------
+
+    def _write_pool(
+        self,
+        own: torch.Tensor,
+        placement: _Placement,
+        ready: Fence,
+        stream: Stream,
+        owed: _Owed,
+    ) -> FeatureHandle:
+        """Queue own -> pool slice on the producer's stream; the handle goes out at once."""
+        assert self._control is not None
+        shape, dtype = tuple(own.shape), own.dtype
+        seq = self._next_seq()
+        self._control.arm(placement.slot, seq)
+        try:
+            dst = placement.arena.view(placement.block, shape, dtype)
+            # On the producer's stream: ordered after the work that made the tensor.
+            written = self._device.copy_d2d(own, dst, stream)
+            del dst
+            event = self._record_event(placement.slot, stream)
+        except BaseException:
+            self._control.invalidate(placement.slot, seq)
+            self._abort(placement, ())
+            self._release_source(own, [ready])
+            raise
+        written.add_done_callback(functools.partial(self._mark_ready, placement.slot, seq, written))
+        self._release_source(own, [written])
+        return self._lease(placement, seq, shape, dtype, written, event, owed)
+
+    async def _write_host(
+        self,
+        own: torch.Tensor,
+        placement: _Placement,
+        ready: Fence,
+        stream: Stream,
+        owed: _Owed,
+    ) -> FeatureHandle:
+        """Copy own into a shared host block, release it, and only then hand out the handle."""
+        assert self._control is not None
+        shape, dtype = tuple(own.shape), own.dtype
+        after: list[Fence] = [ready]
+        try:
+            placement.arena.commit(placement.block)
+            if not own.is_contiguous():
+                # A device-to-host copy needs one dense range: pack the view on the device.
+                packed = self._device.empty(shape, dtype, stream)
+                compacted = self._device.copy_d2d(own, packed, stream)
+                self._release_source(own, [compacted])
+                own, after = packed, [compacted]
+            dst = placement.arena.view(placement.block, shape, dtype)
+            copied = self._device.copy_d2h(own, dst, after)
+            del dst
+        except BaseException:
+            self._abort(placement, ())
+            self._release_source(own, after)
+            raise
+        try:
+            await wait_fences([copied])
+        except BaseException as exc:
+            if isinstance(exc, CopyFailedError):
+                self._metrics.fault("copy_failed")
+            self._abort(placement, [copied])
+            self._release_source(own, [copied])
+            raise
+        # The device memory goes back before the handle exists: the seed bug kept it.
+        self._release_source(own, [copied])
+        del own
+        seq = self._next_seq()
+        self._control.arm(placement.slot, seq)
+        self._control.mark_ready(placement.slot, seq, True)
+        return self._lease(placement, seq, shape, dtype, copied, b"", owed)
+
+    def _release_source(self, own: torch.Tensor, after: Sequence[Fence]) -> None:
+        """Give the sender's alias of a sent tensor back to the device after the fences."""
+        self._device.release(own, after)
+
+    def _record_event(self, slot: int, stream: Stream) -> bytes:
+        """Record the slot's CUDA IPC event after the copy (b"" on the simulator)."""
+        if self._cuda_pool is None:
+            return b""
+        return self._cuda_pool.record_ready(slot, stream)
+
+    def _mark_ready(self, slot: int, seq: int, written: Fence) -> None:
+        """Fence callback (any thread): publish that a pool slice is written, or that it failed."""
+        if self._control is not None:
+            self._control.mark_ready(slot, seq, written.exception() is None)
+
+    def _lease(
+        self,
+        placement: _Placement,
+        seq: int,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        written: Fence,
+        event: bytes,
+        owed: _Owed,
+    ) -> FeatureHandle:
+        assert self._endpoint is not None and self._ledger is not None
+        handle = FeatureHandle(
+            sender=self._endpoint,
+            seq=seq,
+            slot=placement.slot,
+            where=placement.where,
+            offset=placement.block.offset,
+            shape=shape,
+            dtype=_dtype_name(dtype),
+            cuda_event=event,
+        )
+        self._ledger.add(Lease(handle, placement.arena, placement.block, written, *owed))
+        self._inflight[placement.where] -= placement.block.nbytes
+        self._push_metrics()
+        return handle
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def _count_fallback(self, reason: str) -> None:
+        self._fallbacks[reason] = self._fallbacks.get(reason, 0) + 1
+        self._metrics.ipc_fallback(reason)
+
+    # --- recycling ----------------------------------------------------------------------------
+
+    async def _recycle_forever(self) -> None:
+        assert self._poke is not None
+        while True:
+            delay = min(self._interval, _BACKPRESSURE_POLL_S) if self._waiters else self._interval
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._poke.wait(), delay)
+            self._poke.clear()
+            try:
+                self._sweep()
+            except Exception:
+                log.exception("IPC sender %r: a recycler sweep failed", self.name)
+
+    def _sweep(self) -> None:
+        """Reclaim what receivers released or left behind; flag late leases; wake waiters."""
+        ledger = self._ledger
+        if ledger is None:
+            return
+        result = ledger.sweep()
+        self._last_sweep = time.monotonic()
+        timeout_env = self.settings.env_name("ipc_lease_timeout_s")
+        for lease in result.recycled:
+            if lease.timed_out:
+                log.info(
+                    "%s was released late, %.1f s after it was sent; its slice is reused",
+                    lease.handle.describe(),
+                    time.monotonic() - lease.sent_at,
+                )
+            # After the sender's own copy into it too: a receiver that died may not have waited.
+            lease.arena.free(lease.block, [lease.written])
+            self._slots.give(lease.handle.slot)
+        for lease in result.timed_out:
+            owing = ", ".join(f"pid {i.pid}" for i in ledger.owing(lease)) or "none registered"
+            log.warning(
+                "%s was not released within %.1f s (%s): counted in "
+                'mmcache_leaked_bytes{tier="ipc"} until it is released or its receivers '
+                "exit; receivers that have not released it: %s",
+                lease.handle.describe(),
+                ledger.timeout_s,
+                timeout_env,
+                owing,
+            )
+        for info, credited in result.lost:
+            closed = info.state != LIVE
+            log.log(
+                logging.INFO if closed and not credited else logging.WARNING,
+                "IPC receiver pid %d (lane %d) %s; %d sends it held or was owed are released "
+                "on its behalf",
+                info.pid,
+                info.lane,
+                "closed" if closed else "exited",
+                credited,
+            )
+        self._grant_waiters()
+        self._push_metrics()
+
+    def _on_space(self) -> None:
+        """A slice went back to an arena (maybe after its fences): room for waiting sends."""
+        if not self._closed:
+            self._grant_waiters()
+            self._push_metrics()
+
+    # --- accounting ---------------------------------------------------------------------------
+
+    def _leaked_bytes(self) -> int:
+        """Late leases, plus arena bytes that no lease, send in progress or pending free owns."""
+        ledger = self._ledger
+        if ledger is None:
+            return 0
+        leaked = ledger.leaked_bytes()
+        leases = list(ledger)
+        for where, arena in (("pool", self._pool), ("host", self._fallback)):
+            if arena is None:
+                continue
+            owned = sum(lease.nbytes for lease in leases if lease.arena is arena)
+            owned += self._inflight[where] + arena.freeing_bytes
+            leaked += arena.used_bytes - owned
+        return leaked
+
+    def _push_metrics(self) -> None:
+        pool, ledger = self._pool, self._ledger
+        if pool is not None and ledger is not None:
+            held_open = ledger.open_bytes(pool)
+            self._metrics.set_ipc_pool("used", pool.used_bytes - held_open)
+            self._metrics.set_ipc_pool("leased", held_open)
+            self._metrics.set_ipc_pool("free", pool.capacity_bytes - pool.used_bytes)
+        self._metrics.set_leaked("ipc", self._leaked_bytes())
+
+    # --- set-up and tear-down -----------------------------------------------------------------
+
+    async def _ready_to_serve(self) -> None:
+        if self._closed:
+            raise CacheClosedError("this FeatureSender is closed")
+        if self._loop is None:
+            await self.start()
+        elif asyncio.get_running_loop() is not self._loop:
+            raise WrongLoopError(
+                "this FeatureSender belongs to another event loop; call it from the loop "
+                "that started it"
+            )
+
+    def _check_value(self, value: object) -> int:
+        if not isinstance(value, torch.Tensor):
+            raise InvalidValueError(f"send() takes a torch.Tensor, not {type(value).__name__}")
+        if not self._device.is_device_tensor(value):
+            raise InvalidValueError(
+                f"this sender's features live on {self._device.name}; got a tensor on "
+                f"{value.device} (move it with .to({self._device.name!r}) first)"
+            )
+        return value.numel() * value.element_size()
+
+    def _arena(
+        self,
+        kind: Where,
+        tensor: torch.Tensor,
+        segment: SharedSegment | None = None,
+        lazy_commit_hint: str | None = None,
+    ) -> SliceArena:
+        assert self._watcher is not None
+        return SliceArena(
+            kind,
+            tensor,
+            self._device,
+            alignment=self._alignment,
+            defer=self._watcher.when_done,
+            on_free=self._on_space,
+            segment=segment,
+            lazy_commit_hint=lazy_commit_hint,
+        )
+
+    async def _make_pool(self, control_path: str) -> SliceArena:
+        hint = f"lower {self.settings.env_name('ipc_pool_mb')}"
+        if self._kind == "sim":
+            segment = SharedSegment.create("pool", self._pool_bytes)
+            self._segments.append(segment)
+            self._pool_path = segment.path
+            segment.commit(0, self._pool_bytes, hint)
+            alias = self._device.adopt(segment.tensor(), self._device.current_stream())
+            self._sim_pool = alias
+            self._device.poison_host(alias)  # fresh device memory holds garbage, never zeros
+            return self._arena("pool", alias)
+        from mmcache.device.cuda import CudaDevice
+
+        assert isinstance(self._device, CudaDevice)
+        pool = CudaPool(self._device.index, self._pool_bytes, control_path)
+        self._cuda_pool = pool
+        assert pool.tensor is not None
+        return self._arena("pool", pool.tensor)
+
+    async def _make_fallback(self) -> SliceArena:
+        hint = f"lower {self.settings.env_name('ipc_fallback_mb')}"
+        segment = SharedSegment.create("fallback", self._fallback_bytes)
+        self._segments.append(segment)
+        self._fallback_path = segment.path
+        if self._kind == "sim":
+            return self._arena("host", segment.tensor(), segment=segment, lazy_commit_hint=hint)
+        from mmcache.device.cuda import CudaDevice
+
+        assert isinstance(self._device, CudaDevice) and self._loop is not None
+        # Pinned, the copies into it are asynchronous and run at full speed; pinning
+        # touches every page, so reserve them all first (a clean error if /dev/shm is full).
+        segment.commit(0, self._fallback_bytes, hint)
+        tensor = segment.tensor()
+        self._unpin = await self._loop.run_in_executor(None, pin_host, self._device.index, tensor)
+        return self._arena("host", tensor)
+
+    def _teardown(self, keep_memory: bool) -> None:
+        """Unlink the shared segments; free the pool unless a receiver may still read it."""
+        if self._control is not None:
+            self._control.close(unlink=True)
+        self._pool = self._fallback = None
+        for segment in self._segments:
+            segment.unlink()
+            segment.close()
+        if keep_memory:
+            return
+        if self._sim_pool is not None:
+            pool, self._sim_pool = self._sim_pool, None
+            self._device.release(pool, ())
+        if self._cuda_pool is not None:
+            self._cuda_pool.close()
+            self._cuda_pool = None
+        if self._unpin is not None:
+            self._unpin()
+            self._unpin = None
