@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: the GPU test suite, then the benchmarks; results under $OUT.
-#   OUT=/tmp/out bash benchmarks/gpu_suite.sh [tests|bench|demo|profile|all] [--quick]
+#   OUT=/tmp/out bash benchmarks/gpu_suite.sh [tests|bench|ipc|soak|demo|profile|all] [--quick]
 # Wheels for packages the machine lacks may be carried in .whl/ (installed to /tmp/site).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -31,6 +31,19 @@ fi
 if [ "$what" = profile ]; then
   timeout 120 python3 -m cProfile -o "$out/offload.prof" benchmarks/bench_offload.py --quick >/dev/null 2>&1
   python3 -c "import pstats,sys; pstats.Stats(sys.argv[1]).sort_stats('tottime').print_stats(30)" "$out/offload.prof" | tail -45
+fi
+if [ "$what" = ipc ] || [ "$what" = all ]; then
+  timeout 120 python3 examples/encoder_to_scheduler_ipc.py --device cuda 2>&1 | tail -5
+  timeout 120 python3 benchmarks/bench_ipc.py --device cuda --out "$out/ipc.json" 2>&1 | tee "$out/ipc.log" | tail -15
+  if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+    timeout 120 python3 benchmarks/bench_ipc.py --device cuda --receivers 2 --out "$out/ipc2.json" 2>&1 | tee "$out/ipc2.log" | tail -15
+  fi
+fi
+if [ "$what" = soak ] || [ "$what" = all ]; then
+  if [ -f benchmarks/soak.py ]; then
+    timeout 200 python3 benchmarks/soak.py --device cuda --seconds "${SOAK_SECONDS:-120}" 2>&1 | tee "$out/soak.log" | tail -20
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  fi
 fi
 if [ "$what" = demo ] || [ "$what" = all ]; then
   timeout 150 python3 -m mmcache demo --device cuda 2>&1 | tee "$out/demo.log" | tail -25
