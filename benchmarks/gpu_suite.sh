@@ -6,8 +6,9 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 what="${1:-all}"
 quick="${2:-}"
-out="${OUT:-/tmp/mmcache-out}"
-mkdir -p "$out"
+final="${OUT:-/tmp/mmcache-out}"
+out="$(mktemp -d)"  # results are packed into one archive under $OUT at the end
+mkdir -p "$final"
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -49,4 +50,5 @@ if [ "$what" = demo ] || [ "$what" = all ]; then
   timeout 150 python3 -m mmcache demo --device cuda 2>&1 | tee "$out/demo.log" | tail -25
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
+tar czf "$final/gpu-results.tar.gz" -C "$out" .
 exit $status
