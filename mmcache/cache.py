@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import inspect
 import logging
 import math
+import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from cachetools import LRUCache
@@ -21,7 +23,11 @@ from mmcache.device import Device, Fence, Stream, resolve_device
 from mmcache.entry import Entry, State, check_key, row_range
 from mmcache.errors import (
     CacheClosedError,
+    CopyFailedError,
+    CopyTimeoutError,
+    DeviceOutOfMemoryError,
     InvalidValueError,
+    MMCacheError,
     ValueTooLargeError,
     WrongLoopError,
 )
@@ -38,6 +44,7 @@ log = logging.getLogger("mmcache")
 MiB = 1024 * 1024
 _BATCH_BYTES = 8 * MiB  # ≈150 µs of copy at PCIe Gen5 speed per batched offload
 ComputeFn = Callable[[], "torch.Tensor | Awaitable[torch.Tensor]"]
+_T = TypeVar("_T")
 
 
 @dataclass(slots=True, eq=False)
@@ -78,6 +85,7 @@ class FeatureCache:
         self._metrics.set_capacity("gpu", self._gpu_capacity)
 
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread = 0
         self._host_ready: asyncio.Event | None = None
         self._watcher: FenceWatcher | None = None
         self._pool: HostPool | None = None
@@ -99,6 +107,9 @@ class FeatureCache:
         self._cpu_entries = 0
         # Every offload in flight (linked or already discarded) -> whether it is GPU-charged.
         self._offloading: dict[Entry, bool] = {}
+        # Offloads past copy_timeout_s -> (device bytes, host bytes) they still pin.
+        self._quarantined: dict[Entry, tuple[int, int]] = {}
+        self._copy_timeout = self.settings.copy_timeout_s
         self._pending = {"d2h": 0, "h2d": 0}
         self._c = dict.fromkeys(
             (
@@ -113,6 +124,7 @@ class FeatureCache:
                 "rejected",
                 "promotions",
                 "copy_failures",
+                "alloc_failures",
             ),
             0,
         )
@@ -127,6 +139,7 @@ class FeatureCache:
             return
         loop = asyncio.get_running_loop()
         self._loop = loop
+        self._loop_thread = threading.get_ident()
         self._watcher = FenceWatcher(loop)
         port = self.settings.metrics_port
         if port is not None and self._registry is None:
@@ -146,7 +159,10 @@ class FeatureCache:
         """Finish queued copies (waiting up to timeout s each step), release everything, stop."""
         if self._closed:
             return
+        self._check_loop()
         self._closed = True
+        if timeout is None:
+            timeout = self._copy_timeout  # a stuck copy must not hang close() for ever
         for waiters in (self._gpu_waiters, self._host_waiters):
             while waiters:
                 w = waiters.popleft()
@@ -255,6 +271,8 @@ class FeatureCache:
             self._unlink(old)
         entry = Entry(key, tuple(own.shape), own.dtype, nbytes, State.GPU, own, ready)
         self._entries[key] = entry
+        if not ready.done():  # a compaction copy (or the producer) may yet fail
+            self._when_done([ready], lambda: self._check_ready(entry, ready))
         if to_gpu:
             self._gpu_granted -= nbytes
             self._gpu_entries += 1
@@ -341,9 +359,57 @@ class FeatureCache:
             return await self._download(value, ready, span)
         return await self._serve_device(value, ready, span, stream)
 
+    def put_threadsafe(
+        self,
+        key: Hashable,
+        value: torch.Tensor,
+        *,
+        stream: Stream | None = None,
+        wait: bool = True,
+        timeout: float | None = None,
+    ) -> bool:
+        """put() from a thread other than the cache's loop; blocks that thread until done.
+
+        The stream is the calling thread's current one, read here (streams are per thread).
+        """
+        if stream is None:
+            stream = self._device.current_stream()
+        coro = self.put(key, value, stream=stream, wait=wait)
+        del value
+        return self._run_threadsafe(coro, timeout)
+
+    def get_threadsafe(
+        self,
+        key: Hashable,
+        *,
+        device: str | torch.device | None = None,
+        rows: slice | None = None,
+        stream: Stream | None = None,
+        timeout: float | None = None,
+    ) -> torch.Tensor | None:
+        """get() from a thread other than the cache's loop; blocks that thread until done."""
+        if stream is None:
+            stream = self._device.current_stream()
+        return self._run_threadsafe(self.get(key, device=device, rows=rows, stream=stream), timeout)
+
+    def _run_threadsafe(self, coro: Coroutine[Any, Any, _T], timeout: float | None) -> _T:
+        loop = self._loop
+        if loop is None or self._closed:
+            coro.close()
+            raise CacheClosedError("start the cache on its loop before calling it from threads")
+        if asyncio._get_running_loop() is loop:
+            coro.close()
+            raise WrongLoopError(
+                "put_threadsafe()/get_threadsafe() on the cache's own loop would deadlock; "
+                "await put()/get() instead"
+            )
+        future: concurrent.futures.Future[_T] = asyncio.run_coroutine_threadsafe(coro, loop)
+        return future.result(timeout)
+
     def discard(self, key: Hashable) -> bool:
         """Remove key; its memory is released after the fences that use it. True if present."""
         self._check_open()
+        self._check_loop()
         check_key(key)
         entry = self._entries.get(key)
         if entry is None:
@@ -369,7 +435,7 @@ class FeatureCache:
         self._pool.pin(block)
         try:
             if entry.copy_fence is not None:
-                self._observe_wait(await wait_fences([entry.copy_fence]))
+                self._observe_wait(await self._wait([entry.copy_fence]))
             yield entry.host_whole()
         finally:
             self._pool.unpin(block)
@@ -387,6 +453,7 @@ class FeatureCache:
             cpu_entries=self._cpu_entries,
             pending_copies=self._pending["d2h"] + self._pending["h2d"],
             leaked_bytes=leaked["gpu"] + leaked["cpu"],
+            quarantined_bytes=sum(g + c for g, c in self._quarantined.values()),
             host_ready=pool is not None or self._cpu_capacity == 0,
             **self._c,
         )
@@ -408,9 +475,25 @@ class FeatureCache:
             f"or host copies (device='cpu'); move the result yourself for another device"
         )
 
+    def _on_loop_thread(self) -> bool:
+        return threading.get_ident() == self._loop_thread
+
     def _check_open(self) -> None:
         if self._closed:
             raise CacheClosedError("this FeatureCache is closed")
+
+    def _check_loop(self) -> None:
+        """Synchronous methods too must run on the cache's own loop (it has no locks)."""
+        loop = self._loop
+        if loop is None:
+            return
+        running = asyncio._get_running_loop()
+        foreign = running is not loop if running is not None else not self._on_loop_thread()
+        if foreign:
+            raise WrongLoopError(
+                "this FeatureCache belongs to another event loop or thread; use "
+                "put_threadsafe()/get_threadsafe() from other threads"
+            )
 
     async def _ready_to_serve(self) -> None:
         if self._closed:
@@ -458,8 +541,19 @@ class FeatureCache:
             return self._device.adopt(value, stream), ready
         # Charging the budget for a view would under-count what it keeps alive: copy it
         # into storage of its own, ordered after the producer on the producer's stream.
-        own = self._device.empty(tuple(value.shape), value.dtype, stream)
+        own = self._allocate(tuple(value.shape), value.dtype, stream)
         return own, self._device.copy_d2d(value, own, stream)
+
+    def _allocate(
+        self, shape: tuple[int, ...], dtype: torch.dtype, stream: Stream | None = None
+    ) -> torch.Tensor:
+        """device.empty, counting an out-of-memory failure before it reaches the caller."""
+        try:
+            return self._device.empty(shape, dtype, stream)
+        except DeviceOutOfMemoryError:
+            self._c["alloc_failures"] += 1
+            self._metrics.fault("oom")
+            raise
 
     # --- GPU budget ---------------------------------------------------------------------
 
@@ -481,7 +575,7 @@ class FeatureCache:
         assert self._loop is not None
         waiter = _BudgetWaiter(nbytes, self._loop.create_future())
         self._gpu_waiters.append(waiter)
-        self._evict_gpu_for(sum(w.nbytes for w in self._gpu_waiters))
+        self._wake_gpu()  # offloads for us, and grants at once what drops freed
         try:
             await waiter.future
         except BaseException:
@@ -642,10 +736,21 @@ class FeatureCache:
             assert entry.tensor is not None
             pairs.append((entry.tensor, block.bytes(0, entry.nbytes)))
         readies = [entry.ready for entry, _ in items]
-        if len(pairs) == 1:
-            fence = self._device.copy_d2h(pairs[0][0], pairs[0][1], after=readies)
-        else:
-            fence = self._device.copy_d2h_batch(pairs, after=readies)
+        try:
+            if len(pairs) == 1:
+                fence = self._device.copy_d2h(pairs[0][0], pairs[0][1], after=readies)
+            else:
+                fence = self._device.copy_d2h_batch(pairs, after=readies)
+        except MMCacheError as e:
+            # Refused at enqueue (e.g. no memory for a staging buffer): nothing was queued,
+            # so the victims are dropped as if the host tier could not take them.
+            del pairs
+            self._copy_failed("offload", None, e)
+            for entry, block in items:
+                assert self._pool is not None
+                self._pool.free(block)
+                self._drop(entry)
+            return
         del pairs
         started = time.perf_counter()
         for entry, block in items:
@@ -667,10 +772,15 @@ class FeatureCache:
             self._push_tiers()
 
         self._when_done([fence], landed)
+        if not fence.done():
+            assert self._loop is not None
+            for entry in batch:
+                self._loop.call_later(self._copy_timeout, self._quarantine, entry, fence)
 
     def _offload_done(self, entry: Entry, fence: Fence, started: float, charged_gpu: bool) -> None:
         self._copy_finished("d2h", entry.nbytes, started)
         del self._offloading[entry]
+        self._quarantined.pop(entry, None)  # a late fence: its bytes come back now
         failed = fence.exception()
         if failed is None:
             self._c["d2h_bytes"] += entry.nbytes
@@ -688,14 +798,63 @@ class FeatureCache:
             self._host_lru[entry.key] = entry
         else:
             if entry.state is State.D2H:  # the copy failed: the feature is lost
-                log.warning("offload of %r failed (%s); entry dropped", entry.key, failed)
-                self._c["copy_failures"] += 1
+                self._copy_failed("offload", entry.key, failed)
                 self._c["dropped"] += 1
-                self._metrics.fault("copy_failed")
+                self._metrics.dropped()
                 if self._entries.get(entry.key) is entry:
                     del self._entries[entry.key]
                 entry.state = State.GONE
             self._free_block(entry)
+
+    def _quarantine(self, entry: Entry, fence: Fence) -> None:
+        """An offload past copy_timeout_s: drop its entry, keep its bytes reserved as leaked.
+
+        The copy may still run and read the tensor or write the block, so neither can be
+        reused; if its fence completes later, _offload_done releases both.
+        """
+        if fence.done() or entry not in self._offloading or entry in self._quarantined:
+            return
+        block = entry.block
+        self._quarantined[entry] = (
+            entry.nbytes if self._offloading[entry] else 0,
+            block.nbytes if block is not None else 0,
+        )
+        log.error(
+            "offload of %r did not complete within %g s (MMCACHE_COPY_TIMEOUT_SEC): entry "
+            "dropped, its %d bytes quarantined",
+            entry.key,
+            self._copy_timeout,
+            entry.nbytes,
+        )
+        self._metrics.fault("quarantined")
+        if self._entries.get(entry.key) is entry:
+            del self._entries[entry.key]
+            self._c["dropped"] += 1
+            self._metrics.dropped()
+        entry.state = State.GONE
+        self._push_tiers()
+
+    def _copy_failed(self, what: str, key: Hashable | None, exc: BaseException | None) -> None:
+        """Count a failed copy (every direction) for stats and operators."""
+        log.warning("%s copy of %r failed: %s", what, key, exc)
+        self._c["copy_failures"] += 1
+        self._metrics.fault("copy_failed")
+
+    def _lose(self, entry: Entry) -> None:
+        """Drop an entry whose data a failed copy destroyed (counted)."""
+        self._c["dropped"] += 1
+        self._metrics.dropped()
+        self._unlink(entry)
+        self._wake_gpu()
+        self._push_tiers()
+
+    def _check_ready(self, entry: Entry, ready: Fence) -> None:
+        """A put whose producing copy failed (a compaction) must not serve poison: drop it."""
+        if ready.exception() is None or entry.ready is not ready:
+            return
+        self._copy_failed("compaction", entry.key, ready.exception())
+        if self._entries.get(entry.key) is entry:
+            self._lose(entry)
 
     def _drop(self, entry: Entry) -> None:
         """Lose a GPU entry that the host tier cannot take now."""
@@ -739,10 +898,15 @@ class FeatureCache:
                 self._device.wait_on(stream, ready)
             else:
                 try:
-                    self._observe_wait(await wait_fences([ready]))
+                    self._observe_wait(await self._wait([ready]))
                 except BaseException:
                     del out  # a cancelled read must not keep it alive through its traceback
                     raise
+        elif ready.exception() is not None:
+            del out
+            raise CopyFailedError(
+                f"the copy that produced this feature failed: {ready.exception()}"
+            )
         self._device.use_on(out, stream)
         return out
 
@@ -764,7 +928,12 @@ class FeatureCache:
         started = time.perf_counter()
         self._copy_started("d2h")
         try:
-            self._observe_wait(await wait_fences([fence]))
+            self._observe_wait(await self._wait([fence]))
+        except CopyTimeoutError:
+            raise
+        except CopyFailedError as e:
+            self._copy_failed("download", entry.key if entry else None, e)
+            raise
         finally:
             if fence.done():
                 self._copy_finished("d2h", dst.nbytes, started)
@@ -780,7 +949,11 @@ class FeatureCache:
         assert block is not None and pool is not None and fence is not None
         pool.pin(block)  # a discard while we wait must not recycle the block under us
         try:
-            self._observe_wait(await wait_fences([fence]))  # raises CopyFailedError
+            try:
+                self._observe_wait(await self._wait([fence]))
+            except CopyTimeoutError:
+                self._quarantine(entry, fence)
+                raise
             view = entry.host_whole(block) if span is None else entry.host_view(*span, block)
             return view.clone()
         finally:
@@ -799,26 +972,33 @@ class FeatureCache:
         )
         start, stop = span if span is not None else (0, entry.shape[0] if entry.shape else 1)
         src = entry.host_whole() if span is None else entry.host_view(start, stop)
-        dst = self._device.empty(tuple(src.shape), entry.dtype)
+        dst = self._allocate(tuple(src.shape), entry.dtype)
         fence = self._device.copy_h2d(src, dst, after=[entry.copy_fence])
         del src
         entry.readers_pending().append(fence)
         started = time.perf_counter()
         self._copy_started("h2d")
         nbytes = dst.nbytes
-        self._when_done([fence], lambda: self._upload_done(fence, nbytes, started))
+        self._when_done([fence], lambda: self._upload_done(entry, fence, nbytes, started))
         if promote:
             self._promote_entry(entry, dst, fence)
             return await self._serve_device(dst, fence, None, stream)
         try:
             return await self._serve_device(dst, fence, None, stream)
+        except CopyTimeoutError:
+            self._metrics.fault("quarantined")  # dst and the host block stay pinned by it
+            raise
         finally:
             self._device.release(dst, after=[fence])  # the caller's alias keeps it alive
 
-    def _upload_done(self, fence: Fence, nbytes: int, started: float) -> None:
+    def _upload_done(self, entry: Entry, fence: Fence, nbytes: int, started: float) -> None:
         self._copy_finished("h2d", nbytes, started)
         if fence.exception() is None:
             self._c["h2d_bytes"] += nbytes
+            return
+        self._copy_failed("upload", entry.key, fence.exception())
+        if entry.state is State.GPU and entry.ready is fence:
+            self._lose(entry)  # promoted from a copy that failed: the data is gone
 
     def _promote_entry(self, entry: Entry, tensor: torch.Tensor, fence: Fence) -> None:
         """Make entry GPU-resident again (exclusive tiers: its host block is freed)."""
@@ -858,6 +1038,10 @@ class FeatureCache:
 
     # --- bookkeeping --------------------------------------------------------------------
 
+    async def _wait(self, fences: Sequence[Fence]) -> float:
+        """wait_fences bounded by copy_timeout_s (a fence that never completes fails the read)."""
+        return await wait_fences(fences, self._copy_timeout)
+
     def _when_done(self, fences: Sequence[Fence], callback: Callable[[], None]) -> None:
         assert self._watcher is not None
         self._watcher.when_done(fences, callback)
@@ -896,6 +1080,9 @@ class FeatureCache:
         pool = self._pool
         cpu_used = pool.used_bytes - pool.freeing_bytes if pool else 0
         leaked = {"gpu": self._gpu_used - gpu_owned, "cpu": cpu_used - cpu_owned}
+        for gpu_bytes, cpu_bytes in self._quarantined.values():  # owned, but maybe never back
+            leaked["gpu"] += gpu_bytes
+            leaked["cpu"] += cpu_bytes
         for tier, nbytes in leaked.items():
             self._metrics.set_leaked(tier, nbytes)
         return leaked

@@ -41,3 +41,7 @@ class WrongLoopError(MMCacheError, RuntimeError):
 
 class InvalidRowsError(MMCacheError, IndexError):
     """A rows= slice is not a contiguous range inside the feature."""
+
+
+class CopyTimeoutError(CopyFailedError):
+    """A device copy did not complete within copy_timeout_s; its memory is quarantined."""

@@ -36,6 +36,10 @@ class CacheStats:
     host_ready: bool = True
     #: device copies that failed (their entries were dropped)
     copy_failures: int = 0
+    #: device allocations that failed (DeviceOutOfMemoryError raised to a caller)
+    alloc_failures: int = 0
+    #: bytes held by copies that did not complete within copy_timeout_s (part of leaked_bytes)
+    quarantined_bytes: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         """The snapshot as a plain dict (for logs and JSON)."""

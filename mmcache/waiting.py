@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from mmcache.device.base import Fence
-from mmcache.errors import CopyFailedError
+from mmcache.errors import CopyFailedError, CopyTimeoutError
 
 __all__ = ["FenceWatcher", "fence_error", "wait_fences"]
 
@@ -34,8 +34,11 @@ def _call_on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[[], None]) -> No
         pass  # the loop is closed: nobody is left to tell
 
 
-async def wait_fences(fences: Sequence[Fence]) -> float:
-    """Wait until every fence is done; return the seconds waited. Raises CopyFailedError."""
+async def wait_fences(fences: Sequence[Fence], timeout: float | None = None) -> float:  # noqa: ASYNC109
+    """Wait until every fence is done; return the seconds waited.
+
+    Raises CopyFailedError if a copy failed, CopyTimeoutError if timeout passed first.
+    """
     pending = [f for f in fences if not f.done()]
     if pending:
         loop = asyncio.get_running_loop()
@@ -51,7 +54,16 @@ async def wait_fences(fences: Sequence[Fence]) -> float:
 
         for f in pending:
             f.add_done_callback(lambda: _call_on_loop(loop, one_done))
-        await future
+        if timeout is None:
+            await future
+        else:
+            try:
+                await asyncio.wait_for(future, timeout)
+            except TimeoutError:
+                raise CopyTimeoutError(
+                    f"a device copy did not complete within {timeout:g} s "
+                    "(MMCACHE_COPY_TIMEOUT_SEC); its memory is quarantined"
+                ) from None
         waited = time.perf_counter() - started
     else:
         waited = 0.0

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import abc
+import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, Protocol
 
 import torch
 
-__all__ = ["Device", "Fence", "Stream", "storage_use_count"]
+__all__ = ["AllFences", "Device", "Fence", "Stream", "storage_use_count"]
 
 
 class Stream(Protocol):
@@ -138,11 +140,8 @@ class Device(abc.ABC):
     def copy_d2h_batch(
         self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], after: Sequence[Fence]
     ) -> Fence:
-        """Queue many device-to-host copies behind one fence (they complete in order)."""
-        fence = self.completed_fence()
-        for src, dst in pairs:
-            fence = self.copy_d2h(src, dst, after)
-        return fence
+        """Queue many device-to-host copies behind one fence that fails if any copy fails."""
+        return AllFences([self.copy_d2h(src, dst, after) for src, dst in pairs])
 
     @abc.abstractmethod
     def copy_d2d(self, src: torch.Tensor, dst: torch.Tensor, stream: Stream) -> Fence:
@@ -156,6 +155,50 @@ class Device(abc.ABC):
     def describe(self) -> dict[str, Any]:
         """A few facts about the device for logs and benchmark tables."""
         return {"name": self.name}
+
+
+class AllFences(Fence):
+    """Done when every fence is done; carries the first error among them."""
+
+    __slots__ = ("_fences",)
+
+    def __init__(self, fences: Sequence[Fence]) -> None:
+        self._fences = list(fences)
+
+    def done(self) -> bool:
+        return all(f.done() for f in self._fences)
+
+    def exception(self) -> BaseException | None:
+        for f in self._fences:
+            exc = f.exception()
+            if exc is not None:
+                return exc
+        return None
+
+    def add_done_callback(self, fn: Callable[[], None]) -> None:
+        left = [len(self._fences)]
+        if not left[0]:
+            fn()
+            return
+        lock = threading.Lock()
+
+        def one_done() -> None:
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                fn()
+
+        for f in self._fences:
+            f.add_done_callback(one_done)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for f in self._fences:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not f.wait(left):
+                return False
+        return True
 
 
 class _CompletedFence(Fence):

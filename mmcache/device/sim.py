@@ -209,6 +209,14 @@ class SimDevice(Device):
         with self._cond:
             self._faults[kind] = self._faults.get(kind, 0) + count
 
+    def unstick(self) -> None:
+        """Let operations injected with fence_never_completes run after all (a late fence)."""
+        with self._cond:
+            for s in self._streams:
+                for op in s.ops:
+                    op.stuck = False
+            self._cond.notify_all()
+
     def synchronize(self) -> None:
         """Block until every queued operation has run (held ones make this wait)."""
         with self._cond:
