@@ -918,6 +918,8 @@ class FeatureCache:
         entry: Entry | None = None,
     ) -> torch.Tensor:
         """A host copy the caller owns of a device tensor (or rows of it)."""
+        if ready.done() and ready.exception() is not None:
+            raise CopyFailedError(f"the copy that made this feature failed: {ready.exception()}")
         src = tensor if span is None else tensor[span[0] : span[1]]
         dst = self._device.host_empty(tuple(src.shape), src.dtype)
         fence = self._device.copy_d2h(src, dst, after=[ready])

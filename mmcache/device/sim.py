@@ -355,7 +355,9 @@ class SimDevice(Device):
             _bytes_of(dst).copy_(_bytes_of(src))
 
         with self._cond:
-            op = self._enqueue(stream, [f for f in after if not f.done()], run, src.nbytes)
+            # A failed dependency fails the copy too, even when it finished long ago.
+            deps = [f for f in after if not f.done() or f.exception() is not None]
+            op = self._enqueue(stream, deps, run, src.nbytes)
             for t in (src, dst):
                 alloc = self._allocs.get(t.untyped_storage().data_ptr())
                 if alloc is not None:
