@@ -1,0 +1,87 @@
+"""A bounded soak on the simulator: thousands of concurrent operations with holds,
+cancellations and injected faults; every read exact, memory flat, nothing leaked.
+
+The soak itself is benchmarks/soak.py (run it longer, or on a GPU, from the command line).
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from soak import SoakConfig, SoakReport, run_soak
+
+MAX_RSS_GROWTH_MIB = 48.0  # values in flight reach ~15 MiB; a leak of every op would be GBs
+
+
+@pytest.fixture(autouse=True)
+def no_collection_during_reports() -> Iterator[None]:
+    """Collect garbage only inside tests (CPython 3.11.7's AST check; see test_faults)."""
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+        gc.collect()
+
+
+def summary(report: SoakReport) -> str:
+    lines = [f"{name}: {value}" for name, value in report.rows()]
+    lines += [f"mismatch: {m}" for m in report.mismatch_examples]
+    lines += [f"error: {e}" for e in report.errors[:10]]
+    return "\n".join(lines)
+
+
+def assert_sound(report: SoakReport) -> None:
+    text = summary(report)
+    assert report.mismatches == 0, text
+    assert not report.errors, text
+    assert report.budget_violations == 0, text
+    assert report.max_leaked_bytes_in_flight == 0, text
+    assert report.leaked_bytes == 0, text
+    assert report.pending_copies_after_drain == 0, text
+    assert report.device_bytes == report.gpu_entry_bytes, text
+    assert report.rss_samples >= 10, text
+    assert report.rss_max_growth_mib < MAX_RSS_GROWTH_MIB, text
+
+
+async def test_soak_with_holds_cancellations_and_failed_allocations() -> None:
+    report = await run_soak(SoakConfig(seconds=25, warmup_s=6, faults=("alloc_fails",), seed=7))
+    assert_sound(report)
+    # It did what it claims: a real load, with every adversary at work.
+    text = summary(report)
+    assert report.total_ops >= 10_000, text
+    assert report.reads_checked >= 2_000, text
+    assert report.cancelled >= 100 and report.holds >= 20, text
+    assert report.faults_fired >= 50, text
+    assert report.expected_errors["DeviceOutOfMemoryError"] == report.faults_fired, text
+    s = report.stats
+    assert s["evictions_gpu"] > 1_000 and s["evictions_cpu"] > 100 and s["promotions"] > 100, text
+    assert report.model_versions < 5_000, text  # the checker's own memory stays flat too
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="NEEDS: copies queued after a fence that already failed must fail too "
+    "(test_faults.py::test_a_download_after_a_failed_compaction_fails_too, "
+    "::test_an_offload_after_a_failed_promotion_is_not_kept): with copy_fails injected the "
+    "soak still reads poison a few times a second",
+)
+async def test_soak_with_failed_copies_too() -> None:
+    report = await run_soak(
+        SoakConfig(
+            seconds=12,
+            warmup_s=4,
+            faults=("copy_fails", "alloc_fails"),
+            fault_rate_hz=80,
+            seed=11,
+        )
+    )
+    assert_sound(report)
+    assert report.expected_errors["CopyFailedError"] > 0, summary(report)
