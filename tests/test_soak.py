@@ -66,13 +66,6 @@ async def test_soak_with_holds_cancellations_and_failed_allocations() -> None:
     assert report.model_versions < 5_000, text  # the checker's own memory stays flat too
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="NEEDS: copies queued after a fence that already failed must fail too "
-    "(test_faults.py::test_a_download_after_a_failed_compaction_fails_too, "
-    "::test_an_offload_after_a_failed_promotion_is_not_kept): with copy_fails injected the "
-    "soak still reads poison a few times a second",
-)
 async def test_soak_with_failed_copies_too() -> None:
     report = await run_soak(
         SoakConfig(
