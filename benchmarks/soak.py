@@ -50,7 +50,7 @@ from mmcache import (
     InvalidRowsError,
 )
 from mmcache.device import Device, SimDevice
-from mmcache.entry import State
+from mmcache.entry import Entry, State
 
 MiB = 1 << 20
 ROW_BYTES = 1024  # 128 int64 a row before the dtype view
@@ -122,6 +122,8 @@ class SoakReport:
     gpu_entry_bytes: int = 0
     #: versions the read model still tracks at the end (it must stay small)
     model_versions: int = 0
+    #: Entry objects alive after the drain beyond those in the index (timers, closures...)
+    entries_retained: int = 0
     stats: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -141,6 +143,7 @@ class SoakReport:
             and self.budget_violations == 0
             and self.leaked_bytes == 0
             and self.pending_copies_after_drain == 0
+            and self.entries_retained == 0
             and (self.device_bytes_unowned == 0 or not self.device.startswith("sim"))
         )
 
@@ -176,6 +179,7 @@ class SoakReport:
                 + ("" if self.device.startswith("sim") else " (incl. allocator rounding)"),
                 self.device_bytes_unowned,
             ],
+            ["entry objects retained after drain", self.entries_retained],
             ["mismatches", self.mismatches],
             ["unexpected errors", len(self.errors)],
             ["verdict", "PASS" if self.ok else "FAIL"],
@@ -585,6 +589,8 @@ class _Soak:
         self.report.stats = s.as_dict()
         self.report.leaked_bytes = s.leaked_bytes
         self.report.pending_copies_after_drain = s.pending_copies
+        alive = sum(type(o) is Entry for o in gc.get_objects())
+        self.report.entries_retained = alive - len(cache._entries)
         gpu_entries = [e for e in cache._entries.values() if e.state is State.GPU]
         if self.sim is not None:
             self.report.gpu_entry_bytes = sum(e.nbytes for e in gpu_entries)

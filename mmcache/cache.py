@@ -764,18 +764,23 @@ class FeatureCache:
             self._copy_started("d2h")
         batch = [entry for entry, _ in items]
 
+        overdue: list[asyncio.TimerHandle] = []
+
         def landed() -> None:
+            for timer in overdue:
+                timer.cancel()  # drops its references to the batch at once
             for entry in batch:
                 self._offload_done(entry, fence, started, charged_gpu)
             if charged_gpu:
                 self._wake_gpu()
             self._push_tiers()
 
-        self._when_done([fence], landed)
         if not fence.done():
             assert self._loop is not None
-            for entry in batch:
-                self._loop.call_later(self._copy_timeout, self._quarantine, entry, fence)
+            overdue.append(
+                self._loop.call_later(self._copy_timeout, self._quarantine_batch, batch, fence)
+            )
+        self._when_done([fence], landed)
 
     def _offload_done(self, entry: Entry, fence: Fence, started: float, charged_gpu: bool) -> None:
         self._copy_finished("d2h", entry.nbytes, started)
@@ -805,6 +810,10 @@ class FeatureCache:
                     del self._entries[entry.key]
                 entry.state = State.GONE
             self._free_block(entry)
+
+    def _quarantine_batch(self, batch: list[Entry], fence: Fence) -> None:
+        for entry in batch:
+            self._quarantine(entry, fence)
 
     def _quarantine(self, entry: Entry, fence: Fence) -> None:
         """An offload past copy_timeout_s: drop its entry, keep its bytes reserved as leaked.
@@ -836,7 +845,9 @@ class FeatureCache:
 
     def _copy_failed(self, what: str, key: Hashable | None, exc: BaseException | None) -> None:
         """Count a failed copy (every direction) for stats and operators."""
-        log.warning("%s copy of %r failed: %s", what, key, exc)
+        # A string, not the exception: a log handler keeping the record would otherwise keep
+        # its traceback, and every frame and tensor in it, alive.
+        log.warning("%s copy of %r failed: %s", what, key, str(exc))
         self._c["copy_failures"] += 1
         self._metrics.fault("copy_failed")
 

@@ -45,3 +45,7 @@ class InvalidRowsError(MMCacheError, IndexError):
 
 class CopyTimeoutError(CopyFailedError):
     """A device copy did not complete within copy_timeout_s; its memory is quarantined."""
+
+
+class FeatureMismatchError(MMCacheError, ValueError):
+    """A cached feature's shape or dtype is not what the caller expects."""

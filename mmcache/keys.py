@@ -34,7 +34,7 @@ from typing import Final, NamedTuple, TypeAlias, overload
 
 import torch
 
-from mmcache.errors import InvalidKeyError, InvalidValueError, MMCacheError
+from mmcache.errors import FeatureMismatchError, InvalidKeyError, InvalidValueError
 
 __all__ = [
     "DIGEST_BYTES",
@@ -62,10 +62,6 @@ PreprocessValue: TypeAlias = (
     | None
 )
 Source: TypeAlias = bytes | bytearray | memoryview | torch.Tensor
-
-
-class FeatureMismatchError(MMCacheError, ValueError):
-    """A cached feature does not have the shape or dtype the caller expects."""
 
 
 class FeatureKey(NamedTuple):

@@ -646,6 +646,22 @@ async def test_close_does_not_hang_on_a_stuck_fence(sim_rig: Rig) -> None:
         await cache.close(timeout=2)
 
 
+async def test_completed_copies_leave_nothing_behind(sim_rig: Rig) -> None:
+    """Watching for stuck copies must cost nothing once they complete."""
+    from mmcache.entry import Entry
+
+    async with make(sim_rig, 16, 256, small_copy_bytes=0) as cache:  # copy_timeout_s: 60
+        for i in range(200):  # 196 offloads, all completed
+            await cache.put(i, value(i))
+        await settled(sim_rig, cache)
+        gc.collect()
+        alive = sum(type(o) is Entry for o in gc.get_objects())
+        assert alive == len(cache._entries), f"{alive - len(cache._entries)} entries retained"
+        loop = asyncio.get_running_loop()
+        timers = [h for h in getattr(loop, "_scheduled", []) if not h.cancelled()]
+        assert len(timers) < 10, f"{len(timers)} timers still scheduled"
+
+
 # --- the simulator's fault switches themselves ---------------------------------------------
 
 

@@ -49,6 +49,7 @@ def assert_sound(report: SoakReport) -> None:
     assert report.device_bytes == report.gpu_entry_bytes, text
     assert report.rss_samples >= 10, text
     assert report.rss_max_growth_mib < MAX_RSS_GROWTH_MIB, text
+    assert report.entries_retained == 0, text  # nothing (a timer, a callback) outlives its entry
 
 
 async def test_soak_with_holds_cancellations_and_failed_allocations() -> None:
