@@ -53,7 +53,7 @@ log = logging.getLogger("mmcache.ipc")
 
 _MiB: Final = 1 << 20
 DEFAULT_ALIGNMENT: Final = 512
-DEFAULT_MAX_SLICES: Final = 8192
+DEFAULT_MAX_SLICES: Final = 1024  # one CUDA IPC event each: a scarce driver resource
 # Receivers release slices by writing shared cells, which wake nobody: while sends wait
 # for room the recycler reads them this often instead of every ipc_recycle_interval_s.
 _BACKPRESSURE_POLL_S: Final = 0.002
