@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 from collections.abc import AsyncIterator, Callable, Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -112,6 +113,20 @@ def sim_rig() -> Iterator[Rig]:
 
 
 CacheFactory = Callable[..., FeatureCache]
+
+
+@pytest.fixture
+def no_collection_during_reports() -> Iterator[None]:
+    """Collect garbage only inside tests: finalizers run while pytest parses a failing test's
+    source trip CPython 3.11.7's AST recursion check (SystemError: AST constructor recursion
+    depth mismatch; fixed in 3.11.8) and abort the session."""
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+        gc.collect()
+
 
 KiB = 1024
 

@@ -15,7 +15,7 @@ import contextlib
 import dataclasses
 import gc
 import logging
-from collections.abc import AsyncIterator, Awaitable, Iterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
 import pytest
@@ -40,17 +40,7 @@ NAME = "faults"
 T = TypeVar("T")
 
 
-@pytest.fixture(autouse=True)
-def no_collection_during_reports() -> Iterator[None]:
-    """Collect garbage only inside tests: finalizers run while pytest parses a failing test's
-    source trip CPython 3.11.7's AST recursion check (SystemError: AST constructor recursion
-    depth mismatch; fixed in 3.11.8) and abort the session."""
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
-        gc.collect()
+pytestmark = pytest.mark.usefixtures("no_collection_during_reports")
 
 
 def value(seed: int, rows: int = 16) -> torch.Tensor:

@@ -6,9 +6,7 @@ The soak itself is benchmarks/soak.py (run it longer, or on a GPU, from the comm
 
 from __future__ import annotations
 
-import gc
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,15 +18,7 @@ from soak import SoakConfig, SoakReport, run_soak
 MAX_RSS_GROWTH_MIB = 48.0  # values in flight reach ~15 MiB; a leak of every op would be GBs
 
 
-@pytest.fixture(autouse=True)
-def no_collection_during_reports() -> Iterator[None]:
-    """Collect garbage only inside tests (CPython 3.11.7's AST check; see test_faults)."""
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
-        gc.collect()
+pytestmark = pytest.mark.usefixtures("no_collection_during_reports")
 
 
 def summary(report: SoakReport) -> str:

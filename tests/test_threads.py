@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -23,16 +23,7 @@ from mmcache import CacheSettings, FeatureCache, WrongLoopError
 from mmcache.device import SimDevice
 from mmcache.entry import State
 
-
-@pytest.fixture(autouse=True)
-def no_collection_during_reports() -> Iterator[None]:
-    """Collect garbage only inside tests (CPython 3.11.7's AST check; see test_faults)."""
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
-        gc.collect()
+pytestmark = pytest.mark.usefixtures("no_collection_during_reports")
 
 
 def value(seed: int, rows: int = 16) -> torch.Tensor:
