@@ -227,6 +227,7 @@ def test_batch_copy_is_exact_and_keeps_sources_alive(device: CudaDevice) -> None
     # Warm the caching allocator: a cudaMalloc after the hold may synchronise the device.
     warm = [torch.empty(e.numel() * 2, dtype=torch.uint8, device="cuda:0") for e in expected]
     del warm
+    gc.collect()  # an earlier test's arena freed mid-hold (cuMemFreeHost) would synchronise
     side = side_stream()
     hold(side)
     gate = device.record(side)
@@ -246,13 +247,19 @@ def test_batch_copy_is_exact_and_keeps_sources_alive(device: CudaDevice) -> None
 def test_release_holds_the_tensor_until_its_fences(device: CudaDevice) -> None:
     side = side_stream()
     t = torch.empty(1024, device="cuda:0")  # before the hold: a cudaMalloc may synchronise
-    hold(side)
-    reader = device.record(side)
-    ref = weakref.ref(t)
-    device.release(t, [reader, device.completed_fence()])
-    del t
+    # Freeing an earlier test's pinned arena (cuMemFreeHost) synchronises the device: let
+    # the collector run now, not while the stream is held.
     gc.collect()
-    assert ref() is not None
+    gc.disable()
+    try:
+        hold(side)
+        reader = device.record(side)
+        ref = weakref.ref(t)
+        device.release(t, [reader, device.completed_fence()])
+        del t
+        assert ref() is not None
+    finally:
+        gc.enable()
     assert reader.wait(30)
     deadline = time.monotonic() + 10
     while ref() is not None and time.monotonic() < deadline:
