@@ -224,9 +224,12 @@ def test_batch_copy_is_exact_and_keeps_sources_alive(device: CudaDevice) -> None
         offset += s.nbytes
     pairs = list(zip(srcs, dsts, strict=True))
     rng.shuffle(pairs)
-    # Warm the caching allocator: a cudaMalloc after the hold may synchronise the device.
+    # Warm the caching allocator, the D2H stream's pool included (the packing buffers): a
+    # cudaMalloc after the hold may synchronise the device.
     warm = [torch.empty(e.numel() * 2, dtype=torch.uint8, device="cuda:0") for e in expected]
     del warm
+    assert device.copy_d2h_batch(pairs, []).wait(30)
+    arena.fill_(0)  # so the held batch below must write every byte again
     gc.collect()  # an earlier test's arena freed mid-hold (cuMemFreeHost) would synchronise
     side = side_stream()
     hold(side)
