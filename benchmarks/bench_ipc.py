@@ -247,4 +247,7 @@ if __name__ == "__main__":
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench_ipc: no CUDA device; run with --device sim to exercise the protocol")
+        sys.exit(0)
     sys.exit(asyncio.run(main(args.device, args.receivers, args.quick, args.out)))
