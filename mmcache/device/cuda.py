@@ -410,6 +410,7 @@ class CudaDevice(Device):
         self._arena_split_chunk = 0  # chunk size copies are split at; 0 = one registration
         self._arena_finalizer: weakref.finalize[Any, Any] | None = None
         self._pin_thread: threading.Thread | None = None
+        self._staging: torch.Tensor | None = None  # reused packing buffer, D2H stream only
         self._closed = False
 
     # --- streams and fences -------------------------------------------------
@@ -613,7 +614,8 @@ class CudaDevice(Device):
                         self._copy_bytes(dst_bytes, src_bytes, host=dst_bytes)
                         continue
                     # Allocated on the D2H stream, so reuse after the copy is stream-ordered.
-                    staging = torch.cat([src_bytes for _, src_bytes, _ in run])
+                    staging = self._staging_for(sum(sb.numel() for _, sb, _ in run))
+                    torch.cat([src_bytes for _, src_bytes, _ in run], out=staging)
                     first = run[0][2]
                     region = first.as_strided((staging.numel(),), (1,))
                     self._copy_bytes(region, staging, host=region)
@@ -727,6 +729,20 @@ class CudaDevice(Device):
             return None
         edges = [start, *(k * chunk for k in range(first + 1, last + 1)), stop]
         return [(a - start, b - start) for a, b in itertools.pairwise(edges)]
+
+    def _staging_for(self, nbytes: int) -> torch.Tensor:
+        """A view of the reused D2H packing buffer (grown, never shrunk).
+
+        Reusing it is safe without fences: the packing kernel and the copy that reads the
+        buffer both run on the D2H stream, so the next batch's kernel starts only after the
+        previous copy. A fresh allocation per batch could hit cudaMalloc, which synchronises
+        the device and stalls the event loop.
+        """
+        if self._staging is None or self._staging.numel() < nbytes:
+            self._staging = torch.empty(
+                max(nbytes, self.pack_max_bytes * 8), dtype=torch.uint8, device=self._device
+            )
+        return self._staging[:nbytes]
 
     def _packed_runs(
         self, items: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
