@@ -901,6 +901,7 @@ class FeatureCache:
         self, tensor: torch.Tensor, ready: Fence, span: tuple[int, int] | None, stream: Stream
     ) -> torch.Tensor:
         """A fresh alias (or row view) of a device tensor, ordered after ready on stream."""
+        _raise_if_failed(ready)
         # The alias exists before any wait: a reader holds what it will read, so a release
         # that lands meanwhile cannot recycle it.
         out = tensor.detach() if span is None else tensor[span[0] : span[1]]
@@ -913,11 +914,6 @@ class FeatureCache:
                 except BaseException:
                     del out  # a cancelled read must not keep it alive through its traceback
                     raise
-        elif ready.exception() is not None:
-            del out
-            raise CopyFailedError(
-                f"the copy that produced this feature failed: {ready.exception()}"
-            )
         self._device.use_on(out, stream)
         return out
 
@@ -929,8 +925,7 @@ class FeatureCache:
         entry: Entry | None = None,
     ) -> torch.Tensor:
         """A host copy the caller owns of a device tensor (or rows of it)."""
-        if ready.done() and ready.exception() is not None:
-            raise CopyFailedError(f"the copy that made this feature failed: {ready.exception()}")
+        _raise_if_failed(ready)
         src = tensor if span is None else tensor[span[0] : span[1]]
         dst = self._device.host_empty(tuple(src.shape), src.dtype)
         fence = self._device.copy_d2h(src, dst, after=[ready])
@@ -1099,3 +1094,9 @@ class FeatureCache:
         for tier, nbytes in leaked.items():
             self._metrics.set_leaked(tier, nbytes)
         return leaked
+
+
+def _raise_if_failed(ready: Fence) -> None:
+    """A feature whose producing copy already failed is an error to read, never poison."""
+    if ready.done() and ready.exception() is not None:
+        raise CopyFailedError(f"the copy that made this feature failed: {ready.exception()}")
