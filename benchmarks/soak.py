@@ -460,7 +460,8 @@ class _Soak:
         start, floor = self.model.read_started(key)
         try:
             got = await self.cache.get_or_compute(key, encode)
-            self.verify(key, start, floor, got, None, "get_or_compute")
+            how = "get_or_compute (computed here)" if called else "get_or_compute"
+            self.verify(key, start, floor, got, None, how)
         finally:
             if not called:
                 self.model.finished(key, version, False)

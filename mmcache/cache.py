@@ -5,13 +5,22 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import inspect
 import logging
 import math
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Hashable, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Coroutine,
+    Hashable,
+    Iterable,
+    Sequence,
+)
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -26,6 +35,7 @@ from mmcache.errors import (
     CopyFailedError,
     CopyTimeoutError,
     DeviceOutOfMemoryError,
+    InvalidKeyError,
     InvalidValueError,
     MMCacheError,
     ValueTooLargeError,
@@ -111,6 +121,7 @@ class FeatureCache:
         self._quarantined: dict[Entry, tuple[int, int]] = {}
         self._copy_timeout = self.settings.copy_timeout_s
         self._pending = {"d2h": 0, "h2d": 0}
+        self._tiers_push_scheduled = False
         self._c = dict.fromkeys(
             (
                 "hits_gpu",
@@ -236,52 +247,116 @@ class FeatureCache:
         """
         if stream is None:
             stream = self._device.current_stream()  # read before any await: it is per thread
+        batch = [(key, value)]
+        del value  # the cache owns it now: no frame of ours keeps it alive past its release
+        return await self._put_batch(batch, stream, wait)
+
+    async def put_many(
+        self,
+        items: Iterable[tuple[Hashable, torch.Tensor]],
+        *,
+        stream: Stream | None = None,
+        wait: bool = True,
+    ) -> bool:
+        """Cache several features at once (an image batch, a video's frames), all or none.
+
+        One reservation covers them all and their offloads share copies, which is what
+        makes many small features cheap. Keys must be distinct. Returns False (dropping
+        them all) when wait=False and the tier cannot take them all now.
+        """
+        if stream is None:
+            stream = self._device.current_stream()
+        batch = list(items)
+        for item in batch:
+            if not isinstance(item, tuple) or len(item) != 2:
+                raise InvalidValueError(
+                    f"put_many takes (key, tensor) pairs, not {type(item).__name__}"
+                )
+            check_key(item[0])  # before hashing: an unhashable key gets a clear error
+        if len({key for key, _ in batch}) != len(batch):
+            raise InvalidKeyError("put_many got the same key twice; keys must be distinct")
+        if not batch:
+            return True
+        return await self._put_batch(batch, stream, wait)
+
+    async def _put_batch(
+        self, items: list[tuple[Hashable, torch.Tensor]], stream: Stream, wait: bool
+    ) -> bool:
+        """put for one or more features: check all, take all, reserve once, insert all.
+
+        items is emptied once the cache owns the values.
+        """
         await self._ready_to_serve()
-        check_key(key)
-        nbytes = self._check_value(value)
+        sizes = []
+        for key, _ in items:
+            check_key(key)
+        for _, tensor in items:
+            sizes.append(self._check_value(tensor))
+        total = sum(sizes)
         to_gpu = self._gpu_capacity > 0
         if not to_gpu and self._cpu_capacity == 0:
             return False
-        self._check_fits(nbytes, to_gpu)
-        ready = self._device.record(stream)
-        own, ready = self._own(value, stream, ready)
-        del value
-        old = self._entries.get(key)
-        if old is not None:
-            # Replace first, then reserve: the old value's bytes must not push others out
-            # (nor be offloaded for nothing). A put that then fails leaves the key absent.
-            self._unlink(old)
-            self._wake_gpu()
-        block: HostBlock | None = None
+        for nbytes in sizes:
+            self._check_fits(nbytes, to_gpu)
+        if to_gpu and total > self._gpu_capacity:
+            raise ValueTooLargeError(
+                f"features of {total / MiB:.1f} MB in all exceed the GPU tier "
+                f"({self._gpu_capacity / MiB:.1f} MB); put them in smaller groups"
+            )
+        produced = self._device.record(stream)
+        owned: list[tuple[torch.Tensor, Fence]] = []
+        try:
+            for _, tensor in items:
+                owned.append(self._own(tensor, stream, produced))
+        except BaseException:
+            for own, ready in owned:
+                self._device.release(own, after=[ready])
+            raise
+        keys = [key for key, _ in items]
+        # From here on the cache owns the values: no frame of ours (nor a traceback of a
+        # failed put) may keep the caller's tensors alive past their release.
+        items.clear()
+        del tensor
+        for key in keys:
+            old = self._entries.get(key)
+            if old is not None:
+                # Replace first, then reserve: the old value's bytes must not push others
+                # out (nor be offloaded for nothing). A put that then fails leaves it absent.
+                self._unlink(old)
+                self._wake_gpu()
+        blocks: list[HostBlock] = []
         try:
             if to_gpu:
-                ok = await self._reserve_gpu(nbytes, wait)
+                ok = await self._reserve_gpu(total, wait)
             else:
-                block = await self._reserve_host(nbytes, wait)
-                ok = block is not None
+                ok = await self._reserve_host_blocks(sizes, wait, blocks)
         except BaseException:
-            self._device.release(own, after=[ready])
+            self._give_back(owned, blocks)
             raise
         if not ok:
-            self._device.release(own, after=[ready])
-            self._c["rejected"] += 1
+            self._give_back(owned, blocks)
+            self._c["rejected"] += len(owned)
             return False
-        old = self._entries.get(key)
-        if old is not None:  # another put of this key finished while we waited
-            self._unlink(old)
-        entry = Entry(key, tuple(own.shape), own.dtype, nbytes, State.GPU, own, ready)
-        self._entries[key] = entry
-        if not ready.done():  # a compaction copy (or the producer) may yet fail
-            self._when_done([ready], lambda: self._check_ready(entry, ready))
+        offloads: list[tuple[Entry, HostBlock]] = []
+        for i, (key, (own, ready)) in enumerate(zip(keys, owned, strict=True)):
+            old = self._entries.get(key)
+            if old is not None:  # another put of this key finished while we waited
+                self._unlink(old)
+            entry = Entry(key, tuple(own.shape), own.dtype, sizes[i], State.GPU, own, ready)
+            self._entries[key] = entry
+            if ready is not produced and not ready.done():  # our compaction copy may yet fail
+                self._when_done([ready], functools.partial(self._check_ready, entry, ready))
+            if to_gpu:
+                self._gpu_lru[key] = entry
+            else:
+                offloads.append((entry, blocks[i]))
         if to_gpu:
-            self._gpu_granted -= nbytes
-            self._gpu_entries += 1
-            self._gpu_lru[key] = entry
+            self._gpu_granted -= total
+            self._gpu_entries += len(keys)
             if self._gpu_waiters:
-                self._wake_gpu()  # the next waiter may need this entry offloaded
+                self._wake_gpu()  # the next waiter may need these entries offloaded
         else:
-            assert block is not None
-            self._start_offloads([(entry, block)], charged_gpu=False)
+            self._start_offloads(offloads, charged_gpu=False)
         self._push_tiers()
         return True
 
@@ -442,6 +517,7 @@ class FeatureCache:
 
     def stats(self) -> CacheStats:
         """A snapshot of the ledger and counters; also audits it for leaked bytes."""
+        self._flush_tiers()
         leaked = self._audit()
         pool = self._pool
         return CacheStats(
@@ -555,6 +631,14 @@ class FeatureCache:
             self._metrics.fault("oom")
             raise
 
+    def _give_back(self, owned: list[tuple[torch.Tensor, Fence]], blocks: list[HostBlock]) -> None:
+        """Undo a put that took its values but will not insert them."""
+        for own, ready in owned:
+            self._device.release(own, after=[ready])
+        for block in blocks:
+            assert self._pool is not None
+            self._pool.free(block)
+
     # --- GPU budget ---------------------------------------------------------------------
 
     def _gpu_free(self) -> int:
@@ -591,29 +675,32 @@ class FeatureCache:
     def _evict_gpu_for(self, needed: int) -> None:
         """Offload least recently used entries until needed bytes are free or on their way.
 
-        Small features go in one batched copy: one ~5 µs enqueue each would cap them far
-        below the copy engine's bandwidth.
+        Features below small_copy_bytes go in batches of about _BATCH_BYTES behind one
+        fence: per-copy work (an enqueue, an event, a wake-up on landing) would otherwise
+        cap small features far below the copy engine's bandwidth.
         """
-        small: list[tuple[Entry, HostBlock]] = []
-        batched = 0
+        batch: list[tuple[Entry, HostBlock]] = []
+        batched = evicted = 0
         while self._gpu_free() + self._gpu_releasing + batched < needed and self._gpu_lru:
             _, entry = self._gpu_lru.popitem()
-            self._c["evictions_gpu"] += 1
-            self._metrics.eviction("gpu")
+            evicted += 1
             block = self._host_alloc(entry.nbytes)
             if block is None:
                 self._drop(entry)
             elif entry.nbytes < self._small_copy_bytes:
-                small.append((entry, block))
+                batch.append((entry, block))
                 batched += entry.nbytes
                 if batched >= _BATCH_BYTES:
                     # One fence frees a whole batch: bounded, so room comes back in steps.
-                    self._start_offloads(small, charged_gpu=True)
-                    small, batched = [], 0
+                    self._start_offloads(batch, charged_gpu=True)
+                    batch, batched = [], 0
             else:
                 self._start_offloads([(entry, block)], charged_gpu=True)
-        if small:
-            self._start_offloads(small, charged_gpu=True)
+        if batch:
+            self._start_offloads(batch, charged_gpu=True)
+        if evicted:
+            self._c["evictions_gpu"] += evicted
+            self._metrics.eviction("gpu", evicted)
 
     def _wake_gpu(self) -> None:
         """Grant waiting puts in arrival order while they fit; offload more for the rest."""
@@ -717,6 +804,17 @@ class FeatureCache:
                 self._host_waiters.remove(waiter)
             self._wake_host()
 
+    async def _reserve_host_blocks(
+        self, sizes: Sequence[int], wait: bool, blocks: list[HostBlock]
+    ) -> bool:
+        """Host blocks (appended to blocks) for puts that bypass the GPU tier."""
+        for nbytes in sizes:
+            block = await self._reserve_host(nbytes, wait)
+            if block is None:
+                return False
+            blocks.append(block)
+        return True
+
     def _wake_host(self) -> None:
         # Host waiters retry their allocation in order; wake the first live one.
         while self._host_waiters:
@@ -735,7 +833,12 @@ class FeatureCache:
         for entry, block in items:
             assert entry.tensor is not None
             pairs.append((entry.tensor, block.bytes(0, entry.nbytes)))
-        readies = [entry.ready for entry, _ in items]
+        # Producers long finished need no ordering; failed ones must fail the copy too.
+        readies = [
+            entry.ready
+            for entry, _ in items
+            if not entry.ready.done() or entry.ready.exception() is not None
+        ]
         try:
             if len(pairs) == 1:
                 fence = self._device.copy_d2h(pairs[0][0], pairs[0][1], after=readies)
@@ -753,24 +856,26 @@ class FeatureCache:
             return
         del pairs
         started = time.perf_counter()
+        offloading = self._offloading
         for entry, block in items:
             entry.state = State.D2H
             entry.block = block
             entry.copy_fence = fence
-            self._cpu_entries += 1
-            self._offloading[entry] = charged_gpu
-            if charged_gpu:
-                self._gpu_releasing += entry.nbytes
-            self._copy_started("d2h")
+            offloading[entry] = charged_gpu
         batch = [entry for entry, _ in items]
+        self._cpu_entries += len(batch)
+        if charged_gpu:
+            self._gpu_releasing += sum(entry.nbytes for entry in batch)
+        self._copy_started("d2h", len(batch))
 
         overdue: list[asyncio.TimerHandle] = []
 
         def landed() -> None:
             for timer in overdue:
                 timer.cancel()  # drops its references to the batch at once
+            self._copy_finished("d2h", sum(e.nbytes for e in batch), started, len(batch))
             for entry in batch:
-                self._offload_done(entry, fence, started, charged_gpu)
+                self._offload_done(entry, fence, charged_gpu)
             if charged_gpu:
                 self._wake_gpu()
             self._push_tiers()
@@ -782,8 +887,7 @@ class FeatureCache:
             )
         self._when_done([fence], landed)
 
-    def _offload_done(self, entry: Entry, fence: Fence, started: float, charged_gpu: bool) -> None:
-        self._copy_finished("d2h", entry.nbytes, started)
+    def _offload_done(self, entry: Entry, fence: Fence, charged_gpu: bool) -> None:
         del self._offloading[entry]
         self._quarantined.pop(entry, None)  # a late fence: its bytes come back now
         failed = fence.exception()
@@ -901,11 +1005,16 @@ class FeatureCache:
         self, tensor: torch.Tensor, ready: Fence, span: tuple[int, int] | None, stream: Stream
     ) -> torch.Tensor:
         """A fresh alias (or row view) of a device tensor, ordered after ready on stream."""
-        _raise_if_failed(ready)
         # The alias exists before any wait: a reader holds what it will read, so a release
         # that lands meanwhile cannot recycle it.
         out = tensor.detach() if span is None else tensor[span[0] : span[1]]
-        if not ready.done():
+        if ready.done():
+            # Checked here, not before the alias: a copy that failed in between must not
+            # slip through as done.
+            if ready.exception() is not None:
+                del out
+                _raise_if_failed(ready)
+        else:
             if self._device.stream_ordered_reads:
                 self._device.wait_on(stream, ready)
             else:
@@ -1054,19 +1163,32 @@ class FeatureCache:
         assert self._watcher is not None
         self._watcher.when_done(fences, callback)
 
-    def _copy_started(self, direction: str) -> None:
-        self._pending[direction] += 1
-        self._metrics.copy_started(direction)
+    def _copy_started(self, direction: str, count: int = 1) -> None:
+        self._pending[direction] += count
+        self._metrics.copy_started(direction, count)
 
-    def _copy_finished(self, direction: str, nbytes: int, started: float) -> None:
-        self._pending[direction] -= 1
-        self._metrics.copy_finished(direction, nbytes, time.perf_counter() - started)
+    def _copy_finished(self, direction: str, nbytes: int, started: float, count: int = 1) -> None:
+        """count features of nbytes in all, moved by one copy queued at started."""
+        self._pending[direction] -= count
+        self._metrics.copy_finished(direction, nbytes, time.perf_counter() - started, count)
 
     def _observe_wait(self, seconds: float) -> None:
         if seconds:
             self._metrics.get_wait(seconds)
 
     def _push_tiers(self) -> None:
+        """Report tier sizes to the metrics, once per loop iteration however many changes."""
+        if self._tiers_push_scheduled:
+            return
+        loop = self._loop
+        if loop is None or self._closed or not self._on_loop_thread():
+            self._flush_tiers()
+            return
+        self._tiers_push_scheduled = True
+        loop.call_soon(self._flush_tiers)
+
+    def _flush_tiers(self) -> None:
+        self._tiers_push_scheduled = False
         self._metrics.set_tier("gpu", self._gpu_used, self._gpu_entries)
         pool = self._pool
         self._metrics.set_tier("cpu", pool.used_bytes if pool else 0, self._cpu_entries)

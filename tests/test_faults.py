@@ -15,7 +15,7 @@ import contextlib
 import dataclasses
 import gc
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import pytest
@@ -282,6 +282,43 @@ async def test_a_failed_compaction_copy_is_never_served(sim_rig: Rig) -> None:
             del got
         assert stored is False or faults(reg, "copy_failed") == 1
         await settled(sim_rig, cache)
+
+
+class _FailsWhileChecked(Fence):
+    """Pending at its first done() check, failed from then on: the worker thread finishing
+    a copy (with an error) between two checks of the loop thread."""
+
+    def __init__(self) -> None:
+        self.checks = 0
+
+    def done(self) -> bool:
+        self.checks += 1
+        return self.checks > 1
+
+    def exception(self) -> BaseException | None:
+        return CopyFailedError("simulated copy failure") if self.checks > 1 else None
+
+    def add_done_callback(self, fn: Callable[[], None]) -> None:
+        fn() if self.done() else None
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return True
+
+
+async def test_a_fence_failing_while_a_device_read_checks_it_fails_the_read(
+    sim_rig: Rig,
+) -> None:
+    """A read that finds a fence pending and then done must see its error, not poison."""
+    async with make(sim_rig, 64, 64) as cache:
+        await cache.put("a", value(1))
+        await settled(sim_rig, cache)
+        entry = cache._entries["a"]  # the fence under test is the entry's
+        fence = _FailsWhileChecked()
+        entry.ready = fence
+        with pytest.raises(CopyFailedError):
+            await cache.get("a")
+        assert fence.checks >= 2  # it was seen pending, then failed
+        entry.ready = sim(sim_rig).completed_fence()
 
 
 async def test_a_download_after_a_failed_compaction_fails_too(sim_rig: Rig) -> None:
