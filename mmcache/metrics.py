@@ -335,6 +335,8 @@ class CacheMetrics:
 
     def set_tier(self, tier: str, nbytes: int, entries: int) -> None:
         """Report a tier's bytes (resident plus in flight) and entries."""
+        if self._closed:
+            return  # a report queued before close must not bring back zeroed series
         try:
             nbytes_gauge, entries_gauge = self._tier[tier]
         except KeyError:
@@ -350,33 +352,33 @@ class CacheMetrics:
             raise _unknown("tier", tier, TIERS) from None
         child.set(nbytes)
 
-    def eviction(self, tier: str) -> None:
-        """Count an entry leaving a tier (gpu: offloaded or dropped; cpu: dropped)."""
+    def eviction(self, tier: str, count: int = 1) -> None:
+        """Count entries leaving a tier (gpu: offloaded or dropped; cpu: dropped)."""
         try:
             child = self._evictions[tier]
         except KeyError:
             raise _unknown("tier", tier, TIERS) from None
-        child.inc()
+        child.inc(count)
 
     def dropped(self) -> None:
         """Count an entry lost because the host tier could not take it."""
         self._dropped.inc()
 
-    def copy_started(self, direction: str) -> None:
-        """Count a copy as pending: direction is d2h (offload) or h2d (upload)."""
+    def copy_started(self, direction: str, count: int = 1) -> None:
+        """Count copies of count features as pending: direction is d2h or h2d."""
         try:
             pending = self._copies[direction][0]
         except KeyError:
             raise _unknown("copy direction", direction, DIRECTIONS) from None
-        pending.inc()
+        pending.inc(count)
 
-    def copy_finished(self, direction: str, nbytes: int, seconds: float) -> None:
-        """Record a copy observed complete: its bytes and its enqueue-to-completion time."""
+    def copy_finished(self, direction: str, nbytes: int, seconds: float, count: int = 1) -> None:
+        """Record one copy observed complete: count features, nbytes in all, its latency."""
         try:
             pending, copied, duration = self._copies[direction]
         except KeyError:
             raise _unknown("copy direction", direction, DIRECTIONS) from None
-        pending.dec()
+        pending.dec(count)
         copied.inc(nbytes)
         duration.observe(seconds)
 

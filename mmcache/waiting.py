@@ -9,13 +9,17 @@ self-pipe. Nothing polls.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 
 from mmcache.device.base import Fence
 from mmcache.errors import CopyFailedError, CopyTimeoutError
 
 __all__ = ["FenceWatcher", "fence_error", "wait_fences"]
+
+log = logging.getLogger(__name__)
 
 
 def fence_error(fences: Sequence[Fence]) -> BaseException | None:
@@ -76,15 +80,22 @@ async def wait_fences(fences: Sequence[Fence], timeout: float | None = None) -> 
 
 
 class FenceWatcher:
-    """Runs callbacks on the event loop once all of their fences are done."""
+    """Runs callbacks on the event loop once all of their fences are done.
 
-    __slots__ = ("_idle", "_loop", "outstanding")
+    Completions arriving from device threads are queued and handed to the loop by
+    one call_soon_threadsafe per burst: a wake-up (and a self-pipe write) per fence
+    would cost the loop more than the work it wakes for.
+    """
+
+    __slots__ = ("_done", "_drain_scheduled", "_idle", "_loop", "outstanding")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self.outstanding = 0
         self._idle = asyncio.Event()
         self._idle.set()
+        self._done: deque[Callable[[], None]] = deque()  # appended by any thread
+        self._drain_scheduled = False
 
     def when_done(self, fences: Sequence[Fence], callback: Callable[[], None]) -> None:
         """Call callback() on the loop after every fence is done (at once if they are)."""
@@ -96,11 +107,7 @@ class FenceWatcher:
         self._idle.clear()
         left = len(pending)
 
-        def one_done() -> None:
-            nonlocal left
-            left -= 1
-            if left:
-                return
+        def finish() -> None:
             try:
                 callback()
             finally:
@@ -108,10 +115,38 @@ class FenceWatcher:
                 if self.outstanding == 0:
                     self._idle.set()
 
+        if left == 1:
+            pending[0].add_done_callback(lambda: self._completed(finish))
+            return
+
+        def one_done() -> None:
+            nonlocal left
+            left -= 1
+            if not left:
+                finish()
+
         for f in pending:
-            f.add_done_callback(lambda: _call_on_loop(self._loop, one_done))
+            f.add_done_callback(lambda: self._completed(one_done))
 
     async def idle(self) -> None:
         """Wait until no callback is outstanding."""
         while self.outstanding:
             await self._idle.wait()
+
+    def _completed(self, fn: Callable[[], None]) -> None:
+        # Any thread. The flag is cleared before the loop drains, so a completion that
+        # races with a drain either is drained by it or schedules the next one.
+        self._done.append(fn)
+        if not self._drain_scheduled:
+            self._drain_scheduled = True
+            _call_on_loop(self._loop, self._drain)
+
+    def _drain(self) -> None:
+        self._drain_scheduled = False
+        done = self._done
+        while done:
+            fn = done.popleft()
+            try:
+                fn()
+            except Exception:
+                log.exception("a fence callback raised")

@@ -46,6 +46,7 @@ DEFAULT_PACK_MAX_BYTES: Final = 1 * _MiB
 # A packed run of small copies needs a device staging buffer of its size: keep it modest.
 _PACK_RUN_MAX_BYTES: Final = 64 * _MiB
 _HUGE_PAGE: Final = 2 * _MiB
+_MAX_STREAM_OBJECTS: Final = 4096
 _PAGE: Final = mmap.PAGESIZE
 
 # CUDA driver constants (cuda.h).
@@ -73,13 +74,14 @@ def _new_stream(device: torch.device, priority: int) -> torch.cuda.Stream:
 class CudaFence(Fence):
     """A blocking torch.cuda.Event recorded on a stream: done once the GPU has passed it."""
 
-    __slots__ = ("_done", "_error", "_waiter", "event", "stream")
+    __slots__ = ("_done", "_error", "_waiter", "event", "seq", "stream")
 
     def __init__(
         self, event: torch.cuda.Event, stream: torch.cuda.Stream, waiter: _FenceWaiter
     ) -> None:
         self.event = event
         self.stream = stream
+        self.seq = next(_fence_seq)  # fences of one stream complete in this order
         self._waiter = waiter
         self._done = False
         self._error: BaseException | None = None
@@ -138,6 +140,8 @@ class CudaFence(Fence):
         """The event to wait on, or None once the fence is known to be done."""
         return None if self._done else self.event
 
+
+_fence_seq = itertools.count()
 
 _Job = tuple[CudaFence, Callable[[], object]]
 
@@ -325,6 +329,59 @@ def _free_host(driver: _CudaDriver, ptr: int) -> None:
         _log.warning("freeing the pinned host arena failed: %s", exc)
 
 
+# torch.cuda.stream() builds Stream objects on entry and exit (tens of µs on a busy host,
+# once per copy); these are the calls underneath it, used where they exist.
+_get_current_stream: Callable[[int], tuple[int, int, int]] | None = getattr(
+    torch._C, "_cuda_getCurrentStream", None
+)
+_set_current_stream: Callable[..., None] | None = getattr(torch._C, "_cuda_setStream", None)
+_get_current_device: Callable[[], int] | None = getattr(torch._C, "_cuda_getDevice", None)
+_set_current_device: Callable[[int], None] | None = getattr(torch._C, "_cuda_setDevice", None)
+
+
+@final
+class _OnStream:
+    """Make stream the current one for a block (and its device current), then restore both."""
+
+    __slots__ = ("_fallback", "_prev_device", "_prev_stream", "_stream")
+
+    def __init__(self, stream: torch.cuda.Stream) -> None:
+        self._stream = stream
+        self._fallback: Any = None
+        self._prev_stream: tuple[int, int, int] | None = None
+        self._prev_device = 0
+
+    def __enter__(self) -> None:
+        stream = self._stream
+        if (
+            _get_current_stream is None
+            or _set_current_stream is None
+            or _get_current_device is None
+            or _set_current_device is None
+        ):
+            self._fallback = torch.cuda.stream(stream)
+            self._fallback.__enter__()
+            return
+        self._prev_device = _get_current_device()
+        self._prev_stream = _get_current_stream(stream.device_index)
+        _set_current_stream(
+            stream_id=stream.stream_id,
+            device_index=stream.device_index,
+            device_type=stream.device_type,
+        )
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._fallback is not None:
+            self._fallback.__exit__(*exc_info)
+            return
+        assert self._prev_stream is not None and _set_current_stream is not None
+        stream_id, device_index, device_type = self._prev_stream
+        _set_current_stream(stream_id=stream_id, device_index=device_index, device_type=device_type)
+        if self._prev_device != device_index:
+            assert _set_current_device is not None
+            _set_current_device(self._prev_device)
+
+
 def _as_cuda_stream(stream: Stream) -> torch.cuda.Stream:
     """The torch.cuda.Stream behind stream (a torch.Stream of CUDA type is converted)."""
     if isinstance(stream, torch.cuda.Stream):
@@ -340,6 +397,8 @@ def _as_cuda_stream(stream: Stream) -> torch.cuda.Stream:
 
 def _flat_bytes(tensor: torch.Tensor, role: str) -> torch.Tensor:
     """A flat uint8 view of a contiguous tensor (any dtype, 0-dim included)."""
+    if tensor.dtype == torch.uint8 and tensor.dim() == 1 and tensor.is_contiguous():
+        return tensor  # already flat bytes (host arena blocks): skip the view ops
     if not tensor.is_contiguous():
         raise InvalidValueError(
             f"copy {role} must be contiguous (shape {tuple(tensor.shape)}, "
@@ -411,13 +470,27 @@ class CudaDevice(Device):
         self._arena_finalizer: weakref.finalize[Any, Any] | None = None
         self._pin_thread: threading.Thread | None = None
         self._staging: torch.Tensor | None = None  # reused packing buffer, D2H stream only
+        self._stream_objects: dict[tuple[int, int, int], torch.cuda.Stream] = {}
         self._closed = False
 
     # --- streams and fences -------------------------------------------------
 
     def current_stream(self) -> Stream:
         """The calling thread's current stream on this device."""
-        return torch.cuda.current_stream(self._device)
+        if _get_current_stream is None:
+            return torch.cuda.current_stream(self._device)
+        # torch.cuda.current_stream() builds a new Stream object per call (several µs);
+        # streams are few (pools of a fixed size), so their objects are kept.
+        key = _get_current_stream(self.index)
+        stream = self._stream_objects.get(key)
+        if stream is None:
+            if len(self._stream_objects) >= _MAX_STREAM_OBJECTS:
+                self._stream_objects.clear()
+            stream = torch.cuda.Stream(  # type: ignore[no-untyped-call]
+                stream_id=key[0], device_index=key[1], device_type=key[2]
+            )
+            self._stream_objects[key] = stream
+        return stream
 
     def copy_streams(self) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
         """The dedicated (D2H, H2D) copy streams."""
@@ -475,7 +548,7 @@ class CudaDevice(Device):
         """
         alloc_stream = self._h2d if stream is None else _as_cuda_stream(stream)
         try:
-            with torch.cuda.stream(alloc_stream):
+            with _OnStream(alloc_stream):
                 return torch.empty(tuple(shape), dtype=dtype, device=self._device)
         except torch.OutOfMemoryError as exc:
             nbytes = torch.Size(shape).numel() * dtype.itemsize
@@ -544,7 +617,7 @@ class CudaDevice(Device):
         src_bytes, dst_bytes = self._copy_operands(src, dst, device_src=True)
         stream = self._d2h
         try:
-            with torch.cuda.stream(stream):
+            with _OnStream(stream):
                 self._order_after(stream, after)
                 self._copy_bytes(dst_bytes, src_bytes, host=dst_bytes)
                 # The caching allocator must not recycle src while the copy engine reads it.
@@ -559,7 +632,7 @@ class CudaDevice(Device):
         dst_bytes, src_bytes = self._copy_operands(dst, src, device_src=False)
         stream = self._h2d
         try:
-            with torch.cuda.stream(stream):
+            with _OnStream(stream):
                 self._order_after(stream, after)
                 self._copy_bytes(dst_bytes, src_bytes, host=src_bytes)
                 dst.record_stream(stream)
@@ -580,7 +653,7 @@ class CudaDevice(Device):
                 f"copy of {src.nbytes} bytes into a {dst.nbytes}-byte destination"
             )
         try:
-            with torch.cuda.stream(cuda_stream):
+            with _OnStream(cuda_stream):
                 if same_layout:
                     dst.copy_(src, non_blocking=True)
                 else:
@@ -606,7 +679,7 @@ class CudaDevice(Device):
         stream = self._d2h
         total = sum(src_bytes.numel() for _, src_bytes, _ in items)
         try:
-            with torch.cuda.stream(stream):
+            with _OnStream(stream):
                 self._order_after(stream, after)
                 for run in self._packed_runs(items):
                     if len(run) == 1:
@@ -671,6 +744,19 @@ class CudaDevice(Device):
         return CudaFence(event, stream, waiter)
 
     def _order_after(self, stream: torch.cuda.Stream, after: Sequence[Fence]) -> None:
+        if len(after) > 1:
+            # A batch's producers are mostly a few streams: waiting on the last fence of
+            # each stream orders after all of them, at one wait_event per stream.
+            last: dict[int, Fence] = {}
+            for fence in after:
+                if isinstance(fence, CudaFence):
+                    key = fence.stream.cuda_stream
+                    seen = last.get(key)
+                    if not isinstance(seen, CudaFence) or seen.seq < fence.seq:
+                        last[key] = fence
+                else:
+                    last[-1 - len(last)] = fence  # not ours: _pending_event checks it
+            after = list(last.values())
         for fence in after:
             event = _pending_event(fence)
             if event is not None:
