@@ -1,0 +1,129 @@
+"""put_many: several features in one call, all or none, with their offloads batched."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from conftest import CacheFactory, Rig, assert_exact, feature
+
+from mmcache import InvalidKeyError, InvalidValueError, ValueTooLargeError
+from mmcache.device import SimDevice
+
+
+def features(rig: Rig, n: int, kib: int, seed: int = 0) -> list[torch.Tensor]:
+    return [feature(rig, kib, seed + i) for i in range(n)]
+
+
+@pytest.mark.parametrize("gpu_mb", [1, 0], ids=["gpu-tier", "host-only"])
+async def test_every_feature_of_a_batch_reads_back_exactly(
+    rig: Rig, make_cache: CacheFactory, gpu_mb: float
+) -> None:
+    cache = make_cache(gpu_mb=gpu_mb, cpu_mb=4)
+    values = features(rig, 24, 16)  # 384 KiB: fits either tier
+    want = [v.cpu().clone() for v in values]
+    assert await cache.put_many((("img", i), v) for i, v in enumerate(values))
+    del values
+    await cache.drain()
+    for i, expected in enumerate(want):
+        assert_exact(await cache.get(("img", i)), expected)
+        assert_exact(await cache.get(("img", i), device="cpu"), expected)
+    await cache.drain()  # host-only reads to the device upload: let those land too
+    s = cache.stats()
+    assert s.leaked_bytes == 0 and s.pending_copies == 0
+
+
+async def test_a_batch_that_forces_eviction_offloads_small_features_in_few_copies(
+    sim_rig: Rig, make_cache: CacheFactory
+) -> None:
+    """64 features of 4 KiB evicted by the next batch: batched copies, not 64 of them."""
+    assert isinstance(sim_rig.device, SimDevice)
+    cache = make_cache(gpu_mb=0.25, cpu_mb=4)
+    first = features(sim_rig, 64, 4)
+    want = [v.clone() for v in first]
+    assert await cache.put_many((("a", i), v) for i, v in enumerate(first))
+    await cache.drain()
+    copies_before = sim_rig.device.copies_run
+    assert await cache.put_many((("b", i), v) for i, v in enumerate(features(sim_rig, 64, 4, 99)))
+    await cache.drain()
+    s = cache.stats()
+    assert s.evictions_gpu == 64 and s.dropped == 0
+    assert sim_rig.device.copies_run - copies_before <= 64 // 8  # ≥ 8 features a copy
+    for i, expected in enumerate(want):
+        assert_exact(await cache.get(("a", i), device="cpu"), expected)
+
+
+async def test_replacing_keys_in_a_batch_keeps_only_the_new_values(
+    rig: Rig, make_cache: CacheFactory
+) -> None:
+    cache = make_cache(gpu_mb=1, cpu_mb=4)
+    assert await cache.put_many([("x", feature(rig, 8, 1)), ("y", feature(rig, 8, 2))])
+    new = feature(rig, 8, 3)
+    assert await cache.put_many([("x", new), ("z", feature(rig, 8, 4))])
+    assert_exact(await cache.get("x"), new)
+    assert len(cache) == 3
+    assert cache.stats().gpu_bytes == 3 * 8 * 1024
+
+
+@pytest.mark.parametrize(
+    ("items", "error"),
+    [
+        ([("k", "not a tensor")], InvalidValueError),
+        (["not a pair"], InvalidValueError),
+        ([(["unhashable"], None)], InvalidKeyError),
+        ([("same", None), ("same", None)], InvalidKeyError),
+    ],
+    ids=["value", "pair", "key", "duplicate"],
+)
+async def test_bad_batches_are_refused_whole(
+    rig: Rig, make_cache: CacheFactory, items: list[Any], error: type[Exception]
+) -> None:
+    cache = make_cache(gpu_mb=1, cpu_mb=4)
+    good = feature(rig, 8)
+    assert await cache.put("kept", good)
+    batch = [
+        (item[0], feature(rig, 8) if item[1] is None else item[1])
+        if isinstance(item, tuple)
+        else item
+        for item in items
+    ]
+    with pytest.raises(error):
+        await cache.put_many([("first", feature(rig, 8)), *batch])
+    assert "first" not in cache and len(cache) == 1  # nothing of the batch was taken
+    assert_exact(await cache.get("kept"), good)
+
+
+async def test_a_batch_larger_than_the_gpu_tier_is_refused_and_loses_nothing(
+    rig: Rig, make_cache: CacheFactory
+) -> None:
+    cache = make_cache(gpu_mb=0.25, cpu_mb=4)
+    assert await cache.put("kept", feature(rig, 64))
+    values = features(rig, 5, 64)  # 320 KiB > 256 KiB
+    want = [v.cpu().clone() for v in values]
+    with pytest.raises(ValueTooLargeError, match="smaller groups"):
+        await cache.put_many(enumerate(values))
+    for v, w in zip(values, want, strict=True):  # the caller's tensors are untouched
+        assert_exact(v, w)
+    assert len(cache) == 1 and cache.stats().leaked_bytes == 0
+
+
+async def test_no_room_without_waiting_drops_the_whole_batch(
+    sim_rig: Rig, make_cache: CacheFactory
+) -> None:
+    cache = make_cache(gpu_mb=0.25, cpu_mb=0.25)
+    with sim_rig.hold():
+        assert await cache.put("big", feature(sim_rig, 192))
+        # Room for this batch needs big's offload, held back: refused without waiting.
+        ok = await cache.put_many([(i, feature(sim_rig, 32)) for i in range(3)], wait=False)
+    assert ok is False
+    assert all(i not in cache for i in range(3))
+    await cache.drain()
+    s = cache.stats()
+    assert s.rejected == 3 and s.leaked_bytes == 0
+
+
+async def test_an_empty_batch_is_a_no_op(rig: Rig, make_cache: CacheFactory) -> None:
+    cache = make_cache()
+    assert await cache.put_many([])
+    assert len(cache) == 0
