@@ -146,6 +146,7 @@ class SimDevice(Device):
         self._worker: threading.Thread | None = None
         self._closed = False
         self.copies_run = 0
+        self._completing = 0  # finished operations whose fence callbacks are still running
 
     # --- streams and fences -------------------------------------------------
 
@@ -223,6 +224,12 @@ class SimDevice(Device):
             fences = [op.fence for s in self._streams for op in s.ops]
         for f in fences:
             f.wait()
+        self._wait_completions()
+
+    def _wait_completions(self) -> None:
+        """Wait until no finished operation is still running its fence's callbacks."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._completing == 0, timeout=5.0)
 
     # --- memory -------------------------------------------------------------
 
@@ -283,6 +290,8 @@ class SimDevice(Device):
     @property
     def allocated_bytes(self) -> int:
         """Simulated device memory live: adopted or allocated and not yet recycled."""
+        # A release waiting on a fence recycles from that fence's callbacks: let them run.
+        self._wait_completions()
         with self._cond:
             self._sweep_released()
             return self._allocated_bytes
@@ -429,8 +438,14 @@ class SimDevice(Device):
                 self._drop_operands(op)
                 if op.nbytes:
                     self.copies_run += 1
+                self._completing += 1
                 self._cond.notify_all()
-            op.fence._complete(exc)
+            try:
+                op.fence._complete(exc)
+            finally:
+                with self._cond:
+                    self._completing -= 1
+                    self._cond.notify_all()
             del op  # this frame lives on: it must not keep the last operands alive
 
     @staticmethod
