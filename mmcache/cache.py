@@ -11,7 +11,7 @@ import logging
 import math
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import (
     AsyncIterator,
     Awaitable,
@@ -117,6 +117,9 @@ class FeatureCache:
         self._cpu_entries = 0
         # Every offload in flight (linked or already discarded) -> whether it is GPU-charged.
         self._offloading: dict[Entry, bool] = {}
+        # Offload batches not yet handled, in the order queued (and so, on one copy stream,
+        # the order they land): their landing callbacks -> fences.
+        self._landing: OrderedDict[Callable[[], None], Fence] = OrderedDict()
         # Offloads past copy_timeout_s -> (device bytes, host bytes) they still pin.
         self._quarantined: dict[Entry, tuple[int, int]] = {}
         self._copy_timeout = self.settings.copy_timeout_s
@@ -646,6 +649,8 @@ class FeatureCache:
 
     async def _reserve_gpu(self, nbytes: int, wait: bool) -> bool:
         ahead = self._evict_ahead
+        if self._landing and self._gpu_free() < nbytes + ahead:
+            self._reap_landed()
         if not self._gpu_waiters and self._gpu_free() + self._gpu_releasing < nbytes + ahead // 2:
             # Below the low-water mark: offload a batch now, so the copies of the next
             # batch overlap with the puts that use the room this one makes.
@@ -782,6 +787,7 @@ class FeatureCache:
 
     async def _reserve_host(self, nbytes: int, wait: bool) -> HostBlock | None:
         """A host block for a put that bypasses the GPU tier (GPU budget 0)."""
+        self._reap_landed()
         if not self._host_waiters:
             block = self._host_alloc(nbytes)
             if block is not None:
@@ -871,6 +877,8 @@ class FeatureCache:
         overdue: list[asyncio.TimerHandle] = []
 
         def landed() -> None:
+            if self._landing.pop(landed, None) is None:
+                return  # already handled: reaped on the loop before the waiter thread told us
             for timer in overdue:
                 timer.cancel()  # drops its references to the batch at once
             self._copy_finished("d2h", sum(e.nbytes for e in batch), started, len(batch))
@@ -885,7 +893,21 @@ class FeatureCache:
             overdue.append(
                 self._loop.call_later(self._copy_timeout, self._quarantine_batch, batch, fence)
             )
+        self._landing[landed] = fence
         self._when_done([fence], landed)
+
+    def _reap_landed(self) -> None:
+        """Handle offloads that have landed, oldest first, without waiting to be told.
+
+        The waiter thread needs the GIL to report a landing, which a busy loop holds: a
+        put short of room looks here first, and often finds its room already copied out.
+        """
+        landing = self._landing
+        while landing:
+            landed, fence = next(iter(landing.items()))
+            if not fence.done():
+                return
+            landed()
 
     def _offload_done(self, entry: Entry, fence: Fence, charged_gpu: bool) -> None:
         del self._offloading[entry]
