@@ -58,6 +58,15 @@ _T = TypeVar("_T")
 
 
 @dataclass(slots=True, eq=False)
+class _Offload:
+    """One queued offload copy: its fence, the entries it moves, when it was queued."""
+
+    fence: Fence
+    batch: list[Entry]
+    started: float
+
+
+@dataclass(slots=True, eq=False)
 class _BudgetWaiter:
     nbytes: int
     future: asyncio.Future[None]
@@ -119,7 +128,8 @@ class FeatureCache:
         self._offloading: dict[Entry, bool] = {}
         # Offload batches not yet handled, in the order queued (and so, on one copy stream,
         # the order they land): their landing callbacks -> fences.
-        self._landing: OrderedDict[Callable[[], None], Fence] = OrderedDict()
+        self._landing: OrderedDict[Callable[[], None], _Offload] = OrderedDict()
+        self._watchdog: asyncio.TimerHandle | None = None  # quarantines overdue offloads
         # Offloads past copy_timeout_s -> (device bytes, host bytes) they still pin.
         self._quarantined: dict[Entry, tuple[int, int]] = {}
         self._copy_timeout = self.settings.copy_timeout_s
@@ -874,13 +884,9 @@ class FeatureCache:
             self._gpu_releasing += sum(entry.nbytes for entry in batch)
         self._copy_started("d2h", len(batch))
 
-        overdue: list[asyncio.TimerHandle] = []
-
         def landed() -> None:
             if self._landing.pop(landed, None) is None:
                 return  # already handled: reaped on the loop before the waiter thread told us
-            for timer in overdue:
-                timer.cancel()  # drops its references to the batch at once
             self._copy_finished("d2h", sum(e.nbytes for e in batch), started, len(batch))
             for entry in batch:
                 self._offload_done(entry, fence, charged_gpu)
@@ -888,13 +894,27 @@ class FeatureCache:
                 self._wake_gpu()
             self._push_tiers()
 
-        if not fence.done():
-            assert self._loop is not None
-            overdue.append(
-                self._loop.call_later(self._copy_timeout, self._quarantine_batch, batch, fence)
-            )
-        self._landing[landed] = fence
+        self._landing[landed] = _Offload(fence, batch, started)
+        if self._watchdog is None and not fence.done():
+            self._arm_watchdog(started + self._copy_timeout)
         self._when_done([fence], landed)
+
+    def _arm_watchdog(self, deadline: float) -> None:
+        assert self._loop is not None
+        delay = max(0.0, deadline - time.perf_counter())
+        self._watchdog = self._loop.call_later(delay, self._check_overdue)
+
+    def _check_overdue(self) -> None:
+        """Quarantine offloads past copy_timeout_s: one timer for all, oldest first."""
+        self._watchdog = None
+        now = time.perf_counter()
+        for offload in list(self._landing.values()):
+            deadline = offload.started + self._copy_timeout
+            if deadline > now:
+                self._arm_watchdog(deadline)
+                return
+            if not offload.fence.done():
+                self._quarantine_batch(offload.batch, offload.fence)
 
     def _reap_landed(self) -> None:
         """Handle offloads that have landed, oldest first, without waiting to be told.
@@ -904,8 +924,8 @@ class FeatureCache:
         """
         landing = self._landing
         while landing:
-            landed, fence = next(iter(landing.items()))
-            if not fence.done():
+            landed, offload = next(iter(landing.items()))
+            if not offload.fence.done():
                 return
             landed()
 
