@@ -469,7 +469,6 @@ class CudaDevice(Device):
         self._arena_split_chunk = 0  # chunk size copies are split at; 0 = one registration
         self._arena_finalizer: weakref.finalize[Any, Any] | None = None
         self._pin_thread: threading.Thread | None = None
-        self._staging: torch.Tensor | None = None  # reused packing buffer, D2H stream only
         self._stream_objects: dict[tuple[int, int, int], torch.cuda.Stream] = {}
         self._closed = False
 
@@ -672,27 +671,26 @@ class CudaDevice(Device):
         """Queue many src -> dst copies on the D2H stream behind one fence.
 
         Small sources whose destinations are adjacent in host memory (in any order) are
-        packed into one device staging buffer by one kernel and moved by one copy.
+        packed into one device buffer by one kernel and moved by one copy.
         """
         self._check_open()
-        items = [(src, *self._copy_operands(src, dst, device_src=True)) for src, dst in pairs]
+        for src, dst in pairs:
+            self._check_batch_pair(src, dst)
         stream = self._d2h
-        total = sum(src_bytes.numel() for _, src_bytes, _ in items)
+        total = sum(src.nbytes for src, _ in pairs)
         try:
             with _OnStream(stream):
                 self._order_after(stream, after)
-                for run in self._packed_runs(items):
-                    if len(run) == 1:
-                        _, src_bytes, dst_bytes = run[0]
-                        self._copy_bytes(dst_bytes, src_bytes, host=dst_bytes)
+                for srcs, region in self._packed_runs(pairs):
+                    if len(srcs) == 1:
+                        self._copy_bytes(region, _flat_bytes(srcs[0], "source"), host=region)
                         continue
-                    # Allocated on the D2H stream, so reuse after the copy is stream-ordered.
-                    staging = self._staging_for(sum(sb.numel() for _, sb, _ in run))
-                    torch.cat([src_bytes for _, src_bytes, _ in run], out=staging)
-                    first = run[0][2]
-                    region = first.as_strided((staging.numel(),), (1,))
-                    self._copy_bytes(region, staging, host=region)
-                for src, _, _ in items:
+                    # One kernel flattens the run into a buffer from the D2H stream's pool:
+                    # later work on this stream only reuses it after the copy has read it.
+                    packed = _flatten(srcs).view(torch.uint8)
+                    self._copy_bytes(region, packed, host=region)
+                    del packed
+                for src, _ in pairs:
                     src.record_stream(stream)
                 return self._record_on(stream, self._d2h_waiter)
         except RuntimeError as exc:
@@ -816,51 +814,55 @@ class CudaDevice(Device):
         edges = [start, *(k * chunk for k in range(first + 1, last + 1)), stop]
         return [(a - start, b - start) for a, b in itertools.pairwise(edges)]
 
-    def _staging_for(self, nbytes: int) -> torch.Tensor:
-        """A view of the reused D2H packing buffer (grown, never shrunk).
-
-        Reusing it is safe without fences: the packing kernel and the copy that reads the
-        buffer both run on the D2H stream, so the next batch's kernel starts only after the
-        previous copy. A fresh allocation per batch could hit cudaMalloc, which synchronises
-        the device and stalls the event loop.
-        """
-        if self._staging is None or self._staging.numel() < nbytes:
-            self._staging = torch.empty(
-                max(nbytes, self.pack_max_bytes * 8), dtype=torch.uint8, device=self._device
+    def _check_batch_pair(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """copy_d2h_batch's checks, cheap enough to run per feature."""
+        if not (src.is_cuda and src.get_device() == self.index):
+            raise InvalidValueError(f"copy source is on {src.device}, not {self.name}")
+        if not dst.is_cpu:
+            raise InvalidValueError(f"copy destination is on {dst.device}, not host memory")
+        if src.nbytes != dst.nbytes:
+            raise InvalidValueError(
+                f"copy of {src.nbytes} bytes into a {dst.nbytes}-byte destination"
             )
-        return self._staging[:nbytes]
+        if not (src.is_contiguous() and dst.is_contiguous()):
+            raise InvalidValueError(
+                "batched copies need contiguous sources and destinations; "
+                "compact them with copy_d2d first"
+            )
 
     def _packed_runs(
-        self, items: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-    ) -> Iterator[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
-        """Group small copies whose host destinations are adjacent; large ones go alone."""
-        small = [item for item in items if item[1].numel() <= self.pack_max_bytes]
-        for item in items:
-            if item[1].numel() > self.pack_max_bytes:
-                yield [item]
-        small.sort(key=lambda item: item[2].data_ptr())
-        run: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        run_end = run_bytes = 0
-        storage = 0
-        for item in small:
-            dst = item[2]
-            nbytes = dst.numel()
+        self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]
+    ) -> Iterator[tuple[list[torch.Tensor], torch.Tensor]]:
+        """(sources, host bytes) per copy: small sources of one dtype whose destinations
+        are adjacent in one host storage form a run; large ones go alone."""
+        small: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        for src, dst in pairs:
+            if src.nbytes > self.pack_max_bytes:
+                yield [src], _flat_bytes(dst, "destination")
+            else:
+                small.append((dst.data_ptr(), src, dst))
+        small.sort(key=lambda item: item[0])
+        run: list[torch.Tensor] = []
+        first: torch.Tensor | None = None
+        run_end = run_bytes = storage = 0
+        for ptr, src, dst in small:
             dst_storage = dst.untyped_storage().data_ptr()
             if (
-                run
-                and dst.data_ptr() == run_end
+                first is not None
+                and ptr == run_end
                 and dst_storage == storage
-                and run_bytes + nbytes <= _PACK_RUN_MAX_BYTES
+                and src.dtype == run[0].dtype
+                and run_bytes + src.nbytes <= _PACK_RUN_MAX_BYTES
             ):
-                run.append(item)
-                run_bytes += nbytes
+                run.append(src)
+                run_bytes += src.nbytes
             else:
-                if run:
-                    yield run
-                run, run_bytes, storage = [item], nbytes, dst_storage
-            run_end = dst.data_ptr() + nbytes
-        if run:
-            yield run
+                if first is not None:
+                    yield run, _bytes_at(first, run_bytes)
+                run, first, run_bytes, storage = [src], dst, src.nbytes, dst_storage
+            run_end = ptr + src.nbytes
+        if first is not None:
+            yield run, _bytes_at(first, run_bytes)
 
     def _driver(self) -> _CudaDriver:
         if self._driver_instance is None:
@@ -917,6 +919,26 @@ class CudaDevice(Device):
         self._arena_ptr, self._arena_nbytes = ptr, nbytes
         self._arena_split_chunk = chunk if nbytes > chunk else 0
         return arena
+
+
+def _bytes_at(first: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """nbytes of host memory from first's first byte on (a run of adjacent blocks)."""
+    flat = first if first.dtype == torch.uint8 and first.dim() == 1 else _flat_bytes(first, "")
+    return flat.as_strided((nbytes,), (1,))
+
+
+# flatten_dense_tensors concatenates flat copies of same-dtype tensors in one C++ call:
+# building a flat view per source in Python costs several µs each.
+_flatten_dense: Callable[[list[torch.Tensor]], torch.Tensor] | None = getattr(
+    torch._C._nn, "flatten_dense_tensors", None
+)
+
+
+def _flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """One 1-D tensor holding tensors' elements back to back (one dtype)."""
+    if _flatten_dense is not None:
+        return _flatten_dense(tensors)
+    return torch.cat([t.reshape(-1) for t in tensors])
 
 
 def _pending_event(fence: Fence) -> torch.cuda.Event | None:
