@@ -127,8 +127,8 @@ class FeatureCache:
         # Every offload in flight (linked or already discarded) -> whether it is GPU-charged.
         self._offloading: dict[Entry, bool] = {}
         # Offload batches not yet handled, in the order queued (and so, on one copy stream,
-        # the order they land): their landing callbacks -> fences.
-        self._landing: OrderedDict[Callable[[], None], _Offload] = OrderedDict()
+        # the order they land) -> their landing callbacks.
+        self._landing: OrderedDict[_Offload, Callable[[], None]] = OrderedDict()
         self._watchdog: asyncio.TimerHandle | None = None  # quarantines overdue offloads
         # Offloads past copy_timeout_s -> (device bytes, host bytes) they still pin.
         self._quarantined: dict[Entry, tuple[int, int]] = {}
@@ -884,8 +884,12 @@ class FeatureCache:
             self._gpu_releasing += sum(entry.nbytes for entry in batch)
         self._copy_started("d2h", len(batch))
 
+        offload = _Offload(fence, batch, started)
+
         def landed() -> None:
-            if self._landing.pop(landed, None) is None:
+            # Keyed by the record, not by this function: a closure naming itself is a
+            # reference cycle per offload, garbage only the cyclic collector could free.
+            if self._landing.pop(offload, None) is None:
                 return  # already handled: reaped on the loop before the waiter thread told us
             self._copy_finished("d2h", sum(e.nbytes for e in batch), started, len(batch))
             for entry in batch:
@@ -894,7 +898,7 @@ class FeatureCache:
                 self._wake_gpu()
             self._push_tiers()
 
-        self._landing[landed] = _Offload(fence, batch, started)
+        self._landing[offload] = landed
         if self._watchdog is None and not fence.done():
             self._arm_watchdog(started + self._copy_timeout)
         self._when_done([fence], landed)
@@ -908,7 +912,7 @@ class FeatureCache:
         """Quarantine offloads past copy_timeout_s: one timer for all, oldest first."""
         self._watchdog = None
         now = time.perf_counter()
-        for offload in list(self._landing.values()):
+        for offload in list(self._landing):
             deadline = offload.started + self._copy_timeout
             if deadline > now:
                 self._arm_watchdog(deadline)
@@ -924,7 +928,7 @@ class FeatureCache:
         """
         landing = self._landing
         while landing:
-            landed, offload = next(iter(landing.items()))
+            offload, landed = next(iter(landing.items()))
             if not offload.fence.done():
                 return
             landed()
