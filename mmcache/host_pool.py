@@ -95,12 +95,17 @@ class HostPool:
         if best < 0:
             return None
         off, free = self._free_offsets[best], self._free_sizes[best]
-        del self._free_offsets[best], self._free_sizes[best]
-        if best_start > off:
-            self._insert_free(off, best_start - off)
         end = best_start + size
-        if end < off + free:
-            self._insert_free(end, off + free - end)
+        if best_start == off and end < off + free:
+            # Carved from the front: the range just shrinks in place (the common case).
+            self._free_offsets[best] = end
+            self._free_sizes[best] = off + free - end
+        else:
+            del self._free_offsets[best], self._free_sizes[best]
+            if best_start > off:
+                self._insert_free(off, best_start - off)
+            if end < off + free:
+                self._insert_free(end, off + free - end)
         self.used_bytes += size
         self.blocks_live += 1
         return HostBlock(best_start, size, self._arena[best_start:end])
