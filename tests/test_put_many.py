@@ -157,5 +157,7 @@ async def test_offloads_leave_no_cyclic_garbage(rig: Rig, make_cache: CacheFacto
     finally:
         gc.enable()
     assert cache.stats().evictions_gpu >= 180
-    # 0 here; a cycle per offload (a closure naming itself, say) leaves about 9 a put.
-    assert found < 20, f"{found} objects in reference cycles after 200 puts"
+    # 0 when run alone (Python 3.11 and 3.12); 144 once on the GPU machine after the CUDA
+    # tests, whose garbage was not traced. A cycle per offload (a closure naming itself,
+    # say) left 1,800.
+    assert found < 400, f"{found} objects in reference cycles after 200 puts"
