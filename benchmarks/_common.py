@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import math
 import statistics
@@ -131,15 +132,23 @@ def timed() -> Iterator[list[float]]:
 
 
 class LoopLag:
-    """Measures the event loop's worst lateness with a ticker task (async context manager)."""
+    """Measures the event loop's worst lateness with a ticker task (async context manager).
+
+    It also records the longest pause of Python's cyclic garbage collector inside the
+    window, so a stall can be told apart from one the collector caused.
+    """
 
     def __init__(self, period_s: float = 0.001) -> None:
         self.period_s = period_s
         self.max_lag_s = 0.0
         self.ticks = 0
+        self.max_gc_pause_s = 0.0
+        self.gc_collections = 0
+        self._gc_started = 0.0
         self._task: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> LoopLag:
+        gc.callbacks.append(self._on_gc)
         self._task = asyncio.create_task(self._tick())
         await asyncio.sleep(0)
         return self
@@ -154,6 +163,15 @@ class LoopLag:
         self._task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
+        with contextlib.suppress(ValueError):
+            gc.callbacks.remove(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        else:
+            self.gc_collections += 1
+            self.max_gc_pause_s = max(self.max_gc_pause_s, time.perf_counter() - self._gc_started)
 
     async def _tick(self) -> None:
         while True:

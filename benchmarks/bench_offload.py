@@ -262,6 +262,8 @@ async def offload_phase(
         "gbps": gbps(d2h, wall),
         "put": summary_us(put_latency),
         "max_lag_ms": lag.max_lag_s * 1e3,
+        "max_gc_pause_ms": lag.max_gc_pause_s * 1e3,
+        "gc_collections": lag.gc_collections,
         "dropped": after.dropped - before.dropped,
     }
 
@@ -585,6 +587,7 @@ def report(results: dict[str, Any]) -> str:
                         _get(r, "mmcache", "offload", "max_lag_ms"),
                     )
                 ),
+                _get(r, "mmcache", "offload", "max_gc_pause_ms"),
             ]
         )
     out.append(
@@ -603,6 +606,7 @@ def report(results: dict[str, Any]) -> str:
                 "÷ sync",
                 "÷ non_blocking",
                 "loop lag ms sync/nb/mmcache",
+                "mmcache: longest GC pause ms",
             ],
             rows,
         )
