@@ -195,11 +195,11 @@ async def through_cache(args: argparse.Namespace, device: TracingCudaDevice) -> 
         await cache.wait_host_ready(timeout=60)
         original: Callable[..., None] = getattr(cache, "_offload_done")  # noqa: B009
 
-        def offload_done(entry: Any, fence: Fence, *rest: Any) -> None:
-            trace = fence_traces.get(id(fence))
+        def offload_done(entry: Any, *rest: Any) -> None:
+            trace = fence_traces.get(id(entry.copy_fence))
             if trace is not None and not trace.seen_by_loop:
                 trace.seen_by_loop = time.perf_counter()
-            original(entry, fence, *rest)
+            original(entry, *rest)
 
         setattr(cache, "_offload_done", offload_done)  # noqa: B010
         timeline = Timeline.start(device.d2h_stream)

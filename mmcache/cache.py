@@ -892,8 +892,9 @@ class FeatureCache:
             if self._landing.pop(offload, None) is None:
                 return  # already handled: reaped on the loop before the waiter thread told us
             self._copy_finished("d2h", sum(e.nbytes for e in batch), started, len(batch))
+            failed = fence.exception()  # once: a batch's fence may be many fences (simulator)
             for entry in batch:
-                self._offload_done(entry, fence, charged_gpu)
+                self._offload_done(entry, failed, charged_gpu)
             if charged_gpu:
                 self._wake_gpu()
             self._push_tiers()
@@ -933,10 +934,10 @@ class FeatureCache:
                 return
             landed()
 
-    def _offload_done(self, entry: Entry, fence: Fence, charged_gpu: bool) -> None:
+    def _offload_done(self, entry: Entry, failed: BaseException | None, charged_gpu: bool) -> None:
         del self._offloading[entry]
-        self._quarantined.pop(entry, None)  # a late fence: its bytes come back now
-        failed = fence.exception()
+        if self._quarantined:
+            self._quarantined.pop(entry, None)  # a late fence: its bytes come back now
         if failed is None:
             self._c["d2h_bytes"] += entry.nbytes
         tensor, entry.tensor = entry.tensor, None
@@ -950,6 +951,9 @@ class FeatureCache:
             self._device.release(tensor, after=readers)
         if entry.state is State.D2H and failed is None:
             entry.state = State.HOST
+            # Both copies are done and good: a shared finished fence stands in for them,
+            # so a host entry keeps no CUDA event (nor the batch's fence) alive.
+            entry.copy_fence = entry.ready = self._device.completed_fence()
             self._host_lru[entry.key] = entry
         else:
             if entry.state is State.D2H:  # the copy failed: the feature is lost
@@ -1033,7 +1037,9 @@ class FeatureCache:
             self._gpu_entries -= 1
             tensor, entry.tensor = entry.tensor, None
             assert tensor is not None
-            self._release_device(tensor, entry.nbytes, [entry.ready, *entry.device_readers])
+            self._release_device(
+                tensor, entry.nbytes, [entry.ready, *entry.device_readers_pending()]
+            )
         elif state is State.HOST:
             self._host_lru.pop(entry.key, None)
             self._free_block(entry)
@@ -1086,7 +1092,7 @@ class FeatureCache:
         fence = self._device.copy_d2h(src, dst, after=[ready])
         if entry is not None:
             # A release of the tensor waits for this copy too.
-            entry.device_readers_pending().append(fence)
+            entry.add_device_reader(fence)
         del src
         started = time.perf_counter()
         self._copy_started("d2h")
@@ -1138,7 +1144,7 @@ class FeatureCache:
         dst = self._allocate(tuple(src.shape), entry.dtype)
         fence = self._device.copy_h2d(src, dst, after=[entry.copy_fence])
         del src
-        entry.readers_pending().append(fence)
+        entry.add_host_reader(fence)
         started = time.perf_counter()
         self._copy_started("h2d")
         nbytes = dst.nbytes

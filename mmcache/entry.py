@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -37,20 +37,28 @@ class Entry:
     ready: Fence
     block: HostBlock | None = None
     copy_fence: Fence | None = None
+    # Reader lists are made on first use: most entries never get one, and every object an
+    # entry holds is one more for the cyclic garbage collector to walk while it lives.
     #: fences of copies that read the host block (uploads of host hits)
-    host_readers: list[Fence] = field(default_factory=list)
+    host_readers: list[Fence] | None = None
     #: fences of copies that read the device tensor (downloads for host gets)
-    device_readers: list[Fence] = field(default_factory=list)
+    device_readers: list[Fence] | None = None
 
     def readers_pending(self) -> list[Fence]:
         """Fences of host-block readers still running (done ones are forgotten)."""
-        self.host_readers = [f for f in self.host_readers if not f.done()]
-        return self.host_readers
+        return _pending(self.host_readers)
 
     def device_readers_pending(self) -> list[Fence]:
         """Fences of device-tensor readers still running (done ones are forgotten)."""
-        self.device_readers = [f for f in self.device_readers if not f.done()]
-        return self.device_readers
+        return _pending(self.device_readers)
+
+    def add_host_reader(self, fence: Fence) -> None:
+        """Record a copy that reads the host block: it is freed only after it."""
+        self.host_readers = [*self.readers_pending(), fence]
+
+    def add_device_reader(self, fence: Fence) -> None:
+        """Record a copy that reads the device tensor: it is released only after it."""
+        self.device_readers = [*self.device_readers_pending(), fence]
 
     def host_view(self, start: int, stop: int, block: HostBlock | None = None) -> torch.Tensor:
         """Rows start..stop of the host copy (in block, default the entry's), typed and shaped."""
@@ -65,6 +73,10 @@ class Entry:
         block = block if block is not None else self.block
         assert block is not None
         return block.bytes(0, self.nbytes).view(self.dtype).view(self.shape)
+
+
+def _pending(fences: list[Fence] | None) -> list[Fence]:
+    return [f for f in fences if not f.done()] if fences else []
 
 
 _KEY_TYPES = (str, bytes, int)
