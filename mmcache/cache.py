@@ -300,10 +300,11 @@ class FeatureCache:
         items is emptied once the cache owns the values.
         """
         await self._ready_to_serve()
+        keys = []
         sizes = []
-        for key, _ in items:
+        for key, tensor in items:
             check_key(key)
-        for _, tensor in items:
+            keys.append(key)
             sizes.append(self._check_value(tensor))
         total = sum(sizes)
         to_gpu = self._gpu_capacity > 0
@@ -325,7 +326,6 @@ class FeatureCache:
             for own, ready in owned:
                 self._device.release(own, after=[ready])
             raise
-        keys = [key for key, _ in items]
         # From here on the cache owns the values: no frame of ours (nor a traceback of a
         # failed put) may keep the caller's tensors alive past their release.
         items.clear()
