@@ -280,6 +280,7 @@ class FeatureCache:
         if stream is None:
             stream = self._device.current_stream()
         batch = list(items)
+        del items  # the caller's container must not outlive the values the cache now owns
         for item in batch:
             if not isinstance(item, tuple) or len(item) != 2:
                 raise InvalidValueError(

@@ -97,6 +97,24 @@ class CacheMachine(RuleBasedStateMachine):
         del value  # the cache owns it now; a kept reference would hide early reuse
         self.start(_Pending("put", key, task, value_id=vid))
 
+    @rule(
+        keys=st.lists(KEYS, min_size=2, max_size=3, unique=True),
+        rows=ROWS,
+        wait=st.booleans(),
+    )
+    def put_many(self, keys: list[Any], rows: int, wait: bool) -> None:
+        items = []
+        for key in keys:
+            vid, value = self.new_value(rows)
+            self.ever.setdefault(key, set()).add(vid)
+            items.append((key, vid, value))
+        task = self.loop.create_task(self.cache.put_many([(k, v) for k, _, v in items], wait=wait))
+        # One pending put per key, sharing the task: all or none of them are stored.
+        for key, vid, _ in items:
+            self.pending.append(_Pending("put", key, task, value_id=vid))
+        del items  # the cache owns the values now
+        self.spin()
+
     @rule(key=KEYS, to_host=st.booleans(), rows=st.none() | st.tuples(st.integers(0, 4), ROWS))
     def get(self, key: Any, to_host: bool, rows: tuple[int, int] | None) -> None:
         span = None if rows is None else slice(rows[0], rows[0] + rows[1] // 8)  # within 8 rows
