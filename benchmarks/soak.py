@@ -1,10 +1,11 @@
 """Soak: many concurrent operations for a while, with holds, cancellations and faults.
 
-Hundreds of asyncio workers put, get (device, host, rows), get_or_compute and discard
-random keys of a small hot key space, so puts wait for budget, offloads and promotions
-run all the time, and entries are replaced under readers. On the simulator a second
-task holds every copy back for random windows and a third injects faults (copies that
-fail, allocations that fail); some operations are cancelled at random points.
+Hundreds of asyncio workers put (one or a group), get (device, host, rows),
+get_or_compute and discard random keys of a small hot key space, so puts wait for
+budget, offloads and promotions run all the time, and entries are replaced under
+readers. On the simulator a second task holds every copy back for random windows and a
+third injects faults (copies that fail, allocations that fail); some operations are
+cancelled at random points.
 
 Every value encodes its version and its element index (int64 `version << 24 | index`,
 viewed as the value's dtype), so every read is checked bit for bit: it must be a
@@ -366,8 +367,10 @@ class _Soak:
         while not self.stop.is_set():
             key = self.pick_key()
             roll = self.rng.random()
-            if roll < 0.30:
+            if roll < 0.26:
                 kind, op = self.op_put(key, wait=self.rng.random() > 0.1)
+            elif roll < 0.30:
+                kind, op = "put_many", self.op_put_many(key)
             elif roll < 0.45:
                 kind, op = "get_device", self.op_get(key, None, None)
             elif roll < 0.60:
@@ -415,6 +418,28 @@ class _Soak:
                 self.model.finished(key, version, stored)
 
         return ("put" if wait else "put_nowait"), put()
+
+    def op_put_many(self, key: int) -> Awaitable[None]:
+        """key and one or two other keys in one put_many: all stored or none."""
+        keys = [key]
+        wanted = self.rng.randint(2, 3)
+        for _ in range(16):
+            if len(keys) == wanted:
+                break
+            other = self.pick_key()
+            if other not in keys:
+                keys.append(other)
+        group = [(k, *self.new_value(k)) for k in keys]
+
+        async def put_many() -> None:
+            stored = False
+            try:
+                stored = await self.cache.put_many([(k, value) for k, _, value in group])
+            finally:
+                for k, version, _ in group:
+                    self.model.finished(k, version, stored)
+
+        return put_many()
 
     async def op_get(self, key: int, device: str | None, rows: bool | None) -> None:
         span = None
