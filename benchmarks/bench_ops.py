@@ -27,6 +27,7 @@ from _common import fmt, markdown_table, summary_us, write_json
 from mmcache import CacheSettings, FeatureCache
 
 HIT_TARGET_US = 10.0
+GROUP = 64  # features per put_many call
 
 
 async def _trivial() -> None:
@@ -39,7 +40,13 @@ async def measure(device: str, n: int) -> dict[str, dict[str, float]]:
     keys = [("img", i) for i in range(n)]
     where = "cpu" if device == "sim" else device  # the simulator's device memory is the CPU's
     values = [torch.ones(16, 64, device=where) for _ in range(n)]
-    results: dict[str, list[float]] = {"put (no eviction)": [], "get GPU hit": [], "get miss": []}
+    results: dict[str, list[float]] = {
+        "put (no eviction)": [],
+        f"put_many of {GROUP}, per feature": [],
+        "get GPU hit": [],
+        "get miss": [],
+    }
+    grouped = [torch.ones(16, 64, device=where) for _ in range(n)]
     baseline: dict[str, list[float]] = {"dict lookup": [], "await trivial coroutine": []}
     cache = FeatureCache(settings, device=device, registry=CollectorRegistry())
     async with cache:
@@ -52,6 +59,12 @@ async def measure(device: str, n: int) -> dict[str, dict[str, float]]:
                 await cache.put(key, value)
                 results["put (no eviction)"].append(clock() - t0)
             del value
+            for first in range(0, n, GROUP):
+                items = [(("group", i), grouped[i]) for i in range(first, min(first + GROUP, n))]
+                t0 = clock()
+                await cache.put_many(items)
+                results[f"put_many of {GROUP}, per feature"].append((clock() - t0) / len(items))
+            del items, grouped
             for key in keys:
                 t0 = clock()
                 await cache.get(key)
