@@ -1,0 +1,55 @@
+"""The benchmark scripts run on a machine without a GPU: the simulator columns, or a clean exit."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+#: script -> arguments for a short run without a GPU
+RUNS: dict[str, list[str]] = {
+    "bench_ipc.py": ["--device", "sim", "--quick"],
+    "bench_offload.py": ["--device", "sim"],
+    "bench_ops.py": ["--quick"],
+    "gpu_probe.py": ["--quick"],  # CUDA only: says so and exits 0
+    "profile_put.py": ["--device", "sim", "--mb", "0.01", "--count", "200", "--top", "3"],
+    "trace_offload.py": [],  # CUDA only: says so and exits 0
+}
+
+
+def _run(name: str, *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(BENCHMARKS / name), *RUNS[name], *extra],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=BENCHMARKS.parent,
+    )
+
+
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_benchmark_runs_without_a_gpu(name: str) -> None:
+    done = _run(name)
+    assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
+
+
+def test_bench_offload_reports_exact_reads_and_no_leaks_on_the_simulator(tmp_path: Path) -> None:
+    out = tmp_path / "offload.json"
+    done = _run("bench_offload.py", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    results = json.loads(out.read_text())
+    for name, row in results["sizes"].items():
+        mmcache = row["mmcache"]
+        assert mmcache["gets"]["exact"], name
+        assert mmcache["stats"]["leaked_bytes"] == 0, name
+        assert mmcache["offload"]["dropped"] == 0, name
+        assert mmcache["offload"]["gbps"] > 0, name
+        if (8 << 20) // row["feature_bytes"] > 1:  # put_many groups of 8 MiB hold several
+            assert mmcache["offload_many"]["gbps"] > 0, name
+            assert mmcache["offload_many"]["dropped"] == 0, name
