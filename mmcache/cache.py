@@ -324,8 +324,7 @@ class FeatureCache:
             for _, tensor in items:
                 owned.append(self._own(tensor, stream, produced))
         except BaseException:
-            for own, ready in owned:
-                self._device.release(own, after=[ready])
+            self._give_back(owned, [])
             raise
         # From here on the cache owns the values: no frame of ours (nor a traceback of a
         # failed put) may keep the caller's tensors alive past their release.
@@ -880,9 +879,10 @@ class FeatureCache:
             entry.copy_fence = fence
             offloading[entry] = charged_gpu
         batch = [entry for entry, _ in items]
+        nbytes = sum(entry.nbytes for entry in batch)
         self._cpu_entries += len(batch)
         if charged_gpu:
-            self._gpu_releasing += sum(entry.nbytes for entry in batch)
+            self._gpu_releasing += nbytes
         self._copy_started("d2h", len(batch))
 
         offload = _Offload(fence, batch, started)
@@ -892,7 +892,7 @@ class FeatureCache:
             # reference cycle per offload, garbage only the cyclic collector could free.
             if self._landing.pop(offload, None) is None:
                 return  # already handled: reaped on the loop before the waiter thread told us
-            self._copy_finished("d2h", sum(e.nbytes for e in batch), started, len(batch))
+            self._copy_finished("d2h", nbytes, started, len(batch))
             failed = fence.exception()  # once: a batch's fence may be many fences (simulator)
             for entry in batch:
                 self._offload_done(entry, failed, charged_gpu)

@@ -923,8 +923,7 @@ class CudaDevice(Device):
 
 def _bytes_at(first: torch.Tensor, nbytes: int) -> torch.Tensor:
     """nbytes of host memory from first's first byte on (a run of adjacent blocks)."""
-    flat = first if first.dtype == torch.uint8 and first.dim() == 1 else _flat_bytes(first, "")
-    return flat.as_strided((nbytes,), (1,))
+    return _flat_bytes(first, "destination").as_strided((nbytes,), (1,))
 
 
 # flatten_dense_tensors concatenates flat copies of same-dtype tensors in one C++ call:
