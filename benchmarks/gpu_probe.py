@@ -117,7 +117,8 @@ def small_copy_paths(device: CudaDevice, arena: torch.Tensor) -> dict[str, dict[
                     for src, dst in zip(srcs, dsts, strict=True):
                         fence = device.copy_d2h(src, dst, ())
                 else:
-                    fence = device.copy_d2h_batch(list(zip(srcs, dsts, strict=True)), ())
+                    offsets = [i * size for i in range(count)]
+                    fence = device.copy_d2h_batch(srcs, arena, offsets, ())
                 enqueued = time.perf_counter() - start
                 assert fence is not None
                 fence.wait()

@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry
 from mmcache import CacheSettings, FeatureCache
 
 
-async def run(device: str, mb: float, count: int, profile: cProfile.Profile) -> str:
+async def run(device: str, mb: float, count: int, group: int, profile: cProfile.Profile) -> str:
     where = "cpu" if device == "sim" else device
     rows = max(1, int(mb * 2**20 / (4096 * 2)))
     features: list[torch.Tensor | None] = [
@@ -34,11 +34,18 @@ async def run(device: str, mb: float, count: int, profile: cProfile.Profile) -> 
             torch.cuda.synchronize()
         start = time.perf_counter()
         profile.enable()
-        for i in range(count):
-            value, features[i] = features[i], None
-            assert value is not None
-            await cache.put(i, value)
+        for first in range(0, count, group):
+            items = []
+            for i in range(first, min(first + group, count)):
+                value, features[i] = features[i], None
+                assert value is not None
+                items.append((i, value))
             del value
+            if group == 1:
+                await cache.put(*items[0])
+            else:
+                await cache.put_many(items)
+            del items
         await cache.drain()
         profile.disable()
         wall = time.perf_counter() - start
@@ -55,6 +62,7 @@ def main() -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--mb", type=float, default=1.0)
     parser.add_argument("--count", type=int, default=1024)
+    parser.add_argument("--group", type=int, default=1, help="features per put_many call")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--switch-interval", type=float, help="sys.setswitchinterval (s)")
     args = parser.parse_args()
@@ -64,7 +72,7 @@ def main() -> int:
         print("profile_put: no CUDA device")
         return 0
     profile = cProfile.Profile()
-    print(asyncio.run(run(args.device, args.mb, args.count, profile)))
+    print(asyncio.run(run(args.device, args.mb, args.count, args.group, profile)))
     pstats.Stats(profile).sort_stats("tottime").print_stats(args.top)
     return 0
 

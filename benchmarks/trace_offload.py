@@ -85,11 +85,16 @@ class TracingCudaDevice(CudaDevice):
         )
 
     def copy_d2h_batch(
-        self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], after: Sequence[Fence]
+        self,
+        srcs: Sequence[torch.Tensor],
+        host: torch.Tensor,
+        offsets: Sequence[int],
+        after: Sequence[Fence],
     ) -> CudaFence:
-        nbytes = sum(src.nbytes for src, _ in pairs)
+        nbytes = sum(src.nbytes for src in srcs)
         return self._traced(
-            nbytes, lambda: super(TracingCudaDevice, self).copy_d2h_batch(pairs, after)
+            nbytes,
+            lambda: super(TracingCudaDevice, self).copy_d2h_batch(srcs, host, offsets, after),
         )
 
     def _traced(self, nbytes: int, enqueue: Callable[[], CudaFence]) -> CudaFence:

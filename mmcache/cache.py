@@ -845,32 +845,34 @@ class FeatureCache:
         self, items: Sequence[tuple[Entry, HostBlock]], *, charged_gpu: bool
     ) -> None:
         """Queue the device -> host copies of entries into blocks, after their producers."""
-        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        assert self._pool is not None
+        srcs: list[torch.Tensor] = []
+        offsets: list[int] = []
+        # Producers long finished need no ordering; failed ones must fail the copy too.
+        # A put_many group shares one producer fence: look at each fence once.
+        readies: list[Fence] = []
+        last: Fence | None = None
         for entry, block in items:
             assert entry.tensor is not None
-            pairs.append((entry.tensor, block.bytes(0, entry.nbytes)))
-        # Producers long finished need no ordering; failed ones must fail the copy too.
-        readies = [
-            entry.ready
-            for entry, _ in items
-            if not entry.ready.done() or entry.ready.exception() is not None
-        ]
+            srcs.append(entry.tensor)
+            offsets.append(block.offset)
+            ready = entry.ready
+            if ready is not last:
+                last = ready
+                if not ready.done() or ready.exception() is not None:
+                    readies.append(ready)
         try:
-            if len(pairs) == 1:
-                fence = self._device.copy_d2h(pairs[0][0], pairs[0][1], after=readies)
-            else:
-                fence = self._device.copy_d2h_batch(pairs, after=readies)
+            fence = self._device.copy_d2h_batch(srcs, self._pool.arena, offsets, after=readies)
         except MMCacheError as e:
-            # Refused at enqueue (e.g. no memory for a staging buffer): nothing was queued,
+            # Refused at enqueue (e.g. no memory for a gather buffer): nothing was queued,
             # so the victims are dropped as if the host tier could not take them.
-            del pairs
+            del srcs
             self._copy_failed("offload", None, e)
             for entry, block in items:
-                assert self._pool is not None
                 self._pool.free(block)
                 self._drop(entry)
             return
-        del pairs
+        del srcs  # the entries keep the sources alive until the copy has landed
         started = time.perf_counter()
         offloading = self._offloading
         for entry, block in items:

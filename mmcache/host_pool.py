@@ -21,16 +21,29 @@ class HostBlock:
 
     offset: int
     nbytes: int
-    view: torch.Tensor
+    arena: torch.Tensor  # the pool's whole arena (shared by every block, not a copy)
     pins: int = 0
     freeing: bool = False
     fences_pending: bool = False
+    _view: torch.Tensor | None = None
+
+    @property
+    def view(self) -> torch.Tensor:
+        """The block's bytes as a uint8 tensor, made on first use.
+
+        An offload needs only the offset (copies address the arena); slicing a tensor
+        costs µs, which adds up over thousands of small features.
+        """
+        if self._view is None:
+            self._view = self.arena[self.offset : self.offset + self.nbytes]
+        return self._view
 
     def bytes(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """A uint8 view of bytes start..stop of the block."""
         if start == 0 and (stop is None or stop == self.nbytes):
-            return self.view  # the whole block: no new view (a slice costs µs per feature)
-        return self.view[start : self.nbytes if stop is None else stop]
+            return self.view  # the whole block: no new view
+        stop = self.nbytes if stop is None else stop
+        return self.arena[self.offset + start : self.offset + stop]
 
 
 class HostPool:
@@ -49,7 +62,7 @@ class HostPool:
         if alignment <= 0 or alignment & (alignment - 1):
             raise ValueError(f"alignment must be a power of two, got {alignment}")
         self._device = device
-        self._arena = arena
+        self.arena = arena
         self.alignment = alignment
         self.capacity_bytes = arena.numel() // alignment * alignment
         self._chunk = chunk_bytes if chunk_bytes else self.capacity_bytes
@@ -108,7 +121,7 @@ class HostPool:
                 self._insert_free(end, off + free - end)
         self.used_bytes += size
         self.blocks_live += 1
-        return HostBlock(best_start, size, self._arena[best_start:end])
+        return HostBlock(best_start, size, self.arena)
 
     def free(self, block: HostBlock, after: Sequence[Fence] = ()) -> None:
         """Give block back; it is reused once every fence in after is done and it is unpinned."""
@@ -152,7 +165,8 @@ class HostPool:
         if not block.freeing or block.pins or block.fences_pending:
             return
         block.freeing = False
-        self._device.poison_host(block.view)  # an early reader shows poison, never old data
+        if self._device.poisons_host:  # an early reader shows poison, never old data
+            self._device.poison_host(block.view)
         self.freeing_bytes -= block.nbytes
         self.used_bytes -= block.nbytes
         self.blocks_live -= 1

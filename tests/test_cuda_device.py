@@ -203,48 +203,47 @@ def test_consumer_stream_waits_on_an_upload(device: CudaDevice) -> None:
     assert torch.equal(seen.cpu(), arena)
 
 
-def test_batch_copy_is_exact_and_keeps_sources_alive(device: CudaDevice) -> None:
+def test_batch_copy_is_exact_in_any_order_and_waits_for_its_producers(
+    device: CudaDevice,
+) -> None:
     rng = random.Random(0)
     specs: list[tuple[tuple[int, ...], torch.dtype]] = [
         ((32, 1024), torch.bfloat16),  # 64 KiB
         ((7,), torch.int8),
         ((), torch.float32),
         ((1000, 4096), torch.bfloat16),  # 8 MB: copied on its own
-        ((128, 4096), torch.bfloat16),  # 1 MiB: packed
+        ((128, 4096), torch.bfloat16),  # 1 MiB: gathered
         ((33, 3), torch.float32),
+        ((32, 1024), torch.bfloat16),  # the same row shape as the first: a run of two
     ] * 6
     srcs = [random_tensor(shape, dtype, seed=i) for i, (shape, dtype) in enumerate(specs)]
     expected = [as_bytes(s).cpu() for s in srcs]
     arena = device.host_arena(sum(s.nbytes for s in srcs) + 64 * MiB)
-    dsts: list[torch.Tensor] = []
+    offsets: list[int] = []
     offset = 0
     for i, s in enumerate(srcs):
         offset += 4096 if i % 5 == 4 else 0  # some gaps: runs of adjacent blocks, and breaks
-        dsts.append(arena[offset : offset + s.nbytes])
+        offsets.append(offset)
         offset += s.nbytes
-    pairs = list(zip(srcs, dsts, strict=True))
-    rng.shuffle(pairs)
-    # Warm the caching allocator, the D2H stream's pool included (the packing buffers): a
+    order = list(range(len(srcs)))
+    rng.shuffle(order)
+    # Warm the caching allocator, the D2H stream's pool included (the gather buffers): a
     # cudaMalloc after the hold may synchronise the device.
     warm = [torch.empty(e.numel() * 2, dtype=torch.uint8, device="cuda:0") for e in expected]
     del warm
-    assert device.copy_d2h_batch(pairs, []).wait(30)
+    shuffled = [srcs[i] for i in order]
+    at = [offsets[i] for i in order]
+    assert device.copy_d2h_batch(shuffled, arena, at, []).wait(30)
     arena.fill_(0)  # so the held batch below must write every byte again
     gc.collect()  # an earlier test's arena freed mid-hold (cuMemFreeHost) would synchronise
     side = side_stream()
     hold(side)
     gate = device.record(side)
-    fence = device.copy_d2h_batch(pairs, [gate])
-    del pairs, srcs
-    # Same sizes as the sources: without record_stream these would land on their blocks.
-    scribble = [
-        torch.full((e.numel(),), 0xEE, dtype=torch.uint8, device="cuda:0") for e in expected
-    ]
+    fence = device.copy_d2h_batch(shuffled, arena, at, [gate])
     assert not fence.done()
     assert fence.wait(30)
-    for dst, want in zip(dsts, expected, strict=True):
-        assert torch.equal(dst, want)
-    del scribble
+    for i, want in enumerate(expected):
+        assert torch.equal(arena[offsets[i] : offsets[i] + want.numel()], want), specs[i]
 
 
 def test_release_holds_the_tensor_until_its_fences(device: CudaDevice) -> None:

@@ -11,7 +11,9 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["AllFences", "Device", "Fence", "Stream", "storage_use_count"]
+from mmcache.errors import InvalidValueError
+
+__all__ = ["AllFences", "Device", "Fence", "Stream", "batch_order", "storage_use_count"]
 
 
 class Stream(Protocol):
@@ -124,6 +126,10 @@ class Device(abc.ABC):
     def use_on(self, tensor: torch.Tensor, stream: Stream) -> None:  # noqa: B027 - optional hook
         """Tell the allocator that stream uses tensor (CUDA record_stream); default: nothing."""
 
+    #: True if poison_host overwrites freed host blocks (the simulator), so that callers
+    #: skip building a view for nothing on devices that do not.
+    poisons_host: bool = False
+
     def poison_host(self, view: torch.Tensor) -> None:  # noqa: B027 - optional hook
         """Overwrite a freed host block (the simulator poisons it; CUDA does nothing)."""
 
@@ -138,10 +144,24 @@ class Device(abc.ABC):
         """Queue src (host) -> dst (device, same byte size) after the fences; return its fence."""
 
     def copy_d2h_batch(
-        self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], after: Sequence[Fence]
+        self,
+        srcs: Sequence[torch.Tensor],
+        host: torch.Tensor,
+        offsets: Sequence[int],
+        after: Sequence[Fence],
     ) -> Fence:
-        """Queue many device-to-host copies behind one fence that fails if any copy fails."""
-        return AllFences([self.copy_d2h(src, dst, after) for src, dst in pairs])
+        """Queue copies of srcs (device, contiguous) into host's bytes at offsets, after
+        the fences, behind one fence that fails if any copy fails.
+
+        host is a flat uint8 host tensor (the arena); the byte ranges must not overlap.
+        Unlike copy_d2h, the caller keeps every source alive until the fence is done: a
+        batch is many small features, and per-source allocator bookkeeping adds up.
+        """
+        fences = [
+            self.copy_d2h(src, host[offset : offset + src.nbytes], after)
+            for offset, src in batch_order(srcs, host, offsets)
+        ]
+        return fences[0] if len(fences) == 1 else AllFences(fences)
 
     @abc.abstractmethod
     def copy_d2d(self, src: torch.Tensor, dst: torch.Tensor, stream: Stream) -> Fence:
@@ -226,3 +246,37 @@ class _CompletedFence(Fence):
 
 
 _DONE = _CompletedFence()
+
+
+def batch_order(
+    srcs: Sequence[torch.Tensor], host: torch.Tensor, offsets: Sequence[int]
+) -> list[tuple[int, torch.Tensor]]:
+    """copy_d2h_batch's (offset, source) pairs in host order, its arguments checked."""
+    if not srcs:
+        raise InvalidValueError("copy_d2h_batch needs at least one source")
+    if len(srcs) != len(offsets):
+        raise InvalidValueError(f"{len(srcs)} sources but {len(offsets)} offsets")
+    if host.device.type != "cpu" or host.dtype != torch.uint8 or host.dim() != 1:
+        raise InvalidValueError(
+            f"copy_d2h_batch writes into a flat uint8 host tensor, not a {host.dtype} "
+            f"tensor of shape {tuple(host.shape)} on {host.device}"
+        )
+    # Offloads allocate blocks front to back, so this is mostly sorted already (linear).
+    ordered = sorted(zip(offsets, srcs, strict=True), key=_offset_of)
+    limit = host.numel()
+    end = 0
+    for offset, src in ordered:
+        nbytes = src.nbytes
+        if offset < 0 or offset + nbytes > limit:
+            raise InvalidValueError(
+                f"a copy of {nbytes} bytes at offset {offset} falls outside the "
+                f"{limit}-byte host tensor"
+            )
+        if offset < end:
+            raise InvalidValueError(f"copy destinations overlap at offset {offset}")
+        end = offset + nbytes
+    return ordered
+
+
+def _offset_of(pair: tuple[int, torch.Tensor]) -> int:
+    return pair[0]

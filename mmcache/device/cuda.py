@@ -17,7 +17,7 @@ from typing import Any, Final, Literal, final
 
 import torch
 
-from mmcache.device.base import Device, Fence, Stream
+from mmcache.device.base import Device, Fence, Stream, batch_order
 from mmcache.errors import (
     CacheClosedError,
     CopyFailedError,
@@ -666,34 +666,34 @@ class CudaDevice(Device):
             raise _enqueue_error("device-to-device", src.nbytes, exc) from exc
 
     def copy_d2h_batch(
-        self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], after: Sequence[Fence]
+        self,
+        srcs: Sequence[torch.Tensor],
+        host: torch.Tensor,
+        offsets: Sequence[int],
+        after: Sequence[Fence],
     ) -> CudaFence:
-        """Queue many src -> dst copies on the D2H stream behind one fence.
+        """Queue copies of srcs into host's bytes at offsets on the D2H stream, one fence.
 
-        Small sources whose destinations are adjacent in host memory (in any order) are
-        packed into one device buffer by one kernel and moved by one copy.
+        Small sources of one dtype and row shape whose ranges lie back to back in host
+        memory (in any order) are gathered into one buffer by one kernel and moved by one
+        copy. The caller keeps the sources alive until the fence is done.
         """
         self._check_open()
-        for src, dst in pairs:
-            self._check_batch_pair(src, dst)
+        runs = self._packed_runs(batch_order(srcs, host, offsets))
         stream = self._d2h
-        total = sum(src.nbytes for src, _ in pairs)
         try:
             with _OnStream(stream):
                 self._order_after(stream, after)
-                for srcs, region in self._packed_runs(pairs):
-                    if len(srcs) == 1:
-                        self._copy_bytes(region, _flat_bytes(srcs[0], "source"), host=region)
-                        continue
-                    # One kernel flattens the run into a buffer from the D2H stream's pool:
-                    # later work on this stream only reuses it after the copy has read it.
-                    packed = _flatten(srcs).view(torch.uint8)
-                    self._copy_bytes(region, packed, host=region)
+                for run, start, nbytes in runs:
+                    region = host[start : start + nbytes]
+                    # The gather buffer comes from the D2H stream's pool: later work on this
+                    # stream reuses it only after the copy has read it.
+                    packed = run[0] if len(run) == 1 else torch.cat(run)
+                    self._copy_bytes(region, _flat_bytes(packed, "source"), host=region)
                     del packed
-                for src, _ in pairs:
-                    src.record_stream(stream)
                 return self._record_on(stream, self._d2h_waiter)
         except RuntimeError as exc:
+            total = sum(src.nbytes for src in srcs)
             raise _enqueue_error("batched device-to-host", total, exc) from exc
 
     # --- lifecycle ------------------------------------------------------------
@@ -814,55 +814,43 @@ class CudaDevice(Device):
         edges = [start, *(k * chunk for k in range(first + 1, last + 1)), stop]
         return [(a - start, b - start) for a, b in itertools.pairwise(edges)]
 
-    def _check_batch_pair(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """copy_d2h_batch's checks, cheap enough to run per feature."""
-        if not (src.is_cuda and src.get_device() == self.index):
-            raise InvalidValueError(f"copy source is on {src.device}, not {self.name}")
-        if not dst.is_cpu:
-            raise InvalidValueError(f"copy destination is on {dst.device}, not host memory")
-        if src.nbytes != dst.nbytes:
-            raise InvalidValueError(
-                f"copy of {src.nbytes} bytes into a {dst.nbytes}-byte destination"
-            )
-        if not (src.is_contiguous() and dst.is_contiguous()):
-            raise InvalidValueError(
-                "batched copies need contiguous sources and destinations; "
-                "compact them with copy_d2d first"
-            )
-
     def _packed_runs(
-        self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]
-    ) -> Iterator[tuple[list[torch.Tensor], torch.Tensor]]:
-        """(sources, host bytes) per copy: small sources of one dtype whose destinations
-        are adjacent in one host storage form a run; large ones go alone."""
-        small: list[tuple[int, torch.Tensor, torch.Tensor]] = []
-        for src, dst in pairs:
-            if src.nbytes > self.pack_max_bytes:
-                yield [src], _flat_bytes(dst, "destination")
-            else:
-                small.append((dst.data_ptr(), src, dst))
-        small.sort(key=lambda item: item[0])
+        self, ordered: list[tuple[int, torch.Tensor]]
+    ) -> list[tuple[list[torch.Tensor], int, int]]:
+        """(sources, host offset, bytes) per copy, sources checked on the way.
+
+        Back-to-back sources of one dtype and row shape form a run (torch.cat joins them
+        along rows); sources over pack_max_bytes go alone.
+        """
+        device, pack_max = self._device, self.pack_max_bytes
+        runs: list[tuple[list[torch.Tensor], int, int]] = []
         run: list[torch.Tensor] = []
-        first: torch.Tensor | None = None
-        run_end = run_bytes = storage = 0
-        for ptr, src, dst in small:
-            dst_storage = dst.untyped_storage().data_ptr()
+        run_start = run_end = 0
+        run_kind: tuple[torch.dtype, torch.Size] | None = None
+        for offset, src in ordered:
+            if src.device != device:
+                raise InvalidValueError(f"copy source is on {src.device}, not {self.name}")
+            if not src.is_contiguous():
+                raise InvalidValueError(
+                    "batched copies need contiguous sources; compact them with copy_d2d first"
+                )
+            nbytes = src.nbytes
+            shape = src.shape
+            kind = (src.dtype, shape[1:]) if shape and nbytes <= pack_max else None
             if (
-                first is not None
-                and ptr == run_end
-                and dst_storage == storage
-                and src.dtype == run[0].dtype
-                and run_bytes + src.nbytes <= _PACK_RUN_MAX_BYTES
+                kind is not None
+                and kind == run_kind
+                and offset == run_end
+                and run_end - run_start + nbytes <= _PACK_RUN_MAX_BYTES
             ):
                 run.append(src)
-                run_bytes += src.nbytes
             else:
-                if first is not None:
-                    yield run, _bytes_at(first, run_bytes)
-                run, first, run_bytes, storage = [src], dst, src.nbytes, dst_storage
-            run_end = ptr + src.nbytes
-        if first is not None:
-            yield run, _bytes_at(first, run_bytes)
+                if run:
+                    runs.append((run, run_start, run_end - run_start))
+                run, run_start, run_kind = [src], offset, kind
+            run_end = offset + nbytes
+        runs.append((run, run_start, run_end - run_start))
+        return runs
 
     def _driver(self) -> _CudaDriver:
         if self._driver_instance is None:
@@ -919,25 +907,6 @@ class CudaDevice(Device):
         self._arena_ptr, self._arena_nbytes = ptr, nbytes
         self._arena_split_chunk = chunk if nbytes > chunk else 0
         return arena
-
-
-def _bytes_at(first: torch.Tensor, nbytes: int) -> torch.Tensor:
-    """nbytes of host memory from first's first byte on (a run of adjacent blocks)."""
-    return _flat_bytes(first, "destination").as_strided((nbytes,), (1,))
-
-
-# flatten_dense_tensors concatenates flat copies of same-dtype tensors in one C++ call:
-# building a flat view per source in Python costs several µs each.
-_flatten_dense: Callable[[list[torch.Tensor]], torch.Tensor] | None = getattr(
-    torch._C._nn, "flatten_dense_tensors", None
-)
-
-
-def _flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """One 1-D tensor holding tensors' elements back to back (one dtype)."""
-    if _flatten_dense is not None:
-        return _flatten_dense(tensors)
-    return torch.cat([t.reshape(-1) for t in tensors])
 
 
 def _pending_event(fence: Fence) -> torch.cuda.Event | None:

@@ -123,6 +123,7 @@ class SimDevice(Device):
     """A CPU simulator of a CUDA device, adversarial about fences and memory reuse."""
 
     stream_ordered_reads = False
+    poisons_host = True
 
     def __init__(self, bandwidth_gbps: float = 0.0, latency_s: float = 0.0) -> None:
         if bandwidth_gbps < 0 or latency_s < 0:
