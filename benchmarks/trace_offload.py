@@ -8,6 +8,7 @@ ran dry) and the latency chain that made it late.
 
     python benchmarks/trace_offload.py --mb 8 --count 256            # through FeatureCache
     python benchmarks/trace_offload.py --mb 8 --count 256 --depth 4  # device only, 4 in flight
+    python benchmarks/trace_offload.py --mb 1 --count 2048 --group 8 # put_many of 8
 
 CUDA only (the simulator has no GPU timeline).
 """
@@ -182,6 +183,28 @@ def analyse(timeline: Timeline, wall: float) -> dict[str, Any]:
     }
 
 
+class LoopIdle:
+    """Time the event loop spends blocked in its selector (nothing ready to run)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.seconds = 0.0
+        self._selector: Any = getattr(loop, "_selector")  # noqa: B009 - private on purpose
+        self._select: Callable[..., Any] = self._selector.select
+
+    def start(self) -> None:
+        def select(timeout: float | None = None) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return self._select(timeout)
+            finally:
+                self.seconds += time.perf_counter() - t0
+
+        self._selector.select = select
+
+    def stop(self) -> None:
+        self._selector.select = self._select
+
+
 async def through_cache(args: argparse.Namespace, device: TracingCudaDevice) -> dict[str, Any]:
     rows = max(1, int(args.mb * 2**20 / (HIDDEN * 2)))
     nbytes = rows * HIDDEN * 2
@@ -207,21 +230,34 @@ async def through_cache(args: argparse.Namespace, device: TracingCudaDevice) -> 
             original(entry, *rest)
 
         setattr(cache, "_offload_done", offload_done)  # noqa: B010
+        idle = LoopIdle(asyncio.get_running_loop())
         timeline = Timeline.start(device.d2h_stream)
         device.timeline = timeline
         put_waits: list[float] = []
         begin = time.perf_counter()
-        for i in range(args.count):
-            value, features[i] = features[i], None
-            assert value is not None
-            t0 = time.perf_counter()
-            await cache.put(i, value)
-            put_waits.append((time.perf_counter() - t0) * 1e6)
+        idle.start()
+        for first in range(0, args.count, args.group):
+            items = []
+            for i in range(first, min(first + args.group, args.count)):
+                value, features[i] = features[i], None
+                assert value is not None
+                items.append((i, value))
             del value
+            t0 = time.perf_counter()
+            if args.group == 1:
+                await cache.put(*items[0])
+            else:
+                await cache.put_many(items)
+            put_waits.append((time.perf_counter() - t0) * 1e6)
+            del items
         await cache.drain()
         wall = time.perf_counter() - begin
+        idle.stop()
         device.timeline = None
     result = analyse(timeline, wall)
+    # Idle: the loop blocked in select, nothing to run. High idle with a starved copy
+    # engine means latency (landings reported late); low idle means Python is the limit.
+    result["loop_idle_fraction"] = idle.seconds / wall
     result["put_us"] = {
         "p50": _pct(put_waits, 0.5),
         "p90": _pct(put_waits, 0.9),
@@ -282,6 +318,7 @@ def main() -> int:
     parser.add_argument("--gpu-fraction", type=float, default=0.25)
     parser.add_argument("--evict-ahead", type=float, default=0.125)
     parser.add_argument("--depth", type=int, default=0, help="device only: copies in flight")
+    parser.add_argument("--group", type=int, default=1, help="through the cache: put_many size")
     parser.add_argument("--switch-interval", type=float, help="sys.setswitchinterval (s)")
     parser.add_argument("--label", default="")
     args = parser.parse_args()

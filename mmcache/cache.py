@@ -110,6 +110,7 @@ class FeatureCache:
         self._pool: HostPool | None = None
         self._closed = False
         self._entries: dict[Hashable, Entry] = {}
+        self._done_fence = self._device.completed_fence()
         # Recency per tier only; the byte ledger is ours (cachetools cannot see bytes in flight).
         self._gpu_lru: LRUCache[Hashable, Entry] = LRUCache(maxsize=math.inf)
         self._host_lru: LRUCache[Hashable, Entry] = LRUCache(maxsize=math.inf)
@@ -260,6 +261,7 @@ class FeatureCache:
         """
         if stream is None:
             stream = self._device.current_stream()  # read before any await: it is per thread
+        check_key(key)
         batch = [(key, value)]
         del value  # the cache owns it now: no frame of ours keeps it alive past its release
         return await self._put_batch(batch, stream, wait)
@@ -303,16 +305,22 @@ class FeatureCache:
         await self._ready_to_serve()
         keys = []
         sizes = []
-        for key, tensor in items:
-            check_key(key)
-            keys.append(key)
-            sizes.append(self._check_value(tensor))
-        total = sum(sizes)
         to_gpu = self._gpu_capacity > 0
+        # Checked in one pass (keys are checked by put and put_many): per feature, every
+        # call here is paid thousands of times a second for small features.
+        if to_gpu:
+            limit: float = self._gpu_capacity
+        else:  # both tiers off: put returns False below, once every value is checked
+            limit = self._host_limit() if self._cpu_capacity else math.inf
+        for key, tensor in items:
+            keys.append(key)
+            nbytes = self._check_value(tensor)
+            if nbytes > limit:
+                self._check_fits(nbytes, to_gpu)  # raises, with the setting to change
+            sizes.append(nbytes)
+        total = sum(sizes)
         if not to_gpu and self._cpu_capacity == 0:
             return False
-        for nbytes in sizes:
-            self._check_fits(nbytes, to_gpu)
         if to_gpu and total > self._gpu_capacity:
             raise ValueTooLargeError(
                 f"features of {total / MiB:.1f} MB in all exceed the GPU tier "
@@ -604,7 +612,7 @@ class FeatureCache:
                 f"this cache keeps features on {self._device.name}; got a tensor on "
                 f"{value.device} (move it with .to({self._device.name!r}) first)"
             )
-        nbytes = value.numel() * value.element_size()
+        nbytes: int = value.nbytes
         if nbytes == 0:
             raise InvalidValueError(f"refusing an empty tensor of shape {tuple(value.shape)}")
         return nbytes
@@ -616,13 +624,17 @@ class FeatureCache:
                 f"({self._gpu_capacity / MiB:.1f} MB); raise "
                 f"{' or '.join(CacheSettings.env_names('gpu_cache_mb'))}"
             )
-        limit = self._cpu_capacity if self._pool is None else self._pool.max_block_bytes
+        limit = self._host_limit()
         if not to_gpu and nbytes > limit:
             raise ValueTooLargeError(
                 f"value of {nbytes / MiB:.1f} MB exceeds the host tier ({limit / MiB:.1f} MB), "
                 f"and the GPU tier is off; raise "
                 f"{' or '.join(CacheSettings.env_names('cpu_cache_mb'))}"
             )
+
+    def _host_limit(self) -> int:
+        """The largest feature the host tier can take."""
+        return self._cpu_capacity if self._pool is None else self._pool.max_block_bytes
 
     def _own(self, value: torch.Tensor, stream: Stream, ready: Fence) -> tuple[torch.Tensor, Fence]:
         """The cache's own alias of value; a view of a larger storage is compacted first."""
@@ -741,7 +753,7 @@ class FeatureCache:
 
     def _release_device(self, tensor: torch.Tensor, nbytes: int, after: Sequence[Fence]) -> None:
         """Release a device tensor charged to the GPU tier once after's fences are done."""
-        pending = [f for f in after if not f.done()]
+        pending = [f for f in after if not f.done()] if after else []
         self._device.release(tensor, after=pending)
         if not pending:
             self._gpu_used -= nbytes
@@ -945,7 +957,7 @@ class FeatureCache:
             self._c["d2h_bytes"] += entry.nbytes
         tensor, entry.tensor = entry.tensor, None
         assert tensor is not None
-        readers = entry.device_readers_pending()
+        readers = entry.device_readers_pending() if entry.device_readers else []
         if charged_gpu:
             self._gpu_releasing -= entry.nbytes
             self._gpu_entries -= 1
@@ -956,7 +968,7 @@ class FeatureCache:
             entry.state = State.HOST
             # Both copies are done and good: a shared finished fence stands in for them,
             # so a host entry keeps no CUDA event (nor the batch's fence) alive.
-            entry.copy_fence = entry.ready = self._device.completed_fence()
+            entry.copy_fence = entry.ready = self._done_fence
             self._host_lru[entry.key] = entry
         else:
             if entry.state is State.D2H:  # the copy failed: the feature is lost
