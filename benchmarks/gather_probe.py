@@ -1,16 +1,20 @@
-"""Host cost of queueing a batch of small offloads: the gather kernel and copy_d2h_batch.
+"""Host cost of queueing offloads: the gather kernel, copy_d2h_batch, and one copy.
 
     python benchmarks/gather_probe.py    # CUDA only: about 10 s on an H200
 
 For 8 x 1 MB and 128 x 64 KB bf16 features it times, per call (300 calls after 20
 warm-up calls): joining them with torch.cat and with flatten_dense_tensors on the
 D2H stream, and a whole CudaDevice.copy_d2h_batch into the pinned arena (checks,
-gather, one copy, one fence); then checks the copied bytes.
+gather, one copy, one fence); then checks the copied bytes. Last, the host time of
+one device-to-host copy_ (1 MB and 8 MB, paced like an offload stream), alone and
+while another thread waits on CUDA events and runs a little Python per landing,
+as a fence waiter thread does: it shows what sharing the GIL costs the loop.
 """
 
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -39,13 +43,63 @@ def per_call_us(fn: Callable[[], object]) -> tuple[float, float]:
     return (enqueued - start) / CALLS * 1e6, (done - start) / CALLS * 1e6
 
 
+def paced_copies_us(
+    stream: torch.cuda.Stream, host: torch.Tensor, src: torch.Tensor, gap_s: float
+) -> tuple[float, float]:
+    """(p50, p90) host µs of one copy_ call, one call every gap_s (busy-waited)."""
+    torch.cuda.synchronize()
+    times = []
+    for i in range(64):
+        offset = i * src.numel() % (host.numel() - src.numel())
+        with _OnStream(stream):
+            start = time.perf_counter()
+            host[offset : offset + src.numel()].copy_(src, non_blocking=True)
+            times.append(time.perf_counter() - start)
+        until = time.perf_counter() + gap_s
+        while time.perf_counter() < until:
+            pass
+    torch.cuda.synchronize()
+    times.sort()
+    return times[len(times) // 2] * 1e6, times[int(len(times) * 0.9)] * 1e6
+
+
+def copy_with_a_waiter_thread(stream: torch.cuda.Stream, host: torch.Tensor) -> None:
+    cases = {"1 MB every 20 µs": (1 << 20, 20e-6), "8 MB every 150 µs": (8 << 20, 150e-6)}
+    sources = {
+        name: torch.empty(n, dtype=torch.uint8, device="cuda") for name, (n, _) in cases.items()
+    }
+    alone = {
+        name: paced_copies_us(stream, host, sources[name], gap) for name, (_, gap) in cases.items()
+    }
+    stop = threading.Event()
+
+    def waiter() -> None:
+        while not stop.is_set():
+            event = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+            event.record(stream)
+            event.synchronize()  # sleeps without the GIL; takes it back on waking
+            sum(range(200))  # a callback's worth of Python
+
+    thread = threading.Thread(target=waiter, daemon=True)
+    thread.start()
+    shared = {
+        name: paced_copies_us(stream, host, sources[name], gap) for name, (_, gap) in cases.items()
+    }
+    stop.set()
+    thread.join()
+    print(f"{'copy_ call':20s} {'alone p50/p90 µs':>18s} {'with waiter p50/p90 µs':>24s}")
+    for name in cases:
+        (a50, a90), (s50, s90) = alone[name], shared[name]
+        print(f"{name:20s} {a50:8.1f} / {a90:6.1f} {s50:14.1f} / {s90:6.1f}")
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("gather_probe: needs a CUDA device")
         return 0
     device = CudaDevice(0, background_pinning=False)
     stream = device.d2h_stream
-    arena = device.host_arena(64 << 20)
+    arena = device.host_arena(128 << 20)
     flatten = torch._C._nn.flatten_dense_tensors
     print(f"{'batch':10s} {'operation':16s} {'enqueue µs':>11s} {'wall µs':>9s}")
     exact = True
@@ -71,6 +125,7 @@ def main() -> int:
             got = arena[offset : offset + src.nbytes]
             exact &= torch.equal(got, src.cpu().reshape(-1).view(torch.uint8))
     print("bytes exact:", exact)
+    copy_with_a_waiter_thread(stream, arena)
     device.close()
     return 0 if exact else 1
 
