@@ -29,6 +29,7 @@ from cachetools import LRUCache
 from prometheus_client import CollectorRegistry
 
 from mmcache.device import Device, Fence, Stream, resolve_device
+from mmcache.device.base import feature_bytes
 from mmcache.entry import Entry, State, check_key, row_range
 from mmcache.errors import (
     CacheClosedError,
@@ -605,15 +606,9 @@ class FeatureCache:
             )
 
     def _check_value(self, value: object) -> int:
-        if not isinstance(value, torch.Tensor):
-            raise InvalidValueError(f"put() takes a torch.Tensor, not {type(value).__name__}")
-        if not self._device.is_device_tensor(value):
-            raise InvalidValueError(
-                f"this cache keeps features on {self._device.name}; got a tensor on "
-                f"{value.device} (move it with .to({self._device.name!r}) first)"
-            )
-        nbytes: int = value.nbytes
+        nbytes = feature_bytes(self._device, value, "put()")
         if nbytes == 0:
+            assert isinstance(value, torch.Tensor)
             raise InvalidValueError(f"refusing an empty tensor of shape {tuple(value.shape)}")
         return nbytes
 
@@ -753,7 +748,7 @@ class FeatureCache:
 
     def _release_device(self, tensor: torch.Tensor, nbytes: int, after: Sequence[Fence]) -> None:
         """Release a device tensor charged to the GPU tier once after's fences are done."""
-        pending = [f for f in after if not f.done()] if after else []
+        pending = [f for f in after if not f.done()]
         self._device.release(tensor, after=pending)
         if not pending:
             self._gpu_used -= nbytes
@@ -934,7 +929,8 @@ class FeatureCache:
                 self._arm_watchdog(deadline)
                 return
             if not offload.fence.done():
-                self._quarantine_batch(offload.batch, offload.fence)
+                for entry in offload.batch:
+                    self._quarantine(entry, offload.fence)
 
     def _reap_landed(self) -> None:
         """Handle offloads that have landed, oldest first, without waiting to be told.
@@ -957,7 +953,7 @@ class FeatureCache:
             self._c["d2h_bytes"] += entry.nbytes
         tensor, entry.tensor = entry.tensor, None
         assert tensor is not None
-        readers = entry.device_readers_pending() if entry.device_readers else []
+        readers = entry.device_readers_pending()
         if charged_gpu:
             self._gpu_releasing -= entry.nbytes
             self._gpu_entries -= 1
@@ -973,16 +969,11 @@ class FeatureCache:
         else:
             if entry.state is State.D2H:  # the copy failed: the feature is lost
                 self._copy_failed("offload", entry.key, failed)
-                self._c["dropped"] += 1
-                self._metrics.dropped()
+                self._count_dropped()
                 if self._entries.get(entry.key) is entry:
                     del self._entries[entry.key]
                 entry.state = State.GONE
             self._free_block(entry)
-
-    def _quarantine_batch(self, batch: list[Entry], fence: Fence) -> None:
-        for entry in batch:
-            self._quarantine(entry, fence)
 
     def _quarantine(self, entry: Entry, fence: Fence) -> None:
         """An offload past copy_timeout_s: drop its entry, keep its bytes reserved as leaked.
@@ -1007,8 +998,7 @@ class FeatureCache:
         self._metrics.fault("quarantined")
         if self._entries.get(entry.key) is entry:
             del self._entries[entry.key]
-            self._c["dropped"] += 1
-            self._metrics.dropped()
+            self._count_dropped()
         entry.state = State.GONE
         self._push_tiers()
 
@@ -1021,10 +1011,8 @@ class FeatureCache:
         self._metrics.fault("copy_failed")
 
     def _lose(self, entry: Entry) -> None:
-        """Drop an entry whose data a failed copy destroyed (counted)."""
-        self._c["dropped"] += 1
-        self._metrics.dropped()
-        self._unlink(entry)
+        """Drop an entry whose data a failed copy destroyed, and hand its room on."""
+        self._drop(entry)
         self._wake_gpu()
         self._push_tiers()
 
@@ -1037,10 +1025,14 @@ class FeatureCache:
             self._lose(entry)
 
     def _drop(self, entry: Entry) -> None:
-        """Lose a GPU entry that the host tier cannot take now."""
+        """Lose an entry (a GPU one the host tier cannot take now, or a destroyed one)."""
+        self._count_dropped()
+        self._unlink(entry)
+
+    def _count_dropped(self) -> None:
+        """A feature the cache lost: the stats counter and the metric move together."""
         self._c["dropped"] += 1
         self._metrics.dropped()
-        self._unlink(entry)
 
     def _unlink(self, entry: Entry) -> None:
         """Remove entry from the index and release what it holds after its fences."""

@@ -107,23 +107,17 @@ class FenceWatcher:
         self._idle.clear()
         left = len(pending)
 
-        def finish() -> None:
+        def one_done() -> None:
+            nonlocal left
+            left -= 1
+            if left:
+                return
             try:
                 callback()
             finally:
                 self.outstanding -= 1
                 if self.outstanding == 0:
                     self._idle.set()
-
-        if left == 1:
-            pending[0].add_done_callback(lambda: self._completed(finish))
-            return
-
-        def one_done() -> None:
-            nonlocal left
-            left -= 1
-            if not left:
-                finish()
 
         for f in pending:
             f.add_done_callback(lambda: self._completed(one_done))

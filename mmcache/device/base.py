@@ -13,7 +13,15 @@ import torch
 
 from mmcache.errors import InvalidValueError
 
-__all__ = ["AllFences", "Device", "Fence", "Stream", "batch_order", "storage_use_count"]
+__all__ = [
+    "AllFences",
+    "Device",
+    "Fence",
+    "Stream",
+    "batch_order",
+    "feature_bytes",
+    "storage_use_count",
+]
 
 
 class Stream(Protocol):
@@ -246,6 +254,19 @@ class _CompletedFence(Fence):
 
 
 _DONE = _CompletedFence()
+
+
+def feature_bytes(device: Device, value: object, caller: str) -> int:
+    """Bytes of value if it is a tensor in device's memory; InvalidValueError otherwise."""
+    if not isinstance(value, torch.Tensor):
+        raise InvalidValueError(f"{caller} takes a torch.Tensor, not {type(value).__name__}")
+    if not device.is_device_tensor(value):
+        raise InvalidValueError(
+            f"{caller} needs a tensor on {device.name}, got one on {value.device} "
+            f"(move it with .to({device.name!r}) first)"
+        )
+    nbytes: int = value.nbytes
+    return nbytes
 
 
 def batch_order(

@@ -822,13 +822,13 @@ class CudaDevice(Device):
         Back-to-back sources of one dtype and row shape form a run (torch.cat joins them
         along rows); sources over pack_max_bytes go alone.
         """
-        device, pack_max = self._device, self.pack_max_bytes
+        pack_max = self.pack_max_bytes
         runs: list[tuple[list[torch.Tensor], int, int]] = []
         run: list[torch.Tensor] = []
         run_start = run_end = 0
         run_kind: tuple[torch.dtype, torch.Size] | None = None
         for offset, src in ordered:
-            if src.device != device:
+            if not self.is_device_tensor(src):
                 raise InvalidValueError(f"copy source is on {src.device}, not {self.name}")
             if not src.is_contiguous():
                 raise InvalidValueError(

@@ -25,6 +25,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from mmcache.device import Device, Fence, SimDevice, Stream, resolve_device
+from mmcache.device.base import feature_bytes
 from mmcache.errors import (
     CacheClosedError,
     CopyFailedError,
@@ -279,7 +280,7 @@ class FeatureSender:
         if stream is None:
             stream = self._device.current_stream()  # read before any await: it is per thread
         await self._ready_to_serve()
-        nbytes = self._check_value(tensor)
+        nbytes = feature_bytes(self._device, tensor, "send()")
         ready = self._device.record(stream)
         own = self._device.adopt(tensor, stream)
         del tensor
@@ -711,16 +712,6 @@ class FeatureSender:
                 "this FeatureSender belongs to another event loop; call it from the loop "
                 "that started it"
             )
-
-    def _check_value(self, value: object) -> int:
-        if not isinstance(value, torch.Tensor):
-            raise InvalidValueError(f"send() takes a torch.Tensor, not {type(value).__name__}")
-        if not self._device.is_device_tensor(value):
-            raise InvalidValueError(
-                f"this sender's features live on {self._device.name}; got a tensor on "
-                f"{value.device} (move it with .to({self._device.name!r}) first)"
-            )
-        return value.numel() * value.element_size()
 
     def _arena(
         self,
