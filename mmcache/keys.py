@@ -114,7 +114,7 @@ def feature_key(
         _field(h, b"s", _SHAPE_UNKNOWN)
     else:
         _field(h, b"s", b"".join(struct.pack("<q", d) for d in shape))
-    _field_buffer(h, b"d", payload)
+    _field(h, b"d", payload)
     del payload, owner  # the view over a tensor's memory must not outlive the tensor
     return FeatureKey(kind, h.hexdigest())
 
@@ -178,13 +178,9 @@ def check_feature(
 # --- canonical encoding ---------------------------------------------------------------
 
 
-def _field(h: hashlib.blake2b, tag: bytes, data: bytes) -> None:
+def _field(h: hashlib.blake2b, tag: bytes, data: bytes | memoryview) -> None:
+    # Views are cast to bytes ("B") by _source, so len() is their size in bytes.
     h.update(tag + struct.pack("<Q", len(data)))
-    h.update(data)
-
-
-def _field_buffer(h: hashlib.blake2b, tag: bytes, data: memoryview) -> None:
-    h.update(tag + struct.pack("<Q", data.nbytes))
     h.update(data)
 
 

@@ -32,6 +32,7 @@ __all__ = [
     "ArenaMethod",
     "CudaDevice",
     "CudaFence",
+    "as_cuda_stream",
 ]
 
 _log = logging.getLogger(__name__)
@@ -382,7 +383,7 @@ class _OnStream:
             _set_current_device(self._prev_device)
 
 
-def _as_cuda_stream(stream: Stream) -> torch.cuda.Stream:
+def as_cuda_stream(stream: Stream) -> torch.cuda.Stream:
     """The torch.cuda.Stream behind stream (a torch.Stream of CUDA type is converted)."""
     if isinstance(stream, torch.cuda.Stream):
         return stream
@@ -511,7 +512,7 @@ class CudaDevice(Device):
 
     def record(self, stream: Stream) -> CudaFence:
         """A fence that completes after all work queued on stream so far."""
-        cuda_stream = _as_cuda_stream(stream)
+        cuda_stream = as_cuda_stream(stream)
         return self._record_on(
             cuda_stream, self._waiters.get(cuda_stream.cuda_stream, self._other_waiter)
         )
@@ -520,7 +521,7 @@ class CudaDevice(Device):
         """Make later work on stream wait for fence (no host synchronisation)."""
         event = _pending_event(fence)
         if event is not None:
-            _as_cuda_stream(stream).wait_event(event)
+            as_cuda_stream(stream).wait_event(event)
 
     # --- memory -------------------------------------------------------------
 
@@ -545,7 +546,7 @@ class CudaDevice(Device):
         The pool is the stream that first writes the memory: a block the caching allocator
         hands out on stream S may still be read by work queued on S before it was freed.
         """
-        alloc_stream = self._h2d if stream is None else _as_cuda_stream(stream)
+        alloc_stream = self._h2d if stream is None else as_cuda_stream(stream)
         try:
             with _OnStream(alloc_stream):
                 return torch.empty(tuple(shape), dtype=dtype, device=self._device)
@@ -566,7 +567,7 @@ class CudaDevice(Device):
 
     def use_on(self, tensor: torch.Tensor, stream: Stream) -> None:
         """record_stream: the allocator keeps tensor's block until stream's queued work is done."""
-        tensor.record_stream(_as_cuda_stream(stream))
+        tensor.record_stream(as_cuda_stream(stream))
 
     def release(self, tensor: torch.Tensor, after: Sequence[Fence]) -> None:
         """Drop the cache's alias once every fence in after is done.
@@ -642,7 +643,7 @@ class CudaDevice(Device):
     def copy_d2d(self, src: torch.Tensor, dst: torch.Tensor, stream: Stream) -> CudaFence:
         """Queue src -> dst (both on this GPU; src may be strided) on stream."""
         self._check_open()
-        cuda_stream = _as_cuda_stream(stream)
+        cuda_stream = as_cuda_stream(stream)
         for tensor, role in ((src, "source"), (dst, "destination")):
             if not self.is_device_tensor(tensor):
                 raise InvalidValueError(f"copy {role} is on {tensor.device}, not {self.name}")

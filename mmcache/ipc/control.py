@@ -53,6 +53,11 @@ class LaneInfo:
     epoch: int
     peer_ok: bool
 
+    @property
+    def live(self) -> bool:
+        """Registered and its process still running."""
+        return self.state == LIVE and process_alive(self.pid)
+
 
 def process_alive(pid: int) -> bool:
     """True while process pid runs (a zombie counts as dead)."""

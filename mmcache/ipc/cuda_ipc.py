@@ -22,14 +22,14 @@ from typing import Any, ClassVar, Final, cast, final
 import torch
 
 from mmcache.device.base import Stream
-from mmcache.errors import DeviceOutOfMemoryError, InvalidValueError, MMCacheError
+from mmcache.device.cuda import as_cuda_stream
+from mmcache.errors import DeviceOutOfMemoryError, MMCacheError
 from mmcache.ipc.errors import NoPeerAccessError
 
 __all__ = [
     "CudaPool",
     "Driver",
     "PeerPool",
-    "as_cuda_stream",
     "device_uuid",
     "ordinal_of",
     "pin_host",
@@ -196,13 +196,6 @@ def tensor_at(pointer: int, nbytes: int, device: torch.device) -> torch.Tensor:
     return empty.set_(cast(torch.UntypedStorage, storage), 0, (nbytes,), (1,))
 
 
-def as_cuda_stream(stream: Stream) -> torch.cuda.Stream:
-    """The torch.cuda.Stream a CudaDevice stream is."""
-    if isinstance(stream, torch.cuda.Stream):
-        return stream
-    raise InvalidValueError(f"expected a torch.cuda.Stream, got {type(stream).__name__}")
-
-
 def device_uuid(ordinal: int) -> str:
     """The UUID of GPU ordinal (stable across processes, unlike ordinals)."""
     return str(torch.cuda.get_device_properties(ordinal).uuid)
@@ -243,7 +236,6 @@ class CudaPool:
     def __init__(self, ordinal: int, nbytes: int, control_path: str) -> None:
         self.ordinal = ordinal
         self.device = torch.device("cuda", ordinal)
-        self.nbytes = nbytes
         driver = Driver.get()
         self._pointer = driver.mem_alloc(ordinal, nbytes)
         try:

@@ -8,7 +8,7 @@ from typing import Final, Literal, final
 
 import torch
 
-__all__ = ["FeatureHandle", "SenderEndpoint", "dtype_from_name"]
+__all__ = ["FeatureHandle", "SenderEndpoint", "dtype_from_name", "dtype_name"]
 
 _MiB: Final = 1 << 20
 
@@ -66,6 +66,11 @@ class FeatureHandle:
             f"IPC handle #{self.seq} ({self.where} slot {self.slot}, offset {self.offset}, "
             f"{self.nbytes / _MiB:.2f} MiB {self.dtype}[{shape}]) of sender pid {self.sender.pid}"
         )
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The name a handle carries for dtype ("bfloat16", ...); dtype_from_name reverses it."""
+    return str(dtype).removeprefix("torch.")
 
 
 def dtype_from_name(name: str) -> torch.dtype:

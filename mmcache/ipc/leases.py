@@ -22,7 +22,7 @@ from typing import final
 
 from mmcache.device.base import Fence
 from mmcache.host_pool import HostBlock
-from mmcache.ipc.control import LIVE, ControlBlock, LaneInfo, process_alive
+from mmcache.ipc.control import ControlBlock, LaneInfo
 from mmcache.ipc.handle import FeatureHandle
 from mmcache.ipc.pool import SliceArena
 
@@ -128,7 +128,7 @@ class LeaseLedger:
         control = self._control
         result = Sweep()
         lanes = control.lanes()
-        live = [i for i in lanes if i.state == LIVE and process_alive(i.pid)]
+        live = [i for i in lanes if i.live]
         live_ids = {(i.lane, i.epoch) for i in live}
         gone = [i for i in lanes if (i.lane, i.epoch) not in live_ids]
         leases = list(self._leases.values())

@@ -35,13 +35,11 @@ class SliceArena:
         "_device",
         "_hint",
         "_segment",
-        "kind",
         "tensor",
     )
 
     def __init__(
         self,
-        kind: str,
         tensor: torch.Tensor,
         device: Device,
         *,
@@ -51,7 +49,6 @@ class SliceArena:
         segment: SharedSegment | None = None,
         lazy_commit_hint: str | None = None,
     ) -> None:
-        self.kind = kind
         self.tensor = tensor
         self._device = device
         self._segment = segment
@@ -79,10 +76,6 @@ class SliceArena:
     @property
     def max_slice_bytes(self) -> int:
         return self._allocator.max_block_bytes
-
-    def rounded(self, nbytes: int) -> int:
-        """Bytes a slice for nbytes occupies."""
-        return self._allocator.rounded(nbytes)
 
     def allocate(self, nbytes: int) -> HostBlock | None:
         """Best-fit slice of at least nbytes, or None if none is free now."""
@@ -131,7 +124,3 @@ class SlotAllocator:
 
     def give(self, slot: int) -> None:
         heapq.heappush(self._free, slot)
-
-    @property
-    def in_use(self) -> int:
-        return self.capacity - len(self._free)

@@ -21,9 +21,10 @@ from typing import Final, Literal
 import torch
 
 from mmcache.device import Device, Fence, SimDevice, Stream, resolve_device
+from mmcache.device.cuda import as_cuda_stream
 from mmcache.errors import CacheClosedError, CopyFailedError, InvalidValueError
 from mmcache.ipc.control import ControlBlock
-from mmcache.ipc.cuda_ipc import PeerPool, as_cuda_stream, ordinal_of, pin_host
+from mmcache.ipc.cuda_ipc import PeerPool, ordinal_of, pin_host
 from mmcache.ipc.errors import HandleExpiredError, NoPeerAccessError, SenderGoneError
 from mmcache.ipc.handle import FeatureHandle, SenderEndpoint, dtype_from_name
 from mmcache.ipc.shm import SharedSegment

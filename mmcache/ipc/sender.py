@@ -36,10 +36,10 @@ from mmcache.errors import (
     WrongLoopError,
 )
 from mmcache.host_pool import HostBlock
-from mmcache.ipc.control import LIVE, ControlBlock, LaneInfo, process_alive
+from mmcache.ipc.control import LIVE, ControlBlock, LaneInfo
 from mmcache.ipc.cuda_ipc import CudaPool, pin_host
 from mmcache.ipc.errors import NoPeerAccessError, TransportFullError
-from mmcache.ipc.handle import FeatureHandle, SenderEndpoint
+from mmcache.ipc.handle import FeatureHandle, SenderEndpoint, dtype_name
 from mmcache.ipc.leases import Lease, LeaseLedger
 from mmcache.ipc.pool import SliceArena, SlotAllocator
 from mmcache.ipc.shm import SharedSegment
@@ -95,10 +95,6 @@ def _device_kind(device: Device) -> Literal["sim", "cuda"]:
     raise InvalidValueError(
         f"the IPC transport runs on a SimDevice or a CudaDevice, not {type(device).__name__}"
     )
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 class FeatureSender:
@@ -308,7 +304,7 @@ class FeatureSender:
         leases = list(ledger) if ledger is not None else []
         live = 0
         if control is not None and not self._closed:
-            live = sum(1 for i in control.lanes() if i.state == LIVE and process_alive(i.pid))
+            live = sum(1 for i in control.lanes() if i.live)
         return TransportStats(
             pool_used_bytes=self._pool.used_bytes if self._pool is not None else 0,
             pool_capacity_bytes=self._pool.capacity_bytes if self._pool is not None else 0,
@@ -358,7 +354,7 @@ class FeatureSender:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             lanes = self._control.lanes()
-            if sum(1 for i in lanes if i.state == LIVE and process_alive(i.pid)) >= count:
+            if sum(1 for i in lanes if i.live) >= count:
                 return
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"fewer than {count} IPC receivers connected in {timeout} s")
@@ -399,7 +395,7 @@ class FeatureSender:
     def _check_fits(self, nbytes: int, refusal: str | None) -> None:
         """Refuse at once what could never be placed, saying which setting to change."""
         pool, fallback = self._pool, self._fallback
-        if refusal is None and pool is not None and nbytes <= pool.max_slice_bytes:
+        if refusal is None:  # _pool_refusal found the pool able to take it
             return
         if fallback is not None and nbytes <= fallback.max_slice_bytes:
             return
@@ -423,13 +419,17 @@ class FeatureSender:
         slot = self._slots.take()
         if slot is None:
             return None
-        for where, arena in (("pool", self._pool if pool_ok else None), ("host", self._fallback)):
+        choices: tuple[tuple[Where, SliceArena | None], ...] = (
+            ("pool", self._pool if pool_ok else None),
+            ("host", self._fallback),
+        )
+        for where, arena in choices:
             if arena is None:
                 continue
             block = arena.allocate(nbytes)
             if block is not None:
                 self._inflight[where] += block.nbytes
-                return _Placement("pool" if where == "pool" else "host", arena, block, slot)
+                return _Placement(where, arena, block, slot)
         self._slots.give(slot)
         return None
 
@@ -595,7 +595,7 @@ class FeatureSender:
             where=placement.where,
             offset=placement.block.offset,
             shape=shape,
-            dtype=_dtype_name(dtype),
+            dtype=dtype_name(dtype),
             cuda_event=event,
         )
         self._ledger.add(Lease(handle, placement.arena, placement.block, written, *owed))
@@ -715,14 +715,12 @@ class FeatureSender:
 
     def _arena(
         self,
-        kind: Where,
         tensor: torch.Tensor,
         segment: SharedSegment | None = None,
         lazy_commit_hint: str | None = None,
     ) -> SliceArena:
         assert self._watcher is not None
         return SliceArena(
-            kind,
             tensor,
             self._device,
             alignment=self._alignment,
@@ -742,14 +740,14 @@ class FeatureSender:
             alias = self._device.adopt(segment.tensor(), self._device.current_stream())
             self._sim_pool = alias
             self._device.poison_host(alias)  # fresh device memory holds garbage, never zeros
-            return self._arena("pool", alias)
+            return self._arena(alias)
         from mmcache.device.cuda import CudaDevice
 
         assert isinstance(self._device, CudaDevice)
         pool = CudaPool(self._device.index, self._pool_bytes, control_path)
         self._cuda_pool = pool
         assert pool.tensor is not None
-        return self._arena("pool", pool.tensor)
+        return self._arena(pool.tensor)
 
     async def _make_fallback(self) -> SliceArena:
         hint = f"lower {self.settings.env_name('ipc_fallback_mb')}"
@@ -757,7 +755,7 @@ class FeatureSender:
         self._segments.append(segment)
         self._fallback_path = segment.path
         if self._kind == "sim":
-            return self._arena("host", segment.tensor(), segment=segment, lazy_commit_hint=hint)
+            return self._arena(segment.tensor(), segment=segment, lazy_commit_hint=hint)
         from mmcache.device.cuda import CudaDevice
 
         assert isinstance(self._device, CudaDevice) and self._loop is not None
@@ -766,7 +764,7 @@ class FeatureSender:
         segment.commit(0, self._fallback_bytes, hint)
         tensor = segment.tensor()
         self._unpin = await self._loop.run_in_executor(None, pin_host, self._device.index, tensor)
-        return self._arena("host", tensor)
+        return self._arena(tensor)
 
     def _teardown(self, keep_memory: bool) -> None:
         """Unlink the shared segments; free the pool unless a receiver may still read it."""
