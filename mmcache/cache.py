@@ -43,7 +43,7 @@ from mmcache.errors import (
     WrongLoopError,
 )
 from mmcache.host_pool import HostBlock, HostPool
-from mmcache.metrics import CacheMetrics, ensure_metrics_server
+from mmcache.metrics import CacheMetrics, DeferredPush, ensure_metrics_server
 from mmcache.settings import CacheSettings
 from mmcache.stats import CacheStats
 from mmcache.waiting import FenceWatcher, wait_fences
@@ -136,7 +136,7 @@ class FeatureCache:
         self._quarantined: dict[Entry, tuple[int, int]] = {}
         self._copy_timeout = self.settings.copy_timeout_s
         self._pending = {"d2h": 0, "h2d": 0}
-        self._tiers_push_scheduled = False
+        self._tiers = DeferredPush(self._push_tier_gauges)
         self._c = dict.fromkeys(
             (
                 "hits_gpu",
@@ -166,6 +166,7 @@ class FeatureCache:
         loop = asyncio.get_running_loop()
         self._loop = loop
         self._loop_thread = threading.get_ident()
+        self._tiers.bind(loop)
         self._watcher = FenceWatcher(loop)
         port = self.settings.metrics_port
         if port is not None and self._registry is None:
@@ -179,7 +180,7 @@ class FeatureCache:
             future.add_done_callback(lambda f: loop.call_soon_threadsafe(self._arena_ready, f))
             if future.done():
                 await asyncio.sleep(0)  # let _arena_ready run: the simulator's arena is ready now
-        self._push_tiers()
+        self._tiers.request()
 
     async def close(self, timeout: float | None = None) -> None:  # noqa: ASYNC109
         """Finish queued copies (waiting up to timeout s each step), release everything, stop."""
@@ -187,6 +188,7 @@ class FeatureCache:
             return
         self._check_loop()
         self._closed = True
+        self._tiers.unbind()
         if timeout is None:
             timeout = self._copy_timeout  # a stuck copy must not hang close() for ever
         for waiters in (self._gpu_waiters, self._host_waiters):
@@ -202,7 +204,7 @@ class FeatureCache:
         if self._watcher is not None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._watcher.idle(), timeout)
-        self._push_tiers()
+        self._tiers.request()
         self._metrics.close()
         if self._owns_device:
             self._device.close()
@@ -379,7 +381,7 @@ class FeatureCache:
                 self._wake_gpu()  # the next waiter may need these entries offloaded
         else:
             self._start_offloads(offloads, charged_gpu=False)
-        self._push_tiers()
+        self._tiers.request()
         return True
 
     async def get(
@@ -513,7 +515,7 @@ class FeatureCache:
             return False
         self._unlink(entry)
         self._wake_gpu()
-        self._push_tiers()
+        self._tiers.request()
         return True
 
     @contextlib.asynccontextmanager
@@ -539,7 +541,7 @@ class FeatureCache:
 
     def stats(self) -> CacheStats:
         """A snapshot of the ledger and counters; also audits it for leaked bytes."""
-        self._flush_tiers()
+        self._tiers.flush()
         leaked = self._audit()
         pool = self._pool
         return CacheStats(
@@ -761,7 +763,7 @@ class FeatureCache:
             self._gpu_released_pending -= nbytes
             self._gpu_used -= nbytes
             self._wake_gpu()
-            self._push_tiers()
+            self._tiers.request()
 
         self._when_done(pending, released)
 
@@ -907,7 +909,7 @@ class FeatureCache:
                 self._offload_done(entry, failed, charged_gpu)
             if charged_gpu:
                 self._wake_gpu()
-            self._push_tiers()
+            self._tiers.request()
 
         self._landing[offload] = landed
         if self._watchdog is None and not fence.done():
@@ -1000,7 +1002,7 @@ class FeatureCache:
             del self._entries[entry.key]
             self._count_dropped()
         entry.state = State.GONE
-        self._push_tiers()
+        self._tiers.request()
 
     def _copy_failed(self, what: str, key: Hashable | None, exc: BaseException | None) -> None:
         """Count a failed copy (every direction) for stats and operators."""
@@ -1014,7 +1016,7 @@ class FeatureCache:
         """Drop an entry whose data a failed copy destroyed, and hand its room on."""
         self._drop(entry)
         self._wake_gpu()
-        self._push_tiers()
+        self._tiers.request()
 
     def _check_ready(self, entry: Entry, ready: Fence) -> None:
         """A put whose producing copy failed (a compaction) must not serve poison: drop it."""
@@ -1188,7 +1190,7 @@ class FeatureCache:
         self._gpu_entries += 1
         self._gpu_lru[entry.key] = entry
         self._c["promotions"] += 1
-        self._push_tiers()
+        self._tiers.request()
 
     # --- single flight ------------------------------------------------------------------
 
@@ -1235,19 +1237,8 @@ class FeatureCache:
         if seconds:
             self._metrics.get_wait(seconds)
 
-    def _push_tiers(self) -> None:
-        """Report tier sizes to the metrics, once per loop iteration however many changes."""
-        if self._tiers_push_scheduled:
-            return
-        loop = self._loop
-        if loop is None or self._closed or not self._on_loop_thread():
-            self._flush_tiers()
-            return
-        self._tiers_push_scheduled = True
-        loop.call_soon(self._flush_tiers)
-
-    def _flush_tiers(self) -> None:
-        self._tiers_push_scheduled = False
+    def _push_tier_gauges(self) -> None:
+        """Tier sizes to the metrics (through self._tiers: once per loop iteration)."""
         self._metrics.set_tier("gpu", self._gpu_used, self._gpu_entries)
         pool = self._pool
         self._metrics.set_tier("cpu", pool.used_bytes if pool else 0, self._cpu_entries)

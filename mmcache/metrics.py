@@ -23,12 +23,13 @@ exits so that its gauges stop counting.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 import weakref
 from collections.abc import Callable
 from threading import Thread
-from typing import Any, Final, NamedTuple, TypeVar
+from typing import Any, Final, NamedTuple, TypeVar, final
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import (
@@ -48,6 +49,7 @@ from mmcache.errors import MMCacheError, SettingsError
 __all__ = [
     "CacheMetrics",
     "CacheNameInUseError",
+    "DeferredPush",
     "DIRECTIONS",
     "FAULT_KINDS",
     "IPC_FALLBACK_REASONS",
@@ -270,6 +272,48 @@ def _families_for(registry: CollectorRegistry) -> _Families:
 def multiprocess_dir() -> str | None:
     """Return the prometheus-client multiprocess directory, or None in single-process mode."""
     return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or os.environ.get("prometheus_multiproc_dir")
+
+
+@final
+class DeferredPush:
+    """Runs push at most once per event-loop iteration, however many changes ask for it.
+
+    Gauges of a cache change with every feature; pushing them each time costs more than
+    the change. Asked before bind(), after unbind() or from another thread, it pushes
+    at once.
+    """
+
+    __slots__ = ("_loop", "_push", "_scheduled", "_thread")
+
+    def __init__(self, push: Callable[[], None]) -> None:
+        self._push = push
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = 0
+        self._scheduled = False
+
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Defer to loop, which runs on the calling thread."""
+        self._loop, self._thread = loop, threading.get_ident()
+
+    def unbind(self) -> None:
+        """Push at once from now on (the owner is closing)."""
+        self._loop = None
+
+    def request(self) -> None:
+        """Push before the loop's next iteration ends (at once where it cannot defer)."""
+        if self._scheduled:
+            return
+        loop = self._loop
+        if loop is None or threading.get_ident() != self._thread:
+            self.flush()
+            return
+        self._scheduled = True
+        loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        """Push now."""
+        self._scheduled = False
+        self._push()
 
 
 class CacheMetrics:

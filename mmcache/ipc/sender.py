@@ -44,7 +44,7 @@ from mmcache.ipc.leases import Lease, LeaseLedger
 from mmcache.ipc.pool import SliceArena, SlotAllocator
 from mmcache.ipc.shm import SharedSegment
 from mmcache.ipc.stats import TransportStats
-from mmcache.metrics import CacheMetrics
+from mmcache.metrics import CacheMetrics, DeferredPush
 from mmcache.settings import CacheSettings
 from mmcache.waiting import FenceWatcher, wait_fences
 
@@ -133,6 +133,8 @@ class FeatureSender:
         self._fallback_bytes = self.settings.ipc_fallback_bytes
         self._interval = self.settings.ipc_recycle_interval_s
         self._metrics = CacheMetrics(name, registry)
+        # Pushed once per loop iteration: every send and every freed slice changes them.
+        self._gauges = DeferredPush(self._push_gauges)
 
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
@@ -198,7 +200,8 @@ class FeatureSender:
             fallback_nbytes=self._fallback.tensor.numel() if self._fallback is not None else 0,
         )
         self._recycler = loop.create_task(self._recycle_forever(), name=f"mmcache-ipc-{self.name}")
-        self._push_metrics()
+        self._gauges.bind(loop)
+        self._gauges.request()
 
     async def close(self, timeout: float | None = 10.0) -> None:  # noqa: ASYNC109
         """Stop sending; wait up to timeout s for receivers to release what they hold; free all.
@@ -209,6 +212,7 @@ class FeatureSender:
         if self._closed:
             return
         self._closed = True
+        self._gauges.unbind()
         while self._waiters:
             waiter = self._waiters.popleft()
             if not waiter.future.done():
@@ -600,7 +604,7 @@ class FeatureSender:
         )
         self._ledger.add(Lease(handle, placement.arena, placement.block, written, *owed))
         self._inflight[placement.where] -= placement.block.nbytes
-        self._push_metrics()
+        self._gauges.request()
         return handle
 
     def _next_seq(self) -> int:
@@ -666,13 +670,13 @@ class FeatureSender:
                 credited,
             )
         self._grant_waiters()
-        self._push_metrics()
+        self._gauges.flush()  # a sweep's outcome shows at once (tests and operators read it)
 
     def _on_space(self) -> None:
         """A slice went back to an arena (maybe after its fences): room for waiting sends."""
         if not self._closed:
             self._grant_waiters()
-            self._push_metrics()
+            self._gauges.request()
 
     # --- accounting ---------------------------------------------------------------------------
 
@@ -691,7 +695,7 @@ class FeatureSender:
             leaked += arena.used_bytes - owned
         return leaked
 
-    def _push_metrics(self) -> None:
+    def _push_gauges(self) -> None:
         pool, ledger = self._pool, self._ledger
         if pool is not None and ledger is not None:
             held_open = ledger.open_bytes(pool)
