@@ -78,10 +78,10 @@ async def _receive_all(
         except Exception as exc:
             errors.append(f"feature {i}: {exc!r}")
         if kind == "cuda" and gpu != 0:
-            from mmcache.ipc.cuda_ipc import Driver
+            from mmcache.device.cuda_driver import CudaDriver
 
             # Kept up to date: this process may be killed at any receive.
-            gpu0_context.value = int(Driver.get().primary_context_active(0))
+            gpu0_context.value = int(CudaDriver.get().primary_context_active(0))
         with progress.get_lock():
             progress.value += 1
     await receiver.close()

@@ -11,13 +11,13 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from typing import Any, Final, Literal, final
 
 import torch
 
 from mmcache.device.base import Device, Fence, Stream, batch_order
+from mmcache.device.cuda_driver import CudaDriver
 from mmcache.errors import (
     CacheClosedError,
     CopyFailedError,
@@ -49,11 +49,6 @@ _PACK_RUN_MAX_BYTES: Final = 64 * _MiB
 _HUGE_PAGE: Final = 2 * _MiB
 _MAX_STREAM_OBJECTS: Final = 4096
 _PAGE: Final = mmap.PAGESIZE
-
-# CUDA driver constants (cuda.h).
-_CU_MEMHOSTALLOC_PORTABLE: Final = 0x01
-_CU_MEMHOSTREGISTER_PORTABLE: Final = 0x01
-_CUDA_ERROR_OUT_OF_MEMORY: Final = 2
 
 
 def _event_query(event: torch.cuda.Event) -> bool:
@@ -224,108 +219,22 @@ class _Keepalive:
         del tensor
 
 
-@final
-class _CudaDriver:
-    """The few CUDA driver calls torch does not expose: pinned host allocation and registration."""
-
-    def __init__(self, ordinal: int) -> None:
-        # The runtime itself loads the driver under exactly this name, so it is always found.
-        lib = ctypes.CDLL("libcuda.so.1")
-        vp, size_t, uint, cint = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint, ctypes.c_int
-        signatures: dict[str, list[type[Any]]] = {
-            "cuInit": [uint],
-            "cuDriverGetVersion": [ctypes.POINTER(cint)],
-            "cuDeviceGet": [ctypes.POINTER(cint), cint],
-            "cuDevicePrimaryCtxRetain": [ctypes.POINTER(vp), cint],
-            "cuCtxPushCurrent_v2": [vp],
-            "cuCtxPopCurrent_v2": [ctypes.POINTER(vp)],
-            "cuMemHostAlloc": [ctypes.POINTER(vp), size_t, uint],
-            "cuMemFreeHost": [vp],
-            "cuMemHostRegister_v2": [vp, size_t, uint],
-            "cuMemHostUnregister": [vp],
-            "cuGetErrorString": [cint, ctypes.POINTER(ctypes.c_char_p)],
-        }
-        for fname, argtypes in signatures.items():
-            func = getattr(lib, fname)
-            func.argtypes = argtypes
-            func.restype = cint
-        self._lib = lib
-        self._check(lib.cuInit(0), "cuInit")
-        device = ctypes.c_int()
-        self._check(lib.cuDeviceGet(ctypes.byref(device), ordinal), "cuDeviceGet")
-        context = ctypes.c_void_p()
-        # torch runs on the primary context; retaining it (never released) keeps it alive.
-        self._check(
-            lib.cuDevicePrimaryCtxRetain(ctypes.byref(context), device), "cuDevicePrimaryCtxRetain"
-        )
-        self._context = context
-        version = ctypes.c_int()
-        self._check(lib.cuDriverGetVersion(ctypes.byref(version)), "cuDriverGetVersion")
-        self.version = f"{version.value // 1000}.{version.value % 1000 // 10}"
-
-    def host_alloc(self, nbytes: int) -> int:
-        """cuMemHostAlloc: nbytes of pinned, portable host memory; return its address."""
-        ptr = ctypes.c_void_p()
-        with self._current():
-            code = self._lib.cuMemHostAlloc(ctypes.byref(ptr), nbytes, _CU_MEMHOSTALLOC_PORTABLE)
-        self._check(code, "cuMemHostAlloc", nbytes)
-        assert ptr.value is not None
-        return ptr.value
-
-    def free_host(self, ptr: int) -> None:
-        """cuMemFreeHost."""
-        with self._current():
-            self._check(self._lib.cuMemFreeHost(ptr), "cuMemFreeHost")
-
-    def register(self, ptr: int, nbytes: int) -> None:
-        """cuMemHostRegister: pin an existing range for every context (portable)."""
-        with self._current():
-            code = self._lib.cuMemHostRegister_v2(ptr, nbytes, _CU_MEMHOSTREGISTER_PORTABLE)
-        self._check(code, "cuMemHostRegister", nbytes)
-
-    def unregister(self, ptr: int) -> None:
-        """cuMemHostUnregister."""
-        with self._current():
-            self._check(self._lib.cuMemHostUnregister(ptr), "cuMemHostUnregister")
-
-    @contextmanager
-    def _current(self) -> Iterator[None]:
-        # Pushing the primary context explicitly lets any thread (the pinning thread, a
-        # finaliser) call the driver without touching the runtime's per-thread device.
-        self._check(self._lib.cuCtxPushCurrent_v2(self._context), "cuCtxPushCurrent")
-        try:
-            yield
-        finally:
-            self._lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
-
-    def _check(self, code: int, call: str, nbytes: int | None = None) -> None:
-        if code == 0:
-            return
-        text = ctypes.c_char_p()
-        self._lib.cuGetErrorString(code, ctypes.byref(text))
-        reason = text.value.decode() if text.value else f"CUresult {code}"
-        if code == _CUDA_ERROR_OUT_OF_MEMORY and nbytes is not None:
-            raise DeviceOutOfMemoryError(
-                f"{call} could not pin {nbytes / _MiB:.1f} MiB of host memory ({reason}); "
-                "lower MMCACHE_CPU_CACHE_MB or free host memory"
-            )
-        raise MMCacheError(f"{call} failed: {reason}")
-
-
-def _release_registered(driver: _CudaDriver, ptrs: tuple[int, ...], mapping: mmap.mmap) -> None:
+def _release_registered(
+    driver: CudaDriver, ordinal: int, ptrs: tuple[int, ...], mapping: mmap.mmap
+) -> None:
     """Unregister an arena's chunks; the mapping itself lives on while tensors view it."""
     for ptr in ptrs:
         try:
-            driver.unregister(ptr)
+            driver.host_unregister(ordinal, ptr)
         except MMCacheError as exc:
             _log.warning("unpinning the host arena failed: %s", exc)
     del mapping
 
 
-def _free_host(driver: _CudaDriver, ptr: int) -> None:
+def _free_host(driver: CudaDriver, ordinal: int, ptr: int) -> None:
     """Free a cuMemHostAlloc arena once no tensor views it."""
     try:
-        driver.free_host(ptr)
+        driver.free_host(ordinal, ptr)
     except MMCacheError as exc:
         _log.warning("freeing the pinned host arena failed: %s", exc)
 
@@ -463,7 +372,7 @@ class CudaDevice(Device):
             self._d2h.cuda_stream: self._d2h_waiter,
             self._h2d.cuda_stream: self._h2d_waiter,
         }
-        self._driver_instance: _CudaDriver | None = None
+        self._driver_instance: CudaDriver | None = None
         self._arena_claimed = False
         self._arena_ptr = 0
         self._arena_nbytes = 0
@@ -853,9 +762,9 @@ class CudaDevice(Device):
         runs.append((run, run_start, run_end - run_start))
         return runs
 
-    def _driver(self) -> _CudaDriver:
+    def _driver(self) -> CudaDriver:
         if self._driver_instance is None:
-            self._driver_instance = _CudaDriver(self.index)
+            self._driver_instance = CudaDriver.get()
         return self._driver_instance
 
     def _claim_arena(self, nbytes: int) -> None:
@@ -873,11 +782,11 @@ class CudaDevice(Device):
             return torch.empty(0, dtype=torch.uint8)
         driver = self._driver()
         if self.arena_method == "hostalloc":
-            ptr = driver.host_alloc(nbytes)
+            ptr = driver.host_alloc(self.index, nbytes)
             buffer = (ctypes.c_uint8 * nbytes).from_address(ptr)
             arena = torch.frombuffer(buffer, dtype=torch.uint8)
             # Freed only when the last view of the buffer goes: never under a live tensor.
-            weakref.finalize(buffer, _free_host, driver, ptr).atexit = False
+            weakref.finalize(buffer, _free_host, driver, self.index, ptr).atexit = False
             self.pin_chunk_bytes = nbytes
             self._arena_ptr, self._arena_nbytes = ptr, nbytes
             return arena
@@ -896,13 +805,15 @@ class CudaDevice(Device):
         try:
             # Whole pages: the tail page past nbytes is mapped and registering it is harmless.
             for start in range(0, size, chunk):
-                driver.register(ptr + start, min(chunk, size - start))
+                driver.host_register(
+                    self.index, ptr + start, min(chunk, size - start), "MMCACHE_CPU_CACHE_MB"
+                )
                 registered.append(ptr + start)
         except BaseException:
-            _release_registered(driver, tuple(registered), mapping)
+            _release_registered(driver, self.index, tuple(registered), mapping)
             raise
         self._arena_finalizer = weakref.finalize(
-            self, _release_registered, driver, tuple(registered), mapping
+            self, _release_registered, driver, self.index, tuple(registered), mapping
         )
         self._arena_finalizer.atexit = False
         self._arena_ptr, self._arena_nbytes = ptr, nbytes

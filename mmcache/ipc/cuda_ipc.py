@@ -10,25 +10,23 @@ device, so a receiver never touches the sender's GPU.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
+import functools
 import logging
 import os
-import threading
 import weakref
-from collections.abc import Callable, Iterator
-from typing import Any, ClassVar, Final, cast, final
+from collections.abc import Callable
+from typing import cast, final
 
 import torch
 
 from mmcache.device.base import Stream
 from mmcache.device.cuda import as_cuda_stream
-from mmcache.errors import DeviceOutOfMemoryError, MMCacheError
+from mmcache.device.cuda_driver import CudaDriver
+from mmcache.errors import MMCacheError
 from mmcache.ipc.errors import NoPeerAccessError
 
 __all__ = [
     "CudaPool",
-    "Driver",
     "PeerPool",
     "device_uuid",
     "ordinal_of",
@@ -38,155 +36,13 @@ __all__ = [
 
 log = logging.getLogger("mmcache.ipc")
 
-_CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS: Final = 0x1
-_CU_MEMHOSTREGISTER_PORTABLE: Final = 0x1
-_CUDA_ERROR_OUT_OF_MEMORY: Final = 2
-_MiB: Final = 1 << 20
 
-
-class _IpcMemHandle(ctypes.Structure):
-    """CUipcMemHandle: 64 opaque bytes, passed by value."""
-
-    _fields_ = [("reserved", ctypes.c_char * 64)]
-
-
-@final
-class Driver:
-    """The CUDA driver calls the transport needs that torch does not expose (one per process)."""
-
-    _instance: ClassVar[Driver | None] = None
-    _instance_lock: ClassVar[threading.Lock] = threading.Lock()
-
-    @classmethod
-    def get(cls) -> Driver:
-        with cls._instance_lock:
-            if cls._instance is None:
-                cls._instance = cls()
-            return cls._instance
-
-    def __init__(self) -> None:
-        lib = ctypes.CDLL("libcuda.so.1")
-        vp, u64, size_t = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t
-        uint, cint, ptr = ctypes.c_uint, ctypes.c_int, ctypes.POINTER
-        signatures: dict[str, list[Any]] = {
-            "cuInit": [uint],
-            "cuDeviceGet": [ptr(cint), cint],
-            "cuDevicePrimaryCtxRetain": [ptr(vp), cint],
-            "cuDevicePrimaryCtxGetState": [cint, ptr(uint), ptr(cint)],
-            "cuCtxPushCurrent_v2": [vp],
-            "cuCtxPopCurrent_v2": [ptr(vp)],
-            "cuMemAlloc_v2": [ptr(u64), size_t],
-            "cuMemFree_v2": [u64],
-            "cuIpcGetMemHandle": [ptr(_IpcMemHandle), u64],
-            "cuIpcOpenMemHandle_v2": [ptr(u64), _IpcMemHandle, uint],
-            "cuIpcCloseMemHandle": [u64],
-            "cuMemHostRegister_v2": [vp, size_t, uint],
-            "cuMemHostUnregister": [vp],
-            "cuGetErrorString": [cint, ptr(ctypes.c_char_p)],
-        }
-        for name, argtypes in signatures.items():
-            func = getattr(lib, name)
-            func.argtypes = argtypes
-            func.restype = cint
-        self._lib = lib
-        self._contexts: dict[int, ctypes.c_void_p] = {}
-        self._lock = threading.Lock()
-        self._check(lib.cuInit(0), "cuInit")
-
-    def primary_context_active(self, ordinal: int) -> bool:
-        """True if this process has a CUDA context on GPU ordinal (creates none)."""
-        device = ctypes.c_int()
-        self._check(self._lib.cuDeviceGet(ctypes.byref(device), ordinal), "cuDeviceGet")
-        flags, active = ctypes.c_uint(), ctypes.c_int()
-        self._check(
-            self._lib.cuDevicePrimaryCtxGetState(device, ctypes.byref(flags), ctypes.byref(active)),
-            "cuDevicePrimaryCtxGetState",
-        )
-        return bool(active.value)
-
-    def mem_alloc(self, ordinal: int, nbytes: int) -> int:
-        """cuMemAlloc on GPU ordinal: a whole allocation of its own (IPC shares allocations)."""
-        out = ctypes.c_uint64()
-        with self._current(ordinal):
-            code = self._lib.cuMemAlloc_v2(ctypes.byref(out), nbytes)
-        if code == _CUDA_ERROR_OUT_OF_MEMORY:
-            raise DeviceOutOfMemoryError(
-                f"could not allocate the {nbytes / _MiB:.1f} MiB IPC pool on cuda:{ordinal}; "
-                "lower MMCACHE_IPC_POOL_MB (SGLANG_MM_FEATURE_CACHE_MB)"
-            )
-        self._check(code, "cuMemAlloc")
-        return int(out.value)
-
-    def mem_free(self, ordinal: int, pointer: int) -> None:
-        with self._current(ordinal):
-            self._check(self._lib.cuMemFree_v2(pointer), "cuMemFree")
-
-    def ipc_get_mem_handle(self, ordinal: int, pointer: int) -> bytes:
-        handle = _IpcMemHandle()
-        with self._current(ordinal):
-            self._check(
-                self._lib.cuIpcGetMemHandle(ctypes.byref(handle), pointer), "cuIpcGetMemHandle"
-            )
-        return bytes(handle)
-
-    def ipc_open_mem_handle(self, ordinal: int, handle: bytes) -> int:
-        """Map another process's allocation into GPU ordinal's context; return its address."""
-        raw = _IpcMemHandle.from_buffer_copy(handle)
-        out = ctypes.c_uint64()
-        with self._current(ordinal):
-            code = self._lib.cuIpcOpenMemHandle_v2(
-                ctypes.byref(out), raw, _CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
-            )
-        if code != 0:
-            raise NoPeerAccessError(
-                f"cuda:{ordinal} cannot map the sender's IPC pool ({self._error(code)}); "
-                "run the receiver on a GPU with peer access to the sender's, or turn the "
-                "transport off (MMCACHE_USE_CUDA_IPC=0) to send through host memory"
-            )
-        return int(out.value)
-
-    def ipc_close_mem_handle(self, ordinal: int, pointer: int) -> None:
-        with self._current(ordinal):
-            self._check(self._lib.cuIpcCloseMemHandle(pointer), "cuIpcCloseMemHandle")
-
-    def host_register(self, ordinal: int, pointer: int, nbytes: int) -> None:
-        """Pin host memory for every context of this process (portable)."""
-        with self._current(ordinal):
-            code = self._lib.cuMemHostRegister_v2(pointer, nbytes, _CU_MEMHOSTREGISTER_PORTABLE)
-        self._check(code, "cuMemHostRegister")
-
-    def host_unregister(self, ordinal: int, pointer: int) -> None:
-        with self._current(ordinal):
-            self._check(self._lib.cuMemHostUnregister(pointer), "cuMemHostUnregister")
-
-    @contextlib.contextmanager
-    def _current(self, ordinal: int) -> Iterator[None]:
-        # Only ever the caller's own GPU: retaining another GPU's primary context creates it.
-        with self._lock:
-            context = self._contexts.get(ordinal)
-            if context is None:
-                device = ctypes.c_int()
-                self._check(self._lib.cuDeviceGet(ctypes.byref(device), ordinal), "cuDeviceGet")
-                context = ctypes.c_void_p()
-                self._check(
-                    self._lib.cuDevicePrimaryCtxRetain(ctypes.byref(context), device),
-                    "cuDevicePrimaryCtxRetain",
-                )
-                self._contexts[ordinal] = context
-        self._check(self._lib.cuCtxPushCurrent_v2(context), "cuCtxPushCurrent")
-        try:
-            yield
-        finally:
-            self._lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
-
-    def _error(self, code: int) -> str:
-        text = ctypes.c_char_p()
-        self._lib.cuGetErrorString(code, ctypes.byref(text))
-        return text.value.decode() if text.value else f"CUresult {code}"
-
-    def _check(self, code: int, call: str) -> None:
-        if code != 0:
-            raise MMCacheError(f"{call} failed: {self._error(code)}")
+def _no_peer_access(ordinal: int, reason: str) -> NoPeerAccessError:
+    return NoPeerAccessError(
+        f"cuda:{ordinal} cannot map the sender's IPC pool ({reason}); "
+        "run the receiver on a GPU with peer access to the sender's, or turn the "
+        "transport off (MMCACHE_USE_CUDA_IPC=0) to send through host memory"
+    )
 
 
 def tensor_at(pointer: int, nbytes: int, device: torch.device) -> torch.Tensor:
@@ -211,9 +67,9 @@ def ordinal_of(uuid: str) -> int | None:
 
 def pin_host(ordinal: int, tensor: torch.Tensor) -> Callable[[], None]:
     """Pin a host tensor's pages (slow: ~0.5 ms/MiB); return a callable that unpins them."""
-    driver = Driver.get()
+    driver = CudaDriver.get()
     pointer, nbytes = tensor.data_ptr(), tensor.numel()
-    driver.host_register(ordinal, pointer, nbytes)
+    driver.host_register(ordinal, pointer, nbytes)  # out of memory: a plain MMCacheError
 
     def unpin() -> None:
         try:
@@ -236,7 +92,7 @@ class CudaPool:
     def __init__(self, ordinal: int, nbytes: int, control_path: str) -> None:
         self.ordinal = ordinal
         self.device = torch.device("cuda", ordinal)
-        driver = Driver.get()
+        driver = CudaDriver.get()
         self._pointer = driver.mem_alloc(ordinal, nbytes)
         try:
             self.ipc_handle = driver.ipc_get_mem_handle(ordinal, self._pointer)
@@ -272,7 +128,7 @@ class CudaPool:
         self.tensor = None
         self._events.clear()
         self.events_by_handle.clear()
-        Driver.get().mem_free(self.ordinal, self._pointer)
+        CudaDriver.get().mem_free(self.ordinal, self._pointer)
 
 
 @final
@@ -293,7 +149,9 @@ class PeerPool:
                 raise NoPeerAccessError("the sender of this handle closed its IPC pool")
             self.tensor = tensor
             return
-        self._pointer = Driver.get().ipc_open_mem_handle(ordinal, ipc_handle)
+        self._pointer = CudaDriver.get().ipc_open_mem_handle(
+            ordinal, ipc_handle, functools.partial(_no_peer_access, ordinal)
+        )
         self.tensor = tensor_at(self._pointer, nbytes, self._device)
 
     def event(self, handle: bytes) -> torch.cuda.Event | None:
@@ -319,5 +177,5 @@ class PeerPool:
         self._events.clear()
         if self._pointer:
             torch.cuda.synchronize(self._device)
-            Driver.get().ipc_close_mem_handle(self.ordinal, self._pointer)
+            CudaDriver.get().ipc_close_mem_handle(self.ordinal, self._pointer)
             self._pointer = 0

@@ -1,0 +1,215 @@
+"""The CUDA driver calls torch does not expose: pinned host memory and IPC memory handles.
+
+One binding per process, shared by the device (its pinned arena) and the IPC transport
+(its pool, its shared host buffers). Every call runs with the primary context of the
+GPU it names pushed: torch runs on those contexts, and pushing one explicitly lets any
+thread (a pinning thread, a finaliser) call the driver without touching the runtime's
+per-thread device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, ClassVar, Final, final
+
+from mmcache.errors import DeviceOutOfMemoryError, MMCacheError
+
+__all__ = ["CudaDriver"]
+
+_CU_MEMHOSTALLOC_PORTABLE: Final = 0x1
+_CU_MEMHOSTREGISTER_PORTABLE: Final = 0x1
+_CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS: Final = 0x1
+_CUDA_ERROR_OUT_OF_MEMORY: Final = 2
+_MiB: Final = 1 << 20
+
+
+class _IpcMemHandle(ctypes.Structure):
+    """CUipcMemHandle: 64 opaque bytes, passed by value."""
+
+    _fields_ = [("reserved", ctypes.c_char * 64)]
+
+
+@final
+class CudaDriver:
+    """libcuda through ctypes; get() returns the process's one instance."""
+
+    _instance: ClassVar[CudaDriver | None] = None
+    _instance_lock: ClassVar[threading.Lock] = threading.Lock()
+
+    @classmethod
+    def get(cls) -> CudaDriver:
+        with cls._instance_lock:
+            if cls._instance is None:
+                cls._instance = cls()
+            return cls._instance
+
+    def __init__(self) -> None:
+        # The runtime itself loads the driver under exactly this name, so it is always found.
+        lib = ctypes.CDLL("libcuda.so.1")
+        vp, u64, size_t = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t
+        uint, cint, ptr = ctypes.c_uint, ctypes.c_int, ctypes.POINTER
+        signatures: dict[str, list[Any]] = {
+            "cuInit": [uint],
+            "cuDriverGetVersion": [ptr(cint)],
+            "cuDeviceGet": [ptr(cint), cint],
+            "cuDevicePrimaryCtxRetain": [ptr(vp), cint],
+            "cuDevicePrimaryCtxGetState": [cint, ptr(uint), ptr(cint)],
+            "cuCtxPushCurrent_v2": [vp],
+            "cuCtxPopCurrent_v2": [ptr(vp)],
+            "cuMemHostAlloc": [ptr(vp), size_t, uint],
+            "cuMemFreeHost": [vp],
+            "cuMemHostRegister_v2": [vp, size_t, uint],
+            "cuMemHostUnregister": [vp],
+            "cuMemAlloc_v2": [ptr(u64), size_t],
+            "cuMemFree_v2": [u64],
+            "cuIpcGetMemHandle": [ptr(_IpcMemHandle), u64],
+            "cuIpcOpenMemHandle_v2": [ptr(u64), _IpcMemHandle, uint],
+            "cuIpcCloseMemHandle": [u64],
+            "cuGetErrorString": [cint, ptr(ctypes.c_char_p)],
+        }
+        for name, argtypes in signatures.items():
+            func = getattr(lib, name)
+            func.argtypes = argtypes
+            func.restype = cint
+        self._lib = lib
+        self._contexts: dict[int, ctypes.c_void_p] = {}
+        self._lock = threading.Lock()
+        self._check(lib.cuInit(0), "cuInit")
+        version = ctypes.c_int()
+        self._check(lib.cuDriverGetVersion(ctypes.byref(version)), "cuDriverGetVersion")
+        self.version = f"{version.value // 1000}.{version.value % 1000 // 10}"
+
+    # --- pinned host memory -----------------------------------------------------------
+
+    def host_alloc(self, ordinal: int, nbytes: int) -> int:
+        """cuMemHostAlloc: nbytes of pinned, portable host memory; return its address."""
+        out = ctypes.c_void_p()
+        with self._current(ordinal):
+            code = self._lib.cuMemHostAlloc(ctypes.byref(out), nbytes, _CU_MEMHOSTALLOC_PORTABLE)
+        self._check_pin(code, "cuMemHostAlloc", nbytes, "MMCACHE_CPU_CACHE_MB")
+        assert out.value is not None
+        return out.value
+
+    def free_host(self, ordinal: int, pointer: int) -> None:
+        """cuMemFreeHost."""
+        with self._current(ordinal):
+            self._check(self._lib.cuMemFreeHost(pointer), "cuMemFreeHost")
+
+    def host_register(
+        self, ordinal: int, pointer: int, nbytes: int, setting: str | None = None
+    ) -> None:
+        """cuMemHostRegister: pin an existing range for every context (portable).
+
+        Out of memory names setting (the one to lower) when given, else it is a plain
+        MMCacheError like any other failure.
+        """
+        with self._current(ordinal):
+            code = self._lib.cuMemHostRegister_v2(pointer, nbytes, _CU_MEMHOSTREGISTER_PORTABLE)
+        self._check_pin(code, "cuMemHostRegister", nbytes, setting)
+
+    def host_unregister(self, ordinal: int, pointer: int) -> None:
+        """cuMemHostUnregister."""
+        with self._current(ordinal):
+            self._check(self._lib.cuMemHostUnregister(pointer), "cuMemHostUnregister")
+
+    # --- device memory shared across processes ----------------------------------------
+
+    def primary_context_active(self, ordinal: int) -> bool:
+        """True if this process has a CUDA context on GPU ordinal (creates none)."""
+        device = ctypes.c_int()
+        self._check(self._lib.cuDeviceGet(ctypes.byref(device), ordinal), "cuDeviceGet")
+        flags, active = ctypes.c_uint(), ctypes.c_int()
+        self._check(
+            self._lib.cuDevicePrimaryCtxGetState(device, ctypes.byref(flags), ctypes.byref(active)),
+            "cuDevicePrimaryCtxGetState",
+        )
+        return bool(active.value)
+
+    def mem_alloc(self, ordinal: int, nbytes: int) -> int:
+        """cuMemAlloc on GPU ordinal: a whole allocation of its own (IPC shares allocations)."""
+        out = ctypes.c_uint64()
+        with self._current(ordinal):
+            code = self._lib.cuMemAlloc_v2(ctypes.byref(out), nbytes)
+        if code == _CUDA_ERROR_OUT_OF_MEMORY:
+            raise DeviceOutOfMemoryError(
+                f"could not allocate the {nbytes / _MiB:.1f} MiB IPC pool on cuda:{ordinal}; "
+                "lower MMCACHE_IPC_POOL_MB (SGLANG_MM_FEATURE_CACHE_MB)"
+            )
+        self._check(code, "cuMemAlloc")
+        return int(out.value)
+
+    def mem_free(self, ordinal: int, pointer: int) -> None:
+        with self._current(ordinal):
+            self._check(self._lib.cuMemFree_v2(pointer), "cuMemFree")
+
+    def ipc_get_mem_handle(self, ordinal: int, pointer: int) -> bytes:
+        handle = _IpcMemHandle()
+        with self._current(ordinal):
+            self._check(
+                self._lib.cuIpcGetMemHandle(ctypes.byref(handle), pointer), "cuIpcGetMemHandle"
+            )
+        return bytes(handle)
+
+    def ipc_open_mem_handle(
+        self, ordinal: int, handle: bytes, refused: Callable[[str], Exception]
+    ) -> int:
+        """Map another process's allocation into GPU ordinal's context; return its address.
+
+        A refusal raises refused(the driver's reason): the caller says what it means.
+        """
+        raw = _IpcMemHandle.from_buffer_copy(handle)
+        out = ctypes.c_uint64()
+        with self._current(ordinal):
+            code = self._lib.cuIpcOpenMemHandle_v2(
+                ctypes.byref(out), raw, _CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+            )
+        if code != 0:
+            raise refused(self._error(code))
+        return int(out.value)
+
+    def ipc_close_mem_handle(self, ordinal: int, pointer: int) -> None:
+        with self._current(ordinal):
+            self._check(self._lib.cuIpcCloseMemHandle(pointer), "cuIpcCloseMemHandle")
+
+    def _error(self, code: int) -> str:
+        text = ctypes.c_char_p()
+        self._lib.cuGetErrorString(code, ctypes.byref(text))
+        return text.value.decode() if text.value else f"CUresult {code}"
+
+    # --- internals --------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _current(self, ordinal: int) -> Iterator[None]:
+        # Only ever the caller's own GPU: retaining another GPU's primary context creates it.
+        # Retained once and never released, which keeps torch's context alive too.
+        with self._lock:
+            context = self._contexts.get(ordinal)
+            if context is None:
+                device = ctypes.c_int()
+                self._check(self._lib.cuDeviceGet(ctypes.byref(device), ordinal), "cuDeviceGet")
+                context = ctypes.c_void_p()
+                self._check(
+                    self._lib.cuDevicePrimaryCtxRetain(ctypes.byref(context), device),
+                    "cuDevicePrimaryCtxRetain",
+                )
+                self._contexts[ordinal] = context
+        self._check(self._lib.cuCtxPushCurrent_v2(context), "cuCtxPushCurrent")
+        try:
+            yield
+        finally:
+            self._lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+
+    def _check_pin(self, code: int, call: str, nbytes: int, setting: str | None) -> None:
+        if code == _CUDA_ERROR_OUT_OF_MEMORY and setting is not None:
+            raise DeviceOutOfMemoryError(
+                f"{call} could not pin {nbytes / _MiB:.1f} MiB of host memory "
+                f"({self._error(code)}); lower {setting} or free host memory"
+            )
+        self._check(code, call)
+
+    def _check(self, code: int, call: str) -> None:
+        if code != 0:
+            raise MMCacheError(f"{call} failed: {self._error(code)}")
