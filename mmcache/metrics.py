@@ -379,14 +379,12 @@ class CacheMetrics:
 
     def set_tier(self, tier: str, nbytes: int, entries: int) -> None:
         """Report a tier's bytes (resident plus in flight) and entries."""
-        if self._closed:
-            return  # a report queued before close must not bring back zeroed series
         try:
             nbytes_gauge, entries_gauge = self._tier[tier]
         except KeyError:
             raise _unknown("tier", tier, TIERS) from None
-        nbytes_gauge.set(nbytes)
-        entries_gauge.set(entries)
+        self._set(nbytes_gauge, nbytes)
+        self._set(entries_gauge, entries)
 
     def set_capacity(self, tier: str, nbytes: int) -> None:
         """Report a tier's byte budget."""
@@ -394,7 +392,7 @@ class CacheMetrics:
             child = self._capacity[tier]
         except KeyError:
             raise _unknown("tier", tier, TIERS) from None
-        child.set(nbytes)
+        self._set(child, nbytes)
 
     def eviction(self, tier: str, count: int = 1) -> None:
         """Count entries leaving a tier (gpu: offloaded or dropped; cpu: dropped)."""
@@ -436,7 +434,7 @@ class CacheMetrics:
             child = self._leaked[tier]
         except KeyError:
             raise _unknown("leak tier", tier, LEAK_TIERS) from None
-        child.set(nbytes)
+        self._set(child, nbytes)
 
     def ipc_fallback(self, reason: str) -> None:
         """Count a send that fell back to host memory."""
@@ -451,7 +449,7 @@ class CacheMetrics:
             child = self._ipc_pool[state]
         except KeyError:
             raise _unknown("IPC pool state", state, IPC_POOL_STATES) from None
-        child.set(nbytes)
+        self._set(child, nbytes)
 
     def fault(self, kind: str) -> None:
         """Count a fault (copy_failed, oom, quarantined, ...)."""
@@ -475,6 +473,11 @@ class CacheMetrics:
                 if isinstance(child, Gauge):
                     child.set(0)
         self._families.release(self._name, self)
+
+    def _set(self, gauge: Gauge, value: float) -> None:
+        # A report queued before close (a deferred push) must not bring back zeroed series.
+        if not self._closed:
+            gauge.set(value)
 
 
 def _unknown(what: str, value: str, expected: tuple[str, ...]) -> ValueError:

@@ -41,6 +41,11 @@ def _worker(gpu_bytes: int, hits: int, closed_cache: str | None) -> None:
         other.set_tier("cpu", 777, 7)
         other.copy_started("h2d")
         other.close()
+        # Gauge reports queued before close (a deferred push) land after it: no effect.
+        other.set_tier("cpu", 555, 5)
+        other.set_capacity("cpu", 555)
+        other.set_leaked("ipc", 555)
+        other.set_ipc_pool("used", 555)
 
 
 def process_pid(process: multiprocessing.process.BaseProcess) -> int:
@@ -79,6 +84,12 @@ def test_series_add_up_across_processes_and_dead_gauges_drop_out(
     # A closed cache's series stay in the files, but its gauges no longer add anything.
     assert get(registry, "mmcache_tier_bytes", cache="closed", tier="cpu") in (0, None)
     assert get(registry, "mmcache_pending_copies", cache="closed", direction="h2d") in (0, None)
+    for name, labels in (
+        ("mmcache_tier_capacity_bytes", {"tier": "cpu"}),
+        ("mmcache_leaked_bytes", {"tier": "ipc"}),
+        ("mmcache_ipc_pool_bytes", {"state": "used"}),
+    ):
+        assert get(registry, name, cache="closed", **labels) in (0, None), name
 
     mark_process_dead(first_pid)  # reads PROMETHEUS_MULTIPROC_DIR
     registry = make_multiprocess_registry(str(tmp_path))
