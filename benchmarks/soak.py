@@ -602,6 +602,11 @@ class _Soak:
                 left = sum(self.sim._faults.values())
                 self.sim._faults.clear()
             self.report.faults_fired = sum(self.report.faults_injected.values()) - left
+        # A get_or_compute whose callers were all cancelled still runs to its put: the
+        # audit below is of settled work, so wait for those computations first.
+        computing = list(cache._inflight.values())
+        if computing:
+            await asyncio.wait(computing, timeout=30)  # a stuck one shows in the audit
         await cache.drain()
         if self.sim is not None:
             self.sim.synchronize()

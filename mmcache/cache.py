@@ -348,6 +348,7 @@ class FeatureCache:
                 # out (nor be offloaded for nothing). A put that then fails leaves it absent.
                 self._unlink(old)
                 self._wake_gpu()
+        del old  # a put waiting for room must not keep the entry it replaced alive
         blocks: list[HostBlock] = []
         try:
             if to_gpu:
