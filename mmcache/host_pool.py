@@ -70,9 +70,15 @@ class HostPool:
             raise ValueError("arena chunk size must be a multiple of the alignment")
         self._defer = defer
         self._on_free = on_free
-        # Free ranges as two parallel sorted lists (offsets, sizes): bisect keeps it O(log n).
-        self._free_offsets: list[int] = [0] if self.capacity_bytes else []
-        self._free_sizes: list[int] = [self.capacity_bytes] if self.capacity_bytes else []
+        # Free ranges twice over: in arena order (offsets and sizes, parallel lists) to
+        # coalesce neighbours, and as (size, offset) pairs in size order to find the best
+        # fit by bisection. A fragmented arena has thousands of holes: scanning them all
+        # on every eviction cost hundreds of µs each.
+        self._free_offsets: list[int] = []
+        self._free_sizes: list[int] = []
+        self._by_size: list[tuple[int, int]] = []
+        if self.capacity_bytes:
+            self._add_range(0, 0, self.capacity_bytes)
         self.used_bytes = 0
         self.freeing_bytes = 0
         self.blocks_live = 0
@@ -92,36 +98,39 @@ class HostPool:
         return max(a, (nbytes + a - 1) // a * a)
 
     def allocate(self, nbytes: int) -> HostBlock | None:
-        """Best-fit allocate a block of at least nbytes, or None if no free range fits now."""
+        """Best-fit allocate a block of at least nbytes, or None if no free range fits now.
+
+        The smallest free range that fits wins, the lowest offset among equals.
+        """
         size = self.rounded(nbytes)
-        best = -1
-        best_start = 0
-        best_size = 0
-        for i, (off, free) in enumerate(zip(self._free_offsets, self._free_sizes, strict=True)):
-            if free < size or (best >= 0 and free >= best_size):
-                continue
+        by_size = self._by_size
+        j = bisect.bisect_left(by_size, (size, -1))
+        while j < len(by_size):
+            free, off = by_size[j]
             start = self._fit(off, free, size)
             if start is not None:
-                best, best_start, best_size = i, start, free
-                if free == size:
-                    break
-        if best < 0:
-            return None
-        off, free = self._free_offsets[best], self._free_sizes[best]
-        end = best_start + size
-        if best_start == off and end < off + free:
-            # Carved from the front: the range just shrinks in place (the common case).
-            self._free_offsets[best] = end
-            self._free_sizes[best] = off + free - end
+                break
+            j += 1  # only a chunked arena gets here: the range straddles a chunk edge
         else:
-            del self._free_offsets[best], self._free_sizes[best]
-            if best_start > off:
-                self._insert_free(off, best_start - off)
+            return None
+        del by_size[j]
+        i = bisect.bisect_left(self._free_offsets, off)
+        end = start + size
+        if start == off and end < off + free:
+            # Carved from the front: the range shrinks in place (the common case).
+            self._free_offsets[i] = end
+            self._free_sizes[i] = off + free - end
+            bisect.insort(by_size, (off + free - end, end))
+        else:
+            del self._free_offsets[i], self._free_sizes[i]
+            if start > off:
+                self._add_range(i, off, start - off)
+                i += 1
             if end < off + free:
-                self._insert_free(end, off + free - end)
+                self._add_range(i, end, off + free - end)
         self.used_bytes += size
         self.blocks_live += 1
-        return HostBlock(best_start, size, self.arena)
+        return HostBlock(start, size, self.arena)
 
     def free(self, block: HostBlock, after: Sequence[Fence] = ()) -> None:
         """Give block back; it is reused once every fence in after is done and it is unpinned."""
@@ -175,14 +184,27 @@ class HostPool:
 
     def _insert_free(self, off: int, size: int) -> None:
         """Insert a free range, coalescing with its neighbours."""
-        i = bisect.bisect_left(self._free_offsets, off)
-        if i > 0 and self._free_offsets[i - 1] + self._free_sizes[i - 1] == off:
+        offsets, sizes = self._free_offsets, self._free_sizes
+        i = bisect.bisect_left(offsets, off)
+        if i > 0 and offsets[i - 1] + sizes[i - 1] == off:
             i -= 1
-            off = self._free_offsets[i]
-            size += self._free_sizes[i]
-            del self._free_offsets[i], self._free_sizes[i]
-        if i < len(self._free_offsets) and off + size == self._free_offsets[i]:
-            size += self._free_sizes[i]
-            del self._free_offsets[i], self._free_sizes[i]
+            off = offsets[i]
+            size += sizes[i]
+            self._remove_range(i)
+        if i < len(offsets) and off + size == offsets[i]:
+            size += sizes[i]
+            self._remove_range(i)
+        self._add_range(i, off, size)
+
+    def _add_range(self, i: int, off: int, size: int) -> None:
+        """Record free range [off, off+size) at index i of the arena-order lists."""
         self._free_offsets.insert(i, off)
         self._free_sizes.insert(i, size)
+        bisect.insort(self._by_size, (size, off))
+
+    def _remove_range(self, i: int) -> None:
+        """Forget the free range at index i of the arena-order lists."""
+        off = self._free_offsets.pop(i)
+        size = self._free_sizes.pop(i)
+        j = bisect.bisect_left(self._by_size, (size, off))
+        del self._by_size[j]
