@@ -76,11 +76,13 @@ class Timeline:
 
 
 class TracingCudaDevice(CudaDevice):
-    """CudaDevice that brackets every D2H copy with timing events."""
+    """CudaDevice that brackets every D2H copy with timing events while timeline is set."""
 
     timeline: Timeline | None = None
 
     def copy_d2h(self, src: torch.Tensor, dst: torch.Tensor, after: Sequence[Fence]) -> CudaFence:
+        if self.timeline is None:  # untraced: exactly the plain device's work
+            return super().copy_d2h(src, dst, after)
         return self._traced(
             src.nbytes, lambda: super(TracingCudaDevice, self).copy_d2h(src, dst, after)
         )
@@ -92,6 +94,8 @@ class TracingCudaDevice(CudaDevice):
         offsets: Sequence[int],
         after: Sequence[Fence],
     ) -> CudaFence:
+        if self.timeline is None:
+            return super().copy_d2h_batch(srcs, host, offsets, after)
         nbytes = sum(src.nbytes for src in srcs)
         return self._traced(
             nbytes,

@@ -913,9 +913,9 @@ class FeatureCache:
             self._tiers.request()
 
         self._landing[offload] = landed
-        if self._watchdog is None and not fence.done():
-            self._arm_watchdog(started + self._copy_timeout)
         self._when_done([fence], landed)
+        if self._watchdog is None and offload in self._landing:  # not landed at once
+            self._arm_watchdog(started + self._copy_timeout)
 
     def _arm_watchdog(self, deadline: float) -> None:
         assert self._loop is not None

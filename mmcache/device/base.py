@@ -43,7 +43,7 @@ class Fence(abc.ABC):
 
     @abc.abstractmethod
     def add_done_callback(self, fn: Callable[[], None]) -> None:
-        """Call fn() once the fence is done, from any thread (at once if already done)."""
+        """Call fn() once the fence is done, from any thread (at once if known to be done)."""
 
     @abc.abstractmethod
     def wait(self, timeout: float | None = None) -> bool:

@@ -99,8 +99,12 @@ class CudaFence(Fence):
         return self._error
 
     def add_done_callback(self, fn: Callable[[], object]) -> None:
-        """Call fn() at once if done, else from the device's waiter thread once done."""
-        if self.done():
+        """Call fn() at once if known done, else from the device's waiter thread once done.
+
+        No query here: callers have just looked (a fresh fence is pending anyway), and
+        a fence that completed meanwhile only sends fn through the waiter.
+        """
+        if self._done:
             fn()
         else:
             self._waiter.submit(self, fn)
