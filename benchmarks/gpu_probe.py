@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import gc
 import math
+import signal
 import sys
 import threading
 import time
@@ -221,10 +223,71 @@ async def await_by_executor(fence: CudaFence) -> None:
     await asyncio.get_running_loop().run_in_executor(None, fence.event.synchronize)
 
 
+class SignalWake:
+    """A wake that takes no GIL on the driver's side: a host function raises a signal.
+
+    After the fence, a host function queued on a side stream is libc's raise(signum):
+    it runs on the driver's callback thread, where CPython's C-level signal handler
+    only writes the event loop's wakeup fd (asyncio's add_signal_handler). The loop then
+    looks which awaited fences are done. Main thread only, and it takes a signal.
+    """
+
+    SIGNUM = signal.SIGUSR2
+
+    def __init__(self, device: CudaDevice) -> None:
+        self._loop = asyncio.get_running_loop()
+        raise_fn = ctypes.cast(getattr(ctypes.CDLL(None), "raise"), ctypes.c_void_p).value
+        assert raise_fn is not None
+        self._raise = ctypes.c_void_p(raise_fn)
+        self._launch = ctypes.CDLL("libcuda.so.1").cuLaunchHostFunc
+        self._launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        self._launch.restype = ctypes.c_int
+        self._stream = torch.cuda.Stream(device.index)  # type: ignore[no-untyped-call]
+        self._waiting: list[tuple[CudaFence, asyncio.Future[None]]] = []
+        self._loop.add_signal_handler(self.SIGNUM, self._on_signal)
+
+    async def wait(self, fence: CudaFence) -> None:
+        """Resume once fence is done, woken by the signal (no thread of ours involved)."""
+        if fence.done():
+            return
+        future: asyncio.Future[None] = self._loop.create_future()
+        self._waiting.append((fence, future))
+        event = fence.pending_event()
+        if event is not None:
+            self._stream.wait_event(event)
+        rc = self._launch(self._stream.cuda_stream, self._raise, int(self.SIGNUM))
+        if rc != 0:
+            raise RuntimeError(f"cuLaunchHostFunc failed: CUDA error {rc}")
+        await future
+
+    def _on_signal(self) -> None:
+        # Signals coalesce: one may stand for several landings, so look at every waiter.
+        waiting = []
+        for fence, future in self._waiting:
+            if not fence.done():
+                waiting.append((fence, future))
+            elif not future.done():
+                future.set_result(None)
+        self._waiting = waiting
+
+    def close(self) -> None:
+        self._loop.remove_signal_handler(self.SIGNUM)
+
+
+_signal_wake: SignalWake | None = None
+
+
+async def await_by_signal(fence: CudaFence) -> None:
+    """A host function raises a signal; its C handler wakes the loop's selector."""
+    assert _signal_wake is not None
+    await _signal_wake.wait(fence)
+
+
 WAKE_METHODS: dict[str, Callable[[CudaFence], Awaitable[None]]] = {
     "callback (waiter thread)": await_by_callback,
     "poll query() + sleep(0)": await_by_polling,
     "run_in_executor(synchronize)": await_by_executor,
+    "host function raises a signal": await_by_signal,
 }
 
 
@@ -359,9 +422,15 @@ async def probe(index: int, quick: bool) -> dict[str, Any]:
     results["bandwidth"] = copy_bandwidth(device, arena, gpu, cycles_per_s, quick)
     results["small_copies"] = small_copy_paths(device, arena)
     results["straddling_copy"] = straddling_copy(device, arena, gpu)
-    results["fence_wake"] = await fence_wake_latency(device, arena, quick)
-    results["loop_lag_512MB_pending"] = await loop_lag_while_pending(device, arena, gpu)
-    results["waiter_cpu"] = await waiter_cpu(device, cycles_per_s, quick)
+    global _signal_wake
+    _signal_wake = SignalWake(device)
+    try:
+        results["fence_wake"] = await fence_wake_latency(device, arena, quick)
+        results["loop_lag_512MB_pending"] = await loop_lag_while_pending(device, arena, gpu)
+        results["waiter_cpu"] = await waiter_cpu(device, cycles_per_s, quick)
+    finally:
+        _signal_wake.close()
+        _signal_wake = None
     device.close()
     del arena, gpu
     gc.collect()
