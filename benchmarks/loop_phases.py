@@ -1,0 +1,180 @@
+"""Where the event loop's time goes on the put -> offload -> landing path (CUDA).
+
+Wraps the cache's eviction, offload, landing and reaping steps and the phases of
+`CudaDevice.copy_d2h_batch` with timers, runs a put loop that forces eviction (GPU
+tier a quarter of the workload), and prints each step's time per call and per
+feature, next to the main thread's CPU time over wall time.
+
+    python benchmarks/loop_phases.py --mb 1 --count 2048 --group 8
+    python benchmarks/loop_phases.py --mb 0.0625 --count 16384 --group 128
+
+Steps nest (eviction includes the offloads it starts, which include the device
+phases; a drain of landings includes the offloads it completes). CUDA only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from prometheus_client import CollectorRegistry
+
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+
+from _common import markdown_table, percentile  # noqa: E402
+
+import mmcache.cache  # noqa: E402
+import mmcache.device.cuda as cuda_device  # noqa: E402
+import mmcache.waiting  # noqa: E402
+from mmcache import CacheSettings, FeatureCache  # noqa: E402
+from mmcache.device.base import Fence, batch_order  # noqa: E402
+
+HIDDEN = 4096
+clock = time.perf_counter
+timings: dict[str, list[float]] = {}
+
+
+def _add(name: str, seconds: float) -> None:
+    timings.setdefault(name, []).append(seconds)
+
+
+def _timed(owner: Any, attribute: str, label: str) -> None:
+    original = getattr(owner, attribute)
+
+    @functools.wraps(original)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t0 = clock()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _add(label, clock() - t0)
+
+    setattr(owner, attribute, wrapper)
+
+
+def _phased_copy_d2h_batch(
+    self: cuda_device.CudaDevice,
+    srcs: Sequence[torch.Tensor],
+    host: torch.Tensor,
+    offsets: Sequence[int],
+    after: Sequence[Fence],
+) -> cuda_device.CudaFence:
+    """CudaDevice.copy_d2h_batch with a timer around each phase (same steps, same order)."""
+    t0 = clock()
+    runs = self._packed_runs(batch_order(srcs, host, offsets))
+    _add("device: checks and runs", clock() - t0)
+    stream = self.d2h_stream
+    t0 = clock()
+    with cuda_device._OnStream(stream):
+        _add("device: stream switch", clock() - t0)
+        t0 = clock()
+        self._order_after(stream, after)
+        _add("device: order after producers", clock() - t0)
+        for run, start, nbytes in runs:
+            region = host[start : start + nbytes]
+            t0 = clock()
+            packed = run[0] if len(run) == 1 else torch.cat(run)
+            _add("device: gather (torch.cat)", clock() - t0)
+            t0 = clock()
+            self._copy_bytes(region, cuda_device._flat_bytes(packed, "source"), host=region)
+            _add("device: copy_ call", clock() - t0)
+            del packed
+        t0 = clock()
+        fence = self._record_on(stream, self._d2h_waiter)
+        _add("device: record fence", clock() - t0)
+        return fence
+
+
+def instrument() -> None:
+    """Install the timers (process-wide: this script only)."""
+    cuda_device.CudaDevice.copy_d2h_batch = _phased_copy_d2h_batch  # type: ignore[method-assign]
+    cache_cls = mmcache.cache.FeatureCache
+    _timed(cache_cls, "_evict_gpu_for", "cache: evict (offloads included)")
+    _timed(cache_cls, "_start_offloads", "cache: start offloads (device included)")
+    _timed(cache_cls, "_offload_done", "cache: one landed entry")
+    _timed(cache_cls, "_reap_landed", "cache: reap landings on the loop")
+    _timed(mmcache.waiting.FenceWatcher, "_drain", "loop: landings from the waiter")
+    _timed(cuda_device._FenceWaiter, "submit", "device: hand fence to waiter")
+
+
+async def run(mb: float, count: int, group: int) -> tuple[dict[str, float], list[list[Any]]]:
+    rows = max(1, int(mb * 2**20 / (HIDDEN * 2)))
+    features: list[torch.Tensor | None] = [
+        torch.full((rows, HIDDEN), float(i % 7), dtype=torch.bfloat16, device="cuda")
+        for i in range(count)
+    ]
+    total = rows * HIDDEN * 2 * count
+    settings = CacheSettings(gpu_cache_mb=total / 4 / 2**20, cpu_cache_mb=total * 1.1 / 2**20)
+    put_s: list[float] = []
+    async with FeatureCache(settings, "cuda", registry=CollectorRegistry()) as cache:
+        await cache.wait_host_ready(timeout=60)
+        torch.cuda.synchronize()
+        timings.clear()
+        start, cpu0 = clock(), time.thread_time()
+        for first in range(0, count, group):
+            items = []
+            for i in range(first, min(first + group, count)):
+                value, features[i] = features[i], None
+                assert value is not None
+                items.append((i, value))
+            del value
+            t0 = clock()
+            if group == 1:
+                await cache.put(*items[0])
+            else:
+                await cache.put_many(items)
+            put_s.append(clock() - t0)
+            del items
+        await cache.drain()
+        wall, cpu = clock() - start, time.thread_time() - cpu0
+        stats = cache.stats()
+    summary = {
+        "gbps": stats.d2h_bytes / wall / 1e9,
+        "us_per_feature": wall / count * 1e6,
+        "main_thread_cpu_over_wall": cpu / wall,
+    }
+    table: list[list[Any]] = []
+    for name, values in sorted({"put call": put_s, **timings}.items(), key=lambda kv: -sum(kv[1])):
+        us = [v * 1e6 for v in values]
+        table.append(
+            [
+                name,
+                len(us),
+                f"{percentile(us, 50):.1f}",
+                f"{percentile(us, 90):.1f}",
+                f"{sum(us) / count:.2f}",
+            ]
+        )
+    return summary, table
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--mb", type=float, default=1.0, help="feature size in MiB")
+    parser.add_argument("--count", type=int, default=2048)
+    parser.add_argument("--group", type=int, default=1, help="features per put_many call")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("loop_phases: needs a CUDA device")
+        return 0
+    instrument()
+    summary, table = asyncio.run(run(args.mb, args.count, args.group))
+    print(
+        f"{args.count} x {args.mb:g} MiB, put_many of {args.group}: {summary['gbps']:.2f} GB/s "
+        f"offloaded, {summary['us_per_feature']:.1f} µs per feature, main thread CPU/wall "
+        f"{summary['main_thread_cpu_over_wall']:.2f}"
+    )
+    headers = ["step", "calls", "p50 µs", "p90 µs", "µs per feature"]
+    print(markdown_table(headers, table))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
