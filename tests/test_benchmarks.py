@@ -19,6 +19,7 @@ RUNS: dict[str, list[str]] = {
     "bench_ops.py": ["--quick"],
     "gather_probe.py": [],  # CUDA only: says so and exits 0
     "gpu_probe.py": ["--quick"],  # CUDA only: says so and exits 0
+    "interference_probe.py": [],  # CUDA only: says so and exits 0
     "loop_phases.py": [],  # CUDA only: says so and exits 0
     "profile_put.py": ["--device", "sim", "--mb", "0.01", "--count", "200", "--top", "3"],
     "trace_offload.py": [],  # CUDA only: says so and exits 0
