@@ -30,6 +30,7 @@ from _common import (  # noqa: E402
     gbps,
     markdown_table,
     pinned_pool_bytes,
+    put_in_groups,
     summary_us,
     write_json,
 )
@@ -290,23 +291,11 @@ async def offload_phase(
         del feature
     await drain(cache)
     before = cache.stats()
-    put_latency: list[float] = []
     async with LoopLag() as lag:
         start = time.perf_counter()
-        for first in range(prefill, w.count, group):
-            items = []
-            for i in range(first, min(first + group, w.count)):
-                feature, features[i] = features[i], None
-                assert feature is not None
-                items.append(((tag, i), feature))
-            del feature
-            t0 = time.perf_counter()
-            if group == 1:
-                await cache.put(*items[0])
-            else:
-                await cache.put_many(items)
-            put_latency.append(time.perf_counter() - t0)
-            del items
+        put_latency = await put_in_groups(
+            cache, features, group, start=prefill, key=lambda i: (tag, i)
+        )
         puts_s = time.perf_counter() - start
         await drain(cache)
         wall = time.perf_counter() - start

@@ -28,7 +28,7 @@ from prometheus_client import CollectorRegistry
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
-from _common import markdown_table, percentile  # noqa: E402
+from _common import markdown_table, percentile, put_in_groups  # noqa: E402
 
 import mmcache.cache  # noqa: E402
 import mmcache.device.cuda as cuda_device  # noqa: E402
@@ -112,7 +112,6 @@ async def run(mb: float, count: int, group: int) -> tuple[dict[str, float], list
     ]
     total = rows * HIDDEN * 2 * count
     settings = CacheSettings(gpu_cache_mb=total / 4 / 2**20, cpu_cache_mb=total * 1.1 / 2**20)
-    put_s: list[float] = []
     async with FeatureCache(settings, "cuda", registry=CollectorRegistry()) as cache:
         await cache.wait_host_ready(timeout=60)
         # Untimed warm-up through the same path: the first gather and copy load their
@@ -129,20 +128,7 @@ async def run(mb: float, count: int, group: int) -> tuple[dict[str, float], list
         offloaded_before = cache.stats().d2h_bytes
         timings.clear()
         start, cpu0 = clock(), time.thread_time()
-        for first in range(0, count, group):
-            items = []
-            for i in range(first, min(first + group, count)):
-                value, features[i] = features[i], None
-                assert value is not None
-                items.append((i, value))
-            del value
-            t0 = clock()
-            if group == 1:
-                await cache.put(*items[0])
-            else:
-                await cache.put_many(items)
-            put_s.append(clock() - t0)
-            del items
+        put_s = await put_in_groups(cache, features, group)
         await cache.drain()
         wall, cpu = clock() - start, time.thread_time() - cpu0
         stats = cache.stats()

@@ -14,6 +14,7 @@ import sys
 import time
 
 import torch
+from _common import put_in_groups
 from prometheus_client import CollectorRegistry
 
 from mmcache import CacheSettings, FeatureCache
@@ -34,18 +35,7 @@ async def run(device: str, mb: float, count: int, group: int, profile: cProfile.
             torch.cuda.synchronize()
         start = time.perf_counter()
         profile.enable()
-        for first in range(0, count, group):
-            items = []
-            for i in range(first, min(first + group, count)):
-                value, features[i] = features[i], None
-                assert value is not None
-                items.append((i, value))
-            del value
-            if group == 1:
-                await cache.put(*items[0])
-            else:
-                await cache.put_many(items)
-            del items
+        await put_in_groups(cache, features, group)
         await cache.drain()
         profile.disable()
         wall = time.perf_counter() - start

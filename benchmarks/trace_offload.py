@@ -30,6 +30,8 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1])]
 
+from _common import put_in_groups  # noqa: E402
+
 from mmcache import CacheSettings, FeatureCache  # noqa: E402
 from mmcache.device.base import Fence  # noqa: E402
 from mmcache.device.cuda import CudaDevice, CudaFence  # noqa: E402
@@ -237,23 +239,9 @@ async def through_cache(args: argparse.Namespace, device: TracingCudaDevice) -> 
         idle = LoopIdle(asyncio.get_running_loop())
         timeline = Timeline.start(device.d2h_stream)
         device.timeline = timeline
-        put_waits: list[float] = []
         begin = time.perf_counter()
         idle.start()
-        for first in range(0, args.count, args.group):
-            items = []
-            for i in range(first, min(first + args.group, args.count)):
-                value, features[i] = features[i], None
-                assert value is not None
-                items.append((i, value))
-            del value
-            t0 = time.perf_counter()
-            if args.group == 1:
-                await cache.put(*items[0])
-            else:
-                await cache.put_many(items)
-            put_waits.append((time.perf_counter() - t0) * 1e6)
-            del items
+        put_waits = [s * 1e6 for s in await put_in_groups(cache, features, args.group)]
         await cache.drain()
         wall = time.perf_counter() - begin
         idle.stop()
