@@ -221,7 +221,7 @@ class CopyTimingCudaDevice(CudaDevice):
         if marks is None or not src.is_cuda:
             super()._copy_bytes(dst, src, host=host)
             return
-        stream = torch.cuda.current_stream()  # the D2H stream: the device made it current
+        stream = self.d2h_stream
         begin, end = _timing_event(), _timing_event()
         begin.record(stream)
         super()._copy_bytes(dst, src, host=host)
@@ -400,56 +400,58 @@ async def mmcache_column(w: Workload, device: str, quick: bool) -> dict[str, Any
     cuda = device != "sim"
     pool_before = pinned_pool_bytes() if cuda else None
     results: dict[str, Any] = {"gpu_cache_mb": gpu_mb, "cpu_cache_mb": cpu_mb}
-    # On CUDA the device can bracket its D2H copies with timing events (only while a
-    # timeline is set: the other phases run untraced).
+    # On CUDA the device can bracket its D2H copies with timing events (only while its
+    # marks list is set: the other phases run untraced).
     traced = CopyTimingCudaDevice(0) if cuda else None
     cache = FeatureCache(settings, device=traced if traced is not None else device)
-    async with cache:
-        results["host_tier_ready"] = await warm_up(
-            cache, w, min(w.count, gpu_mb * MiB // w.nbytes + 4)
-        )
-        group = GROUP_BYTES // w.nbytes
-        if group > 1:  # the same workload through put_many, first (its keys are discarded)
-            features: list[torch.Tensor | None] = list(w.make_all())
-            results["offload_many"] = await offload_phase(cache, w, "g", features, group)
-            results["offload_many"]["group"] = group
-            for i in range(w.count):
-                cache.discard(("g", i))
-            await drain(cache)
-        features = list(w.make_all())
-        results["offload"] = await offload_phase(cache, w, "a", features)
-        results["gets"] = await get_latencies(cache, w, "a")
-        stats = cache.stats()
-        results["stats"] = {
-            name: getattr(stats, name)
-            for name in (
-                "gpu_bytes",
-                "cpu_bytes",
-                "gpu_capacity_bytes",
-                "cpu_capacity_bytes",
-                "gpu_entries",
-                "cpu_entries",
-                "pending_copies",
-                "d2h_bytes",
-                "h2d_bytes",
-                "dropped",
-                "leaked_bytes",
+    try:
+        async with cache:
+            results["host_tier_ready"] = await warm_up(
+                cache, w, min(w.count, gpu_mb * MiB // w.nbytes + 4)
             )
-        }
-        results["pinned"] = {
-            "budget_bytes": stats.cpu_capacity_bytes,
-            # Growth of torch's pinned pool while mmcache ran: its own arena is outside it.
-            "torch_pool_growth_bytes": (
-                (pinned_pool_bytes() or 0) - (pool_before or 0) if cuda else None
-            ),
-        }
-        for i in range(w.count):
-            cache.discard(("a", i))
+            group = GROUP_BYTES // w.nbytes
+            if group > 1:  # the same workload through put_many, first (its keys are discarded)
+                features: list[torch.Tensor | None] = list(w.make_all())
+                results["offload_many"] = await offload_phase(cache, w, "g", features, group)
+                results["offload_many"]["group"] = group
+                for i in range(w.count):
+                    cache.discard(("g", i))
+                await drain(cache)
+            features = list(w.make_all())
+            results["offload"] = await offload_phase(cache, w, "a", features)
+            results["gets"] = await get_latencies(cache, w, "a")
+            stats = cache.stats()
+            results["stats"] = {
+                name: getattr(stats, name)
+                for name in (
+                    "gpu_bytes",
+                    "cpu_bytes",
+                    "gpu_capacity_bytes",
+                    "cpu_capacity_bytes",
+                    "gpu_entries",
+                    "cpu_entries",
+                    "pending_copies",
+                    "d2h_bytes",
+                    "h2d_bytes",
+                    "dropped",
+                    "leaked_bytes",
+                )
+            }
+            results["pinned"] = {
+                "budget_bytes": stats.cpu_capacity_bytes,
+                # Growth of torch's pinned pool while mmcache ran: its own arena is outside it.
+                "torch_pool_growth_bytes": (
+                    (pinned_pool_bytes() or 0) - (pool_before or 0) if cuda else None
+                ),
+            }
+            for i in range(w.count):
+                cache.discard(("a", i))
+            if traced is not None:
+                results["copy_engine"] = await copy_engine_phase(cache, w, traced)
+                results["matmul"] = await matmul_interference(cache, w, quick, results["offload"])
+    finally:
         if traced is not None:
-            results["copy_engine"] = await copy_engine_phase(cache, w, traced)
-            results["matmul"] = await matmul_interference(cache, w, quick, results["offload"])
-    if traced is not None:
-        traced.close()
+            traced.close()
     results["pending"] = await pending_get_latency(w, device)
     return results
 
@@ -475,7 +477,7 @@ async def copy_engine_phase(
     return {
         "copies": len(marks),
         "bytes": nbytes,
-        "features_per_copy": (phase["timed_puts"] / len(marks)) if marks else None,
+        "features_per_copy": (phase["d2h_bytes"] / w.nbytes / len(marks)) if marks else None,
         "engine_gbps": gbps(nbytes, busy_s),
         "wall_gbps_traced": phase["gbps"],
     }

@@ -5,7 +5,8 @@ A bf16 matmul runs on its own stream for about half a second while a loop copies
 offload path's ingredients one by one: torch's pinned memory or the cache's arena
 (cuMemHostAlloc), a plain stream or CudaDevice's D2H stream, a blocking-sync event
 per copy with a thread sleeping on those events (the fence waiter), and finally
-CudaDevice.copy_d2h_batch itself. Each variant runs twice in the same process.
+CudaDevice.copy_d2h_batch itself, its fences waited on by the device's waiter
+thread. Each variant runs twice in the same process.
 
     python benchmarks/interference_probe.py
 
@@ -77,7 +78,8 @@ def main() -> int:
 
     def through_device() -> None:
         for i, feature in enumerate(features):
-            device.copy_d2h_batch([feature], arena, [i * nbytes], ())
+            fence = device.copy_d2h_batch([feature], arena, [i * nbytes], ())
+            fence.add_done_callback(lambda: None)  # the device's waiter thread sleeps on it
         d2h.synchronize()
 
     variants: list[tuple[str, Callable[[], None]]] = [

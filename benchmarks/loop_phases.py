@@ -67,29 +67,34 @@ def _phased_copy_d2h_batch(
     after: Sequence[Fence],
 ) -> cuda_device.CudaFence:
     """CudaDevice.copy_d2h_batch with a timer around each phase (same steps, same order)."""
+    self._check_open()
     t0 = clock()
     runs = self._packed_runs(batch_order(srcs, host, offsets))
     _add("device: checks and runs", clock() - t0)
     stream = self.d2h_stream
-    t0 = clock()
-    with cuda_device._OnStream(stream):
-        _add("device: stream switch", clock() - t0)
+    try:
         t0 = clock()
-        self._order_after(stream, after)
-        _add("device: order after producers", clock() - t0)
-        for run, start, nbytes in runs:
-            region = host[start : start + nbytes]
+        with cuda_device._OnStream(stream):
+            _add("device: stream switch", clock() - t0)
             t0 = clock()
-            packed = run[0] if len(run) == 1 else torch.cat(run)
-            _add("device: gather (torch.cat)", clock() - t0)
+            self._order_after(stream, after)
+            _add("device: order after producers", clock() - t0)
+            for run, start, nbytes in runs:
+                region = host[start : start + nbytes]
+                t0 = clock()
+                packed = run[0] if len(run) == 1 else torch.cat(run)
+                _add("device: gather (torch.cat)", clock() - t0)
+                t0 = clock()
+                self._copy_bytes(region, cuda_device._flat_bytes(packed, "source"), host=region)
+                _add("device: copy_ call", clock() - t0)
+                del packed
             t0 = clock()
-            self._copy_bytes(region, cuda_device._flat_bytes(packed, "source"), host=region)
-            _add("device: copy_ call", clock() - t0)
-            del packed
-        t0 = clock()
-        fence = self._record_on(stream, self._d2h_waiter)
-        _add("device: record fence", clock() - t0)
-        return fence
+            fence = self._record_on(stream, self._d2h_waiter)
+            _add("device: record fence", clock() - t0)
+            return fence
+    except RuntimeError as exc:  # as the device does: the cache drops the batch, counted
+        total = sum(src.nbytes for src in srcs)
+        raise cuda_device._enqueue_error("batched device-to-host", total, exc) from exc
 
 
 def instrument() -> None:

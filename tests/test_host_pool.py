@@ -40,6 +40,8 @@ def _reference_fit(ranges: list[tuple[int, int]], size: int, chunk: int) -> int 
 
 def _check_ranges(pool: HostPool, live: list[HostBlock]) -> None:
     ranges = pool.free_ranges()
+    # The size index must hold exactly the free ranges: a stale pair fails here, at once.
+    assert pool._by_size == sorted((size, off) for off, size in ranges)
     for (a_off, a_size), (b_off, _) in itertools.pairwise(ranges):
         assert a_off + a_size < b_off, "free ranges overlap or were left uncoalesced"
     spans = sorted([(b.offset, b.nbytes) for b in live] + ranges)
