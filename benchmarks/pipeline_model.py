@@ -1,8 +1,9 @@
 """The cache's own Python per offloaded feature, measured without a GPU.
 
 A model device stands in for CUDA: its copies cost the host nothing and finish after
-bytes ÷ --gbps on one serial copy engine (fences complete on the event loop's clock),
-adopting a tensor is a detach, releasing one is free. What remains of a put loop that
+bytes ÷ --gbps on one serial copy engine (a thread sleeps until each is done and
+reports it, as CUDA's fence waiter does), adopting a tensor is a detach, releasing
+one is free. What remains of a put loop that
 forces eviction (GPU tier a quarter of the workload) is the cache's bookkeeping: put,
 eviction, host block, offload start and landing. When that Python is slower than the
 engine, the loop bounds the offload rate, as it does on the H200 for small features.
@@ -15,7 +16,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import queue
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -42,13 +45,13 @@ CONFIGS = (
 
 
 class EngineFence(Fence):
-    """Done once the model engine has finished the copy (the loop's clock decides)."""
+    """Done once the model engine has finished the copy; callbacks come from a thread."""
 
-    __slots__ = ("_at", "_loop")
+    __slots__ = ("_at", "_waiter")
 
-    def __init__(self, at: float, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, at: float, waiter: _Waiter) -> None:
         self._at = at  # time.perf_counter() at which the copy is done
-        self._loop = loop
+        self._waiter = waiter
 
     def done(self) -> bool:
         return time.perf_counter() >= self._at
@@ -57,11 +60,10 @@ class EngineFence(Fence):
         return None
 
     def add_done_callback(self, fn: Callable[[], None]) -> None:
-        left = self._at - time.perf_counter()
-        if left <= 0:
+        if self.done():
             fn()
         else:
-            self._loop.call_later(left, fn)
+            self._waiter.jobs.put((self._at, fn))
 
     def wait(self, timeout: float | None = None) -> bool:
         left = self._at - time.perf_counter()
@@ -70,6 +72,26 @@ class EngineFence(Fence):
             return False
         time.sleep(max(0.0, left))
         return True
+
+
+class _Waiter:
+    """Like CUDA's fence waiter: one thread sleeps until each copy is done, in order,
+    then runs its callbacks (which hand the landing to the loop thread-safely)."""
+
+    def __init__(self) -> None:
+        self.jobs: queue.SimpleQueue[tuple[float, Callable[[], None]] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="model-fences", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            at, fn = job
+            time.sleep(max(0.0, at - time.perf_counter()))
+            fn()
+
+    def close(self) -> None:
+        self.jobs.put(None)
+        self._thread.join()
 
 
 class ModelDevice(SimDevice):
@@ -81,11 +103,12 @@ class ModelDevice(SimDevice):
         super().__init__()
         self._bytes_per_s = gbps * 1e9
         self._engine_free_at = 0.0
+        self._waiter = _Waiter()
 
     def _engine(self, nbytes: int) -> EngineFence:
         start = max(self._engine_free_at, time.perf_counter())
         self._engine_free_at = start + nbytes / self._bytes_per_s
-        return EngineFence(self._engine_free_at, asyncio.get_running_loop())
+        return EngineFence(self._engine_free_at, self._waiter)
 
     def copy_d2h_batch(
         self,
@@ -107,6 +130,10 @@ class ModelDevice(SimDevice):
 
     def record(self, stream: Stream) -> Fence:
         return self.completed_fence()
+
+    def close(self) -> None:
+        self._waiter.close()
+        super().close()
 
 
 async def run(mib: float, count: int, group: int, gbps: float) -> dict[str, float]:
@@ -130,6 +157,7 @@ async def run(mib: float, count: int, group: int, gbps: float) -> dict[str, floa
         finally:
             gc.enable()
         offloaded = cache.stats().d2h_bytes
+    device.close()  # the cache closes only devices it made
     return {
         "us_per_feature": wall / count * 1e6,
         "gbps": offloaded / wall / 1e9,
