@@ -96,10 +96,24 @@ def _finite(value: Any) -> Any:
     return value
 
 
+def timing_event() -> torch.cuda.Event:
+    """A CUDA event that records a timestamp (elapsed_time works on it)."""
+    return torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+
+
+def copy_to_slot(host: torch.Tensor, slot: int, feature: torch.Tensor) -> None:
+    """feature's bytes into slot `slot` (of feature's size) of a flat uint8 host buffer,
+    non-blocking: the bare per-feature copy the baselines time."""
+    nbytes = feature.nbytes
+    host[slot * nbytes : (slot + 1) * nbytes].copy_(
+        feature.view(-1).view(torch.uint8), non_blocking=True
+    )
+
+
 def cuda_elapsed_s(fn: Callable[[], object], stream: torch.cuda.Stream) -> float:
     """GPU time of the work fn() queues on stream, by timing events (host-synchronises)."""
-    start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-    end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    start = timing_event()
+    end = timing_event()
     with torch.cuda.stream(stream):
         start.record(stream)
         fn()

@@ -35,6 +35,7 @@ from _common import (  # noqa: E402
     median,
     sleep_cycles_per_second,
     summary_us,
+    timing_event,
     write_json,
 )
 
@@ -80,8 +81,8 @@ def copy_bandwidth(
             row[f"{direction}_gbps"] = median(samples)
         results[name] = row
     both = 64 * MiB
-    start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(2)]  # type: ignore[no-untyped-call]
+    start = timing_event()
+    ends = [timing_event() for _ in range(2)]
     main = torch.cuda.current_stream(device.index)
     start.record(main)
     for end, stream in zip(ends, (device.d2h_stream, device.h2d_stream), strict=True):

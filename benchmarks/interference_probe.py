@@ -25,6 +25,7 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
+from _common import copy_to_slot  # noqa: E402
 from bench_offload import ComputeLoad  # noqa: E402
 
 from mmcache.device.cuda import CudaDevice  # noqa: E402
@@ -63,9 +64,7 @@ def main() -> int:
     def copies(dst: torch.Tensor, stream: torch.cuda.Stream, events: bool = False) -> None:
         with torch.cuda.stream(stream):
             for i, feature in enumerate(features):
-                dst[i * nbytes : (i + 1) * nbytes].copy_(
-                    feature.view(-1).view(torch.uint8), non_blocking=True
-                )
+                copy_to_slot(dst, i, feature)
                 if events:
                     event = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
                     event.record(stream)

@@ -30,7 +30,7 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1])]
 
-from _common import put_in_groups  # noqa: E402
+from _common import put_in_groups, timing_event  # noqa: E402
 
 from mmcache import CacheSettings, FeatureCache  # noqa: E402
 from mmcache.device.base import Fence  # noqa: E402
@@ -38,10 +38,6 @@ from mmcache.device.cuda import CudaDevice, CudaFence  # noqa: E402
 from mmcache.waiting import FenceWatcher  # noqa: E402
 
 HIDDEN = 4096
-
-
-def _timing_event() -> torch.cuda.Event:
-    return torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
 
 
 @dataclass
@@ -67,7 +63,7 @@ class Timeline:
 
     @classmethod
     def start(cls, stream: torch.cuda.Stream) -> Timeline:
-        base = _timing_event()
+        base = timing_event()
         stream.synchronize()
         base.record(stream)
         base.synchronize()  # a spinning (non-blocking) event: returns within microseconds
@@ -106,10 +102,10 @@ class TracingCudaDevice(CudaDevice):
 
     def _traced(self, nbytes: int, enqueue: Callable[[], CudaFence]) -> CudaFence:
         t0 = time.perf_counter()
-        start = _timing_event()
+        start = timing_event()
         start.record(self.d2h_stream)
         fence = enqueue()
-        end = _timing_event()
+        end = timing_event()
         end.record(self.d2h_stream)
         t1 = time.perf_counter()
         if self.timeline is None:
