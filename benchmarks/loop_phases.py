@@ -103,7 +103,7 @@ def instrument() -> None:
     cache_cls = mmcache.cache.FeatureCache
     _timed(cache_cls, "_evict_gpu_for", "cache: evict (offloads included)")
     _timed(cache_cls, "_start_offloads", "cache: start offloads (device included)")
-    _timed(cache_cls, "_offload_done", "cache: one landed entry")
+    _timed(cache_cls, "_offloads_done", "cache: landed batches")
     _timed(cache_cls, "_reap_landed", "cache: reap landings on the loop")
     _timed(mmcache.waiting.FenceWatcher, "_drain", "loop: landings from the waiter")
     _timed(cuda_device._FenceWaiter, "submit", "device: hand fence to waiter")

@@ -223,15 +223,15 @@ async def through_cache(args: argparse.Namespace, device: TracingCudaDevice) -> 
     cache = FeatureCache(settings, device)
     async with cache:
         await cache.wait_host_ready(timeout=60)
-        original: Callable[..., None] = getattr(cache, "_offload_done")  # noqa: B009
+        original: Callable[..., None] = getattr(cache, "_offloads_done")  # noqa: B009
 
-        def offload_done(entry: Any, *rest: Any) -> None:
-            trace = fence_traces.get(id(entry.copy_fence))
+        def offloads_done(batch: list[Any], *rest: Any) -> None:
+            trace = fence_traces.get(id(batch[0].copy_fence))  # the batch shares one fence
             if trace is not None and not trace.seen_by_loop:
                 trace.seen_by_loop = time.perf_counter()
-            original(entry, *rest)
+            original(batch, *rest)
 
-        setattr(cache, "_offload_done", offload_done)  # noqa: B010
+        setattr(cache, "_offloads_done", offloads_done)  # noqa: B010
         idle = LoopIdle(asyncio.get_running_loop())
         timeline = Timeline.start(device.d2h_stream)
         device.timeline = timeline

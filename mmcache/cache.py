@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
-from cachetools import LRUCache
 from prometheus_client import CollectorRegistry
 
 from mmcache.device import Device, Fence, Stream, resolve_device
@@ -112,9 +111,11 @@ class FeatureCache:
         self._closed = False
         self._entries: dict[Hashable, Entry] = {}
         self._done_fence = self._device.completed_fence()
-        # Recency per tier only; the byte ledger is ours (cachetools cannot see bytes in flight).
-        self._gpu_lru: LRUCache[Hashable, Entry] = LRUCache(maxsize=math.inf)
-        self._host_lru: LRUCache[Hashable, Entry] = LRUCache(maxsize=math.inf)
+        # Recency per tier only (least recent first); the byte ledger is ours. Every offloaded
+        # feature is inserted, evicted and re-inserted here: an OrderedDict does that in
+        # 0.5 µs, cachetools' LRUCache (size accounting per item) in 2.2 µs.
+        self._gpu_lru: OrderedDict[Hashable, Entry] = OrderedDict()
+        self._host_lru: OrderedDict[Hashable, Entry] = OrderedDict()
         self._gpu_waiters: deque[_BudgetWaiter] = deque()
         self._host_waiters: deque[_BudgetWaiter] = deque()
         self._inflight: dict[Hashable, asyncio.Task[tuple[torch.Tensor, Fence]]] = {}
@@ -305,7 +306,8 @@ class FeatureCache:
 
         items is emptied once the cache owns the values.
         """
-        await self._ready_to_serve()
+        if self._closed or self._loop is not asyncio.get_running_loop():
+            await self._ready_to_serve()  # starts the cache, or raises the reason
         keys = []
         sizes = []
         to_gpu = self._gpu_capacity > 0
@@ -401,7 +403,8 @@ class FeatureCache:
         if stream is None:
             stream = self._device.current_stream()
         to_host = self._wants_host(device)
-        await self._ready_to_serve()
+        if self._closed or self._loop is not asyncio.get_running_loop():
+            await self._ready_to_serve()
         check_key(key)
         entry = self._entries.get(key)
         if entry is None:
@@ -414,7 +417,7 @@ class FeatureCache:
             self._c["hits_gpu"] += 1
             self._metrics.lookup("hit_gpu")
             if state is State.GPU:
-                self._gpu_lru[key]
+                self._gpu_lru.move_to_end(key)
             assert entry.tensor is not None
             if to_host:
                 if state is State.D2H:
@@ -423,7 +426,7 @@ class FeatureCache:
             return await self._serve_device(entry.tensor, entry.ready, span, stream)
         self._c["hits_cpu"] += 1
         self._metrics.lookup("hit_cpu")
-        self._host_lru[key]
+        self._host_lru.move_to_end(key)
         if to_host:
             return await self._read_host(entry, span)
         return await self._upload(entry, span, stream)
@@ -704,28 +707,45 @@ class FeatureCache:
         fence: per-copy work (an enqueue, an event, a wake-up on landing) would otherwise
         cap small features far below the copy engine's bandwidth.
         """
-        batch: list[tuple[Entry, HostBlock]] = []
+        lru = self._gpu_lru
+        small_limit = self._small_copy_bytes
+        batch: list[Entry] = []
         batched = evicted = 0
-        while self._gpu_free() + self._gpu_releasing + batched < needed and self._gpu_lru:
-            _, entry = self._gpu_lru.popitem()
+        while self._gpu_free() + self._gpu_releasing + batched < needed and lru:
+            _, entry = lru.popitem(last=False)
             evicted += 1
-            block = self._host_alloc(entry.nbytes)
-            if block is None:
-                self._drop(entry)
-            elif entry.nbytes < self._small_copy_bytes:
-                batch.append((entry, block))
+            if entry.nbytes < small_limit:
+                batch.append(entry)
                 batched += entry.nbytes
                 if batched >= _BATCH_BYTES:
                     # One fence frees a whole batch: bounded, so room comes back in steps.
-                    self._start_offloads(batch, charged_gpu=True)
+                    self._offload_batch(batch)
                     batch, batched = [], 0
             else:
-                self._start_offloads([(entry, block)], charged_gpu=True)
+                self._offload_batch([entry])
         if batch:
-            self._start_offloads(batch, charged_gpu=True)
+            self._offload_batch(batch)
         if evicted:
             self._c["evictions_gpu"] += evicted
             self._metrics.eviction("gpu", evicted)
+
+    def _offload_batch(self, entries: list[Entry]) -> None:
+        """Offload GPU entries through one fence, dropping those the host tier cannot take."""
+        pool = self._pool
+        # One run of blocks for the batch: one search in the pool, not one per feature.
+        blocks = pool.allocate_run([e.nbytes for e in entries]) if pool is not None else None
+        if blocks is not None:
+            items = list(zip(entries, blocks, strict=True))
+        else:  # no single free range takes them all: place them one by one
+            items = []
+            for entry in entries:
+                block = self._host_alloc(entry.nbytes)
+                if block is None:
+                    self._drop(entry)
+                else:
+                    items.append((entry, block))
+        if items:
+            self._start_offloads(items, charged_gpu=True)
 
     def _wake_gpu(self) -> None:
         """Grant waiting puts in arrival order while they fit; offload more for the rest."""
@@ -800,7 +820,7 @@ class FeatureCache:
             block = pool.allocate(nbytes)
             if block is not None or not self._host_lru:
                 return block
-            _, victim = self._host_lru.popitem()
+            _, victim = self._host_lru.popitem(last=False)
             self._c["evictions_cpu"] += 1
             self._metrics.eviction("cpu")
             self._unlink(victim)
@@ -905,9 +925,8 @@ class FeatureCache:
             if self._landing.pop(offload, None) is None:
                 return  # already handled: reaped on the loop before the waiter thread told us
             self._copy_finished("d2h", nbytes, started, len(batch))
-            failed = fence.exception()  # once: a batch's fence may be many fences (simulator)
-            for entry in batch:
-                self._offload_done(entry, failed, charged_gpu)
+            # Asked once: a batch's fence may be many fences (simulator).
+            self._offloads_done(batch, fence.exception(), charged_gpu)
             if charged_gpu:
                 self._wake_gpu()
             self._tiers.request()
@@ -948,41 +967,64 @@ class FeatureCache:
                 return
             landed()
 
-    def _offload_done(self, entry: Entry, failed: BaseException | None, charged_gpu: bool) -> None:
-        del self._offloading[entry]
-        if self._quarantined:
-            self._quarantined.pop(entry, None)  # a late fence: its bytes come back now
-        if failed is None:
-            self._c["d2h_bytes"] += entry.nbytes
-        tensor, entry.tensor = entry.tensor, None
-        assert tensor is not None
-        readers = entry.device_readers_pending()
+    def _offloads_done(
+        self, batch: list[Entry], failed: BaseException | None, charged_gpu: bool
+    ) -> None:
+        """An offload copy has finished: its entries become host-resident, or are lost.
+
+        Runs once per landed copy for all its features; the ledger moves once per batch.
+        """
+        offloading = self._offloading
+        quarantined = self._quarantined
+        host_lru = self._host_lru
+        release = self._device.release
+        done_fence = self._done_fence
+        moved = released = 0
+        for entry in batch:
+            del offloading[entry]
+            if quarantined:
+                quarantined.pop(entry, None)  # a late fence: its bytes come back now
+            tensor, entry.tensor = entry.tensor, None
+            assert tensor is not None
+            nbytes = entry.nbytes
+            moved += nbytes
+            # A host get's download may still read the device tensor.
+            readers = entry.device_readers_pending() if entry.device_readers else None
+            if readers and charged_gpu:
+                self._release_device(tensor, nbytes, readers)
+            else:
+                release(tensor, readers or ())
+                released += nbytes
+            if entry.state is State.D2H and failed is None:
+                entry.state = State.HOST
+                # Both copies are done and good: a shared finished fence stands in for them,
+                # so a host entry keeps no CUDA event (nor the batch's fence) alive.
+                entry.copy_fence = entry.ready = done_fence
+                host_lru[entry.key] = entry
+            else:
+                self._offload_lost(entry, failed)
         if charged_gpu:
-            self._gpu_releasing -= entry.nbytes
-            self._gpu_entries -= 1
-            self._release_device(tensor, entry.nbytes, readers)
-        else:
-            self._device.release(tensor, after=readers)
-        if entry.state is State.D2H and failed is None:
-            entry.state = State.HOST
-            # Both copies are done and good: a shared finished fence stands in for them,
-            # so a host entry keeps no CUDA event (nor the batch's fence) alive.
-            entry.copy_fence = entry.ready = self._done_fence
-            self._host_lru[entry.key] = entry
-        else:
-            if entry.state is State.D2H:  # the copy failed: the feature is lost
-                self._copy_failed("offload", entry.key, failed)
-                self._count_dropped()
-                if self._entries.get(entry.key) is entry:
-                    del self._entries[entry.key]
-                entry.state = State.GONE
-            self._free_block(entry)
+            self._gpu_releasing -= moved
+            self._gpu_entries -= len(batch)
+            self._gpu_used -= released
+        if failed is None:
+            self._c["d2h_bytes"] += moved
+
+    def _offload_lost(self, entry: Entry, failed: BaseException | None) -> None:
+        """An offloaded entry that was discarded meanwhile, or whose copy failed."""
+        if entry.state is State.D2H:  # the copy failed: the feature is lost
+            self._copy_failed("offload", entry.key, failed)
+            self._count_dropped()
+            if self._entries.get(entry.key) is entry:
+                del self._entries[entry.key]
+            entry.state = State.GONE
+        self._free_block(entry)
 
     def _quarantine(self, entry: Entry, fence: Fence) -> None:
         """An offload past copy_timeout_s: drop its entry, keep its bytes reserved as leaked.
 
         The copy may still run and read the tensor or write the block, so neither can be
-        reused; if its fence completes later, _offload_done releases both.
+        reused; if its fence completes later, _offloads_done releases both.
         """
         if fence.done() or entry not in self._offloading or entry in self._quarantined:
             return
@@ -1053,7 +1095,7 @@ class FeatureCache:
         elif state is State.HOST:
             self._host_lru.pop(entry.key, None)
             self._free_block(entry)
-        # State.D2H: _offload_done releases both sides once the copy has finished.
+        # State.D2H: _offloads_done releases both sides once the copy has finished.
 
     def _free_block(self, entry: Entry) -> None:
         block, entry.block = entry.block, None

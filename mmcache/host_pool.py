@@ -103,34 +103,33 @@ class HostPool:
         The smallest free range that fits wins, the lowest offset among equals.
         """
         size = self.rounded(nbytes)
-        by_size = self._by_size
-        j = bisect.bisect_left(by_size, (size, -1))
-        while j < len(by_size):
-            free, off = by_size[j]
-            start = self._fit(off, free, size)
-            if start is not None:
-                break
-            j += 1  # only a chunked arena gets here: the range straddles a chunk edge
-        else:
+        start = self._carve(size)
+        if start is None:
             return None
-        del by_size[j]
-        i = bisect.bisect_left(self._free_offsets, off)
-        end = start + size
-        if start == off and end < off + free:
-            # Carved from the front: the range shrinks in place (the common case).
-            self._free_offsets[i] = end
-            self._free_sizes[i] = off + free - end
-            bisect.insort(by_size, (off + free - end, end))
-        else:
-            del self._free_offsets[i], self._free_sizes[i]
-            if start > off:
-                self._add_range(i, off, start - off)
-                i += 1
-            if end < off + free:
-                self._add_range(i, end, off + free - end)
-        self.used_bytes += size
         self.blocks_live += 1
         return HostBlock(start, size, self.arena)
+
+    def allocate_run(self, sizes: Sequence[int]) -> list[HostBlock] | None:
+        """Blocks for sizes, back to back in one best-fit range (and one arena chunk), or None.
+
+        An offload batch then needs one search for all its features, and its blocks form
+        one run that a single copy can fill.
+        """
+        if not sizes:
+            return []
+        rounded = [self.rounded(nbytes) for nbytes in sizes]
+        total = sum(rounded)
+        # Within one chunk of the arena, so that no block of the run straddles an edge.
+        start = self._carve(total) if total <= self.max_block_bytes else None
+        if start is None:
+            return None
+        blocks = []
+        arena = self.arena
+        for size in rounded:
+            blocks.append(HostBlock(start, size, arena))
+            start += size
+        self.blocks_live += len(blocks)
+        return blocks
 
     def free(self, block: HostBlock, after: Sequence[Fence] = ()) -> None:
         """Give block back; it is reused once every fence in after is done and it is unpinned."""
@@ -158,6 +157,36 @@ class HostPool:
         return list(zip(self._free_offsets, self._free_sizes, strict=True))
 
     # --- internals ------------------------------------------------------------------
+
+    def _carve(self, size: int) -> int | None:
+        """Take size bytes from the smallest free range that fits; their offset, or None."""
+        by_size = self._by_size
+        j = bisect.bisect_left(by_size, (size, -1))
+        while j < len(by_size):
+            free, off = by_size[j]
+            start = self._fit(off, free, size)
+            if start is not None:
+                break
+            j += 1  # only a chunked arena gets here: the range straddles a chunk edge
+        else:
+            return None
+        del by_size[j]
+        i = bisect.bisect_left(self._free_offsets, off)
+        end = start + size
+        if start == off and end < off + free:
+            # Carved from the front: the range shrinks in place (the common case).
+            self._free_offsets[i] = end
+            self._free_sizes[i] = off + free - end
+            bisect.insort(by_size, (off + free - end, end))
+        else:
+            del self._free_offsets[i], self._free_sizes[i]
+            if start > off:
+                self._add_range(i, off, start - off)
+                i += 1
+            if end < off + free:
+                self._add_range(i, end, off + free - end)
+        self.used_bytes += size
+        return start
 
     def _fit(self, off: int, free: int, size: int) -> int | None:
         """Where a block of size fits in [off, off+free) without straddling a chunk."""

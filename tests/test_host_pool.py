@@ -1,4 +1,4 @@
-"""HostPool placement: best fit by size index, coalescing, chunk edges, fragmented arenas."""
+"""HostPool placement: best fit by size index, runs of blocks, coalescing, chunk edges."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from mmcache.device.sim import SimDevice
 from mmcache.host_pool import HostBlock, HostPool
 
 ALIGN = 512
+SIZES = (1, 511, 512, 4096, 9000, 33_000, 64 * 1024)
 
 
 def _pool(capacity: int, chunk: int | None = None) -> HostPool:
@@ -65,18 +66,24 @@ def test_placement_matches_a_plain_best_fit_scan(seed: int, chunk_kib: int | Non
         if live and (rng.random() < 0.45 or pool.free_bytes < 64 * 1024):
             pool.free(live.pop(rng.randrange(len(live))))
         else:
-            nbytes = rng.choice([1, 511, 512, 4096, 9000, 33_000, 64 * 1024])
-            expected = _reference_fit(
-                pool.free_ranges(), pool.rounded(nbytes), chunk or pool.capacity_bytes
-            )
-            block = pool.allocate(nbytes)
+            # One block, or a run of blocks for an offload batch (one search for all).
+            sizes = [SIZES[rng.randrange(len(SIZES))] for _ in range(rng.choice([1, 1, 3, 8]))]
+            rounded = [pool.rounded(n) for n in sizes]
+            total = sum(rounded)
+            limit = chunk or pool.capacity_bytes
+            expected = _reference_fit(pool.free_ranges(), total, limit) if total <= limit else None
+            blocks = pool.allocate_run(sizes) if len(sizes) > 1 else [pool.allocate(sizes[0])]
             if expected is None:
-                assert block is None
+                assert blocks is None or blocks == [None]
             else:
-                assert block is not None and block.offset == expected
-                if chunk:
-                    assert block.offset // chunk == (block.offset + block.nbytes - 1) // chunk
-                live.append(block)
+                assert blocks is not None
+                offset = expected
+                for block, size in zip(blocks, rounded, strict=True):
+                    assert block is not None and (block.offset, block.nbytes) == (offset, size)
+                    if chunk:
+                        assert offset // chunk == (offset + size - 1) // chunk
+                    offset += size
+                    live.append(block)
         _check_ranges(pool, live)
     for block in live:
         pool.free(block)
@@ -99,3 +106,21 @@ def test_a_fragmented_arena_refuses_and_serves_by_size() -> None:
     pool.free(blocks[1])  # joins the holes on both sides: 512 B .. 12 KiB
     fit = pool.allocate(8192)
     assert fit is not None and fit.offset == 512
+
+
+def test_a_run_needs_one_range_for_all_its_blocks() -> None:
+    pool = _pool(64 * 1024)
+    blocks = [pool.allocate(4096) for _ in range(16)]
+    for block in blocks[::2]:
+        assert block is not None
+        pool.free(block)
+    free = pool.free_ranges()
+    assert pool.allocate_run([4096, 4096]) is None  # 32 KiB free, but no two holes adjoin
+    assert pool.free_ranges() == free and pool.used_bytes == 8 * 4096  # nothing taken
+    assert pool.allocate_run([]) == []
+    assert blocks[1] is not None
+    pool.free(blocks[1])  # joins holes 0..2: 12 KiB
+    run = pool.allocate_run([100, 4096, 5000])
+    assert run is not None
+    assert [(b.offset, b.nbytes) for b in run] == [(0, 512), (512, 4096), (4608, 5120)]
+    assert pool.blocks_live == 7 + 3
