@@ -7,6 +7,7 @@ feature, next to the main thread's CPU time over wall time.
 
     python benchmarks/loop_phases.py --mb 1 --count 2048 --group 8
     python benchmarks/loop_phases.py --mb 0.0625 --count 16384 --group 128
+    python benchmarks/loop_phases.py --mb 1 --count 2048 --group 8 --untimed
 
 Steps nest (eviction includes the offloads it starts, which include the device
 phases; a drain of landings includes the offloads it completes). CUDA only.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import gc
 import sys
 import time
 from collections.abc import Sequence
@@ -162,11 +164,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--mb", type=float, default=1.0, help="feature size in MiB")
     parser.add_argument("--count", type=int, default=2048)
     parser.add_argument("--group", type=int, default=1, help="features per put_many call")
+    parser.add_argument(
+        "--untimed",
+        action="store_true",
+        help="no step timers and the collector off: the put loop's own rate, to compare versions",
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("loop_phases: needs a CUDA device")
         return 0
-    instrument()
+    if args.untimed:
+        gc.disable()  # a full collection inside a short loop is noise for a comparison
+    else:
+        instrument()
     summary, table = asyncio.run(run(args.mb, args.count, args.group))
     print(
         f"{args.count} x {args.mb:g} MiB, put_many of {args.group}: {summary['gbps']:.2f} GB/s "
