@@ -52,9 +52,7 @@ __all__ = ["FeatureCache"]
 log = logging.getLogger("mmcache")
 
 MiB = 1024 * 1024
-# Small features share offload copies of 8-16 MiB (150-300 µs of copy at PCIe Gen5 speed).
-_BATCH_MIN_BYTES = 8 * MiB
-_BATCH_MAX_BYTES = 16 * MiB
+_BATCH_BYTES = 8 * MiB  # ≈150 µs of copy at PCIe Gen5 speed per batched offload
 ComputeFn = Callable[[], "torch.Tensor | Awaitable[torch.Tensor]"]
 _T = TypeVar("_T")
 
@@ -101,10 +99,6 @@ class FeatureCache:
         # Offloading a little ahead keeps the copy engine busy while the next puts run,
         # instead of each put waiting for the one copy that makes its room.
         self._evict_ahead = int(self._gpu_capacity * self.settings.evict_ahead)
-        # A batch costs the loop about the same (checks, gather, copy call, fence, landing:
-        # 50-100 µs on an H200 host) whatever it carries, but its room comes back only
-        # when all of it has landed: as large as half the evict-ahead window allows.
-        self._batch_bytes = max(_BATCH_MIN_BYTES, min(_BATCH_MAX_BYTES, self._evict_ahead // 2))
         self._registry = registry
         self._metrics = CacheMetrics(name, registry)
         self._metrics.set_capacity("gpu", self._gpu_capacity)
@@ -709,7 +703,7 @@ class FeatureCache:
     def _evict_gpu_for(self, needed: int) -> None:
         """Offload least recently used entries until needed bytes are free or on their way.
 
-        Features below small_copy_bytes go in batches of about _batch_bytes behind one
+        Features below small_copy_bytes go in batches of about _BATCH_BYTES behind one
         fence: per-copy work (an enqueue, an event, a wake-up on landing) would otherwise
         cap small features far below the copy engine's bandwidth.
         """
@@ -723,7 +717,7 @@ class FeatureCache:
             if entry.nbytes < small_limit:
                 batch.append(entry)
                 batched += entry.nbytes
-                if batched >= self._batch_bytes:
+                if batched >= _BATCH_BYTES:
                     # One fence frees a whole batch: bounded, so room comes back in steps.
                     self._offload_batch(batch)
                     batch, batched = [], 0

@@ -1,17 +1,13 @@
-"""Device.copy_d2h_batch: many sources into one host tensor at byte offsets, one fence;
-and how large the cache makes its batches."""
+"""Device.copy_d2h_batch: many sources into one host tensor at byte offsets, one fence."""
 
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
-from typing import Any
 
 import pytest
 import torch
-from conftest import CacheFactory, Rig
+from conftest import Rig
 
-from mmcache.device.base import Fence
 from mmcache.errors import InvalidValueError
 
 
@@ -106,36 +102,3 @@ def test_a_source_on_another_device_is_refused(rig: Rig) -> None:
     host = host_bytes(rig, 4096)
     with pytest.raises(InvalidValueError, match="not cuda"):
         rig.device.copy_d2h_batch([torch.ones(16)], host, [0], [])
-
-
-@pytest.mark.parametrize(("evict_ahead", "batch_mb"), [(0.125, 8), (0.375, 12), (0.5, 16)])
-async def test_small_offloads_share_copies_up_to_half_the_evict_ahead_window(
-    rig: Rig, make_cache: CacheFactory, evict_ahead: float, batch_mb: int
-) -> None:
-    # Each batch costs the loop about the same whatever it carries, and its room comes
-    # back only when all of it has landed: 8 MiB at least, 16 at most.
-    sizes: list[int] = []
-    device = rig.device
-    original = device.copy_d2h_batch
-
-    def recording(
-        srcs: Sequence[torch.Tensor], host: torch.Tensor, offsets: Sequence[int], after: Any
-    ) -> Fence:
-        sizes.append(sum(src.nbytes for src in srcs))
-        return original(srcs, host, offsets, after)
-
-    device.copy_d2h_batch = recording  # type: ignore[method-assign]
-    try:
-        cache = make_cache(gpu_mb=64, cpu_mb=160, evict_ahead=evict_ahead)
-        await cache.wait_host_ready(timeout=30)
-        where = "cpu" if rig.kind == "sim" else device.name  # the simulator's memory is host
-        for group in range(6):  # 96 MiB of 256 KiB features through a 64 MiB GPU tier
-            await cache.put_many(
-                ((group, i), torch.empty(128, 1024, dtype=torch.bfloat16, device=where))
-                for i in range(64)  # 16 MiB a call: each eviction asks for more than a batch
-            )
-        await cache.drain()
-    finally:
-        del device.copy_d2h_batch
-    assert sizes and max(sizes) == batch_mb * 2**20
-    assert cache.stats().d2h_bytes == sum(sizes)
