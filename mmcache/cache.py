@@ -722,6 +722,9 @@ class FeatureCache:
                     self._offload_batch(batch)
                     batch, batched = [], 0
             else:
+                if batch:  # older victims get their host room first, in LRU order
+                    self._offload_batch(batch)
+                    batch, batched = [], 0
                 self._offload_batch([entry])
         if batch:
             self._offload_batch(batch)
@@ -732,7 +735,9 @@ class FeatureCache:
     def _offload_batch(self, entries: list[Entry]) -> None:
         """Offload GPU entries through one fence, dropping those the host tier cannot take."""
         pool = self._pool
-        # One run of blocks for the batch: one search in the pool, not one per feature.
+        # One run of blocks for the batch: one search in the pool, not one per feature, and
+        # one range for the device to fill. Holes smaller than the batch are left to
+        # features placed one by one (large ones, and batches when no range takes them).
         blocks = pool.allocate_run([e.nbytes for e in entries]) if pool is not None else None
         if blocks is not None:
             items = list(zip(entries, blocks, strict=True))

@@ -155,6 +155,7 @@ async def test_a_failed_offload_drops_that_entry_only(sim_rig: Rig) -> None:
             await assert_exact(cache, k, value(seed))
         s = cache.stats()
         assert (s.copy_failures, s.dropped) == (1, 1)
+        assert s.d2h_bytes == value(2).nbytes  # only the offload that succeeded counts
         assert faults(reg, "copy_failed") == 1
         await settled(sim_rig, cache)
         assert await cache.put("a", value(5))  # the key and the budget are usable again

@@ -113,6 +113,24 @@ async def test_gpu_eviction_into_a_full_host_tier_drops_its_lru(
         assert_exact(await cache.get(key), expected[key])
 
 
+async def test_host_room_goes_to_gpu_victims_in_lru_order_whatever_their_size(
+    rig: Rig, make_cache: CacheFactory
+) -> None:
+    # s is small (its offload is batched), L large (its own copy); the host takes one.
+    cache = make_cache(gpu_mb=64 / 1024, cpu_mb=32 / 1024, small_copy_bytes=16 * KiB)
+    expected = {
+        k: await put_feature(cache, rig, k, kib, seed=i)
+        for i, (k, kib) in enumerate((("s", 8), ("L", 32)))
+    }
+    await put_feature(cache, rig, "X", 64, seed=9)  # evicts s, then L: s gets the room
+    await cache.drain()
+    s = cache.stats()
+    assert (s.evictions_gpu, s.dropped) == (2, 1)
+    assert "L" not in cache
+    assert await tier_of(cache, "s") == "host"
+    assert_exact(await cache.get("s", device="cpu"), expected["s"])
+
+
 @pytest.mark.parametrize("tier", ["gpu", "host"])
 async def test_a_value_larger_than_its_tier_is_refused_and_nothing_is_lost(
     rig: Rig, make_cache: CacheFactory, tier: str

@@ -1,9 +1,9 @@
 """Threads and event loops: a cache belongs to the loop that started it.
 
 Every call from another loop or thread is refused with WrongLoopError (the cache has no
-locks, like cachetools). The way in from another thread is put_threadsafe/get_threadsafe,
-which read the calling thread's stream; asyncio.run_coroutine_threadsafe works too when
-the producer's stream is passed explicitly.
+locks: its ledger and recency are plain dicts). The way in from another thread is
+put_threadsafe/get_threadsafe, which read the calling thread's stream;
+asyncio.run_coroutine_threadsafe works too when the producer's stream is passed explicitly.
 """
 
 from __future__ import annotations
