@@ -735,13 +735,15 @@ class FeatureCache:
     def _offload_batch(self, entries: list[Entry]) -> None:
         """Offload GPU entries through one fence, dropping those the host tier cannot take."""
         pool = self._pool
-        # One run of blocks for the batch: one search in the pool, not one per feature, and
+        # One run of blocks for a batch: one search in the pool, not one per feature, and
         # one range for the device to fill. Holes smaller than the batch are left to
         # features placed one by one (large ones, and batches when no range takes them).
-        blocks = pool.allocate_run([e.nbytes for e in entries]) if pool is not None else None
+        blocks = None
+        if pool is not None and len(entries) > 1:
+            blocks = pool.allocate_run([e.nbytes for e in entries])
         if blocks is not None:
             items = list(zip(entries, blocks, strict=True))
-        else:  # no single free range takes them all: place them one by one
+        else:  # one feature, or no single free range takes them all: one by one
             items = []
             for entry in entries:
                 block = self._host_alloc(entry.nbytes)
