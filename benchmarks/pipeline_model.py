@@ -125,6 +125,12 @@ class ModelDevice(SimDevice):
     def adopt(self, tensor: torch.Tensor, stream: Stream) -> torch.Tensor:
         return tensor.detach()
 
+    def pack(self, srcs: Sequence[torch.Tensor], stream: Stream) -> tuple[torch.Tensor, Fence]:
+        # The packing kernel runs on the device: the host pays only for the call.
+        rows = sum(src.shape[0] for src in srcs)
+        shape = (rows, *srcs[0].shape[1:])
+        return torch.empty(shape, dtype=srcs[0].dtype), self.completed_fence()
+
     def release(self, tensor: torch.Tensor, after: Sequence[Fence]) -> None:
         return None
 

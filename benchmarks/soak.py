@@ -621,8 +621,9 @@ class _Soak:
         self.report.leaked_bytes = s.leaked_bytes
         self.report.pending_copies_after_drain = s.pending_copies
         alive = sum(type(o) is Entry for o in gc.get_objects())
-        self.report.entries_retained = alive - len(cache._entries)
-        gpu_entries = [e for e in cache._entries.values() if e.state is State.GPU]
+        held = cache._held_entries()
+        self.report.entries_retained = alive - len(held)
+        gpu_entries = [e for e in held if e.state is State.GPU]
         if self.sim is not None:
             self.report.gpu_entry_bytes = sum(e.nbytes for e in gpu_entries)
             self.report.device_bytes = self.sim.allocated_bytes

@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry
 
 from mmcache.device import Device, Fence, Stream, resolve_device
 from mmcache.device.base import feature_bytes
-from mmcache.entry import Entry, State, check_key, row_range
+from mmcache.entry import Entry, GroupKey, Member, State, check_key, row_range
 from mmcache.errors import (
     CacheClosedError,
     CopyFailedError,
@@ -109,7 +109,8 @@ class FeatureCache:
         self._watcher: FenceWatcher | None = None
         self._pool: HostPool | None = None
         self._closed = False
-        self._entries: dict[Hashable, Entry] = {}
+        # key -> its entry, or its place in a put_many group's entry
+        self._entries: dict[Hashable, Entry | Member] = {}
         self._done_fence = self._device.completed_fence()
         # Recency per tier only (least recent first); the byte ledger is ours. Every offloaded
         # feature is inserted, evicted and re-inserted here: an OrderedDict does that in
@@ -200,8 +201,8 @@ class FeatureCache:
         for task in list(self._inflight.values()):
             with contextlib.suppress(BaseException):
                 await asyncio.wait_for(asyncio.shield(task), timeout)
-        for entry in list(self._entries.values()):
-            self._unlink(entry)
+        for found in list(self._entries.values()):
+            self._remove(found)
         if self._watcher is not None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._watcher.idle(), timeout)
@@ -304,6 +305,8 @@ class FeatureCache:
     ) -> bool:
         """put for one or more features: check all, take all, reserve once, insert all.
 
+        Small features of one put_many that share dtype and row shape become groups
+        (_group_spans): each is packed into one device tensor and cached as one entry.
         items is emptied once the cache owns the values.
         """
         if self._closed or self._loop is not asyncio.get_running_loop():
@@ -331,16 +334,24 @@ class FeatureCache:
                 f"features of {total / MiB:.1f} MB in all exceed the GPU tier "
                 f"({self._gpu_capacity / MiB:.1f} MB); put them in smaller groups"
             )
+        if len(items) == 1:
+            spans = [(0, 1)]
+        else:
+            spans = _group_spans(items, sizes, self._small_copy_bytes, self._host_limit())
         produced = self._device.record(stream)
         owned: list[tuple[torch.Tensor, Fence]] = []
         try:
-            for _, tensor in items:
-                owned.append(self._own(tensor, stream, produced))
+            for i, j in spans:
+                if j - i == 1:
+                    owned.append(self._own(items[i][1], stream, produced))
+                else:
+                    owned.append(self._pack([tensor for _, tensor in items[i:j]], stream))
         except BaseException:
             self._give_back(owned, [])
             raise
         # From here on the cache owns the values: no frame of ours (nor a traceback of a
         # failed put) may keep the caller's tensors alive past their release.
+        rows = [tensor.shape[0] for _, tensor in items] if len(spans) < len(items) else []
         items.clear()
         del tensor
         for key in keys:
@@ -348,7 +359,7 @@ class FeatureCache:
             if old is not None:
                 # Replace first, then reserve: the old value's bytes must not push others
                 # out (nor be offloaded for nothing). A put that then fails leaves it absent.
-                self._unlink(old)
+                self._remove(old)
                 self._wake_gpu()
         del old  # a put waiting for room must not keep the entry it replaced alive
         blocks: list[HostBlock] = []
@@ -356,27 +367,33 @@ class FeatureCache:
             if to_gpu:
                 ok = await self._reserve_gpu(total, wait)
             else:
-                ok = await self._reserve_host_blocks(sizes, wait, blocks)
+                unit_sizes = [sum(sizes[i:j]) for i, j in spans]
+                ok = await self._reserve_host_blocks(unit_sizes, wait, blocks)
         except BaseException:
             self._give_back(owned, blocks)
             raise
         if not ok:
             self._give_back(owned, blocks)
-            self._c["rejected"] += len(owned)
+            self._c["rejected"] += len(keys)
             return False
         offloads: list[tuple[Entry, HostBlock]] = []
-        for i, (key, (own, ready)) in enumerate(zip(keys, owned, strict=True)):
-            old = self._entries.get(key)
-            if old is not None:  # another put of this key finished while we waited
-                self._unlink(old)
-            entry = Entry(key, tuple(own.shape), own.dtype, sizes[i], State.GPU, own, ready)
-            self._entries[key] = entry
-            if ready is not produced and not ready.done():  # our compaction copy may yet fail
+        entries = self._entries
+        for u, ((i, j), (own, ready)) in enumerate(zip(spans, owned, strict=True)):
+            if j - i == 1:
+                key = keys[i]
+                old = entries.get(key)
+                if old is not None:  # another put of this key finished while we waited
+                    self._remove(old)
+                entry = Entry(key, tuple(own.shape), own.dtype, sizes[i], State.GPU, own, ready)
+                entries[key] = entry
+            else:
+                entry = self._insert_group(keys[i:j], rows[i:j], own, ready, sum(sizes[i:j]))
+            if ready is not produced and not ready.done():  # our own copy may yet fail
                 self._when_done([ready], functools.partial(self._check_ready, entry, ready))
             if to_gpu:
-                self._gpu_lru[key] = entry
+                self._gpu_lru[entry.key] = entry
             else:
-                offloads.append((entry, blocks[i]))
+                offloads.append((entry, blocks[u]))
         if to_gpu:
             self._gpu_granted -= total
             self._gpu_entries += len(keys)
@@ -386,6 +403,34 @@ class FeatureCache:
             self._start_offloads(offloads, charged_gpu=False)
         self._tiers.request()
         return True
+
+    def _insert_group(
+        self, keys: list[Hashable], rows: list[int], packed: torch.Tensor, ready: Fence, nbytes: int
+    ) -> Entry:
+        """Index a packed group: one entry for the tiers, one member per key."""
+        group = Entry(
+            GroupKey(keys[0], len(keys)),
+            tuple(packed.shape),
+            packed.dtype,
+            nbytes,
+            State.GPU,
+            packed,
+            ready,
+            count=len(keys),
+        )
+        members = []
+        entries = self._entries
+        start = 0
+        for key, n in zip(keys, rows, strict=True):
+            old = entries.get(key)
+            if old is not None:  # another put of this key finished while we waited
+                self._remove(old)
+            member = Member(key, group, start, start + n)
+            members.append(member)
+            entries[key] = member
+            start += n
+        group.members = members
+        return group
 
     async def get(
         self,
@@ -406,18 +451,26 @@ class FeatureCache:
         if self._closed or self._loop is not asyncio.get_running_loop():
             await self._ready_to_serve()
         check_key(key)
-        entry = self._entries.get(key)
-        if entry is None:
+        found = self._entries.get(key)
+        if found is None:
             self._c["misses"] += 1
             self._metrics.lookup("miss")
             return None
-        span = row_range(rows, entry.shape)
+        member = None
+        if isinstance(found, Member):
+            member = found
+            entry = found.group
+            span: tuple[int, int] | None = found.span(row_range(rows, found.shape))
+        else:
+            entry = found
+            span = row_range(rows, entry.shape)
+        del found
         state = entry.state
         if state is State.GPU or state is State.D2H:
             self._c["hits_gpu"] += 1
             self._metrics.lookup("hit_gpu")
             if state is State.GPU:
-                self._gpu_lru.move_to_end(key)
+                self._gpu_lru.move_to_end(entry.key)
             assert entry.tensor is not None
             if to_host:
                 if state is State.D2H:
@@ -426,10 +479,10 @@ class FeatureCache:
             return await self._serve_device(entry.tensor, entry.ready, span, stream)
         self._c["hits_cpu"] += 1
         self._metrics.lookup("hit_cpu")
-        self._host_lru.move_to_end(key)
+        self._host_lru.move_to_end(entry.key)
         if to_host:
             return await self._read_host(entry, span)
-        return await self._upload(entry, span, stream)
+        return await self._upload(entry, span, stream, member if rows is None else None)
 
     async def get_or_compute(
         self,
@@ -514,10 +567,10 @@ class FeatureCache:
         self._check_open()
         self._check_loop()
         check_key(key)
-        entry = self._entries.get(key)
-        if entry is None:
+        found = self._entries.get(key)
+        if found is None:
             return False
-        self._unlink(entry)
+        self._remove(found)
         self._wake_gpu()
         self._tiers.request()
         return True
@@ -530,7 +583,8 @@ class FeatureCache:
         only on the device. Do not keep or write to the tensor after the block.
         """
         await self._ready_to_serve()
-        entry = self._entries.get(key)
+        found = self._entries.get(key)
+        entry = found.group if isinstance(found, Member) else found
         if entry is None or entry.block is None or self._pool is None:
             yield await self.get(key, device="cpu")
             return
@@ -539,7 +593,10 @@ class FeatureCache:
         try:
             if entry.copy_fence is not None:
                 self._observe_wait(await self._wait([entry.copy_fence]))
-            yield entry.host_whole()
+            if isinstance(found, Member):
+                yield entry.host_view(*found.span(None), block)
+            else:
+                yield entry.host_whole(block)
         finally:
             self._pool.unpin(block)
 
@@ -646,6 +703,15 @@ class FeatureCache:
         own = self._allocate(tuple(value.shape), value.dtype, stream)
         return own, self._device.copy_d2d(value, own, stream)
 
+    def _pack(self, values: list[torch.Tensor], stream: Stream) -> tuple[torch.Tensor, Fence]:
+        """A group's values packed into one device tensor of the cache's own, on stream."""
+        try:
+            return self._device.pack(values, stream)
+        except DeviceOutOfMemoryError:
+            self._c["alloc_failures"] += 1
+            self._metrics.fault("oom")
+            raise
+
     def _allocate(
         self, shape: tuple[int, ...], dtype: torch.dtype, stream: Stream | None = None
     ) -> torch.Tensor:
@@ -713,7 +779,7 @@ class FeatureCache:
         batched = evicted = 0
         while self._gpu_free() + self._gpu_releasing + batched < needed and lru:
             _, entry = lru.popitem(last=False)
-            evicted += 1
+            evicted += entry.count
             if entry.nbytes < small_limit:
                 batch.append(entry)
                 batched += entry.nbytes
@@ -828,8 +894,8 @@ class FeatureCache:
             if block is not None or not self._host_lru:
                 return block
             _, victim = self._host_lru.popitem(last=False)
-            self._c["evictions_cpu"] += 1
-            self._metrics.eviction("cpu")
+            self._c["evictions_cpu"] += victim.count
+            self._metrics.eviction("cpu", victim.count)
             self._unlink(victim)
 
     async def _reserve_host(self, nbytes: int, wait: bool) -> HostBlock | None:
@@ -912,17 +978,19 @@ class FeatureCache:
         del srcs  # the entries keep the sources alive until the copy has landed
         started = time.perf_counter()
         offloading = self._offloading
+        features = 0
         for entry, block in items:
             entry.state = State.D2H
             entry.block = block
             entry.copy_fence = fence
             offloading[entry] = charged_gpu
+            features += entry.count
         batch = [entry for entry, _ in items]
         nbytes = sum(entry.nbytes for entry in batch)
-        self._cpu_entries += len(batch)
+        self._cpu_entries += features
         if charged_gpu:
             self._gpu_releasing += nbytes
-        self._copy_started("d2h", len(batch))
+        self._copy_started("d2h", features)
 
         offload = _Offload(fence, batch, started)
 
@@ -931,7 +999,7 @@ class FeatureCache:
             # reference cycle per offload, garbage only the cyclic collector could free.
             if self._landing.pop(offload, None) is None:
                 return  # already handled: reaped on the loop before the waiter thread told us
-            self._copy_finished("d2h", nbytes, started, len(batch))
+            self._copy_finished("d2h", nbytes, started, features)
             # Asked once: a batch's fence may be many fences (simulator).
             self._offloads_done(batch, fence.exception(), charged_gpu)
             if charged_gpu:
@@ -986,9 +1054,10 @@ class FeatureCache:
         host_lru = self._host_lru
         release = self._device.release
         done_fence = self._done_fence
-        moved = released = 0
+        moved = released = features = 0
         for entry in batch:
             del offloading[entry]
+            features += entry.count
             if quarantined:
                 quarantined.pop(entry, None)  # a late fence: its bytes come back now
             tensor, entry.tensor = entry.tensor, None
@@ -1012,7 +1081,7 @@ class FeatureCache:
                 self._offload_lost(entry, failed)
         if charged_gpu:
             self._gpu_releasing -= moved
-            self._gpu_entries -= len(batch)
+            self._gpu_entries -= features
             self._gpu_used -= released
         if failed is None:
             self._c["d2h_bytes"] += moved
@@ -1021,9 +1090,7 @@ class FeatureCache:
         """An offloaded entry that was discarded meanwhile, or whose copy failed."""
         if entry.state is State.D2H:  # the copy failed: the feature is lost
             self._copy_failed("offload", entry.key, failed)
-            self._count_dropped()
-            if self._entries.get(entry.key) is entry:
-                del self._entries[entry.key]
+            self._count_dropped(self._forget(entry))
             entry.state = State.GONE
         self._free_block(entry)
 
@@ -1048,9 +1115,9 @@ class FeatureCache:
             entry.nbytes,
         )
         self._metrics.fault("quarantined")
-        if self._entries.get(entry.key) is entry:
-            del self._entries[entry.key]
-            self._count_dropped()
+        lost = self._forget(entry)
+        if lost:
+            self._count_dropped(lost)
         entry.state = State.GONE
         self._tiers.request()
 
@@ -1073,27 +1140,71 @@ class FeatureCache:
         if ready.exception() is None or entry.ready is not ready:
             return
         self._copy_failed("compaction", entry.key, ready.exception())
-        if self._entries.get(entry.key) is entry:
+        if entry.state is not State.GONE:
             self._lose(entry)
 
     def _drop(self, entry: Entry) -> None:
         """Lose an entry (a GPU one the host tier cannot take now, or a destroyed one)."""
-        self._count_dropped()
+        self._count_dropped(entry.count)
         self._unlink(entry)
 
-    def _count_dropped(self) -> None:
-        """A feature the cache lost: the stats counter and the metric move together."""
-        self._c["dropped"] += 1
-        self._metrics.dropped()
+    def _count_dropped(self, features: int = 1) -> None:
+        """Features the cache lost: the stats counter and the metric move together."""
+        self._c["dropped"] += features
+        self._metrics.dropped(features)
+
+    def _remove(self, found: Entry | Member) -> None:
+        """Remove a key's feature: its entry, or its place in a group."""
+        if isinstance(found, Member):
+            self._leave_group(found)
+        else:
+            self._unlink(found)
+
+    def _leave_group(self, member: Member) -> None:
+        """Remove a member from the index; its group goes with its last member.
+
+        Its rows stay charged to the group's tier until then: a group is one block of
+        memory on either side, and slicing it would cost the copies it saves.
+        """
+        if self._entries.get(member.key) is not member:
+            return
+        del self._entries[member.key]
+        group = member.group
+        group.count -= 1
+        state = group.state
+        if state is State.GPU:
+            self._gpu_entries -= 1
+        elif state is State.HOST:
+            self._cpu_entries -= 1
+        elif state is State.D2H:  # counted in the host tier since queued, in the GPU one if charged
+            self._cpu_entries -= 1
+            if self._offloading.get(group):
+                self._gpu_entries -= 1
+        if group.count == 0:
+            self._unlink(group)
+
+    def _forget(self, entry: Entry) -> int:
+        """Remove entry's keys (a group's: its members') from the index; how many there were."""
+        entries = self._entries
+        if entry.members is None:
+            if entries.get(entry.key) is entry:
+                del entries[entry.key]
+                return 1
+            return 0
+        forgotten = 0
+        for member in entry.members:
+            if entries.get(member.key) is member:
+                del entries[member.key]
+                forgotten += 1
+        return forgotten
 
     def _unlink(self, entry: Entry) -> None:
         """Remove entry from the index and release what it holds after its fences."""
-        if self._entries.get(entry.key) is entry:
-            del self._entries[entry.key]
+        self._forget(entry)
         state, entry.state = entry.state, State.GONE
         if state is State.GPU:
             self._gpu_lru.pop(entry.key, None)
-            self._gpu_entries -= 1
+            self._gpu_entries -= entry.count
             tensor, entry.tensor = entry.tensor, None
             assert tensor is not None
             self._release_device(
@@ -1107,7 +1218,7 @@ class FeatureCache:
     def _free_block(self, entry: Entry) -> None:
         block, entry.block = entry.block, None
         if block is not None and self._pool is not None:
-            self._cpu_entries -= 1
+            self._cpu_entries -= entry.count
             self._pool.free(block, after=entry.readers_pending())
 
     # --- reads --------------------------------------------------------------------------
@@ -1188,15 +1299,20 @@ class FeatureCache:
             pool.unpin(block)
 
     async def _upload(
-        self, entry: Entry, span: tuple[int, int] | None, stream: Stream
+        self,
+        entry: Entry,
+        span: tuple[int, int] | None,
+        stream: Stream,
+        member: Member | None = None,
     ) -> torch.Tensor:
-        """A device copy of a host-resident entry; promotes it back to the GPU tier if it fits."""
+        """A device copy of a host-resident entry (or of rows of it, or of a whole group
+        member); promotes the entry or the member back to the GPU tier if it fits."""
         assert entry.block is not None and entry.copy_fence is not None
         promote = (
-            span is None
+            (span is None or member is not None)
             and self._promote
             and not self._gpu_waiters
-            and self._gpu_free() >= entry.nbytes
+            and self._gpu_free() >= (entry.nbytes if member is None else member.nbytes)
         )
         start, stop = span if span is not None else (0, entry.shape[0] if entry.shape else 1)
         src = entry.host_whole() if span is None else entry.host_view(start, stop)
@@ -1207,9 +1323,13 @@ class FeatureCache:
         started = time.perf_counter()
         self._copy_started("h2d")
         nbytes = dst.nbytes
+        if promote and member is not None:
+            # The member leaves its group as an entry of its own, made from this copy.
+            entry = self._promote_member(member, dst, fence)
         self._when_done([fence], lambda: self._upload_done(entry, fence, nbytes, started))
         if promote:
-            self._promote_entry(entry, dst, fence)
+            if member is None:
+                self._promote_entry(entry, dst, fence)
             return await self._serve_device(dst, fence, None, stream)
         try:
             return await self._serve_device(dst, fence, None, stream)
@@ -1227,6 +1347,20 @@ class FeatureCache:
         self._copy_failed("upload", entry.key, fence.exception())
         if entry.state is State.GPU and entry.ready is fence:
             self._lose(entry)  # promoted from a copy that failed: the data is gone
+
+    def _promote_member(self, member: Member, tensor: torch.Tensor, fence: Fence) -> Entry:
+        """A GPU-resident entry of its own for a group member, from its uploaded rows."""
+        group = member.group
+        shape, nbytes = member.shape, member.nbytes
+        entry = Entry(member.key, shape, group.dtype, nbytes, State.GPU, tensor, fence)
+        self._leave_group(member)
+        self._entries[entry.key] = entry
+        self._gpu_used += entry.nbytes
+        self._gpu_entries += 1
+        self._gpu_lru[entry.key] = entry
+        self._c["promotions"] += 1
+        self._tiers.request()
+        return entry
 
     def _promote_entry(self, entry: Entry, tensor: torch.Tensor, fence: Fence) -> None:
         """Make entry GPU-resident again (exclusive tiers: its host block is freed)."""
@@ -1293,10 +1427,23 @@ class FeatureCache:
         pool = self._pool
         self._metrics.set_tier("cpu", pool.used_bytes if pool else 0, self._cpu_entries)
 
+    def _entry(self, key: Hashable) -> Entry:
+        """The entry that holds key's feature (its group's, for a member); KeyError if none."""
+        found = self._entries[key]
+        return found.group if isinstance(found, Member) else found
+
+    def _held_entries(self) -> list[Entry]:
+        """Every entry the index reaches, once each (a group once for all its members)."""
+        held = {}
+        for found in self._entries.values():
+            entry = found.group if isinstance(found, Member) else found
+            held[id(entry)] = entry
+        return list(held.values())
+
     def _audit(self) -> dict[str, int]:
         """Bytes in the ledgers that no entry, copy or pending release owns (should be 0)."""
         gpu_owned = self._gpu_granted + self._gpu_released_pending
-        holders = {id(e): e for e in self._entries.values()}
+        holders = {id(e): e for e in self._held_entries()}
         for e, charged in self._offloading.items():
             holders[id(e)] = e  # discarded while offloading: still holds both sides
             if charged:
@@ -1322,3 +1469,35 @@ def _raise_if_failed(ready: Fence) -> None:
     """A feature whose producing copy already failed is an error to read, never poison."""
     if ready.done() and ready.exception() is not None:
         raise CopyFailedError(f"the copy that made this feature failed: {ready.exception()}")
+
+
+def _group_spans(
+    items: Sequence[tuple[Hashable, torch.Tensor]],
+    sizes: Sequence[int],
+    small_bytes: int,
+    host_limit: int,
+) -> list[tuple[int, int]]:
+    """Index ranges of items to cache together: runs of small features of one dtype and
+    row shape, up to _BATCH_BYTES a run (and what one host block can take); others alone.
+
+    A group is packed into one tensor at put, so its features need no copy of their own
+    when offloaded, nor entry, recency slot, host block or landing of their own.
+    """
+    cap = min(_BATCH_BYTES, host_limit)
+    spans = []
+    first = 0
+    run_bytes = 0
+    kind: tuple[torch.dtype, torch.Size] | None = None
+    for i, (_, tensor) in enumerate(items):
+        nbytes = sizes[i]
+        shape = tensor.shape
+        mine = (tensor.dtype, shape[1:]) if nbytes < small_bytes and shape else None
+        if mine is None or mine != kind or run_bytes + nbytes > cap:
+            if i > first:
+                spans.append((first, i))
+            first = i
+            run_bytes = 0
+        kind = mine
+        run_bytes += nbytes
+    spans.append((first, len(items)))
+    return spans

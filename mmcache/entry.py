@@ -12,7 +12,7 @@ from mmcache.device.base import Fence
 from mmcache.errors import InvalidKeyError, InvalidRowsError
 from mmcache.host_pool import HostBlock
 
-__all__ = ["Entry", "State", "check_key", "row_range"]
+__all__ = ["Entry", "GroupKey", "Member", "State", "check_key", "row_range"]
 
 
 class State(enum.Enum):
@@ -43,6 +43,10 @@ class Entry:
     host_readers: list[Fence] | None = None
     #: fences of copies that read the device tensor (downloads for host gets)
     device_readers: list[Fence] | None = None
+    #: a put_many group: the features whose rows this entry holds (None: one feature)
+    members: list[Member] | None = None
+    #: features the entry holds for the tier counters (a group's: its members still cached)
+    count: int = 1
 
     def readers_pending(self) -> list[Fence]:
         """Fences of host-block readers still running (done ones are forgotten)."""
@@ -73,6 +77,47 @@ class Entry:
         block = block if block is not None else self.block
         assert block is not None
         return block.bytes(0, self.nbytes).view(self.dtype).view(self.shape)
+
+
+@dataclass(slots=True, eq=False)
+class Member:
+    """A feature put by put_many: rows start..stop of its group's entry.
+
+    A group is one entry for the tiers (one recency slot, one host block, one copy, one
+    landing), so its features cost no bookkeeping of their own after put. A member that
+    goes (discarded, replaced, promoted) leaves its rows charged until the last one goes.
+    """
+
+    key: Hashable
+    group: Entry
+    start: int
+    stop: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.stop - self.start, *self.group.shape[1:])
+
+    @property
+    def nbytes(self) -> int:
+        group = self.group
+        return group.nbytes // group.shape[0] * (self.stop - self.start)
+
+    def span(self, rows: tuple[int, int] | None) -> tuple[int, int]:
+        """Rows of the group for rows (relative to this member; None: all of it)."""
+        if rows is None:
+            return self.start, self.stop
+        return self.start + rows[0], self.start + rows[1]
+
+
+@dataclass(slots=True, eq=False, repr=False)
+class GroupKey:
+    """A group's key in the tiers' recency order: never equal to a user's key."""
+
+    first: Hashable
+    size: int
+
+    def __repr__(self) -> str:
+        return f"<put_many group of {self.size} from {self.first!r}>"
 
 
 def _pending(fences: list[Fence] | None) -> list[Fence]:

@@ -402,9 +402,9 @@ class CacheMetrics:
             raise _unknown("tier", tier, TIERS) from None
         child.inc(count)
 
-    def dropped(self) -> None:
-        """Count an entry lost because the host tier could not take it."""
-        self._dropped.inc()
+    def dropped(self, count: int = 1) -> None:
+        """Count features lost because the host tier could not take them (or a copy failed)."""
+        self._dropped.inc(count)
 
     def copy_started(self, direction: str, count: int = 1) -> None:
         """Count copies of count features as pending: direction is d2h or h2d."""

@@ -40,7 +40,7 @@ async def _settled(rig: Rig, cache: FeatureCache) -> None:
     stats = cache.stats()
     assert stats.pending_copies == 0
     assert stats.leaked_bytes == 0
-    owned = sum(e.nbytes for e in cache._entries.values() if e.state is State.GPU)
+    owned = sum(e.nbytes for e in cache._held_entries() if e.state is State.GPU)
     device = rig.device
     assert isinstance(device, SimDevice)
     if device.allocated_bytes != owned:

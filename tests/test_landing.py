@@ -57,7 +57,7 @@ async def test_a_landed_offload_keeps_device_bytes_charged_while_a_download_read
     await cache.drain()
     readers = {key: SimFence(threading.Lock()) for key in "ab"}
     for key, fence in readers.items():
-        cache._entries[key].add_device_reader(fence)  # as a host get's download still running
+        cache._entry(key).add_device_reader(fence)  # as a host get's download still running
     put_x = asyncio.create_task(put_feature(cache, rig, "x", 64, seed=9))
     for _ in range(100):  # a, b and c are offloaded; only c's device bytes come back now
         await asyncio.sleep(0.005)

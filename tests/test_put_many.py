@@ -49,7 +49,7 @@ async def test_a_batch_that_forces_eviction_offloads_small_features_in_few_copie
     start_offloads = cache._start_offloads  # each call queues one copy behind one fence
 
     def counted(items: Any, *, charged_gpu: bool) -> None:
-        offloads.append(len(items))
+        offloads.append(sum(entry.count for entry, _ in items))  # features, grouped or not
         start_offloads(items, charged_gpu=charged_gpu)
 
     monkeypatch.setattr(cache, "_start_offloads", counted)
@@ -71,7 +71,13 @@ async def test_replacing_keys_in_a_batch_keeps_only_the_new_values(
     assert await cache.put_many([("x", new), ("z", feature(rig, 8, 4))])
     assert_exact(await cache.get("x"), new)
     assert len(cache) == 3
-    assert cache.stats().gpu_bytes == 3 * 8 * 1024
+    # Each batch is one packed group: the replaced x keeps its rows of the first group
+    # charged until the group's last member, y, goes too.
+    assert cache.stats().gpu_bytes == 4 * 8 * 1024
+    assert cache.discard("y")
+    await cache.drain()
+    assert cache.stats().gpu_bytes == 2 * 8 * 1024
+    assert cache.stats().gpu_entries == 2 and cache.stats().leaked_bytes == 0
 
 
 @pytest.mark.parametrize(

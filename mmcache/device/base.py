@@ -175,6 +175,24 @@ class Device(abc.ABC):
     def copy_d2d(self, src: torch.Tensor, dst: torch.Tensor, stream: Stream) -> Fence:
         """Queue src -> dst on stream (compaction of views at put); return its fence."""
 
+    def pack(self, srcs: Sequence[torch.Tensor], stream: Stream) -> tuple[torch.Tensor, Fence]:
+        """A new device tensor holding srcs' rows back to back, filled on stream.
+
+        srcs share dtype and the shape after their first dimension (views welcome). The
+        copies are ordered after earlier work on stream and read each source before it
+        is released; the fence is the copies' (it fails if any of them fails).
+        """
+        first = srcs[0]
+        rows = sum(src.shape[0] for src in srcs)
+        packed = self.empty((rows, *first.shape[1:]), first.dtype, stream)
+        fences = []
+        start = 0
+        for src in srcs:
+            stop = start + src.shape[0]
+            fences.append(self.copy_d2d(src, packed[start:stop], stream))
+            start = stop
+        return packed, fences[0] if len(fences) == 1 else AllFences(fences)
+
     # --- lifecycle ------------------------------------------------------------
 
     def close(self) -> None:  # noqa: B027 - optional hook
