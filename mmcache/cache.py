@@ -1196,6 +1196,9 @@ class FeatureCache:
             if entries.get(member.key) is member:
                 del entries[member.key]
                 forgotten += 1
+        # Members name their group: without this the two would die only by the cyclic
+        # collector (whose pauses grow with the objects it walks).
+        entry.members = []
         return forgotten
 
     def _unlink(self, entry: Entry) -> None:

@@ -145,20 +145,28 @@ async def test_an_empty_batch_is_a_no_op(rig: Rig, make_cache: CacheFactory) -> 
     assert len(cache) == 0
 
 
-async def test_offloads_leave_no_cyclic_garbage(rig: Rig, make_cache: CacheFactory) -> None:
+@pytest.mark.parametrize("group", [1, 4], ids=["put", "put_many"])
+async def test_offloads_leave_no_cyclic_garbage(
+    rig: Rig, make_cache: CacheFactory, group: int
+) -> None:
     """Per-operation objects die by reference counting: garbage that only the cyclic
     collector frees makes its pauses (tens of ms in a large process) more frequent."""
     needs_hold(rig)  # the simulator: torch's CUDA objects are not what is measured here
     sim_rig = rig
-    cache = make_cache(gpu_mb=0.25, cpu_mb=8)
+    # put_many: groups of four, evicted from both tiers, some members discarded first.
+    cache = make_cache(gpu_mb=0.25, cpu_mb=8 if group == 1 else 1)
     for i in range(32):  # warm up: the host arena, the tiers, lazily made objects
         assert await cache.put(("warm", i), feature(sim_rig, 16, i))
     await cache.drain()
     gc.collect()
     gc.disable()
     try:
-        for i in range(200):  # about 190 offloads (GPU tier: 16 features)
-            assert await cache.put(i, feature(sim_rig, 16, i))
+        for i in range(0, 200, group):  # about 190 offloads (GPU tier: 16 features)
+            items = [(k, feature(sim_rig, 16, k)) for k in range(i, i + group)]
+            assert await (cache.put(*items[0]) if group == 1 else cache.put_many(items))
+            del items
+            if group > 1 and i % 8 == 0:
+                cache.discard(i)
         await cache.drain()
         gc.set_debug(gc.DEBUG_SAVEALL)  # keep what the collector finds, to look at it
         gc.collect()

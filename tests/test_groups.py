@@ -1,0 +1,338 @@
+"""put_many groups: small features of one call packed into one entry, read per key.
+
+A group is one entry for the tiers (one recency slot, one host block, one copy, one
+landing); its members are row ranges of it. Each scenario checks every member bit for
+bit, the ledger (no leaked bytes, entry counts in features), and what a member's
+departure leaves charged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import torch
+from conftest import CacheFactory, Rig, assert_exact, feature, needs_hold, stall
+
+from mmcache import CopyFailedError, DeviceOutOfMemoryError, FeatureCache
+from mmcache.cache import _BATCH_BYTES, _group_spans
+from mmcache.device import SimDevice
+from mmcache.entry import Entry, Member, State
+
+KiB = 1024
+
+
+def features(rig: Rig, n: int, kib: int, seed: int = 0) -> list[torch.Tensor]:
+    return [feature(rig, kib, seed + i) for i in range(n)]
+
+
+async def put_group(
+    cache: FeatureCache, rig: Rig, name: str, n: int, kib: int = 8, seed: int = 0
+) -> list[torch.Tensor]:
+    """put_many n alike features under (name, i); return host clones to compare with."""
+    values = features(rig, n, kib, seed)
+    want = [v.cpu().clone() for v in values]
+    assert await cache.put_many(((name, i), v) for i, v in enumerate(values))
+    return want
+
+
+def group_of(cache: FeatureCache, key: Any) -> Entry:
+    found = cache._entries[key]
+    assert isinstance(found, Member), f"{key!r} is not in a group"
+    return found.group
+
+
+async def assert_clean(rig: Rig, cache: FeatureCache) -> None:
+    rig.settle()
+    await cache.drain()
+    s = cache.stats()
+    assert s.leaked_bytes == 0 and s.pending_copies == 0
+    assert s.gpu_entries + s.cpu_entries == len(cache)
+
+
+# --- which features are grouped -------------------------------------------------------
+
+
+def _items(*specs: tuple[int, torch.dtype, tuple[int, ...]]) -> tuple[list[Any], list[int]]:
+    items = [(i, torch.empty(shape, dtype=dtype)) for i, (_, dtype, shape) in enumerate(specs)]
+    return items, [nbytes for nbytes, _, _ in specs]
+
+
+def test_runs_of_alike_small_features_are_grouped_and_the_rest_stand_alone() -> None:
+    f32, bf16 = torch.float32, torch.bfloat16
+    items, sizes = _items(
+        (4 * KiB, f32, (4, 256)),
+        (8 * KiB, f32, (8, 256)),  # same dtype and row shape: same group
+        (2 * KiB, bf16, (4, 256)),  # another dtype: a new run
+        (2 * KiB, bf16, (4, 256)),
+        (2 * KiB, bf16, (2, 512)),  # another row shape: a run of one
+        (64 * KiB, bf16, (64, 512)),  # not small: alone
+        (64 * KiB, bf16, (64, 512)),
+        (4, f32, ()),  # a scalar has no rows: alone
+        (4 * KiB, f32, (4, 256)),
+    )
+    spans = _group_spans(items, sizes, small_bytes=32 * KiB, host_limit=1 << 30)
+    assert spans == [(0, 2), (2, 4), (4, 5), (5, 6), (6, 7), (7, 8), (8, 9)]
+
+
+def test_a_group_is_cut_at_the_batch_size_and_at_what_one_host_block_takes() -> None:
+    items, sizes = _items(*[(KiB, torch.float32, (1, 256))] * 10)
+    assert _group_spans(items, sizes, 1 << 20, host_limit=4 * KiB) == [(0, 4), (4, 8), (8, 10)]
+    big = _BATCH_BYTES // 4
+    items, sizes = _items(*[(big, torch.uint8, (big,))] * 6)
+    assert _group_spans(items, sizes, 1 << 30, host_limit=1 << 30) == [(0, 4), (4, 6)]
+
+
+# --- a group on the GPU and on the host ----------------------------------------------
+
+
+async def test_a_batch_of_alike_features_is_one_entry_and_every_key_reads_exactly(
+    rig: Rig, make_cache: CacheFactory
+) -> None:
+    cache = make_cache(gpu_mb=1, cpu_mb=4)
+    want = await put_group(cache, rig, "img", 16)
+    group = group_of(cache, ("img", 0))
+    assert cache._held_entries() == [group] and group.count == 16
+    s = cache.stats()
+    assert (len(cache), s.gpu_entries, s.gpu_bytes) == (16, 16, 16 * 8 * KiB)
+    for i, expected in enumerate(want):
+        assert_exact(await cache.get(("img", i)), expected)
+        assert_exact(await cache.get(("img", i), device="cpu"), expected)
+        assert_exact(await cache.get(("img", i), rows=slice(2, 5)), expected[2:5])
+        assert_exact(await cache.get(("img", i), rows=slice(-1, None), device="cpu"), expected[-1:])
+    await assert_clean(rig, cache)
+
+
+async def test_views_of_one_batch_output_are_packed_into_one_tensor(
+    rig: Rig, make_cache: CacheFactory
+) -> None:
+    """An encoder's output for several images, split per image: one copy keeps them all."""
+    cache = make_cache(gpu_mb=1, cpu_mb=4)
+    batch = rig.tensor(40, 256, dtype=torch.float32, seed=3)
+    want = [part.cpu().clone() for part in batch.split([8, 16, 16])]
+    base = rig.allocated_bytes()
+    assert await cache.put_many(enumerate(batch.split([8, 16, 16])))
+    del batch
+    rig.settle()
+    await cache.drain()
+    assert cache.stats().gpu_bytes == 40 * KiB
+    if isinstance(rig.device, SimDevice):
+        assert rig.allocated_bytes() == base + 40 * KiB  # one packed tensor, nothing else
+    for i, expected in enumerate(want):
+        assert_exact(await cache.get(i), expected)
+    await assert_clean(rig, cache)
+
+
+async def test_a_group_leaves_the_gpu_whole_by_one_copy_and_reads_back_from_the_host(
+    rig: Rig, make_cache: CacheFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = make_cache(gpu_mb=0.5, cpu_mb=4)
+    want = await put_group(cache, rig, "a", 32)  # 256 KiB: half the GPU tier
+    copies: list[list[int]] = []
+    start_offloads = cache._start_offloads
+
+    def counted(items: Any, *, charged_gpu: bool) -> None:
+        copies.append([entry.count for entry, _ in items])
+        start_offloads(items, charged_gpu=charged_gpu)
+
+    monkeypatch.setattr(cache, "_start_offloads", counted)
+    await put_group(cache, rig, "b", 32, seed=100)
+    await put_group(cache, rig, "c", 32, seed=200)  # makes room: group a goes
+    await cache.drain()
+    assert copies == [[32]]  # one copy for 32 features
+    assert group_of(cache, ("a", 5)).state is State.HOST
+    s = cache.stats()
+    assert (s.evictions_gpu, s.cpu_entries, s.gpu_entries, s.dropped) == (32, 32, 64, 0)
+    for i, expected in enumerate(want):
+        assert_exact(await cache.get(("a", i), device="cpu"), expected)
+        assert_exact(await cache.get(("a", i), rows=slice(3, 7)), expected[3:7])
+    await assert_clean(rig, cache)
+
+
+async def test_the_host_tier_evicts_a_group_whole_and_counts_its_features(
+    rig: Rig, make_cache: CacheFactory
+) -> None:
+    cache = make_cache(gpu_mb=0.25, cpu_mb=0.25)
+    for g in range(4):  # 128 KiB each: either tier holds two groups
+        await put_group(cache, rig, f"g{g}", 16, seed=100 * g)
+    await cache.drain()
+    want = await put_group(cache, rig, "last", 16, seed=999)
+    await cache.drain()
+    s = cache.stats()
+    assert s.evictions_cpu % 16 == 0 and s.evictions_cpu >= 16
+    gone = [g for g in range(4) if (f"g{g}", 0) not in cache]
+    assert gone and all((f"g{g}", i) not in cache for g in gone for i in range(16))
+    for i, expected in enumerate(want):
+        assert_exact(await cache.get(("last", i)), expected)
+    await assert_clean(rig, cache)
+
+
+# --- members that go before their group ------------------------------------------------
+
+
+async def test_a_discarded_member_stays_charged_until_its_group_goes(
+    rig: Rig, make_cache: CacheFactory
+) -> None:
+    cache = make_cache(gpu_mb=1, cpu_mb=4)
+    want = await put_group(cache, rig, "v", 4)
+    for i in range(3):
+        assert cache.discard(("v", i))
+        assert not cache.discard(("v", i))
+    s = cache.stats()
+    assert (len(cache), s.gpu_entries, s.gpu_bytes) == (1, 1, 4 * 8 * KiB)
+    assert await cache.get(("v", 0)) is None
+    assert_exact(await cache.get(("v", 3)), want[3])
+    assert cache.discard(("v", 3))
+    await assert_clean(rig, cache)
+    assert cache.stats().gpu_bytes == 0 and rig.allocated_bytes() >= 0
+
+
+async def test_members_leaving_a_group_on_the_host_free_its_block_with_the_last(
+    rig: Rig, make_cache: CacheFactory
+) -> None:
+    cache = make_cache(gpu_mb=0.5, cpu_mb=4)
+    want = await put_group(cache, rig, "h", 16)  # 128 KiB
+    await put_group(cache, rig, "push", 49, seed=50)  # 392 KiB: h goes to the host
+    await cache.drain()
+    assert group_of(cache, ("h", 0)).state is State.HOST
+    assert await cache.put(("h", 1), feature(rig, 8, 77))  # replaced: on the GPU
+    await cache.drain()
+    before = cache.stats()
+    assert before.cpu_bytes == 16 * 8 * KiB and before.cpu_entries == 15
+    for i in range(2, 15):
+        assert cache.discard(("h", i))
+    after = cache.stats()
+    assert (after.cpu_bytes, after.cpu_entries) == (before.cpu_bytes, 2)
+    assert_exact(await cache.get(("h", 15), device="cpu"), want[15])
+    assert_exact(await cache.get(("h", 1), device="cpu"), feature(rig, 8, 77).cpu())
+    cache.discard(("h", 0))
+    cache.discard(("h", 15))
+    await assert_clean(rig, cache)
+    assert cache.stats().cpu_bytes == 0
+
+
+async def test_a_host_hit_promotes_the_member_alone(rig: Rig, make_cache: CacheFactory) -> None:
+    cache = make_cache(gpu_mb=0.25, cpu_mb=4)
+    want = await put_group(cache, rig, "p", 16)
+    await put_group(cache, rig, "push", 16, seed=50)
+    await put_group(cache, rig, "push2", 8, seed=80)  # p goes to the host: 64 KiB free
+    await cache.drain()
+    group = group_of(cache, ("p", 0))
+    assert group.state is State.HOST
+    got = await cache.get(("p", 4))
+    assert_exact(got, want[4])
+    del got
+    promoted = cache._entries[("p", 4)]
+    assert isinstance(promoted, Entry) and promoted.state is State.GPU
+    assert cache.stats().promotions == 1 and group.count == 15
+    for i, expected in enumerate(want):
+        assert_exact(await cache.get(("p", i), device="cpu"), expected)
+    await assert_clean(rig, cache)
+
+
+async def test_replacing_and_discarding_members_while_their_group_is_offloading(
+    rig: Rig, make_cache: CacheFactory
+) -> None:
+    needs_hold(rig)
+    cache = make_cache(gpu_mb=0.25, cpu_mb=4)
+    await put_group(cache, rig, "a", 16)  # 128 KiB
+    want_b = await put_group(cache, rig, "b", 15, seed=100)  # 120 KiB: 8 KiB left
+    new = feature(rig, 8, 555)
+    want_new = new.cpu().clone()
+    with rig.hold():
+        # No room without waiting for a copy: refused, but a's offload has started (held).
+        values = features(rig, 16, 8, 200)
+        assert not await cache.put_many(enumerate(values), wait=False)
+        del values
+        group = group_of(cache, ("a", 0))
+        assert group.state is State.D2H
+        assert await cache.put(("a", 0), new)
+        del new
+        for i in range(1, 16):
+            cache.discard(("a", i))
+        assert group.count == 0 and group.state is State.GONE
+        s = cache.stats()
+        assert s.leaked_bytes == 0 and s.gpu_entries + s.cpu_entries == len(cache)
+    await cache.drain()
+    assert_exact(await cache.get(("a", 0), device="cpu"), want_new)
+    for i, expected in enumerate(want_b):
+        assert_exact(await cache.get(("b", i), device="cpu"), expected)
+    await assert_clean(rig, cache)
+    assert cache.stats().cpu_bytes == 0  # the group's block went with its copy
+
+
+# --- the packing copy ------------------------------------------------------------------
+
+
+async def test_reads_wait_for_a_producer_still_running_when_the_group_is_put(
+    rig: Rig, make_cache: CacheFactory
+) -> None:
+    """The packing copy runs after the producer's work on its stream, never before."""
+    cache = make_cache(gpu_mb=1, cpu_mb=4)
+    if rig.kind == "sim":
+        with rig.hold():
+            want = await put_group(cache, rig, "r", 8)
+            host_read = asyncio.ensure_future(cache.get(("r", 3), device="cpu"))
+            await asyncio.sleep(0.05)
+            assert not host_read.done()  # the packing copy is held back
+        assert_exact(await host_read, want[3])
+        return
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    base = rig.tensor(8, 8, 256, dtype=torch.float32, seed=9)
+    with torch.cuda.stream(side):
+        stall(side, 0.2)  # the producer is still running when put_many returns
+        values = [base[i] * 2 for i in range(8)]
+    assert await cache.put_many(enumerate(values), stream=side)
+    del values
+    want = (base * 2).cpu()
+    consumer = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    with torch.cuda.stream(consumer):
+        got = await cache.get(5)
+        on_host = await cache.get(6, device="cpu")
+    consumer.synchronize()
+    assert_exact(got, want[5])
+    assert_exact(on_host, want[6])
+    await assert_clean(rig, cache)
+
+
+async def test_a_failed_packing_copy_loses_the_group_and_never_serves_it(
+    rig: Rig, make_cache: CacheFactory
+) -> None:
+    needs_hold(rig)  # faults are injected into the simulator
+    cache = make_cache(gpu_mb=1, cpu_mb=4)
+    keep = await put_group(cache, rig, "keep", 4, seed=7)
+    assert isinstance(rig.device, SimDevice)
+    with rig.hold():  # the copy fails only once the group is in the index
+        rig.device.inject("copy_fails")
+        await put_group(cache, rig, "bad", 4)
+    rig.settle()
+    await cache.drain()
+    for i in range(4):
+        try:
+            got = await cache.get(("bad", i), device="cpu")
+        except CopyFailedError:
+            continue
+        assert got is None, "a member of a failed packing copy was served"
+    s = cache.stats()
+    assert s.copy_failures == 1 and s.dropped == 4
+    assert all(("bad", i) not in cache for i in range(4))
+    for i, expected in enumerate(keep):
+        assert_exact(await cache.get(("keep", i)), expected)
+    await assert_clean(rig, cache)
+
+
+async def test_no_memory_to_pack_a_group_refuses_the_batch_and_keeps_the_old_values(
+    rig: Rig, make_cache: CacheFactory
+) -> None:
+    needs_hold(rig)  # faults are injected into the simulator
+    cache = make_cache(gpu_mb=1, cpu_mb=4)
+    old = await put_group(cache, rig, "k", 4)
+    assert isinstance(rig.device, SimDevice)
+    rig.device.inject("alloc_fails")
+    with pytest.raises(DeviceOutOfMemoryError):
+        await cache.put_many((("k", i), v) for i, v in enumerate(features(rig, 4, 8, 40)))
+    assert cache.stats().alloc_failures == 1
+    for i, expected in enumerate(old):
+        assert_exact(await cache.get(("k", i)), expected)
+    await assert_clean(rig, cache)
