@@ -338,16 +338,24 @@ class FeatureCache:
             spans = [(0, 1)]
         else:
             spans = _group_spans(items, sizes, self._small_copy_bytes, self._host_limit())
-        produced = self._device.record(stream)
+        produced: Fence | None = None  # recorded for single features only: groups have their own
         owned: list[tuple[torch.Tensor, Fence]] = []
+        # A group's values, held until its packing copy has read them (none for a single).
+        sources: list[list[torch.Tensor]] = []
         try:
             for i, j in spans:
                 if j - i == 1:
+                    if produced is None:
+                        produced = self._device.record(stream)
                     owned.append(self._own(items[i][1], stream, produced))
+                    sources.append([])
                 else:
-                    owned.append(self._pack([tensor for _, tensor in items[i:j]], stream))
+                    values = [tensor for _, tensor in items[i:j]]
+                    owned.append(self._pack(values, stream))
+                    sources.append(values)
+                    del values
         except BaseException:
-            self._give_back(owned, [])
+            self._give_back(owned, [], sources)
             raise
         # From here on the cache owns the values: no frame of ours (nor a traceback of a
         # failed put) may keep the caller's tensors alive past their release.
@@ -370,10 +378,10 @@ class FeatureCache:
                 unit_sizes = [sum(sizes[i:j]) for i, j in spans]
                 ok = await self._reserve_host_blocks(unit_sizes, wait, blocks)
         except BaseException:
-            self._give_back(owned, blocks)
+            self._give_back(owned, blocks, sources)
             raise
         if not ok:
-            self._give_back(owned, blocks)
+            self._give_back(owned, blocks, sources)
             self._c["rejected"] += len(keys)
             return False
         offloads: list[tuple[Entry, HostBlock]] = []
@@ -386,10 +394,12 @@ class FeatureCache:
                     self._remove(old)
                 entry = Entry(key, tuple(own.shape), own.dtype, sizes[i], State.GPU, own, ready)
                 entries[key] = entry
+                if ready is not produced and not ready.done():  # our compaction may yet fail
+                    self._when_done([ready], functools.partial(self._check_ready, entry, ready))
             else:
                 entry = self._insert_group(keys[i:j], rows[i:j], own, ready, sum(sizes[i:j]))
-            if ready is not produced and not ready.done():  # our own copy may yet fail
-                self._when_done([ready], functools.partial(self._check_ready, entry, ready))
+                # One callback per group: it lets go of the values and checks the copy.
+                self._when_done([ready], functools.partial(self._packed, entry, ready, sources[u]))
             if to_gpu:
                 self._gpu_lru[entry.key] = entry
             else:
@@ -723,10 +733,17 @@ class FeatureCache:
             self._metrics.fault("oom")
             raise
 
-    def _give_back(self, owned: list[tuple[torch.Tensor, Fence]], blocks: list[HostBlock]) -> None:
+    def _give_back(
+        self,
+        owned: list[tuple[torch.Tensor, Fence]],
+        blocks: list[HostBlock],
+        sources: list[list[torch.Tensor]],
+    ) -> None:
         """Undo a put that took its values but will not insert them."""
-        for own, ready in owned:
+        for (own, ready), values in zip(owned, sources, strict=True):
             self._device.release(own, after=[ready])
+            if values:  # a packing copy may still read them
+                self._when_done([ready], functools.partial(self._packed, None, ready, values))
         for block in blocks:
             assert self._pool is not None
             self._pool.free(block)
@@ -1134,6 +1151,11 @@ class FeatureCache:
         self._drop(entry)
         self._wake_gpu()
         self._tiers.request()
+
+    def _packed(self, group: Entry | None, ready: Fence, values: list[torch.Tensor]) -> None:
+        """A packing copy has finished: its values may go (with this call's arguments)."""
+        if group is not None:
+            self._check_ready(group, ready)
 
     def _check_ready(self, entry: Entry, ready: Fence) -> None:
         """A put whose producing copy failed (a compaction) must not serve poison: drop it."""

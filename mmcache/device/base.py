@@ -179,8 +179,8 @@ class Device(abc.ABC):
         """A new device tensor holding srcs' rows back to back, filled on stream.
 
         srcs share dtype and the shape after their first dimension (views welcome). The
-        copies are ordered after earlier work on stream and read each source before it
-        is released; the fence is the copies' (it fails if any of them fails).
+        copies are ordered after earlier work on stream; the caller keeps the sources
+        referenced until the fence (the copies', failed if any of them fails) is done.
         """
         first = srcs[0]
         rows = sum(src.shape[0] for src in srcs)

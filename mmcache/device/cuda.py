@@ -203,12 +203,12 @@ class _FenceWaiter:
 
 @final
 class _Keepalive:
-    """Holds a tensor (or a list of them) until every fence that still uses it is done."""
+    """Holds a tensor until every fence that still uses it is done."""
 
     __slots__ = ("_lock", "_remaining", "_tensor")
 
-    def __init__(self, tensor: torch.Tensor | list[torch.Tensor], fences: int) -> None:
-        self._tensor: torch.Tensor | list[torch.Tensor] | None = tensor
+    def __init__(self, tensor: torch.Tensor, fences: int) -> None:
+        self._tensor: torch.Tensor | None = tensor
         self._remaining = fences
         self._lock = threading.Lock()
 
@@ -582,20 +582,18 @@ class CudaDevice(Device):
     def pack(self, srcs: Sequence[torch.Tensor], stream: Stream) -> tuple[torch.Tensor, CudaFence]:
         """srcs' rows back to back in a new tensor: one torch.cat kernel on stream.
 
-        The result comes from stream's pool (the stream that writes it). The sources are
-        referenced until the fence, in one holder: they may come from another stream's
-        pool, and a record_stream each would cost µs per feature.
+        The result comes from stream's pool (the stream that writes it). As with
+        copy_d2h_batch, the caller keeps the sources referenced until the fence: they may
+        come from another stream's pool, and a record_stream each would cost µs a feature.
         """
         self._check_open()
         cuda_stream = as_cuda_stream(stream)
         try:
             with _OnStream(cuda_stream):
                 packed = torch.cat(list(srcs))
-                fence = self.record(cuda_stream)
+                return packed, self.record(cuda_stream)
         except RuntimeError as exc:
             raise _enqueue_error("device-to-device", sum(s.nbytes for s in srcs), exc) from exc
-        fence.add_done_callback(_Keepalive(list(srcs), 1).fence_done)
-        return packed, fence
 
     def copy_d2h_batch(
         self,
