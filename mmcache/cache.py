@@ -288,13 +288,16 @@ class FeatureCache:
             stream = self._device.current_stream()
         batch = list(items)
         del items  # the caller's container must not outlive the values the cache now owns
+        keys = []
         for item in batch:
             if not isinstance(item, tuple) or len(item) != 2:
                 raise InvalidValueError(
                     f"put_many takes (key, tensor) pairs, not {type(item).__name__}"
                 )
-            check_key(item[0])  # before hashing: an unhashable key gets a clear error
-        if len({key for key, _ in batch}) != len(batch):
+            key = item[0]
+            check_key(key)  # before hashing: an unhashable key gets a clear error
+            keys.append(key)
+        if len(set(keys)) != len(batch):
             raise InvalidKeyError("put_many got the same key twice; keys must be distinct")
         if not batch:
             return True
@@ -320,10 +323,14 @@ class FeatureCache:
             limit: float = self._gpu_capacity
         else:  # both tiers off: put returns False below, once every value is checked
             limit = self._host_limit() if self._cpu_capacity else math.inf
+        on_device = self._device.is_device_tensor
         for key, tensor in items:
             keys.append(key)
-            nbytes = self._check_value(tensor)
-            if nbytes > limit:
+            if not isinstance(tensor, torch.Tensor) or not on_device(tensor):
+                self._check_value(tensor)  # raises, saying what is wrong
+            nbytes = tensor.nbytes
+            if nbytes == 0 or nbytes > limit:
+                self._check_value(tensor)  # raises for an empty tensor
                 self._check_fits(nbytes, to_gpu)  # raises, with the setting to change
             sizes.append(nbytes)
         total = sum(sizes)
@@ -399,7 +406,8 @@ class FeatureCache:
             else:
                 entry = self._insert_group(keys[i:j], rows[i:j], own, ready, sum(sizes[i:j]))
                 # One callback per group: it lets go of the values and checks the copy.
-                self._when_done([ready], functools.partial(self._packed, entry, ready, sources[u]))
+                packed = functools.partial(self._packed, entry, ready, sources[u])
+                self._when_done([ready], packed, fresh=True)
             if to_gpu:
                 self._gpu_lru[entry.key] = entry
             else:
@@ -1024,7 +1032,7 @@ class FeatureCache:
             self._tiers.request()
 
         self._landing[offload] = landed
-        self._when_done([fence], landed)
+        self._when_done([fence], landed, fresh=True)
         if self._watchdog is None and offload in self._landing:  # not landed at once
             self._arm_watchdog(started + self._copy_timeout)
 
@@ -1429,9 +1437,11 @@ class FeatureCache:
         """wait_fences bounded by copy_timeout_s (a fence that never completes fails the read)."""
         return await wait_fences(fences, self._copy_timeout)
 
-    def _when_done(self, fences: Sequence[Fence], callback: Callable[[], None]) -> None:
+    def _when_done(
+        self, fences: Sequence[Fence], callback: Callable[[], None], *, fresh: bool = False
+    ) -> None:
         assert self._watcher is not None
-        self._watcher.when_done(fences, callback)
+        self._watcher.when_done(fences, callback, fresh=fresh)
 
     def _copy_started(self, direction: str, count: int = 1) -> None:
         self._pending[direction] += count

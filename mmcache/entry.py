@@ -125,15 +125,21 @@ def _pending(fences: list[Fence] | None) -> list[Fence]:
 
 
 _KEY_TYPES = (str, bytes, int)
+_PLAIN_KEY_TYPES = frozenset(_KEY_TYPES)
 
 
 def check_key(key: object) -> None:
     """Accept str, bytes, int and (nested) tuples of these; refuse anything else clearly."""
+    # Exact types first: put_many checks every key of a batch, thousands a second.
+    cls = key.__class__
+    if cls in _PLAIN_KEY_TYPES:
+        return
     if isinstance(key, _KEY_TYPES):
         return
     if isinstance(key, tuple):
         for part in key:
-            check_key(part)
+            if part.__class__ not in _PLAIN_KEY_TYPES:
+                check_key(part)
         return
     raise InvalidKeyError(
         f"cache keys must be str, bytes, int or tuples of these, not {type(key).__name__} "

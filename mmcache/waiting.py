@@ -97,9 +97,15 @@ class FenceWatcher:
         self._done: deque[Callable[[], None]] = deque()  # appended by any thread
         self._drain_scheduled = False
 
-    def when_done(self, fences: Sequence[Fence], callback: Callable[[], None]) -> None:
-        """Call callback() on the loop after every fence is done (at once if they are)."""
-        pending = [f for f in fences if not f.done()]
+    def when_done(
+        self, fences: Sequence[Fence], callback: Callable[[], None], *, fresh: bool = False
+    ) -> None:
+        """Call callback() on the loop after every fence is done (at once if they are).
+
+        fresh: the fences were recorded just now, so asking whether they are done (a
+        driver call each) is skipped; one that is done already is reported at once anyway.
+        """
+        pending = list(fences) if fresh else [f for f in fences if not f.done()]
         if not pending:
             callback()
             return

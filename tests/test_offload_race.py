@@ -113,7 +113,7 @@ async def test_broken_variant_source_released_before_copy_sees_poison(
 
     from mmcache import CacheSettings
 
-    def untracked(self: FeatureCache, fences: object, callback: object) -> None:
+    def untracked(self: FeatureCache, fences: object, callback: object, **_: object) -> None:
         callback()  # type: ignore[operator]
 
     monkeypatch.setattr(FeatureCache, "_when_done", untracked)
