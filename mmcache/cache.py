@@ -53,6 +53,7 @@ log = logging.getLogger("mmcache")
 
 MiB = 1024 * 1024
 _BATCH_BYTES = 8 * MiB  # ≈150 µs of copy at PCIe Gen5 speed per batched offload
+_PACKED_CHECK_S = 0.002  # how soon an idle loop lets go of the values of finished packings
 ComputeFn = Callable[[], "torch.Tensor | Awaitable[torch.Tensor]"]
 _T = TypeVar("_T")
 
@@ -134,6 +135,12 @@ class FeatureCache:
         # the order they land) -> their landing callbacks.
         self._landing: OrderedDict[_Offload, Callable[[], None]] = OrderedDict()
         self._watchdog: asyncio.TimerHandle | None = None  # quarantines overdue offloads
+        # Packing copies of put_many groups, oldest first: (fence, the values it reads, the
+        # group, or None for a put that gave up). Looked at by the loop itself (at the next
+        # put_many, or a timer when idle): a fence callback each would cost a hand-over of
+        # the GIL from the waiter thread per group.
+        self._packing: deque[tuple[Fence, list[torch.Tensor], Entry | None]] = deque()
+        self._packing_timer: asyncio.TimerHandle | None = None
         # Offloads past copy_timeout_s -> (device bytes, host bytes) they still pin.
         self._quarantined: dict[Entry, tuple[int, int]] = {}
         self._copy_timeout = self.settings.copy_timeout_s
@@ -206,6 +213,8 @@ class FeatureCache:
         if self._watcher is not None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._watcher.idle(), timeout)
+        with contextlib.suppress(MMCacheError):
+            await self._packings_done(timeout)  # one that never ends keeps its values
         self._tiers.request()
         self._metrics.close()
         if self._owns_device:
@@ -236,6 +245,7 @@ class FeatureCache:
         await self._ready_to_serve()
         assert self._watcher is not None
         await self._watcher.idle()
+        await self._packings_done(None)
 
     @property
     def device(self) -> Device:
@@ -345,6 +355,8 @@ class FeatureCache:
             spans = [(0, 1)]
         else:
             spans = _group_spans(items, sizes, self._small_copy_bytes, self._host_limit())
+            if self._packing:
+                self._reap_packed()  # the values of earlier groups, already read
         produced: Fence | None = None  # recorded for single features only: groups have their own
         owned: list[tuple[torch.Tensor, Fence]] = []
         # A group's values, held until its packing copy has read them (none for a single).
@@ -406,8 +418,7 @@ class FeatureCache:
             else:
                 entry = self._insert_group(keys[i:j], rows[i:j], own, ready, sum(sizes[i:j]))
                 # One callback per group: it lets go of the values and checks the copy.
-                packed = functools.partial(self._packed, entry, ready, sources[u])
-                self._when_done([ready], packed, fresh=True)
+                self._hold_values(ready, sources[u], entry)
             if to_gpu:
                 self._gpu_lru[entry.key] = entry
             else:
@@ -751,7 +762,7 @@ class FeatureCache:
         for (own, ready), values in zip(owned, sources, strict=True):
             self._device.release(own, after=[ready])
             if values:  # a packing copy may still read them
-                self._when_done([ready], functools.partial(self._packed, None, ready, values))
+                self._hold_values(ready, values, None)
         for block in blocks:
             assert self._pool is not None
             self._pool.free(block)
@@ -1160,10 +1171,34 @@ class FeatureCache:
         self._wake_gpu()
         self._tiers.request()
 
-    def _packed(self, group: Entry | None, ready: Fence, values: list[torch.Tensor]) -> None:
-        """A packing copy has finished: its values may go (with this call's arguments)."""
-        if group is not None:
-            self._check_ready(group, ready)
+    def _hold_values(self, fence: Fence, values: list[torch.Tensor], group: Entry | None) -> None:
+        """Keep a group's values until its packing copy (fence) has read them."""
+        self._packing.append((fence, values, group))
+        if self._packing_timer is None:
+            assert self._loop is not None
+            self._packing_timer = self._loop.call_later(_PACKED_CHECK_S, self._reap_packed)
+
+    def _reap_packed(self) -> None:
+        """Let go of the values of finished packing copies; drop groups whose copy failed."""
+        if self._packing_timer is not None:
+            self._packing_timer.cancel()
+            self._packing_timer = None
+        packing = self._packing
+        while packing and packing[0][0].done():
+            fence, _, group = packing.popleft()
+            if group is not None:
+                self._check_ready(group, fence)
+        if packing and not self._closed:
+            assert self._loop is not None
+            self._packing_timer = self._loop.call_later(_PACKED_CHECK_S, self._reap_packed)
+
+    async def _packings_done(self, timeout: float | None) -> None:  # noqa: ASYNC109
+        """Wait for every packing copy queued so far, then let go of their values."""
+        while self._packing:
+            fences = [fence for fence, _, _ in self._packing]
+            with contextlib.suppress(CopyFailedError):  # a failed one is handled below
+                await wait_fences(fences, timeout)
+            self._reap_packed()
 
     def _check_ready(self, entry: Entry, ready: Fence) -> None:
         """A put whose producing copy failed (a compaction) must not serve poison: drop it."""

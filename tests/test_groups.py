@@ -9,6 +9,7 @@ departure leaves charged.
 from __future__ import annotations
 
 import asyncio
+import weakref
 from typing import Any
 
 import pytest
@@ -266,6 +267,28 @@ async def test_replacing_and_discarding_members_while_their_group_is_offloading(
 
 
 # --- the packing copy ------------------------------------------------------------------
+
+
+async def test_the_values_of_a_group_are_let_go_once_packed(
+    rig: Rig, make_cache: CacheFactory
+) -> None:
+    """The cache holds a group's values only until its packing copy has read them, also
+    when nothing else happens: the loop looks again a few ms later."""
+    cache = make_cache(gpu_mb=1, cpu_mb=4)
+    values = features(rig, 8, 8)
+    want = [v.cpu().clone() for v in values]
+    refs = [weakref.ref(v) for v in values]
+    assert await cache.put_many(enumerate(values))
+    del values
+    rig.settle()
+    for _ in range(200):
+        if all(ref() is None for ref in refs):
+            break
+        await asyncio.sleep(0.005)
+    assert all(ref() is None for ref in refs), "values kept after their packing copy"
+    for i, expected in enumerate(want):
+        assert_exact(await cache.get(i), expected)
+    await assert_clean(rig, cache)
 
 
 async def test_reads_wait_for_a_producer_still_running_when_the_group_is_put(
