@@ -107,7 +107,7 @@ def instrument() -> None:
     _timed(cache_cls, "_start_offloads", "cache: start offloads (device included)")
     _timed(cache_cls, "_offloads_done", "cache: landed batches")
     _timed(cache_cls, "_pack", "cache: pack a put_many group (device included)")
-    _timed(cache_cls, "_packed", "cache: packing copy done (values let go)")
+    _timed(cache_cls, "_reap_packed", "cache: let go of packed values")
     _timed(cache_cls, "_reap_landed", "cache: reap landings on the loop")
     _timed(mmcache.waiting.FenceWatcher, "_drain", "loop: landings from the waiter")
     _timed(cuda_device._FenceWaiter, "submit", "device: hand fence to waiter")

@@ -53,6 +53,10 @@ log = logging.getLogger("mmcache")
 
 MiB = 1024 * 1024
 _BATCH_BYTES = 8 * MiB  # ≈150 µs of copy at PCIe Gen5 speed per batched offload
+# put_many packs features below this size into groups. On the H200 hosts that made 64 KB
+# features through put_many 1.8x faster (median of alternating runs) but 1 MB ones about a
+# quarter slower than the per-feature batched offload, which they keep (BENCHMARKS.md).
+_GROUP_BELOW = 512 * 1024
 _PACKED_CHECK_S = 0.002  # how soon an idle loop lets go of the values of finished packings
 ComputeFn = Callable[[], "torch.Tensor | Awaitable[torch.Tensor]"]
 _T = TypeVar("_T")
@@ -354,7 +358,8 @@ class FeatureCache:
         if len(items) == 1:
             spans = [(0, 1)]
         else:
-            spans = _group_spans(items, sizes, self._small_copy_bytes, self._host_limit())
+            below = min(self._small_copy_bytes, _GROUP_BELOW)
+            spans = _group_spans(items, sizes, below, self._host_limit())
             if self._packing:
                 self._reap_packed()  # the values of earlier groups, already read
         produced: Fence | None = None  # recorded for single features only: groups have their own
