@@ -44,6 +44,21 @@ def group_of(cache: FeatureCache, key: Any) -> Entry:
     return found.group
 
 
+def simulator(rig: Rig) -> SimDevice:
+    """The rig's simulator, where faults can be injected (skips on a GPU)."""
+    needs_hold(rig)
+    assert isinstance(rig.device, SimDevice)
+    return rig.device
+
+
+async def assert_reads(
+    cache: FeatureCache, key: Any, want: list[torch.Tensor], device: str | None = None
+) -> None:
+    """Every feature key(i) (i indexing want) reads back exactly."""
+    for i, expected in enumerate(want):
+        assert_exact(await cache.get(key(i), device=device), expected)
+
+
 async def assert_clean(rig: Rig, cache: FeatureCache) -> None:
     rig.settle()
     await cache.drain()
@@ -122,8 +137,7 @@ async def test_views_of_one_batch_output_are_packed_into_one_tensor(
     assert cache.stats().gpu_bytes == 40 * KiB
     if isinstance(rig.device, SimDevice):
         assert rig.allocated_bytes() == base + 40 * KiB  # one packed tensor, nothing else
-    for i, expected in enumerate(want):
-        assert_exact(await cache.get(i), expected)
+    await assert_reads(cache, lambda i: i, want)
     await assert_clean(rig, cache)
 
 
@@ -166,8 +180,7 @@ async def test_the_host_tier_evicts_a_group_whole_and_counts_its_features(
     assert s.evictions_cpu % 16 == 0 and s.evictions_cpu >= 16
     gone = [g for g in range(4) if (f"g{g}", 0) not in cache]
     assert gone and all((f"g{g}", i) not in cache for g in gone for i in range(16))
-    for i, expected in enumerate(want):
-        assert_exact(await cache.get(("last", i)), expected)
+    await assert_reads(cache, lambda i: ("last", i), want)
     await assert_clean(rig, cache)
 
 
@@ -229,8 +242,7 @@ async def test_a_host_hit_promotes_the_member_alone(rig: Rig, make_cache: CacheF
     promoted = cache._entries[("p", 4)]
     assert isinstance(promoted, Entry) and promoted.state is State.GPU
     assert cache.stats().promotions == 1 and group.count == 15
-    for i, expected in enumerate(want):
-        assert_exact(await cache.get(("p", i), device="cpu"), expected)
+    await assert_reads(cache, lambda i: ("p", i), want, device="cpu")
     await assert_clean(rig, cache)
 
 
@@ -260,8 +272,7 @@ async def test_replacing_and_discarding_members_while_their_group_is_offloading(
         assert s.leaked_bytes == 0 and s.gpu_entries + s.cpu_entries == len(cache)
     await cache.drain()
     assert_exact(await cache.get(("a", 0), device="cpu"), want_new)
-    for i, expected in enumerate(want_b):
-        assert_exact(await cache.get(("b", i), device="cpu"), expected)
+    await assert_reads(cache, lambda i: ("b", i), want_b, device="cpu")
     await assert_clean(rig, cache)
     assert cache.stats().cpu_bytes == 0  # the group's block went with its copy
 
@@ -286,8 +297,7 @@ async def test_the_values_of_a_group_are_let_go_once_packed(
             break
         await asyncio.sleep(0.005)
     assert all(ref() is None for ref in refs), "values kept after their packing copy"
-    for i, expected in enumerate(want):
-        assert_exact(await cache.get(i), expected)
+    await assert_reads(cache, lambda i: i, want)
     await assert_clean(rig, cache)
 
 
@@ -325,12 +335,11 @@ async def test_reads_wait_for_a_producer_still_running_when_the_group_is_put(
 async def test_a_failed_packing_copy_loses_the_group_and_never_serves_it(
     rig: Rig, make_cache: CacheFactory
 ) -> None:
-    needs_hold(rig)  # faults are injected into the simulator
+    dev = simulator(rig)
     cache = make_cache(gpu_mb=1, cpu_mb=4)
     keep = await put_group(cache, rig, "keep", 4, seed=7)
-    assert isinstance(rig.device, SimDevice)
     with rig.hold():  # the copy fails only once the group is in the index
-        rig.device.inject("copy_fails")
+        dev.inject("copy_fails")
         await put_group(cache, rig, "bad", 4)
     rig.settle()
     await cache.drain()
@@ -343,22 +352,19 @@ async def test_a_failed_packing_copy_loses_the_group_and_never_serves_it(
     s = cache.stats()
     assert s.copy_failures == 1 and s.dropped == 4
     assert all(("bad", i) not in cache for i in range(4))
-    for i, expected in enumerate(keep):
-        assert_exact(await cache.get(("keep", i)), expected)
+    await assert_reads(cache, lambda i: ("keep", i), keep)
     await assert_clean(rig, cache)
 
 
 async def test_no_memory_to_pack_a_group_refuses_the_batch_and_keeps_the_old_values(
     rig: Rig, make_cache: CacheFactory
 ) -> None:
-    needs_hold(rig)  # faults are injected into the simulator
+    dev = simulator(rig)
     cache = make_cache(gpu_mb=1, cpu_mb=4)
     old = await put_group(cache, rig, "k", 4)
-    assert isinstance(rig.device, SimDevice)
-    rig.device.inject("alloc_fails")
+    dev.inject("alloc_fails")
     with pytest.raises(DeviceOutOfMemoryError):
         await cache.put_many((("k", i), v) for i, v in enumerate(features(rig, 4, 8, 40)))
     assert cache.stats().alloc_failures == 1
-    for i, expected in enumerate(old):
-        assert_exact(await cache.get(("k", i)), expected)
+    await assert_reads(cache, lambda i: ("k", i), old)
     await assert_clean(rig, cache)
