@@ -72,6 +72,16 @@ class _Offload:
 
 
 @dataclass(slots=True, eq=False)
+class _Packing:
+    """A put_many group's packing copy and the values it reads (group None: a put gave up)."""
+
+    fence: Fence
+    values: list[torch.Tensor]
+    group: Entry | None
+    watched: bool = False  # a fence callback will look again (the loop went idle)
+
+
+@dataclass(slots=True, eq=False)
 class _BudgetWaiter:
     nbytes: int
     future: asyncio.Future[None]
@@ -139,11 +149,11 @@ class FeatureCache:
         # the order they land) -> their landing callbacks.
         self._landing: OrderedDict[_Offload, Callable[[], None]] = OrderedDict()
         self._watchdog: asyncio.TimerHandle | None = None  # quarantines overdue offloads
-        # Packing copies of put_many groups, oldest first: (fence, the values it reads, the
-        # group, or None for a put that gave up). Looked at by the loop itself (at the next
-        # put_many, or a timer when idle): a fence callback each would cost a hand-over of
-        # the GIL from the waiter thread per group.
-        self._packing: deque[tuple[Fence, list[torch.Tensor], Entry | None]] = deque()
+        # Packing copies of put_many groups not yet seen done. The loop looks at them itself
+        # (at the next put_many, or once 2 ms later): a fence callback for each would cost a
+        # hand-over of the GIL from the waiter thread per group. Only those still running
+        # then get a callback, so nothing polls.
+        self._packing: list[_Packing] = []
         self._packing_timer: asyncio.TimerHandle | None = None
         # Offloads past copy_timeout_s -> (device bytes, host bytes) they still pin.
         self._quarantined: dict[Entry, tuple[int, int]] = {}
@@ -217,8 +227,11 @@ class FeatureCache:
         if self._watcher is not None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._watcher.idle(), timeout)
-        with contextlib.suppress(MMCacheError):
+        with contextlib.suppress(CopyTimeoutError):
             await self._packings_done(timeout)  # one that never ends keeps its values
+        if self._packing_timer is not None:
+            self._packing_timer.cancel()
+            self._packing_timer = None
         self._tiers.request()
         self._metrics.close()
         if self._owns_device:
@@ -249,7 +262,9 @@ class FeatureCache:
         await self._ready_to_serve()
         assert self._watcher is not None
         await self._watcher.idle()
-        await self._packings_done(None)
+        while self._packing:  # a group lost to its packing copy may start more work
+            await self._packings_done(None)
+            await self._watcher.idle()
 
     @property
     def device(self) -> Device:
@@ -362,6 +377,8 @@ class FeatureCache:
             spans = _group_spans(items, sizes, below, self._host_limit())
             if self._packing:
                 self._reap_packed()  # the values of earlier groups, already read
+        # Rows of each feature, for the members' ranges (a scalar is never in a group).
+        rows = [t.shape[0] if t.dim() else 1 for _, t in items] if len(spans) < len(items) else []
         produced: Fence | None = None  # recorded for single features only: groups have their own
         owned: list[tuple[torch.Tensor, Fence]] = []
         # A group's values, held until its packing copy has read them (none for a single).
@@ -383,7 +400,6 @@ class FeatureCache:
             raise
         # From here on the cache owns the values: no frame of ours (nor a traceback of a
         # failed put) may keep the caller's tensors alive past their release.
-        rows = [tensor.shape[0] for _, tensor in items] if len(spans) < len(items) else []
         items.clear()
         del tensor
         for key in keys:
@@ -1014,7 +1030,14 @@ class FeatureCache:
             self._copy_failed("offload", None, e)
             for entry, block in items:
                 self._pool.free(block)
-                self._drop(entry)
+                if charged_gpu:
+                    self._drop(entry)
+                else:  # a put straight to the host tier: nothing was charged to the GPU tier
+                    self._count_dropped(self._forget(entry))
+                    entry.state = State.GONE
+                    tensor, entry.tensor = entry.tensor, None
+                    assert tensor is not None
+                    self._device.release(tensor, after=[entry.ready])
             return
         del srcs  # the entries keep the sources alive until the copy has landed
         started = time.perf_counter()
@@ -1178,31 +1201,50 @@ class FeatureCache:
 
     def _hold_values(self, fence: Fence, values: list[torch.Tensor], group: Entry | None) -> None:
         """Keep a group's values until its packing copy (fence) has read them."""
-        self._packing.append((fence, values, group))
-        if self._packing_timer is None:
+        self._packing.append(_Packing(fence, values, group))
+        self._arm_packing_timer()
+
+    def _arm_packing_timer(self) -> None:
+        if self._packing_timer is None and not self._closed:
             assert self._loop is not None
-            self._packing_timer = self._loop.call_later(_PACKED_CHECK_S, self._reap_packed)
+            self._packing_timer = self._loop.call_later(_PACKED_CHECK_S, self._packing_timeout)
+
+    def _packing_timeout(self) -> None:
+        """The loop's second look: packings still running get a fence callback each."""
+        self._packing_timer = None
+        self._reap_packed()
+        for packing in self._packing:
+            if not packing.watched:
+                packing.watched = True
+                self._when_done([packing.fence], self._reap_packed)
 
     def _reap_packed(self) -> None:
-        """Let go of the values of finished packing copies; drop groups whose copy failed."""
-        if self._packing_timer is not None:
-            self._packing_timer.cancel()
-            self._packing_timer = None
-        packing = self._packing
-        while packing and packing[0][0].done():
-            fence, _, group = packing.popleft()
-            if group is not None:
-                self._check_ready(group, fence)
-        if packing and not self._closed:
-            assert self._loop is not None
-            self._packing_timer = self._loop.call_later(_PACKED_CHECK_S, self._reap_packed)
+        """Let go of the values of finished packing copies; drop groups whose copy failed.
+
+        Every record is looked at: packings on different streams finish in any order.
+        (Each one still running is covered: by the timer its put armed, or by a callback.)
+        """
+        running = []
+        for packing in self._packing:
+            if not packing.fence.done():
+                running.append(packing)
+            elif packing.group is not None:
+                self._check_ready(packing.group, packing.fence)
+        self._packing = running
 
     async def _packings_done(self, timeout: float | None) -> None:  # noqa: ASYNC109
-        """Wait for every packing copy queued so far, then let go of their values."""
+        """Wait for every packing copy queued so far, then let go of their values.
+
+        Raises CopyTimeoutError if one is not done within timeout (it keeps its values).
+        """
         while self._packing:
-            fences = [fence for fence, _, _ in self._packing]
-            with contextlib.suppress(CopyFailedError):  # a failed one is handled below
+            fences = [packing.fence for packing in self._packing]
+            try:
                 await wait_fences(fences, timeout)
+            except CopyTimeoutError:
+                raise
+            except CopyFailedError:
+                pass  # its group is dropped below
             self._reap_packed()
 
     def _check_ready(self, entry: Entry, ready: Fence) -> None:
@@ -1558,7 +1600,7 @@ def _group_spans(
     A group is packed into one tensor at put, so its features need no copy of their own
     when offloaded, nor entry, recency slot, host block or landing of their own.
     """
-    cap = min(_BATCH_BYTES, host_limit)
+    cap = min(_BATCH_BYTES, host_limit) if host_limit else _BATCH_BYTES
     spans = []
     first = 0
     run_bytes = 0

@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
 import torch
 from conftest import CacheFactory, Rig, assert_exact, feature, needs_hold, stall
+from prometheus_client import CollectorRegistry
 
-from mmcache import CopyFailedError, DeviceOutOfMemoryError, FeatureCache
+from mmcache import CacheSettings, CopyFailedError, DeviceOutOfMemoryError, FeatureCache
 from mmcache.cache import _BATCH_BYTES, _group_spans
-from mmcache.device import SimDevice
+from mmcache.device import Fence, SimDevice, Stream
 from mmcache.entry import Entry, Member, State
 
 KiB = 1024
@@ -367,4 +369,150 @@ async def test_no_memory_to_pack_a_group_refuses_the_batch_and_keeps_the_old_val
         await cache.put_many((("k", i), v) for i, v in enumerate(features(rig, 4, 8, 40)))
     assert cache.stats().alloc_failures == 1
     await assert_reads(cache, lambda i: ("k", i), old)
+    await assert_clean(rig, cache)
+
+
+async def test_a_scalar_beside_a_group_is_cached_alone(rig: Rig, make_cache: CacheFactory) -> None:
+    cache = make_cache(gpu_mb=1, cpu_mb=4)
+    scalar = rig.tensor(1, dtype=torch.float32, seed=5)[0]  # 0-dim: no rows to pack
+    want_scalar = scalar.cpu().clone()
+    values = features(rig, 3, 8)
+    want = [v.cpu().clone() for v in values]
+    assert await cache.put_many([("s", scalar), *((i, v) for i, v in enumerate(values))])
+    del scalar, values
+    assert_exact(await cache.get("s"), want_scalar)
+    await assert_reads(cache, lambda i: i, want)
+    assert len(cache._held_entries()) == 2  # the scalar, and one group for the rest
+    await assert_clean(rig, cache)
+
+
+async def test_alike_features_in_channels_last_layout_are_packed_contiguous(
+    rig: Rig, make_cache: CacheFactory
+) -> None:
+    """torch.cat keeps channels_last: the packed group must still be one contiguous block."""
+    cache = make_cache(gpu_mb=0.25, cpu_mb=4)
+    values = [
+        rig.tensor(1, 16, 16, 32, dtype=torch.float32, seed=i).contiguous(
+            memory_format=torch.channels_last
+        )
+        for i in range(8)
+    ]
+    want = [v.cpu().clone() for v in values]
+    assert await cache.put_many(enumerate(values))
+    del values
+    await put_group(cache, rig, "push", 32, seed=50)  # the group goes to the host tier
+    await cache.drain()
+    assert cache.stats().dropped == 0
+    await assert_reads(cache, lambda i: i, want, device="cpu")
+    await assert_reads(cache, lambda i: i, want)
+    await assert_clean(rig, cache)
+
+
+async def test_a_group_keeps_no_autograd_graph(rig: Rig, make_cache: CacheFactory) -> None:
+    cache = make_cache(gpu_mb=1, cpu_mb=4)
+    weight = rig.tensor(8, 256, dtype=torch.float32).requires_grad_()
+    values = [weight * (i + 1) for i in range(4)]  # an encoder's outputs, grad attached
+    want = [v.detach().cpu().clone() for v in values]
+    assert await cache.put_many(enumerate(values))
+    del values
+    got = await cache.get(2)
+    assert got is not None and not got.requires_grad and got.grad_fn is None
+    assert_exact(got, want[2])
+    await assert_clean(rig, cache)
+
+
+class _PackWithoutHolding(SimDevice):
+    """Packs at once but does not keep the sources referenced: the cache must."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sources: list[weakref.ref[torch.Tensor]] = []
+
+    def pack(self, srcs: Sequence[torch.Tensor], stream: Stream) -> tuple[torch.Tensor, Fence]:
+        first = srcs[0]
+        packed = self.empty((sum(s.shape[0] for s in srcs), *first.shape[1:]), first.dtype)
+        torch.cat(list(srcs), out=packed)
+        self.sources = [weakref.ref(src) for src in srcs]
+        # The fence of a no-op queued on stream: held back inside hold(), as a copy would be.
+        return packed, self.launch(self._as_sim_stream(stream), lambda: None)
+
+
+async def test_the_cache_holds_a_groups_values_until_the_packing_copy_is_done() -> None:
+    dev = _PackWithoutHolding()
+    settings = CacheSettings(gpu_cache_mb=1, cpu_cache_mb=1, evict_ahead=0)
+    try:
+        async with FeatureCache(settings, dev, registry=CollectorRegistry()) as cache:
+            with dev.hold():
+                values = [dev_value(dev, i) for i in range(4)]
+                assert await cache.put_many(enumerate(values))
+                del values
+                await asyncio.sleep(0.02)  # past the loop's second look
+                assert all(ref() is not None for ref in dev.sources), "values let go early"
+            dev.synchronize()
+            await cache.drain()
+            assert all(ref() is None for ref in dev.sources), "values kept after packing"
+    finally:
+        dev.close()
+
+
+def dev_value(dev: SimDevice, seed: int) -> torch.Tensor:
+    return torch.randn(8, 256, generator=torch.Generator().manual_seed(seed))
+
+
+async def test_packings_finishing_out_of_order_let_go_of_their_values(
+    rig: Rig, make_cache: CacheFactory
+) -> None:
+    """A packing stuck on one stream neither keeps another stream's values nor polls."""
+    dev = simulator(rig)
+    cache = make_cache(gpu_mb=1, cpu_mb=4, copy_timeout_s=0.2)
+    stuck_stream, other = dev.stream("encoder-a"), dev.stream("encoder-b")
+    dev.inject("fence_never_completes")
+    assert await cache.put_many(enumerate(features(rig, 4, 8)), stream=stuck_stream)
+    values = features(rig, 4, 8, 20)
+    refs = [weakref.ref(v) for v in values]
+    assert await cache.put_many((("b", i), v) for i, v in enumerate(values)), other
+    del values
+    for _ in range(100):
+        if all(ref() is None for ref in refs):
+            break
+        await asyncio.sleep(0.005)
+    assert all(ref() is None for ref in refs), "stream b's values kept behind stream a's"
+    await asyncio.sleep(0.02)
+    assert cache._packing_timer is None and all(p.watched for p in cache._packing), "polling"
+    dev.unstick()
+    await cache.drain()
+    assert not cache._packing
+    await assert_clean(rig, cache)
+
+
+async def test_close_returns_while_a_packing_copy_never_finishes(
+    rig: Rig, make_cache: CacheFactory
+) -> None:
+    dev = simulator(rig)
+    cache = make_cache(gpu_mb=1, cpu_mb=4, copy_timeout_s=0.2)
+    dev.inject("fence_never_completes")
+    assert await cache.put_many(enumerate(features(rig, 4, 8)))
+    closing = asyncio.ensure_future(cache.close(timeout=0.2))
+    done, _ = await asyncio.wait({closing}, timeout=5)
+    dev.unstick()
+    assert done, "close() hung on a stuck packing copy"
+    await closing
+
+
+async def test_a_refused_offload_straight_to_the_host_tier_leaves_the_ledger_exact(
+    rig: Rig, make_cache: CacheFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GPU tier off: nothing was charged to it, so dropping the batch must not uncharge it."""
+    dev = simulator(rig)
+    cache = make_cache(gpu_mb=0, cpu_mb=4)
+
+    def refused(*args: Any, **kwargs: Any) -> Fence:
+        raise DeviceOutOfMemoryError("simulated: no memory for the staging buffer")
+
+    monkeypatch.setattr(dev, "copy_d2h_batch", refused)
+    assert await cache.put_many(enumerate(features(rig, 4, 8)))
+    await cache.drain()
+    s = cache.stats()
+    assert (s.gpu_bytes, s.gpu_entries, s.cpu_entries, s.dropped) == (0, 0, 0, 4)
+    assert len(cache) == 0
     await assert_clean(rig, cache)

@@ -588,9 +588,15 @@ class CudaDevice(Device):
         """
         self._check_open()
         cuda_stream = as_cuda_stream(stream)
+        first = srcs[0]
+        rows = sum(src.shape[0] for src in srcs)
         try:
-            with _OnStream(cuda_stream):
-                packed = torch.cat(list(srcs))
+            # Contiguous whatever the sources' layout (torch.cat keeps channels_last), and
+            # outside autograd: the cache must not keep an encoder's graph alive.
+            with _OnStream(cuda_stream), torch.no_grad():
+                shape = (rows, *first.shape[1:])
+                packed = torch.empty(shape, dtype=first.dtype, device=self._device)
+                torch.cat(list(srcs), out=packed)
                 return packed, self.record(cuda_stream)
         except RuntimeError as exc:
             raise _enqueue_error("device-to-device", sum(s.nbytes for s in srcs), exc) from exc
