@@ -438,7 +438,8 @@ class FeatureCache:
                     self._when_done([ready], functools.partial(self._check_ready, entry, ready))
             else:
                 entry = self._insert_group(keys[i:j], rows[i:j], own, ready, sum(sizes[i:j]))
-                # One callback per group: it lets go of the values and checks the copy.
+                # Its values stay referenced until the packing copy has read them, and a
+                # packing that failed drops the group then.
                 self._hold_values(ready, sources[u], entry)
             if to_gpu:
                 self._gpu_lru[entry.key] = entry
