@@ -32,7 +32,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 from _common import fmt, markdown_table, put_in_groups, write_json  # noqa: E402
 
 from mmcache import CacheSettings, FeatureCache  # noqa: E402
-from mmcache.device.base import Fence, Stream  # noqa: E402
+from mmcache.device.base import Fence, Stream, packed_shape  # noqa: E402
 from mmcache.device.sim import SimDevice  # noqa: E402
 
 HIDDEN = 4096
@@ -127,9 +127,7 @@ class ModelDevice(SimDevice):
 
     def pack(self, srcs: Sequence[torch.Tensor], stream: Stream) -> tuple[torch.Tensor, Fence]:
         # The packing kernel runs on the device: the host pays only for the call.
-        rows = sum(src.shape[0] for src in srcs)
-        shape = (rows, *srcs[0].shape[1:])
-        return torch.empty(shape, dtype=srcs[0].dtype), self.completed_fence()
+        return torch.empty(packed_shape(srcs), dtype=srcs[0].dtype), self.completed_fence()
 
     def release(self, tensor: torch.Tensor, after: Sequence[Fence]) -> None:
         return None

@@ -19,6 +19,7 @@ from collections.abc import (
     Coroutine,
     Hashable,
     Iterable,
+    Iterator,
     Sequence,
 )
 from dataclasses import dataclass
@@ -635,7 +636,7 @@ class FeatureCache:
         """
         await self._ready_to_serve()
         found = self._entries.get(key)
-        entry = found.group if isinstance(found, Member) else found
+        entry = None if found is None else _holder(found)
         if entry is None or entry.block is None or self._pool is None:
             yield await self.get(key, device="cpu")
             return
@@ -756,19 +757,21 @@ class FeatureCache:
 
     def _pack(self, values: list[torch.Tensor], stream: Stream) -> tuple[torch.Tensor, Fence]:
         """A group's values packed into one device tensor of the cache's own, on stream."""
-        try:
+        with self._counting_oom():
             return self._device.pack(values, stream)
-        except DeviceOutOfMemoryError:
-            self._c["alloc_failures"] += 1
-            self._metrics.fault("oom")
-            raise
 
     def _allocate(
         self, shape: tuple[int, ...], dtype: torch.dtype, stream: Stream | None = None
     ) -> torch.Tensor:
         """device.empty, counting an out-of-memory failure before it reaches the caller."""
-        try:
+        with self._counting_oom():
             return self._device.empty(shape, dtype, stream)
+
+    @contextlib.contextmanager
+    def _counting_oom(self) -> Iterator[None]:
+        """Count a device allocation that fails for lack of memory, then let it raise."""
+        try:
+            yield
         except DeviceOutOfMemoryError:
             self._c["alloc_failures"] += 1
             self._metrics.fault("oom")
@@ -1471,11 +1474,7 @@ class FeatureCache:
         entry = Entry(member.key, shape, group.dtype, nbytes, State.GPU, tensor, fence)
         self._leave_group(member)
         self._entries[entry.key] = entry
-        self._gpu_used += entry.nbytes
-        self._gpu_entries += 1
-        self._gpu_lru[entry.key] = entry
-        self._c["promotions"] += 1
-        self._tiers.request()
+        self._promoted(entry)
         return entry
 
     def _promote_entry(self, entry: Entry, tensor: torch.Tensor, fence: Fence) -> None:
@@ -1486,6 +1485,10 @@ class FeatureCache:
         entry.tensor = tensor
         entry.ready = fence
         entry.copy_fence = None
+        self._promoted(entry)
+
+    def _promoted(self, entry: Entry) -> None:
+        """Charge a promoted GPU-state entry to the GPU tier, most recently used."""
         self._gpu_used += entry.nbytes
         self._gpu_entries += 1
         self._gpu_lru[entry.key] = entry
@@ -1547,14 +1550,13 @@ class FeatureCache:
 
     def _entry(self, key: Hashable) -> Entry:
         """The entry that holds key's feature (its group's, for a member); KeyError if none."""
-        found = self._entries[key]
-        return found.group if isinstance(found, Member) else found
+        return _holder(self._entries[key])
 
     def _held_entries(self) -> list[Entry]:
         """Every entry the index reaches, once each (a group once for all its members)."""
         held = {}
         for found in self._entries.values():
-            entry = found.group if isinstance(found, Member) else found
+            entry = _holder(found)
             held[id(entry)] = entry
         return list(held.values())
 
@@ -1587,6 +1589,11 @@ def _raise_if_failed(ready: Fence) -> None:
     """A feature whose producing copy already failed is an error to read, never poison."""
     if ready.done() and ready.exception() is not None:
         raise CopyFailedError(f"the copy that made this feature failed: {ready.exception()}")
+
+
+def _holder(found: Entry | Member) -> Entry:
+    """The entry that holds a key's feature: its own, or its group's."""
+    return found.group if isinstance(found, Member) else found
 
 
 def _group_spans(

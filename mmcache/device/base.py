@@ -182,9 +182,7 @@ class Device(abc.ABC):
         copies are ordered after earlier work on stream; the caller keeps the sources
         referenced until the fence (the copies', failed if any of them fails) is done.
         """
-        first = srcs[0]
-        rows = sum(src.shape[0] for src in srcs)
-        packed = self.empty((rows, *first.shape[1:]), first.dtype, stream)
+        packed = self.empty(packed_shape(srcs), srcs[0].dtype, stream)
         fences = []
         start = 0
         for src in srcs:
@@ -272,6 +270,11 @@ class _CompletedFence(Fence):
 
 
 _DONE = _CompletedFence()
+
+
+def packed_shape(srcs: Sequence[torch.Tensor]) -> tuple[int, ...]:
+    """The shape of srcs' rows back to back (they share the shape after dimension 0)."""
+    return (sum(src.shape[0] for src in srcs), *srcs[0].shape[1:])
 
 
 def feature_bytes(device: Device, value: object, caller: str) -> int:

@@ -16,7 +16,7 @@ from typing import Any, Final, Literal, final
 
 import torch
 
-from mmcache.device.base import Device, Fence, Stream, batch_order
+from mmcache.device.base import Device, Fence, Stream, batch_order, packed_shape
 from mmcache.device.cuda_driver import CudaDriver
 from mmcache.errors import (
     CacheClosedError,
@@ -588,14 +588,11 @@ class CudaDevice(Device):
         """
         self._check_open()
         cuda_stream = as_cuda_stream(stream)
-        first = srcs[0]
-        rows = sum(src.shape[0] for src in srcs)
         try:
             # Contiguous whatever the sources' layout (torch.cat keeps channels_last), and
             # outside autograd: the cache must not keep an encoder's graph alive.
             with _OnStream(cuda_stream), torch.no_grad():
-                shape = (rows, *first.shape[1:])
-                packed = torch.empty(shape, dtype=first.dtype, device=self._device)
+                packed = torch.empty(packed_shape(srcs), dtype=srcs[0].dtype, device=self._device)
                 torch.cat(list(srcs), out=packed)
                 return packed, self.record(cuda_stream)
         except RuntimeError as exc:
