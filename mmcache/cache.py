@@ -7,8 +7,10 @@ import concurrent.futures
 import contextlib
 import functools
 import inspect
+import itertools
 import logging
 import math
+import operator
 import threading
 import time
 from collections import OrderedDict, deque
@@ -333,6 +335,105 @@ class FeatureCache:
             return True
         return await self._put_batch(batch, stream, wait)
 
+    async def put_split(
+        self,
+        keys: Sequence[Hashable],
+        value: torch.Tensor,
+        split_sizes: Sequence[int],
+        *,
+        stream: Stream | None = None,
+        wait: bool = True,
+    ) -> bool:
+        """Cache value.split(split_sizes) under keys, all or none, without a tensor per key.
+
+        For an encoder's batch output, whose rows are the features of several items one
+        after another. Reads and discards stay per key, as after put_many; the features
+        are cached together (one recency slot, one host block, one offload copy) and, when
+        value owns its storage and one host block can take it, with no copy at all.
+        Returns False (dropping them all) when wait=False and the tier cannot take them now.
+        """
+        if stream is None:
+            stream = self._device.current_stream()
+        keys = list(keys)
+        try:
+            rows = [operator.index(n) for n in split_sizes]
+        except TypeError:
+            raise InvalidValueError(
+                f"split sizes must be a sequence of ints, not {split_sizes!r}"
+            ) from None
+        for key in keys:
+            check_key(key)
+        if len(set(keys)) != len(keys):
+            raise InvalidKeyError("put_split got the same key twice; keys must be distinct")
+        if len(rows) != len(keys):
+            raise InvalidValueError(
+                f"put_split got {len(keys)} keys and {len(rows)} split sizes; one size per key"
+            )
+        self._check_value(value)
+        if value.dim() == 0:
+            raise InvalidValueError("put_split splits a tensor by rows; got a 0-dim tensor")
+        if any(n <= 0 for n in rows) or any(isinstance(n, bool) for n in split_sizes):
+            raise InvalidValueError(f"split sizes must be positive ints, got {list(split_sizes)}")
+        if sum(rows) != value.shape[0]:
+            raise InvalidValueError(
+                f"split sizes add up to {sum(rows)} rows; the tensor has {value.shape[0]}"
+            )
+        holder = [value]
+        del value  # the cache owns it now: no frame of ours keeps it alive past its release
+        return await self._put_rows(keys, holder, rows, stream, wait)
+
+    async def _put_rows(
+        self,
+        keys: list[Hashable],
+        holder: list[torch.Tensor],
+        rows: list[int],
+        stream: Stream,
+        wait: bool,
+    ) -> bool:
+        """put_split once its arguments are checked; holder is emptied once the cache owns it.
+
+        The tensor is one unit when one host block can take it; otherwise runs of its
+        features up to _BATCH_BYTES each are copied into storage of their own.
+        """
+        if self._closed or self._loop is not asyncio.get_running_loop():
+            await self._ready_to_serve()
+        tensor = holder[0]
+        row_bytes = tensor.nbytes // tensor.shape[0]
+        sizes = [n * row_bytes for n in rows]
+        total = tensor.nbytes
+        to_gpu = self._gpu_capacity > 0
+        if to_gpu and total > self._gpu_capacity:
+            raise ValueTooLargeError(
+                f"features of {total / MiB:.1f} MB in all exceed the GPU tier "
+                f"({self._gpu_capacity / MiB:.1f} MB); put them in smaller groups"
+            )
+        if not to_gpu:
+            if self._cpu_capacity == 0:
+                return False
+            self._check_fits(max(sizes), to_gpu)
+        host_limit = self._host_limit()
+        if len(keys) == 1 or not host_limit or total <= host_limit:
+            spans = [(0, len(keys))]
+        else:
+            spans = _runs(sizes, None, min(_BATCH_BYTES, host_limit))
+        produced = self._device.record(stream)
+        owned: list[tuple[torch.Tensor, Fence]] = []
+        try:
+            if len(spans) == 1:
+                owned.append(self._own(tensor, stream, produced))
+            else:
+                starts = [0, *itertools.accumulate(rows)]
+                for i, j in spans:
+                    owned.append(self._own(tensor[starts[i] : starts[j]], stream, produced))
+        except BaseException:
+            self._give_back(owned, [], [[] for _ in owned])
+            raise
+        holder.clear()
+        del tensor
+        return await self._insert_units(
+            keys, rows, spans, sizes, owned, [[] for _ in spans], produced, wait
+        )
+
     async def _put_batch(
         self, items: list[tuple[Hashable, torch.Tensor]], stream: Stream, wait: bool
     ) -> bool:
@@ -378,7 +479,7 @@ class FeatureCache:
             spans = _group_spans(items, sizes, below, self._host_limit())
             if self._packing:
                 self._reap_packed()  # the values of earlier groups, already read
-        # Rows of each feature, for the members' ranges (a scalar is never in a group).
+        # Rows of each feature, for the members' ranges.
         rows = [t.shape[0] if t.dim() else 1 for _, t in items] if len(spans) < len(items) else []
         produced: Fence | None = None  # recorded for single features only: groups have their own
         owned: list[tuple[torch.Tensor, Fence]] = []
@@ -403,6 +504,27 @@ class FeatureCache:
         # failed put) may keep the caller's tensors alive past their release.
         items.clear()
         del tensor
+        return await self._insert_units(keys, rows, spans, sizes, owned, sources, produced, wait)
+
+    async def _insert_units(
+        self,
+        keys: list[Hashable],
+        rows: list[int],
+        spans: list[tuple[int, int]],
+        sizes: list[int],
+        owned: list[tuple[torch.Tensor, Fence]],
+        sources: list[list[torch.Tensor]],
+        produced: Fence | None,
+        wait: bool,
+    ) -> bool:
+        """Second half of a put: reserve room for the owned units, then index them.
+
+        Unit u holds the features keys[i:j] of spans[u] (one entry, or a group whose
+        members have rows[i:j] rows each); sources[u] are the values its packing copy
+        reads, produced the fence of the producer's stream, if recorded.
+        """
+        to_gpu = self._gpu_capacity > 0
+        total = sum(sizes)
         for key in keys:
             old = self._entries.get(key)
             if old is not None:
@@ -435,13 +557,14 @@ class FeatureCache:
                     self._remove(old)
                 entry = Entry(key, tuple(own.shape), own.dtype, sizes[i], State.GPU, own, ready)
                 entries[key] = entry
-                if ready is not produced and not ready.done():  # our compaction may yet fail
-                    self._when_done([ready], functools.partial(self._check_ready, entry, ready))
             else:
                 entry = self._insert_group(keys[i:j], rows[i:j], own, ready, sum(sizes[i:j]))
+            if sources[u]:
                 # Its values stay referenced until the packing copy has read them, and a
                 # packing that failed drops the group then.
                 self._hold_values(ready, sources[u], entry)
+            elif ready is not produced and not ready.done():  # our compaction may yet fail
+                self._when_done([ready], functools.partial(self._check_ready, entry, ready))
             if to_gpu:
                 self._gpu_lru[entry.key] = entry
             else:
@@ -1602,21 +1725,33 @@ def _group_spans(
     small_bytes: int,
     host_limit: int,
 ) -> list[tuple[int, int]]:
-    """Index ranges of items to cache together: runs of small features of one dtype and
-    row shape, up to _BATCH_BYTES a run (and what one host block can take); others alone.
-
-    A group is packed into one tensor at put, so its features need no copy of their own
-    when offloaded, nor entry, recency slot, host block or landing of their own.
+    """put_many's units: runs of small features of one dtype and row shape, up to
+    _BATCH_BYTES a run (and what one host block can take); others alone.
     """
     cap = min(_BATCH_BYTES, host_limit) if host_limit else _BATCH_BYTES
+    # A scalar has no rows to stack: never in a group.
+    kinds = [
+        (t.dtype, t.shape[1:]) if n < small_bytes and t.dim() else None
+        for (_, t), n in zip(items, sizes, strict=True)
+    ]
+    return _runs(sizes, kinds, cap)
+
+
+def _runs(
+    sizes: Sequence[int], kinds: Sequence[object | None] | None, cap: int
+) -> list[tuple[int, int]]:
+    """Index ranges of features to cache together: runs of alike ones (the same kind, not
+    None; all alike when kinds is None) up to cap bytes a run; others alone.
+
+    A group is one tensor on the device, so its features need no copy of their own when
+    offloaded, nor entry, recency slot, host block or landing of their own.
+    """
     spans = []
     first = 0
     run_bytes = 0
-    kind: tuple[torch.dtype, torch.Size] | None = None
-    for i, (_, tensor) in enumerate(items):
-        nbytes = sizes[i]
-        shape = tensor.shape
-        mine = (tensor.dtype, shape[1:]) if nbytes < small_bytes and shape else None
+    kind: object | None = None
+    for i, nbytes in enumerate(sizes):
+        mine = True if kinds is None else kinds[i]
         if mine is None or mine != kind or run_bytes + nbytes > cap:
             if i > first:
                 spans.append((first, i))
@@ -1624,5 +1759,5 @@ def _group_spans(
             run_bytes = 0
         kind = mine
         run_bytes += nbytes
-    spans.append((first, len(items)))
+    spans.append((first, len(sizes)))
     return spans

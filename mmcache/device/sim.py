@@ -362,7 +362,11 @@ class SimDevice(Device):
 
         def run() -> None:
             # Reads the source now, when the copy runs: a released source reads poison.
-            _bytes_of(dst).copy_(_bytes_of(src))
+            if src.shape == dst.shape and src.dtype == dst.dtype:
+                with torch.no_grad():  # element-wise: a strided source (a view compacted)
+                    dst.copy_(src)
+            else:
+                _bytes_of(dst).copy_(_bytes_of(src))
 
         with self._cond:
             # A failed dependency fails the copy too, even when it finished long ago.
