@@ -215,17 +215,19 @@ async def put_in_groups(
     group: int,
     *,
     start: int = 0,
+    stop: int | None = None,
     key: Callable[[int], Any] = lambda i: i,
 ) -> list[float]:
-    """put (group == 1) or put_many features[start:] under key(index), handing each over.
+    """put (group == 1) or put_many features[start:stop] under key(index), handing each over.
 
     The list's slots are emptied as the cache takes the tensors, so nothing here keeps
     them alive past their release. Returns each call's seconds.
     """
     calls: list[float] = []
-    for first in range(start, len(features), group):
+    end = len(features) if stop is None else stop
+    for first in range(start, end, group):
         items = []
-        for i in range(first, min(first + group, len(features))):
+        for i in range(first, min(first + group, end)):
             value, features[i] = features[i], None
             assert value is not None
             items.append((key(i), value))
@@ -240,30 +242,46 @@ async def put_in_groups(
     return calls
 
 
-async def put_in_splits(
-    cache: FeatureCache,
-    features: list[torch.Tensor | None],
-    group: int,
-    *,
-    start: int = 0,
-    key: Callable[[int], Any] = lambda i: i,
-) -> list[float]:
-    """put_split features[start:] group at a time, as one encoder batch output each.
+#: An encoder's batch output: one tensor and the rows of each feature in it, in order.
+Batch = tuple[torch.Tensor, list[int]]
 
-    Each batch is made (one torch.cat, on the current stream) before its call is timed,
-    and the features it was made of are let go. Returns each call's seconds.
-    """
-    calls: list[float] = []
-    for first in range(start, len(features), group):
+
+def concat_batches(features: list[torch.Tensor | None], group: int) -> list[Batch | None]:
+    """features concatenated group at a time, as encoder batch outputs; lets go of them."""
+    batches: list[Batch | None] = []
+    for first in range(0, len(features), group):
         last = min(first + group, len(features))
         parts = [features[i] for i in range(first, last)]
         features[first:last] = [None] * (last - first)
         rows = [part.shape[0] for part in parts if part is not None]
-        batch = torch.cat([part for part in parts if part is not None])
+        batches.append((torch.cat([part for part in parts if part is not None]), rows))
         del parts
-        keys = [key(i) for i in range(first, last)]
-        t0 = time.perf_counter()
-        await cache.put_split(keys, batch, rows)
-        calls.append(time.perf_counter() - t0)
+    return batches
+
+
+async def put_in_splits(
+    cache: FeatureCache,
+    batches: list[Batch | None],
+    group: int,
+    *,
+    start: int = 0,
+    stop: int | None = None,
+    key: Callable[[int], Any] = lambda i: i,
+) -> list[float]:
+    """put_split batches[start:stop], batch b's features under key(b * group + j).
+
+    The list's slots are emptied as the cache takes the batches. Returns each call's
+    seconds.
+    """
+    calls: list[float] = []
+    for b in range(start, len(batches) if stop is None else stop):
+        batch, batches[b] = batches[b], None
+        assert batch is not None
+        tensor, rows = batch
         del batch
+        keys = [key(b * group + j) for j in range(len(rows))]
+        t0 = time.perf_counter()
+        await cache.put_split(keys, tensor, rows)
+        calls.append(time.perf_counter() - t0)
+        del tensor
     return calls

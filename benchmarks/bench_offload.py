@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import gc
 import math
 import sys
@@ -26,6 +27,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 from _common import (  # noqa: E402
     LoopLag,
     MiB,
+    concat_batches,
     copy_to_slot,
     cuda_elapsed_s,
     gbps,
@@ -267,6 +269,10 @@ async def warm_up(cache: FeatureCache, w: Workload, puts: int) -> bool:
 GROUP_BYTES = 8 * MiB
 
 
+def _tagged(tag: str, i: int) -> tuple[str, int]:
+    return (tag, i)
+
+
 async def offload_phase(
     cache: FeatureCache,
     w: Workload,
@@ -277,25 +283,30 @@ async def offload_phase(
 ) -> dict[str, Any]:
     """put every feature (handing over ownership), then wait for the offloads; time both.
 
-    The features that fit the GPU tier without eviction go in first, untimed: the
-    timed part is a full tier's steady state, every put making room by offloading,
+    The features that fit the GPU tier without eviction go in first, untimed and put
+    the same way (the timed evictions move what the timed part puts): the timed part
+    is a full tier's steady state, every put making room by offloading,
     until the last offload lands. group > 1: put_many of group features a call, or
-    with split, put_split of a batch tensor of group features a call (the time to
-    concatenate each batch, an encoder's work, is inside the wall time).
+    with split, put_split of a batch tensor of group features a call.
     """
     prefill = steady_state_prefill(cache, w)
-    for i in range(prefill):
-        feature = features[i]
-        features[i] = None
-        assert feature is not None
-        await cache.put((tag, i), feature)
-        del feature
+    key = functools.partial(_tagged, tag)
+    if split:  # the batches exist before the timed part, as features do for the others
+        prefill -= prefill % group  # whole batches
+        batches = concat_batches(features, group)
+        await put_in_splits(cache, batches, group, stop=prefill // group, key=key)
+    else:
+        await put_in_groups(cache, features, group, stop=prefill, key=key)
     await drain(cache)
     before = cache.stats()
     async with LoopLag() as lag:
         start = time.perf_counter()
-        put = put_in_splits if split else put_in_groups
-        put_latency = await put(cache, features, group, start=prefill, key=lambda i: (tag, i))
+        if split:
+            put_latency = await put_in_splits(
+                cache, batches, group, start=prefill // group, key=key
+            )
+        else:
+            put_latency = await put_in_groups(cache, features, group, start=prefill, key=key)
         puts_s = time.perf_counter() - start
         await drain(cache)
         wall = time.perf_counter() - start

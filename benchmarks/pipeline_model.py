@@ -29,18 +29,27 @@ from prometheus_client import CollectorRegistry
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
-from _common import fmt, markdown_table, put_in_groups, write_json  # noqa: E402
+from _common import (  # noqa: E402
+    concat_batches,
+    fmt,
+    markdown_table,
+    put_in_groups,
+    put_in_splits,
+    write_json,
+)
 
 from mmcache import CacheSettings, FeatureCache  # noqa: E402
 from mmcache.device.base import Fence, Stream, packed_shape  # noqa: E402
 from mmcache.device.sim import SimDevice  # noqa: E402
 
 HIDDEN = 4096
-#: (label, MiB per feature, features, features per put call)
+#: (label, MiB per feature, features, features per put call; negative: put_split batches)
 CONFIGS = (
     ("1 MB, put", 1.0, 2048, 1),
     ("1 MB, put_many of 8", 1.0, 2048, 8),
     ("64 KB, put_many of 128", 1 / 16, 16384, 128),
+    ("1 MB, put_split of 8", 1.0, 2048, -8),
+    ("64 KB, put_split of 128", 1 / 16, 16384, -128),
 )
 
 
@@ -154,8 +163,13 @@ async def run(mib: float, count: int, group: int, gbps: float) -> dict[str, floa
         gc.collect()
         gc.disable()  # a collection inside the loop is noise here, not bookkeeping
         try:
+            if group < 0:  # the batches exist before the timed part, as features do
+                batches = concat_batches(features, -group)
             start = time.perf_counter()
-            await put_in_groups(cache, features, group)
+            if group < 0:
+                await put_in_splits(cache, batches, -group)
+            else:
+                await put_in_groups(cache, features, group)
             await cache.drain()
             wall = time.perf_counter() - start
         finally:

@@ -369,7 +369,7 @@ class FeatureCache:
             raise InvalidValueError(
                 f"put_split got {len(keys)} keys and {len(rows)} split sizes; one size per key"
             )
-        self._check_value(value)
+        self._check_value(value, "put_split()")
         if value.dim() == 0:
             raise InvalidValueError("put_split splits a tensor by rows; got a 0-dim tensor")
         if any(n <= 0 for n in rows) or any(isinstance(n, bool) for n in split_sizes):
@@ -843,8 +843,8 @@ class FeatureCache:
                 "that started it (asyncio.run_coroutine_threadsafe from other threads)"
             )
 
-    def _check_value(self, value: object) -> int:
-        nbytes = feature_bytes(self._device, value, "put()")
+    def _check_value(self, value: object, caller: str = "put()") -> int:
+        nbytes = feature_bytes(self._device, value, caller)
         if nbytes == 0:
             assert isinstance(value, torch.Tensor)
             raise InvalidValueError(f"refusing an empty tensor of shape {tuple(value.shape)}")
