@@ -32,7 +32,7 @@ from prometheus_client import CollectorRegistry
 
 from mmcache.device import Device, Fence, Stream, resolve_device
 from mmcache.device.base import feature_bytes
-from mmcache.entry import Entry, GroupKey, Member, State, check_key, row_range
+from mmcache.entry import Entry, GroupKey, Member, State, check_key, check_keys, row_range
 from mmcache.errors import (
     CacheClosedError,
     CopyFailedError,
@@ -326,9 +326,8 @@ class FeatureCache:
                 raise InvalidValueError(
                     f"put_many takes (key, tensor) pairs, not {type(item).__name__}"
                 )
-            key = item[0]
-            check_key(key)  # before hashing: an unhashable key gets a clear error
-            keys.append(key)
+            keys.append(item[0])
+        check_keys(keys)  # before hashing: an unhashable key gets a clear error
         if len(set(keys)) != len(batch):
             raise InvalidKeyError("put_many got the same key twice; keys must be distinct")
         if not batch:
@@ -355,14 +354,14 @@ class FeatureCache:
         if stream is None:
             stream = self._device.current_stream()
         keys = list(keys)
+        sizes_given = list(split_sizes)
         try:
-            rows = [operator.index(n) for n in split_sizes]
+            rows = list(map(operator.index, sizes_given))
         except TypeError:
             raise InvalidValueError(
                 f"split sizes must be a sequence of ints, not {split_sizes!r}"
             ) from None
-        for key in keys:
-            check_key(key)
+        check_keys(keys)
         if len(set(keys)) != len(keys):
             raise InvalidKeyError("put_split got the same key twice; keys must be distinct")
         if len(rows) != len(keys):
@@ -372,8 +371,8 @@ class FeatureCache:
         self._check_value(value, "put_split()")
         if value.dim() == 0:
             raise InvalidValueError("put_split splits a tensor by rows; got a 0-dim tensor")
-        if any(n <= 0 for n in rows) or any(isinstance(n, bool) for n in split_sizes):
-            raise InvalidValueError(f"split sizes must be positive ints, got {list(split_sizes)}")
+        if rows and (min(rows) <= 0 or bool in set(map(type, sizes_given))):
+            raise InvalidValueError(f"split sizes must be positive ints, got {sizes_given}")
         if sum(rows) != value.shape[0]:
             raise InvalidValueError(
                 f"split sizes add up to {sum(rows)} rows; the tensor has {value.shape[0]}"
@@ -525,14 +524,16 @@ class FeatureCache:
         """
         to_gpu = self._gpu_capacity > 0
         total = sum(sizes)
-        for key in keys:
-            old = self._entries.get(key)
-            if old is not None:
-                # Replace first, then reserve: the old value's bytes must not push others
-                # out (nor be offloaded for nothing). A put that then fails leaves it absent.
-                self._remove(old)
-                self._wake_gpu()
-        del old  # a put waiting for room must not keep the entry it replaced alive
+        if not self._entries.keys().isdisjoint(keys):
+            for key in keys:
+                old = self._entries.get(key)
+                if old is not None:
+                    # Replace first, then reserve: the old value's bytes must not push
+                    # others out (nor be offloaded for nothing). A put that then fails
+                    # leaves it absent.
+                    self._remove(old)
+                    self._wake_gpu()
+            del old  # a put waiting for room must not keep the entry it replaced alive
         blocks: list[HostBlock] = []
         try:
             if to_gpu:
@@ -593,17 +594,15 @@ class FeatureCache:
             ready,
             count=len(keys),
         )
-        members = []
         entries = self._entries
-        start = 0
-        for key, n in zip(keys, rows, strict=True):
-            old = entries.get(key)
-            if old is not None:  # another put of this key finished while we waited
-                self._remove(old)
-            member = Member(key, group, start, start + n)
-            members.append(member)
-            entries[key] = member
-            start += n
+        if not entries.keys().isdisjoint(keys):
+            for key in keys:
+                old = entries.get(key)
+                if old is not None:  # another put of this key finished while we waited
+                    self._remove(old)
+        stops = list(itertools.accumulate(rows))
+        members = list(map(Member, zip(keys, itertools.repeat(group), [0, *stops], stops)))
+        entries.update(zip(keys, members, strict=True))
         group.members = members
         return group
 

@@ -18,6 +18,7 @@ from mmcache import (
     MMCacheError,
     WrongLoopError,
 )
+from mmcache.entry import check_keys
 
 BAD_KEYS = [
     pytest.param([1, 2], id="list"),
@@ -224,3 +225,20 @@ async def test_fn_must_return_a_tensor(rig: Rig, make_cache: CacheFactory) -> No
     with pytest.raises(InvalidValueError, match=r"torch\.Tensor"):
         await cache.get_or_compute("k", not_a_tensor)  # type: ignore[arg-type]
     assert "k" not in cache
+
+
+GOOD_KEYS: list[Hashable] = ["img", b"raw", 7, ("img", 1), ("video", (b"f", 2), ()), ()]
+
+
+@pytest.mark.parametrize("bad", BAD_KEYS)
+@pytest.mark.parametrize("where", [0, 3, 5])
+def test_a_batch_of_keys_is_checked_as_each_key_would_be(bad: object, where: int) -> None:
+    """check_keys (put_many, put_split) refuses exactly what check_key refuses."""
+    check_keys(list(GOOD_KEYS))
+    check_keys([("img", i) for i in range(100)])
+    keys: list[object] = list(GOOD_KEYS)
+    keys.insert(where, bad)
+    with pytest.raises(InvalidKeyError, match="keys must be"):
+        check_keys(keys)
+    with pytest.raises(InvalidKeyError, match="keys must be"):
+        check_keys([("img", i) for i in range(5)] + [("img", bad)])
