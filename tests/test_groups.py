@@ -69,6 +69,19 @@ async def assert_clean(rig: Rig, cache: FeatureCache) -> None:
     assert s.gpu_entries + s.cpu_entries == len(cache)
 
 
+def count_offload_copies(cache: FeatureCache, monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
+    """From now on, each offload copy the cache starts: the features of each unit in it."""
+    copies: list[list[int]] = []
+    start_offloads = cache._start_offloads
+
+    def counted(items: Any, *, charged_gpu: bool) -> None:
+        copies.append([entry.count for entry, _ in items])
+        start_offloads(items, charged_gpu=charged_gpu)
+
+    monkeypatch.setattr(cache, "_start_offloads", counted)
+    return copies
+
+
 # --- which features are grouped -------------------------------------------------------
 
 
@@ -148,14 +161,7 @@ async def test_a_group_leaves_the_gpu_whole_by_one_copy_and_reads_back_from_the_
 ) -> None:
     cache = make_cache(gpu_mb=0.5, cpu_mb=4)
     want = await put_group(cache, rig, "a", 32)  # 256 KiB: half the GPU tier
-    copies: list[list[int]] = []
-    start_offloads = cache._start_offloads
-
-    def counted(items: Any, *, charged_gpu: bool) -> None:
-        copies.append([entry.count for entry, _ in items])
-        start_offloads(items, charged_gpu=charged_gpu)
-
-    monkeypatch.setattr(cache, "_start_offloads", counted)
+    copies = count_offload_copies(cache, monkeypatch)
     await put_group(cache, rig, "b", 32, seed=100)
     await put_group(cache, rig, "c", 32, seed=200)  # makes room: group a goes
     await cache.drain()

@@ -14,7 +14,13 @@ from typing import Any
 import pytest
 import torch
 from conftest import CacheFactory, Rig, assert_exact, stall
-from test_groups import assert_clean, assert_reads, group_of, simulator
+from test_groups import (
+    assert_clean,
+    assert_reads,
+    count_offload_copies,
+    group_of,
+    simulator,
+)
 
 from mmcache import FeatureCache, InvalidKeyError, InvalidValueError, ValueTooLargeError
 from mmcache.device import SimDevice
@@ -95,14 +101,7 @@ async def test_a_batch_leaves_the_gpu_by_one_copy_and_reads_back_from_the_host(
 ) -> None:
     cache = make_cache(gpu_mb=0.5, cpu_mb=4)
     want = await put_batch(cache, rig, "a", [100, 100, 56])  # 256 KiB: half the GPU tier
-    copies: list[list[int]] = []
-    start_offloads = cache._start_offloads
-
-    def counted(items: Any, *, charged_gpu: bool) -> None:
-        copies.append([entry.count for entry, _ in items])
-        start_offloads(items, charged_gpu=charged_gpu)
-
-    monkeypatch.setattr(cache, "_start_offloads", counted)
+    copies = count_offload_copies(cache, monkeypatch)
     await put_batch(cache, rig, "b", [128, 128], seed=1)
     await put_batch(cache, rig, "c", [64] * 4, seed=2)  # makes room: batch a goes
     await cache.drain()
