@@ -117,11 +117,22 @@ async def test_thousands_of_random_operations_are_bit_exact(
         key = rng.randrange(40)
         op = rng.random()
         if op < 0.45:
-            next_seed += 1
-            rows = rng.choice(ROWS)
-            value = producer.make(_value(next_seed, rows))
-            current[key] = (next_seed, rows)
-            await cache.put(key, value, stream=producer.stream)
+            if op < 0.35:
+                next_seed += 1
+                rows = rng.choice(ROWS)
+                value = producer.make(_value(next_seed, rows))
+                current[key] = (next_seed, rows)
+                await cache.put(key, value, stream=producer.stream)
+            else:  # an encoder's batch for a few keys, some of them cached alone or grouped
+                keys = rng.sample(range(40), rng.randint(2, 4))
+                sizes = [rng.choice(ROWS) for _ in keys]
+                parts = []
+                for k, rows in zip(keys, sizes, strict=True):
+                    next_seed += 1
+                    parts.append(_value(next_seed, rows))
+                    current[k] = (next_seed, rows)
+                value = producer.make(torch.cat(parts))
+                await cache.put_split(keys, value, sizes, stream=producer.stream)
             del value
             if rng.random() < 0.3:
                 await read(rng.choice(list(current)))  # a read right after, maybe evicted
