@@ -353,6 +353,10 @@ class FeatureCache:
         """
         if stream is None:
             stream = self._device.current_stream()
+        if isinstance(keys, (str, bytes)):
+            raise InvalidKeyError(
+                f"put_split takes a sequence of keys, one per item, not one {type(keys).__name__}"
+            )
         keys = list(keys)
         sizes_given = list(split_sizes)
         try:
@@ -401,15 +405,10 @@ class FeatureCache:
         sizes = [n * row_bytes for n in rows]
         total = tensor.nbytes
         to_gpu = self._gpu_capacity > 0
-        if to_gpu and total > self._gpu_capacity:
-            raise ValueTooLargeError(
-                f"features of {total / MiB:.1f} MB in all exceed the GPU tier "
-                f"({self._gpu_capacity / MiB:.1f} MB); put them in smaller groups"
-            )
-        if not to_gpu:
-            if self._cpu_capacity == 0:
-                return False
-            self._check_fits(max(sizes), to_gpu)
+        if not to_gpu and self._cpu_capacity == 0:
+            return False
+        self._check_fits(max(sizes), to_gpu)  # one feature too large: names the setting
+        self._check_group_fits(total, to_gpu)
         host_limit = self._host_limit()
         if len(keys) == 1 or not host_limit or total <= host_limit:
             spans = [(0, len(keys))]
@@ -466,11 +465,7 @@ class FeatureCache:
         total = sum(sizes)
         if not to_gpu and self._cpu_capacity == 0:
             return False
-        if to_gpu and total > self._gpu_capacity:
-            raise ValueTooLargeError(
-                f"features of {total / MiB:.1f} MB in all exceed the GPU tier "
-                f"({self._gpu_capacity / MiB:.1f} MB); put them in smaller groups"
-            )
+        self._check_group_fits(total, to_gpu)
         if len(items) == 1:
             spans = [(0, 1)]
         else:
@@ -549,6 +544,7 @@ class FeatureCache:
             self._c["rejected"] += len(keys)
             return False
         offloads: list[tuple[Entry, HostBlock]] = []
+        compacted: list[Entry] = []
         entries = self._entries
         for u, ((i, j), (own, ready)) in enumerate(zip(spans, owned, strict=True)):
             if j - i == 1:
@@ -564,8 +560,8 @@ class FeatureCache:
                 # Its values stay referenced until the packing copy has read them, and a
                 # packing that failed drops the group then.
                 self._hold_values(ready, sources[u], entry)
-            elif ready is not produced and not ready.done():  # our compaction may yet fail
-                self._when_done([ready], functools.partial(self._check_ready, entry, ready))
+            elif ready is not produced:
+                compacted.append(entry)
             if to_gpu:
                 self._gpu_lru[entry.key] = entry
             else:
@@ -577,6 +573,10 @@ class FeatureCache:
                 self._wake_gpu()  # the next waiter may need these entries offloaded
         else:
             self._start_offloads(offloads, charged_gpu=False)
+        # Our compaction copies may fail (or have failed while we waited for room): such
+        # an entry is dropped, once it is in the tier's lists and counts like the others.
+        for entry in compacted:
+            self._when_done([entry.ready], functools.partial(self._check_ready, entry, entry.ready))
         self._tiers.request()
         return True
 
@@ -862,6 +862,16 @@ class FeatureCache:
                 f"value of {nbytes / MiB:.1f} MB exceeds the host tier ({limit / MiB:.1f} MB), "
                 f"and the GPU tier is off; raise "
                 f"{' or '.join(CacheSettings.env_names('cpu_cache_mb'))}"
+            )
+
+    def _check_group_fits(self, total: int, to_gpu: bool) -> None:
+        """Features put together must fit their tier together: none of them would go in."""
+        capacity = self._gpu_capacity if to_gpu else self._cpu_capacity
+        if total > capacity:
+            tier = "GPU" if to_gpu else "host"
+            raise ValueTooLargeError(
+                f"features of {total / MiB:.1f} MB in all exceed the {tier} tier "
+                f"({capacity / MiB:.1f} MB); put them in smaller groups"
             )
 
     def _host_limit(self) -> int:
@@ -1194,6 +1204,8 @@ class FeatureCache:
             self._offloads_done(batch, fence.exception(), charged_gpu)
             if charged_gpu:
                 self._wake_gpu()
+            elif self._host_waiters:  # a put straight to the host tier can evict them now
+                self._wake_host()
             self._tiers.request()
 
         self._landing[offload] = landed

@@ -160,12 +160,14 @@ async def test_reads_wait_for_a_producer_still_running_when_the_batch_is_put(
     rows = [10, 20, 30]
     if rig.kind == "sim":
         sim = simulator(rig)
-        producer = sim.current_stream()
+        # A stream of its own, run after the copy streams: reads are ordered after it
+        # only by the fence put_split records, not by the simulator's run order.
+        producer = sim.stream("producer")
         source = rig.tensor(60, 256, dtype=torch.float32, seed=9)
         with rig.hold():
             batch = sim.empty((60, 256), torch.float32, producer)  # poison until written
             sim.copy_d2d(source, batch, producer)  # the producer's work, held back
-            assert await cache.put_split("abc", batch, rows, stream=producer)
+            assert await cache.put_split(["a", "b", "c"], batch, rows, stream=producer)
             del batch
             host_read = asyncio.ensure_future(cache.get("b", device="cpu"))
             await asyncio.sleep(0.05)
@@ -179,7 +181,7 @@ async def test_reads_wait_for_a_producer_still_running_when_the_batch_is_put(
     with torch.cuda.stream(side):
         stall(side, 0.2)  # the producer is still running when put_split returns
         batch = base * 2
-    assert await cache.put_split("abc", batch, rows, stream=side)
+    assert await cache.put_split(["a", "b", "c"], batch, rows, stream=side)
     del batch
     doubled = split((base * 2).cpu(), rows)
     consumer = torch.cuda.Stream()  # type: ignore[no-untyped-call]
@@ -253,6 +255,7 @@ async def test_discarding_every_member_frees_the_batch(rig: Rig, make_cache: Cac
         (["a", "b"], [12.0, 12.0], InvalidValueError, "sequence of ints"),
         (["a", "a"], [12, 12], InvalidKeyError, "same key twice"),
         (["a", ["b"]], [12, 12], InvalidKeyError, "not list"),
+        ("ab", [12, 12], InvalidKeyError, "a sequence of keys"),
     ],
 )
 async def test_bad_arguments_are_refused_and_lose_nothing(
@@ -299,4 +302,96 @@ async def test_reads_wait_for_the_compaction_of_a_strided_batch(
         assert await cache.put_split(["u", "v"], wide[:, :256], [3, 5])
         assert not group_of(cache, "u").ready.done()  # the compacting copy is held back
     await assert_reads(cache, lambda i: "uv"[i], want)
+    await assert_clean(rig, cache)
+
+
+async def test_a_batch_larger_than_the_host_tier_with_the_gpu_tier_off_is_refused(
+    rig: Rig, make_cache: CacheFactory
+) -> None:
+    cache = make_cache(gpu_mb=0, cpu_mb=1)
+    batch, _ = encoder_output(rig, [256] * 6)  # 1.5 MB of 256 KiB features
+    with pytest.raises(ValueTooLargeError, match="host tier"):
+        await cache.put_split(list(range(6)), batch, [256] * 6)
+    with pytest.raises(ValueTooLargeError, match="host tier"):
+        await cache.put_many(enumerate(split(batch, [256] * 6)))
+    with pytest.raises(ValueTooLargeError, match="MMCACHE_GPU_CACHE_MB"):
+        await make_cache(gpu_mb=0.5, cpu_mb=1).put_split(["x", "y"], batch, [1024, 512])
+    assert len(cache) == 0
+    await assert_clean(rig, cache)
+
+
+@pytest.mark.parametrize("how", ["put", "put_split"])
+async def test_a_compaction_that_failed_while_the_put_waited_loses_its_keys(
+    rig: Rig, make_cache: CacheFactory, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    sim = simulator(rig)
+    cache = make_cache(gpu_mb=1, cpu_mb=1)
+    reserve = cache._reserve_gpu
+
+    async def slow(nbytes: int, wait: bool) -> bool:
+        await asyncio.sleep(0.05)  # as if waiting for an offload to make room
+        return await reserve(nbytes, wait)
+
+    monkeypatch.setattr(cache, "_reserve_gpu", slow)
+    wide = rig.tensor(48, 512, dtype=torch.float32, seed=9)
+    sim.inject("copy_fails", 1)  # the compaction of the strided value
+    if how == "put":
+        assert await cache.put("x", wide[:, :256])
+    else:
+        assert await cache.put_split(["x", "y"], wide[:, :256], [16, 32])
+    await cache.drain()
+    s = cache.stats()
+    assert "x" not in cache and "y" not in cache and await cache.get("x") is None
+    assert (s.copy_failures, s.dropped) == (1, 1 if how == "put" else 2)
+    await assert_clean(rig, cache)
+
+
+async def test_a_compaction_failing_as_the_batch_is_indexed_leaves_the_ledger_exact(
+    rig: Rig, make_cache: CacheFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sim = simulator(rig)
+    cache = make_cache(gpu_mb=0.25, cpu_mb=1)
+    when_done = cache._when_done
+
+    def finishing(fences: Any, callback: Any, **kwargs: Any) -> None:
+        for fence in fences:  # the copy ends (and fails) just as the cache asks
+            fence.wait()
+        when_done(fences, callback, **kwargs)
+
+    monkeypatch.setattr(cache, "_when_done", finishing)
+    wide = rig.tensor(48, 512, dtype=torch.float32, seed=9)
+    sim.inject("copy_fails", 1)
+    assert await cache.put_split(["x", "y"], wide[:, :256], [16, 32])
+    monkeypatch.setattr(cache, "_when_done", when_done)
+    assert "x" not in cache and not cache._gpu_lru
+    want = [await put_batch(cache, rig, f"next{i}", [150], seed=i) for i in range(3)]
+    for i, expected in enumerate(want):  # room made by offloads, none of a lost entry
+        assert_exact(await cache.get((f"next{i}", 0)), expected[0])
+    await assert_clean(rig, cache)
+
+
+@pytest.mark.parametrize("how", ["put", "put_split"])
+async def test_with_the_gpu_tier_off_a_put_waiting_for_room_is_woken_by_a_landing(
+    rig: Rig, make_cache: CacheFactory, how: str
+) -> None:
+    sim = simulator(rig)
+    cache = make_cache(gpu_mb=0, cpu_mb=1)
+    first, _ = encoder_output(rig, [384, 384])
+    second, want = encoder_output(rig, [256, 256], seed=1)
+    with sim.hold():
+        if how == "put":
+            assert await cache.put("a", first)
+            waiting = asyncio.ensure_future(cache.put("b", second))
+        else:
+            assert await cache.put_split(["a", "a2"], first, [384, 384])
+            waiting = asyncio.ensure_future(cache.put_split(["b", "b2"], second, [256, 256]))
+        del first, second
+        await asyncio.sleep(0.05)
+        assert not waiting.done()  # the host tier is full of a copy still in flight
+    assert await asyncio.wait_for(waiting, 5)  # the landing made "a" evictable: room
+    assert "a" not in cache
+    if how == "put":
+        assert_exact(await cache.get("b"), torch.cat(want))
+    else:
+        await assert_reads(cache, lambda i: "b" if i == 0 else "b2", want)
     await assert_clean(rig, cache)
