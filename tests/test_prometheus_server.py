@@ -39,10 +39,11 @@ EXAMPLE_CONFIG = DASHBOARD_PATH.parents[1] / "examples" / "prometheus" / "promet
 EXAMPLE_TARGET = "127.0.0.1:9464"
 SCRAPE_S = 1  # what EXAMPLE_CONFIG sets; checked when the config is written
 # Small features and tiers, so that evictions, offloads and uploads start within the first
-# second; ~10-15 s of traffic on a 2-core machine. The test never waits for the run to end:
-# it queries while the demo runs or lingers with its final values.
+# second; ~35-80 s of traffic on a 2-core machine, so that the rate panels' last 20 s still
+# hold traffic when the queries run (1,500 requests took 8.6 s in one run, and ended before
+# the window). The test never waits for the run to end: the demo is stopped at teardown.
 DEMO_ARGS = (
-    *("demo", "--device", "sim", "--requests", "1500", "--hidden", "1024"),
+    *("demo", "--device", "sim", "--requests", "6000", "--hidden", "1024"),
     *("--gpu-mb", "32", "--cpu-mb", "128", "--metrics-port", "0", "--linger", "30", "--quiet"),
 )
 MIN_SCRAPES = 8  # enough for several 4 s rate() windows
