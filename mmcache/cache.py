@@ -1086,29 +1086,41 @@ class FeatureCache:
             block = pool.allocate(nbytes)
             if block is not None or not self._host_lru:
                 return block
-            _, victim = self._host_lru.popitem(last=False)
-            self._c["evictions_cpu"] += victim.count
-            self._metrics.eviction("cpu", victim.count)
-            self._unlink(victim)
+            self._evict_host_head()
 
-    async def _reserve_host(self, nbytes: int, wait: bool) -> HostBlock | None:
-        """A host block for a put that bypasses the GPU tier (GPU budget 0)."""
+    def _evict_host_head(self) -> None:
+        """Drop the least recently used host entry (counted as a host-tier eviction)."""
+        _, victim = self._host_lru.popitem(last=False)
+        self._c["evictions_cpu"] += victim.count
+        self._metrics.eviction("cpu", victim.count)
+        self._unlink(victim)
+
+    async def _reserve_host_blocks(
+        self, sizes: Sequence[int], wait: bool, blocks: list[HostBlock]
+    ) -> bool:
+        """Host blocks (appended to blocks) for a put that bypasses the GPU tier (budget 0).
+
+        All at once or none: a put holding some blocks while it waits for the rest could
+        fragment the arena so that the rest never fit.
+        """
         self._reap_landed()
         if not self._host_waiters:
-            block = self._host_alloc(nbytes)
-            if block is not None:
-                return block
+            taken = self._host_alloc_all(sizes)
+            if taken is not None:
+                blocks.extend(taken)
+                return True
         if not wait:
-            return None
+            return False
         assert self._loop is not None
-        waiter = _BudgetWaiter(nbytes, self._loop.create_future())
+        waiter = _BudgetWaiter(sum(sizes), self._loop.create_future())
         self._host_waiters.append(waiter)
         try:
             while True:
                 await waiter.future
-                block = self._host_alloc(nbytes)
-                if block is not None:
-                    return block
+                taken = self._host_alloc_all(sizes)
+                if taken is not None:
+                    blocks.extend(taken)
+                    return True
                 waiter.future = self._loop.create_future()
                 self._host_waiters.appendleft(waiter)
         finally:
@@ -1116,16 +1128,29 @@ class FeatureCache:
                 self._host_waiters.remove(waiter)
             self._wake_host()
 
-    async def _reserve_host_blocks(
-        self, sizes: Sequence[int], wait: bool, blocks: list[HostBlock]
-    ) -> bool:
-        """Host blocks (appended to blocks) for puts that bypass the GPU tier."""
+    def _host_alloc_all(self, sizes: Sequence[int]) -> list[HostBlock] | None:
+        """A host block for each size now, or none (dropping host entries as _host_alloc does).
+
+        One by one first; if that fails, as one run, which an emptied arena always takes.
+        """
+        assert self._pool is not None
+        taken: list[HostBlock] = []
         for nbytes in sizes:
-            block = await self._reserve_host(nbytes, wait)
+            block = self._host_alloc(nbytes)
             if block is None:
-                return False
-            blocks.append(block)
-        return True
+                break
+            taken.append(block)
+        else:
+            return taken
+        for block in taken:
+            self._pool.free(block)
+        if len(sizes) == 1 or sum(sizes) > self._pool.max_block_bytes:
+            return None  # no run could take them: evicting more would be for nothing
+        while True:
+            run = self._pool.allocate_run(sizes)
+            if run is not None or not self._host_lru:
+                return run
+            self._evict_host_head()
 
     def _wake_host(self) -> None:
         # Host waiters retry their allocation in order; wake the first live one.

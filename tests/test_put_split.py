@@ -395,3 +395,21 @@ async def test_with_the_gpu_tier_off_a_put_waiting_for_room_is_woken_by_a_landin
     else:
         await assert_reads(cache, lambda i: "b" if i == 0 else "b2", want)
     await assert_clean(rig, cache)
+
+
+async def test_with_the_gpu_tier_off_a_batch_takes_its_host_blocks_all_at_once(
+    rig: Rig, make_cache: CacheFactory
+) -> None:
+    """Blocks taken one by one could fragment the arena: 200 KiB placed after a 300 KiB
+    entry leaves no 1,800 KiB range even once that entry is evicted."""
+    host_only = make_cache(gpu_mb=0, cpu_mb=2)
+    await put_batch(host_only, rig, "e", [300])
+    await host_only.drain()
+    small = rig.tensor(200, 256, dtype=torch.float32, seed=1)
+    large = rig.tensor(1800, 256, dtype=torch.float32, seed=2)
+    want = [small.cpu().clone(), large.cpu().clone()]
+    assert await asyncio.wait_for(host_only.put_many([("p", small), ("q", large)]), 5)
+    del small, large
+    await assert_reads(host_only, lambda i: "pq"[i], want)
+    assert ("e", 0) not in host_only and host_only.stats().evictions_cpu == 1
+    await assert_clean(rig, host_only)
