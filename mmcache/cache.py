@@ -519,16 +519,9 @@ class FeatureCache:
         """
         to_gpu = self._gpu_capacity > 0
         total = sum(sizes)
-        if not self._entries.keys().isdisjoint(keys):
-            for key in keys:
-                old = self._entries.get(key)
-                if old is not None:
-                    # Replace first, then reserve: the old value's bytes must not push
-                    # others out (nor be offloaded for nothing). A put that then fails
-                    # leaves it absent.
-                    self._remove(old)
-                    self._wake_gpu()
-            del old  # a put waiting for room must not keep the entry it replaced alive
+        # Replace first, then reserve: the old values' bytes must not push others out
+        # (nor be offloaded for nothing). A put that then fails leaves them absent.
+        self._remove_keys(keys, wake=True)
         blocks: list[HostBlock] = []
         try:
             if to_gpu:
@@ -543,15 +536,13 @@ class FeatureCache:
             self._give_back(owned, blocks, sources)
             self._c["rejected"] += len(keys)
             return False
+        self._remove_keys(keys, wake=False)  # other puts of these keys done while we waited
         offloads: list[tuple[Entry, HostBlock]] = []
         compacted: list[Entry] = []
         entries = self._entries
         for u, ((i, j), (own, ready)) in enumerate(zip(spans, owned, strict=True)):
             if j - i == 1:
                 key = keys[i]
-                old = entries.get(key)
-                if old is not None:  # another put of this key finished while we waited
-                    self._remove(old)
                 entry = Entry(key, tuple(own.shape), own.dtype, sizes[i], State.GPU, own, ready)
                 entries[key] = entry
             else:
@@ -580,10 +571,23 @@ class FeatureCache:
         self._tiers.request()
         return True
 
+    def _remove_keys(self, keys: list[Hashable], *, wake: bool) -> None:
+        """Remove what the index holds under keys (a put replacing them); wake: after each
+        removal, let waiting puts use the room it made."""
+        entries = self._entries
+        if entries.keys().isdisjoint(keys):
+            return
+        for key in keys:
+            old = entries.get(key)
+            if old is not None:
+                self._remove(old)
+                if wake:
+                    self._wake_gpu()
+
     def _insert_group(
         self, keys: list[Hashable], rows: list[int], packed: torch.Tensor, ready: Fence, nbytes: int
     ) -> Entry:
-        """Index a packed group: one entry for the tiers, one member per key."""
+        """Index a packed group: one entry for the tiers, one member per key (keys absent)."""
         group = Entry(
             GroupKey(keys[0], len(keys)),
             tuple(packed.shape),
@@ -594,15 +598,9 @@ class FeatureCache:
             ready,
             count=len(keys),
         )
-        entries = self._entries
-        if not entries.keys().isdisjoint(keys):
-            for key in keys:
-                old = entries.get(key)
-                if old is not None:  # another put of this key finished while we waited
-                    self._remove(old)
         stops = list(itertools.accumulate(rows))
         members = list(map(Member, zip(keys, itertools.repeat(group), [0, *stops], stops)))
-        entries.update(zip(keys, members, strict=True))
+        self._entries.update(zip(keys, members, strict=True))
         group.members = members
         return group
 

@@ -44,7 +44,7 @@ class Entry:
     host_readers: list[Fence] | None = None
     #: fences of copies that read the device tensor (downloads for host gets)
     device_readers: list[Fence] | None = None
-    #: a put_many group: the features whose rows this entry holds (None: one feature)
+    #: a group (put_many, put_split): the features whose rows it holds (None: one feature)
     members: list[Member] | None = None
     #: features the entry holds for the tier counters (a group's: its members still cached)
     count: int = 1
@@ -133,7 +133,7 @@ class GroupKey:
     size: int
 
     def __repr__(self) -> str:
-        return f"<put_many group of {self.size} from {self.first!r}>"
+        return f"<group of {self.size} from {self.first!r}>"
 
 
 def _pending(fences: list[Fence] | None) -> list[Fence]:
