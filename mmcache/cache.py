@@ -1063,6 +1063,7 @@ class FeatureCache:
             arena = future.result()
         except Exception as e:
             log.error("host arena of %d bytes could not be allocated: %s", self._cpu_capacity, e)
+            self._wake_host()  # puts waiting for host room (GPU tier off) give up
             return
         self._pool = HostPool(
             self._device,
@@ -1099,7 +1100,8 @@ class FeatureCache:
         """Host blocks (appended to blocks) for a put that bypasses the GPU tier (budget 0).
 
         All at once or none: a put holding some blocks while it waits for the rest could
-        fragment the arena so that the rest never fit.
+        fragment the arena so that the rest never fit. Until the arena is pinned a put
+        waits for it (or returns False with wait=False); if it cannot be allocated, False.
         """
         self._reap_landed()
         if not self._host_waiters:
@@ -1107,7 +1109,7 @@ class FeatureCache:
             if taken is not None:
                 blocks.extend(taken)
                 return True
-        if not wait:
+        if not wait or self._host_tier_failed():
             return False
         assert self._loop is not None
         waiter = _BudgetWaiter(sum(sizes), self._loop.create_future())
@@ -1115,6 +1117,8 @@ class FeatureCache:
         try:
             while True:
                 await waiter.future
+                if self._host_tier_failed():
+                    return False
                 taken = self._host_alloc_all(sizes)
                 if taken is not None:
                     blocks.extend(taken)
@@ -1130,8 +1134,10 @@ class FeatureCache:
         """A host block for each size now, or none (dropping host entries as _host_alloc does).
 
         One by one first; if that fails, as one run, which an emptied arena always takes.
+        None while the arena is not pinned yet.
         """
-        assert self._pool is not None
+        if self._pool is None:
+            return None
         taken: list[HostBlock] = []
         for nbytes in sizes:
             block = self._host_alloc(nbytes)
@@ -1149,6 +1155,11 @@ class FeatureCache:
             if run is not None or not self._host_lru:
                 return run
             self._evict_host_head()
+
+    def _host_tier_failed(self) -> bool:
+        """The host arena could not be allocated: the host tier will never take anything."""
+        ready = self._host_ready
+        return self._pool is None and ready is not None and ready.is_set()
 
     def _wake_host(self) -> None:
         # Host waiters retry their allocation in order; wake the first live one.

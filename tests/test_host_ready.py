@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import Iterator
+from concurrent.futures import Future
+
 import pytest
 import torch
-from conftest import CacheFactory, Rig
+from conftest import CacheFactory, Rig, assert_exact, feature
 from prometheus_client import CollectorRegistry
+from test_ipc_support import settled_bytes
 
 from mmcache import CacheSettings, FeatureCache
 
@@ -38,3 +44,70 @@ async def test_background_pinning_serves_the_gpu_tier_meanwhile() -> None:
         assert await cache.wait_host_ready(timeout=60)
         assert cache.stats().host_ready
     device.close()
+
+
+@contextlib.contextmanager
+def arena_on_demand(rig: Rig) -> Iterator[list[Future[torch.Tensor]]]:
+    """The rig's device hands out its host arena only when the test completes the future."""
+    pending: list[Future[torch.Tensor]] = []
+
+    def later(nbytes: int) -> Future[torch.Tensor]:
+        pending.append(Future())
+        return pending[-1]
+
+    rig.device.host_arena_async = later  # type: ignore[method-assign]
+    try:
+        yield pending
+    finally:
+        del rig.device.host_arena_async
+
+
+async def test_with_the_gpu_tier_off_puts_wait_for_the_arena(
+    rig: Rig, make_cache: CacheFactory
+) -> None:
+    baseline = rig.allocated_bytes()
+    with arena_on_demand(rig) as pending:
+        cache = make_cache(gpu_mb=0, cpu_mb=4)
+        await cache.start()
+        assert not cache.stats().host_ready
+        assert not await cache.put("now", feature(rig, 64), wait=False)
+        assert cache.stats().rejected == 1 and "now" not in cache
+        want = {k: feature(rig, 64, seed=k) for k in range(6)}
+        batch = torch.cat([want[3], want[4], want[5]])
+        puts = [
+            asyncio.ensure_future(cache.put(0, want[0].clone())),
+            asyncio.ensure_future(cache.put_many([(k, want[k].clone()) for k in (1, 2)])),
+            asyncio.ensure_future(cache.put_split([3, 4, 5], batch, [64, 64, 64])),
+        ]
+        del batch
+        await asyncio.sleep(0.05)
+        assert not any(put.done() for put in puts)  # waiting for host room, holding nothing
+        assert len(cache) == 0
+        pending[0].set_result(rig.device.host_arena(cache.stats().cpu_capacity_bytes))
+        assert await asyncio.wait_for(asyncio.gather(*puts), 10) == [True, True, True]
+        for k, value in want.items():
+            assert_exact(await cache.get(k, device="cpu"), value)
+        await cache.drain()
+        s = cache.stats()
+        assert (s.cpu_entries, s.gpu_entries, s.dropped, s.leaked_bytes) == (6, 0, 0, 0)
+        del want, value
+        assert await settled_bytes(rig, baseline) == baseline
+
+
+async def test_with_the_gpu_tier_off_a_failed_arena_refuses_puts(
+    rig: Rig, make_cache: CacheFactory
+) -> None:
+    baseline = rig.allocated_bytes()
+    with arena_on_demand(rig) as pending:
+        cache = make_cache(gpu_mb=0, cpu_mb=4)
+        await cache.start()
+        waiting = asyncio.ensure_future(cache.put_many([(k, feature(rig, 64)) for k in range(2)]))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        pending[0].set_exception(MemoryError("cannot pin"))
+        assert await asyncio.wait_for(waiting, 10) is False  # given up, not waiting for ever
+        assert await cache.put("later", feature(rig, 64)) is False
+        assert not await cache.wait_host_ready(0.1)
+        s = cache.stats()
+        assert (len(cache), s.rejected, s.leaked_bytes) == (0, 3, 0)
+        assert await settled_bytes(rig, baseline) == baseline
