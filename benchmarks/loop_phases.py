@@ -7,6 +7,7 @@ feature, next to the main thread's CPU time over wall time.
 
     python benchmarks/loop_phases.py --mb 1 --count 2048 --group 8
     python benchmarks/loop_phases.py --mb 0.0625 --count 16384 --group 128
+    python benchmarks/loop_phases.py --mb 0.0625 --count 16384 --group 128 --split
     python benchmarks/loop_phases.py --mb 1 --count 2048 --group 8 --untimed
 
 Steps nest (eviction includes the offloads it starts, which include the device
@@ -30,7 +31,13 @@ from prometheus_client import CollectorRegistry
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
-from _common import markdown_table, percentile, put_in_groups  # noqa: E402
+from _common import (  # noqa: E402
+    concat_batches,
+    markdown_table,
+    percentile,
+    put_in_groups,
+    put_in_splits,
+)
 
 import mmcache.cache  # noqa: E402
 import mmcache.device.cuda as cuda_device  # noqa: E402
@@ -113,12 +120,15 @@ def instrument() -> None:
     _timed(cuda_device._FenceWaiter, "submit", "device: hand fence to waiter")
 
 
-async def run(mb: float, count: int, group: int) -> tuple[dict[str, float], list[list[Any]]]:
+async def run(
+    mb: float, count: int, group: int, split: bool
+) -> tuple[dict[str, float], list[list[Any]]]:
     rows = max(1, int(mb * 2**20 / (HIDDEN * 2)))
     features: list[torch.Tensor | None] = [
         torch.full((rows, HIDDEN), float(i % 7), dtype=torch.bfloat16, device="cuda")
         for i in range(count)
     ]
+    batches = concat_batches(features, group) if split else []
     total = rows * HIDDEN * 2 * count
     settings = CacheSettings(gpu_cache_mb=total / 4 / 2**20, cpu_cache_mb=total * 1.1 / 2**20)
     async with FeatureCache(settings, "cuda", registry=CollectorRegistry()) as cache:
@@ -137,7 +147,10 @@ async def run(mb: float, count: int, group: int) -> tuple[dict[str, float], list
         offloaded_before = cache.stats().d2h_bytes
         timings.clear()
         start, cpu0 = clock(), time.thread_time()
-        put_s = await put_in_groups(cache, features, group)
+        if split:
+            put_s = await put_in_splits(cache, batches, group)
+        else:
+            put_s = await put_in_groups(cache, features, group)
         await cache.drain()
         wall, cpu = clock() - start, time.thread_time() - cpu0
         stats = cache.stats()
@@ -166,6 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--mb", type=float, default=1.0, help="feature size in MiB")
     parser.add_argument("--count", type=int, default=2048)
     parser.add_argument("--group", type=int, default=1, help="features per put_many call")
+    parser.add_argument("--split", action="store_true", help="put_split batches of --group")
     parser.add_argument(
         "--untimed",
         action="store_true",
@@ -179,9 +193,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         gc.disable()  # a full collection inside a short loop is noise for a comparison
     else:
         instrument()
-    summary, table = asyncio.run(run(args.mb, args.count, args.group))
+    summary, table = asyncio.run(run(args.mb, args.count, args.group, args.split))
+    call = "put_split" if args.split else "put_many"
     print(
-        f"{args.count} x {args.mb:g} MiB, put_many of {args.group}: {summary['gbps']:.2f} GB/s "
+        f"{args.count} x {args.mb:g} MiB, {call} of {args.group}: {summary['gbps']:.2f} GB/s "
         f"offloaded, {summary['us_per_feature']:.1f} µs per feature, main thread CPU/wall "
         f"{summary['main_thread_cpu_over_wall']:.2f}"
     )

@@ -9,6 +9,7 @@ ran dry) and the latency chain that made it late.
     python benchmarks/trace_offload.py --mb 8 --count 256            # through FeatureCache
     python benchmarks/trace_offload.py --mb 8 --count 256 --depth 4  # device only, 4 in flight
     python benchmarks/trace_offload.py --mb 1 --count 2048 --group 8 # put_many of 8
+    python benchmarks/trace_offload.py --mb 0.0625 --count 16384 --group 128 --split
 
 CUDA only (the simulator has no GPU timeline).
 """
@@ -30,7 +31,7 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1])]
 
-from _common import put_in_groups, timing_event  # noqa: E402
+from _common import concat_batches, put_in_groups, put_in_splits, timing_event  # noqa: E402
 
 from mmcache import CacheSettings, FeatureCache  # noqa: E402
 from mmcache.device.base import Fence  # noqa: E402
@@ -220,6 +221,8 @@ async def through_cache(args: argparse.Namespace, device: TracingCudaDevice) -> 
         torch.full((rows, HIDDEN), float(i % 7), dtype=torch.bfloat16, device=device.name)
         for i in range(args.count)
     ]
+    # put_split takes an encoder's batch output: the batches exist before the clock runs.
+    batches = concat_batches(features, args.group) if args.split else []
     cache = FeatureCache(settings, device)
     async with cache:
         await cache.wait_host_ready(timeout=60)
@@ -237,7 +240,11 @@ async def through_cache(args: argparse.Namespace, device: TracingCudaDevice) -> 
         device.timeline = timeline
         begin = time.perf_counter()
         idle.start()
-        put_waits = [s * 1e6 for s in await put_in_groups(cache, features, args.group)]
+        if args.split:
+            calls = await put_in_splits(cache, batches, args.group)
+        else:
+            calls = await put_in_groups(cache, features, args.group)
+        put_waits = [s * 1e6 for s in calls]
         await cache.drain()
         wall = time.perf_counter() - begin
         idle.stop()
@@ -307,6 +314,7 @@ def main() -> int:
     parser.add_argument("--evict-ahead", type=float, default=0.125)
     parser.add_argument("--depth", type=int, default=0, help="device only: copies in flight")
     parser.add_argument("--group", type=int, default=1, help="through the cache: put_many size")
+    parser.add_argument("--split", action="store_true", help="put_split batches of --group")
     parser.add_argument("--switch-interval", type=float, help="sys.setswitchinterval (s)")
     parser.add_argument("--label", default="")
     args = parser.parse_args()
