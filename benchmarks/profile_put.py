@@ -14,19 +14,22 @@ import sys
 import time
 
 import torch
-from _common import put_in_groups
+from _common import concat_batches, put_in_groups, put_in_splits
 from prometheus_client import CollectorRegistry
 
 from mmcache import CacheSettings, FeatureCache
 
 
-async def run(device: str, mb: float, count: int, group: int, profile: cProfile.Profile) -> str:
+async def run(
+    device: str, mb: float, count: int, group: int, split: bool, profile: cProfile.Profile
+) -> str:
     where = "cpu" if device == "sim" else device
     rows = max(1, int(mb * 2**20 / (4096 * 2)))
     features: list[torch.Tensor | None] = [
         torch.full((rows, 4096), float(i % 7), dtype=torch.bfloat16, device=where)
         for i in range(count)
     ]
+    batches = concat_batches(features, group) if split else []
     total = rows * 4096 * 2 * count
     settings = CacheSettings(gpu_cache_mb=total / 4 / 2**20, cpu_cache_mb=total * 1.1 / 2**20)
     async with FeatureCache(settings, device, registry=CollectorRegistry()) as cache:
@@ -35,7 +38,10 @@ async def run(device: str, mb: float, count: int, group: int, profile: cProfile.
             torch.cuda.synchronize()
         start = time.perf_counter()
         profile.enable()
-        await put_in_groups(cache, features, group)
+        if split:
+            await put_in_splits(cache, batches, group)
+        else:
+            await put_in_groups(cache, features, group)
         await cache.drain()
         profile.disable()
         wall = time.perf_counter() - start
@@ -53,6 +59,7 @@ def main() -> int:
     parser.add_argument("--mb", type=float, default=1.0)
     parser.add_argument("--count", type=int, default=1024)
     parser.add_argument("--group", type=int, default=1, help="features per put_many call")
+    parser.add_argument("--split", action="store_true", help="put_split batches of --group")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--switch-interval", type=float, help="sys.setswitchinterval (s)")
     args = parser.parse_args()
@@ -62,7 +69,7 @@ def main() -> int:
         print("profile_put: no CUDA device")
         return 0
     profile = cProfile.Profile()
-    print(asyncio.run(run(args.device, args.mb, args.count, args.group, profile)))
+    print(asyncio.run(run(args.device, args.mb, args.count, args.group, args.split, profile)))
     pstats.Stats(profile).sort_stats("tottime").print_stats(args.top)
     return 0
 
