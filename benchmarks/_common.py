@@ -10,6 +10,7 @@ import math
 import statistics
 import sys
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -135,6 +136,60 @@ def sleep_cycles_per_second(stream: torch.cuda.Stream) -> float:
     stream.synchronize()
     elapsed = cuda_elapsed_s(lambda: gpu_sleep(cycles, stream), stream)
     return cycles / elapsed
+
+
+def _best_us_per_op(fn: Callable[[int], object], ops: int, repeats: int = 5) -> float:
+    """Fastest of repeats runs of fn(ops), in µs per op."""
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn(ops)
+        best = min(best, time.perf_counter() - start)
+    return best / ops * 1e6
+
+
+def _bookkeeping(ops: int) -> None:
+    index: dict[int, tuple[int, int]] = {}
+    lru: OrderedDict[int, int] = OrderedDict()
+    for i in range(ops):
+        index[i] = (i, i + 1)
+        lru[i] = i
+        if len(lru) > 1024:
+            lru.popitem(last=False)
+
+
+def host_speed(cuda: bool) -> dict[str, float]:
+    """How fast this host runs the kind of work the cache's event loop does, in µs per op.
+
+    The cache's offload rate for small features is bound by Python and driver calls on
+    one thread, so a slower host (or a busier neighbour) moves it; these figures let
+    runs on different hosts be compared. python: a dict insert, an LRU insert and
+    eviction (like the cache's per-feature bookkeeping); with CUDA, record: one
+    event.record on a side stream; copy: enqueueing one 64 KiB device-to-pinned copy.
+    """
+    speed = {"python_us": _best_us_per_op(_bookkeeping, 50_000)}
+    if not cuda:
+        return speed
+    stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    event = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+
+    def record(ops: int) -> None:
+        for _ in range(ops):
+            event.record(stream)
+        stream.synchronize()
+
+    src = torch.ones(2**16, dtype=torch.uint8, device="cuda")
+    dst = torch.empty(2**16, dtype=torch.uint8, pin_memory=True)
+
+    def copy(ops: int) -> None:
+        with torch.cuda.stream(stream):
+            for _ in range(ops):
+                dst.copy_(src, non_blocking=True)
+        stream.synchronize()
+
+    speed["record_us"] = _best_us_per_op(record, 2_000)
+    speed["copy_us"] = _best_us_per_op(copy, 1_000)
+    return speed
 
 
 @contextlib.contextmanager

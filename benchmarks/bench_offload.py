@@ -31,6 +31,7 @@ from _common import (  # noqa: E402
     copy_to_slot,
     cuda_elapsed_s,
     gbps,
+    host_speed,
     markdown_table,
     pinned_pool_bytes,
     put_in_groups,
@@ -595,6 +596,7 @@ async def run(device: str, quick: bool) -> dict[str, Any]:
         results["gpu"] = props.name
         results["torch"] = torch.__version__
         results["cuda"] = torch.version.cuda
+    results["host"] = host_speed(cuda)
     try:
         from mmcache import FeatureCache  # noqa: F401
     except ImportError as exc:
@@ -640,6 +642,11 @@ def report(results: dict[str, Any]) -> str:
     """Detail tables, then the summary table with ratios against the baselines (last)."""
     sizes: dict[str, dict[str, Any]] = results["sizes"]
     out = []
+    speed = results.get("host", {})
+    out.append(
+        "host speed, µs per op (lower is faster): "
+        + ", ".join(f"{k.removesuffix('_us')} {v:.3f}" for k, v in speed.items())
+    )
     out.append("### get latency, µs (p50 / p99)")
     rows: list[list[Any]] = []
     for name, r in sizes.items():
