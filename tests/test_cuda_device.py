@@ -105,6 +105,50 @@ async def test_fence_wakes_the_event_loop(device: CudaDevice) -> None:
     assert fence.done()
 
 
+def test_fences_behind_a_long_kernel_cost_the_host_nothing(device: CudaDevice) -> None:
+    """Recording many fences on a busy stream never blocks (blocking-sync events do, past
+    about 56 pending on one stream), and the waiter thread sleeps until they are done."""
+    idle = device.record(side_stream())  # nothing queued there: done at once
+    side = side_stream()
+    hold(side, 1.0)
+    start = time.perf_counter()
+    fences = [device.record(side) for _ in range(200)]
+    assert time.perf_counter() - start < 0.3
+    assert not fences[-1].done()
+    landed = threading.Event()
+    cpu: list[float] = []  # the waiter thread's CPU time before and after its sleep
+
+    def last() -> None:
+        cpu.append(time.thread_time())
+        landed.set()
+
+    idle.add_done_callback(lambda: cpu.append(time.thread_time()))
+    fences[-1].add_done_callback(last)
+    assert landed.wait(30)
+    assert all(f.done() and f.exception() is None for f in fences)
+    assert len(cpu) == 2 and cpu[1] - cpu[0] < 0.1  # asleep in the driver while the kernel ran
+
+
+def test_fence_sleeper_wakes_after_the_kernel(device: CudaDevice) -> None:
+    from mmcache.device.cuda_driver import CudaDriver
+
+    side = side_stream()
+    hold(side)
+    fence = device.record(side)
+    sleeper = CudaDriver.get().sleeper(0)
+    try:
+        cpu, start = time.thread_time(), time.perf_counter()
+        fence.synchronize(sleeper)
+        assert time.perf_counter() - start > HOLD_SECONDS / 2
+        assert time.thread_time() - cpu < HOLD_SECONDS / 4
+        assert fence.done() and fence.exception() is None
+    finally:
+        sleeper.close()
+    sleeper.close()  # twice is harmless
+    with pytest.raises(MMCacheError, match="closed"):
+        sleeper.sleep_until(fence.event.cuda_event)
+
+
 def test_callbacks_of_one_waiter_run_in_order(device: CudaDevice) -> None:
     side = side_stream()
     order: list[int] = []

@@ -8,13 +8,17 @@ so a race test that cannot fail would show here.
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
+from typing import Any
 
 import pytest
 import torch
-from conftest import CacheFactory, Rig
+from conftest import CacheFactory, Rig, assert_exact, feature, stall
 
 import mmcache.cache
 from mmcache import FeatureCache
+from mmcache.device import SimDevice
 
 ROWS, COLS = 64, 256  # 32 KiB in bf16
 FEATURE_MB = ROWS * COLS * 2 / 2**20
@@ -145,12 +149,9 @@ async def test_device_get_during_offload_stays_valid_after_it(
 
 async def test_producer_still_writing_when_put_and_evicted(sim_rig: Rig) -> None:
     """put reads the producer's stream at entry: the offload waits for the producer."""
-    import threading
-
     from prometheus_client import CollectorRegistry
 
     from mmcache import CacheSettings
-    from mmcache.device import SimDevice
 
     dev = sim_rig.device
     assert isinstance(dev, SimDevice)
@@ -178,3 +179,42 @@ async def test_producer_still_writing_when_put_and_evicted(sim_rig: Rig) -> None
         got = await reader
         await newcomer
     assert got is not None and torch.equal(got, want)
+
+
+async def test_many_puts_behind_a_busy_producer_never_block_the_loop(
+    rig: Rig, make_cache: CacheFactory
+) -> None:
+    """An encoder's stream runs a long kernel while the engine puts many features from it.
+
+    Every put returns without waiting for the kernel (on CUDA, a fence per put that the
+    host would block on when recorded past the driver's limit of pending blocking-sync
+    events on one stream, about 56, stalls the loop until the kernel ends); every read
+    then waits for the kernel and sees its values.
+    """
+    count = 200
+    cache = make_cache(gpu_mb=64, cpu_mb=4)
+    await cache.start()
+    wants = [feature(rig, 16, seed=i) for i in range(count)]
+    values = [w.clone() for w in wants]
+    gate = threading.Event()
+    busy_s = 1.0
+    if rig.kind == "sim":
+        dev = rig.device
+        assert isinstance(dev, SimDevice)
+        producer: Any = dev.stream("encoder")
+        dev.launch(producer, lambda: gate.wait(10))
+    else:
+        producer = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+        rig.settle()
+        stall(producer, busy_s)
+    start = time.perf_counter()
+    for i in range(count):
+        assert await cache.put(i, values[i], stream=producer)
+    took = time.perf_counter() - start
+    assert took < busy_s / 2, f"{count} puts took {took:.2f} s behind a {busy_s} s kernel"
+    gate.set()
+    del values
+    for i in (0, count // 2, count - 1):
+        assert_exact(await cache.get(i, device="cpu"), wants[i])
+    await cache.drain()
+    assert cache.stats().leaked_bytes == 0

@@ -6,6 +6,7 @@ import concurrent.futures
 import ctypes
 import itertools
 import logging
+import math
 import mmap
 import queue
 import threading
@@ -17,7 +18,7 @@ from typing import Any, Final, Literal, final
 import torch
 
 from mmcache.device.base import Device, Fence, Stream, batch_order, packed_shape
-from mmcache.device.cuda_driver import CudaDriver
+from mmcache.device.cuda_driver import CudaDriver, FenceSleeper
 from mmcache.errors import (
     CacheClosedError,
     CopyFailedError,
@@ -57,8 +58,13 @@ def _event_query(event: torch.cuda.Event) -> bool:
 
 
 def _new_event() -> torch.cuda.Event:
-    """A blocking, untimed event: a thread in synchronize() sleeps instead of spinning."""
-    return torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+    """An untimed event that costs the host nothing to record.
+
+    Not a blocking-sync one: with about 56 of those pending on one stream the next record
+    there blocks the host until the oldest completes, and a put records a fence on its
+    producer's stream, which may run a long kernel. Threads sleep through a FenceSleeper.
+    """
+    return torch.cuda.Event()  # type: ignore[no-untyped-call]
 
 
 def _new_stream(device: torch.device, priority: int) -> torch.cuda.Stream:
@@ -68,7 +74,7 @@ def _new_stream(device: torch.device, priority: int) -> torch.cuda.Stream:
 
 @final
 class CudaFence(Fence):
-    """A blocking torch.cuda.Event recorded on a stream: done once the GPU has passed it."""
+    """A torch.cuda.Event recorded on a stream: done once the GPU has passed it."""
 
     __slots__ = ("_done", "_error", "_waiter", "event", "seq", "stream")
 
@@ -110,13 +116,13 @@ class CudaFence(Fence):
             self._waiter.submit(self, fn)
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until done (sleeping in the driver) or until timeout; return done()."""
+        """Block until done (polling at up to 1 ms) or until timeout; return done()."""
         if self.done():
             return True
         if timeout is None:
             self.synchronize()
             return True
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + timeout  # inf: until done
         pause = 20e-6
         while not self.done():
             remaining = deadline - time.monotonic()
@@ -126,13 +132,18 @@ class CudaFence(Fence):
             pause = min(pause * 2, 1e-3)
         return True
 
-    def synchronize(self) -> None:
-        """Block the calling thread in cudaEventSynchronize (the GIL is released meanwhile)."""
+    def synchronize(self, sleeper: FenceSleeper | None = None) -> None:
+        """Block the calling thread until done: asleep in the driver through sleeper (the
+        GIL released), or without one polling at up to 1 ms (the event would spin a core)."""
         if self._done:
             return
         try:
-            self.event.synchronize()
-        except RuntimeError as exc:
+            if sleeper is None:
+                self.wait(math.inf)
+            elif not _event_query(self.event):
+                sleeper.sleep_until(self.event.cuda_event)
+            _event_query(self.event)  # a sticky error surfaces here
+        except (RuntimeError, MMCacheError) as exc:
             self._error = CopyFailedError(f"device work before a fence failed: {exc}")
         self._done = True
 
@@ -187,18 +198,23 @@ class _FenceWaiter:
                 _log.warning("%s: fences still pending after %.0f s at close", self._name, timeout)
 
     def _run(self) -> None:
-        # Without this the runtime would make a context current on GPU 0 for this thread.
+        # Without this the runtime would make a context current on GPU 0 for this thread;
+        # the sleeper's driver calls use the context made current here.
         torch.cuda.set_device(self._device)
-        while (job := self._queue.get()) is not None:
-            fence, fn = job
-            # Drop the job before blocking again: its closure may hold tensors or futures.
-            del job
-            fence.synchronize()
-            try:
-                fn()
-            except Exception:
-                _log.exception("%s: a fence callback raised", self._name)
-            del fence, fn
+        sleeper = CudaDriver.get().sleeper(self._device.index or 0)
+        try:
+            while (job := self._queue.get()) is not None:
+                fence, fn = job
+                # Drop the job before blocking again: its closure may hold tensors or futures.
+                del job
+                fence.synchronize(sleeper)
+                try:
+                    fn()
+                except Exception:
+                    _log.exception("%s: a fence callback raised", self._name)
+                del fence, fn
+        finally:
+            sleeper.close()
 
 
 @final

@@ -23,6 +23,8 @@ _CU_MEMHOSTALLOC_PORTABLE: Final = 0x1
 _CU_MEMHOSTREGISTER_PORTABLE: Final = 0x1
 _CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS: Final = 0x1
 _CUDA_ERROR_OUT_OF_MEMORY: Final = 2
+_CU_STREAM_NON_BLOCKING: Final = 0x1
+_CU_EVENT_SLEEPS: Final = 0x1 | 0x2  # CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING
 _MiB: Final = 1 << 20
 
 
@@ -69,6 +71,13 @@ class CudaDriver:
             "cuIpcOpenMemHandle_v2": [ptr(u64), _IpcMemHandle, uint],
             "cuIpcCloseMemHandle": [u64],
             "cuGetErrorString": [cint, ptr(ctypes.c_char_p)],
+            "cuStreamCreate": [ptr(vp), uint],
+            "cuStreamDestroy_v2": [vp],
+            "cuStreamWaitEvent": [vp, vp, uint],
+            "cuEventCreate": [ptr(vp), uint],
+            "cuEventRecord": [vp, vp],
+            "cuEventSynchronize": [vp],
+            "cuEventDestroy_v2": [vp],
         }
         for name, argtypes in signatures.items():
             func = getattr(lib, name)
@@ -114,6 +123,22 @@ class CudaDriver:
         """cuMemHostUnregister."""
         with self._current(ordinal):
             self._check(self._lib.cuMemHostUnregister(pointer), "cuMemHostUnregister")
+
+    # --- sleeping until an event -------------------------------------------------------
+
+    def sleeper(self, ordinal: int) -> FenceSleeper:
+        """A FenceSleeper on GPU ordinal (a stream and a blocking-sync event of its own)."""
+        stream, event = ctypes.c_void_p(), ctypes.c_void_p()
+        with self._current(ordinal):
+            self._check(
+                self._lib.cuStreamCreate(ctypes.byref(stream), _CU_STREAM_NON_BLOCKING),
+                "cuStreamCreate",
+            )
+            code = self._lib.cuEventCreate(ctypes.byref(event), _CU_EVENT_SLEEPS)
+            if code != 0:
+                self._lib.cuStreamDestroy_v2(stream)
+                self._check(code, "cuEventCreate")
+        return FenceSleeper(self, ordinal, stream, event)
 
     # --- device memory shared across processes ----------------------------------------
 
@@ -213,3 +238,45 @@ class CudaDriver:
     def _check(self, code: int, call: str) -> None:
         if code != 0:
             raise MMCacheError(f"{call} failed: {self._error(code)}")
+
+
+class FenceSleeper:
+    """Puts one thread to sleep until an event completes, without spinning a core.
+
+    The events of fences are not blocking-sync events: with about 56 of those pending on
+    one stream, the next record on it blocks the host until the oldest completes
+    (BENCHMARKS.md), and a put records one on its producer's stream, which an encoder
+    may keep busy for tens of ms. Instead the sleeping thread queues a wait for the
+    fence's event on a stream of its own and sleeps on its one blocking-sync event
+    recorded behind it: one such event per thread is ever pending. The driver calls
+    go through ctypes, which releases the GIL for each.
+    """
+
+    __slots__ = ("_driver", "_event", "_ordinal", "_stream")
+
+    def __init__(
+        self, driver: CudaDriver, ordinal: int, stream: ctypes.c_void_p, event: ctypes.c_void_p
+    ) -> None:
+        self._driver = driver
+        self._ordinal = ordinal
+        self._stream: ctypes.c_void_p | None = stream
+        self._event = event
+
+    def sleep_until(self, event: int) -> None:
+        """Block until the work before event (a CUevent, e.g. torch's cuda_event) is done."""
+        stream = self._stream
+        if stream is None:
+            raise MMCacheError("this FenceSleeper was closed")
+        lib, check = self._driver._lib, self._driver._check
+        check(lib.cuStreamWaitEvent(stream, event, 0), "cuStreamWaitEvent")
+        check(lib.cuEventRecord(self._event, stream), "cuEventRecord")
+        check(lib.cuEventSynchronize(self._event), "cuEventSynchronize")
+
+    def close(self) -> None:
+        """Destroy the stream and the event (once nothing waits on them)."""
+        stream, self._stream = self._stream, None
+        if stream is None:
+            return
+        with self._driver._current(self._ordinal):
+            self._driver._lib.cuEventDestroy_v2(self._event)
+            self._driver._lib.cuStreamDestroy_v2(stream)
