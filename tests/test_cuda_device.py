@@ -149,6 +149,26 @@ def test_fence_sleeper_wakes_after_the_kernel(device: CudaDevice) -> None:
         sleeper.sleep_until(fence.event.cuda_event)
 
 
+def test_fences_complete_without_a_sleeper(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mmcache.device.cuda_driver import CudaDriver
+
+    def no_sleeper(driver: CudaDriver, ordinal: int) -> None:
+        raise MMCacheError("cuStreamCreate failed: out of streams")
+
+    monkeypatch.setattr(CudaDriver, "sleeper", no_sleeper)
+    device = CudaDevice(0)  # its waiter threads start at the first fence, with the patch
+    try:
+        side = side_stream()
+        hold(side)
+        fence = device.record(side)
+        landed = threading.Event()
+        fence.add_done_callback(landed.set)
+        assert landed.wait(30)  # polled instead of slept on
+        assert fence.done() and fence.exception() is None
+    finally:
+        device.close()
+
+
 def test_callbacks_of_one_waiter_run_in_order(device: CudaDevice) -> None:
     side = side_stream()
     order: list[int] = []

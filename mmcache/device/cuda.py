@@ -201,7 +201,11 @@ class _FenceWaiter:
         # Without this the runtime would make a context current on GPU 0 for this thread;
         # the sleeper's driver calls use the context made current here.
         torch.cuda.set_device(self._device)
-        sleeper = CudaDriver.get().sleeper(self._device.index or 0)
+        sleeper: FenceSleeper | None = None
+        try:
+            sleeper = CudaDriver.get().sleeper(self._device.index or 0)
+        except MMCacheError as exc:  # still correct without it: fences are polled instead
+            _log.warning("%s: no fence sleeper (%s); polling fences", self._name, exc)
         try:
             while (job := self._queue.get()) is not None:
                 fence, fn = job
@@ -214,7 +218,8 @@ class _FenceWaiter:
                     _log.exception("%s: a fence callback raised", self._name)
                 del fence, fn
         finally:
-            sleeper.close()
+            if sleeper is not None:
+                sleeper.close()
 
 
 @final
