@@ -220,8 +220,11 @@ async def await_by_polling(fence: CudaFence) -> None:
 
 
 async def await_by_executor(fence: CudaFence) -> None:
-    """cudaEventSynchronize in the default thread pool."""
-    await asyncio.get_running_loop().run_in_executor(None, fence.event.synchronize)
+    """cudaEventSynchronize in the default thread pool, on a blocking-sync event recorded
+    just behind the fence (the fence's own plain event would spin the pool's thread)."""
+    sleeper = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+    sleeper.record(fence.stream)
+    await asyncio.get_running_loop().run_in_executor(None, sleeper.synchronize)
 
 
 class SignalWake:
