@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from concurrent.futures import Future
 
 import pytest
@@ -46,9 +46,13 @@ async def test_background_pinning_serves_the_gpu_tier_meanwhile() -> None:
     device.close()
 
 
-@contextlib.contextmanager
-def arena_on_demand(rig: Rig) -> Iterator[list[Future[torch.Tensor]]]:
-    """The rig's device hands out its host arena only when the test completes the future."""
+@contextlib.asynccontextmanager
+async def cache_awaiting_its_arena(
+    rig: Rig, make_cache: CacheFactory
+) -> AsyncIterator[tuple[FeatureCache, list[Future[torch.Tensor]]]]:
+    """A started cache, GPU tier off, whose host arena comes when the test completes the
+    future; the device's memory must be back where it was once the block is left."""
+    baseline = rig.allocated_bytes()
     pending: list[Future[torch.Tensor]] = []
 
     def later(nbytes: int) -> Future[torch.Tensor]:
@@ -57,19 +61,19 @@ def arena_on_demand(rig: Rig) -> Iterator[list[Future[torch.Tensor]]]:
 
     rig.device.host_arena_async = later  # type: ignore[method-assign]
     try:
-        yield pending
+        cache = make_cache(gpu_mb=0, cpu_mb=4)
+        await cache.start()
+        assert not cache.stats().host_ready
+        yield cache, pending
     finally:
         del rig.device.host_arena_async
+    assert await settled_bytes(rig, baseline) == baseline
 
 
 async def test_with_the_gpu_tier_off_puts_wait_for_the_arena(
     rig: Rig, make_cache: CacheFactory
 ) -> None:
-    baseline = rig.allocated_bytes()
-    with arena_on_demand(rig) as pending:
-        cache = make_cache(gpu_mb=0, cpu_mb=4)
-        await cache.start()
-        assert not cache.stats().host_ready
+    async with cache_awaiting_its_arena(rig, make_cache) as (cache, pending):
         assert not await cache.put("now", feature(rig, 64), wait=False)
         assert cache.stats().rejected == 1 and "now" not in cache
         want = {k: feature(rig, 64, seed=k) for k in range(6)}
@@ -91,16 +95,12 @@ async def test_with_the_gpu_tier_off_puts_wait_for_the_arena(
         s = cache.stats()
         assert (s.cpu_entries, s.gpu_entries, s.dropped, s.leaked_bytes) == (6, 0, 0, 0)
         del want, value
-        assert await settled_bytes(rig, baseline) == baseline
 
 
 async def test_with_the_gpu_tier_off_a_failed_arena_refuses_puts(
     rig: Rig, make_cache: CacheFactory
 ) -> None:
-    baseline = rig.allocated_bytes()
-    with arena_on_demand(rig) as pending:
-        cache = make_cache(gpu_mb=0, cpu_mb=4)
-        await cache.start()
+    async with cache_awaiting_its_arena(rig, make_cache) as (cache, pending):
         waiting = asyncio.ensure_future(cache.put_many([(k, feature(rig, 64)) for k in range(2)]))
         await asyncio.sleep(0.05)
         assert not waiting.done()
@@ -110,4 +110,3 @@ async def test_with_the_gpu_tier_off_a_failed_arena_refuses_puts(
         assert not await cache.wait_host_ready(0.1)
         s = cache.stats()
         assert (len(cache), s.rejected, s.leaked_bytes) == (0, 3, 0)
-        assert await settled_bytes(rig, baseline) == baseline
