@@ -137,12 +137,13 @@ class CudaFence(Fence):
         GIL released), or without one polling at up to 1 ms (the event would spin a core)."""
         if self._done:
             return
+        if sleeper is None:
+            self.wait(math.inf)  # done() records a sticky error
+            return
         try:
-            if sleeper is None:
-                self.wait(math.inf)
-            elif not _event_query(self.event):
+            if not _event_query(self.event):
                 sleeper.sleep_until(self.event.cuda_event)
-            _event_query(self.event)  # a sticky error surfaces here
+                _event_query(self.event)  # a sticky error surfaces here
         except (RuntimeError, MMCacheError) as exc:
             self._error = CopyFailedError(f"device work before a fence failed: {exc}")
         self._done = True
