@@ -1,16 +1,21 @@
 """Landed offloads: a put short of room uses them before the waiter thread reports them;
-the GPU ledger after a landing, readers still running or not."""
+the waiter watches one offload at a time; the GPU ledger after a landing, readers still
+running or not."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import pytest
 from conftest import CacheFactory, KiB, Rig, assert_exact, feature, needs_hold, put_feature
 
+from mmcache import FeatureCache
+from mmcache.device.base import Fence
 from mmcache.device.sim import SimFence
+from mmcache.entry import Entry
+from mmcache.host_pool import HostBlock
 from mmcache.waiting import FenceWatcher
 
 
@@ -42,6 +47,55 @@ async def test_a_put_uses_room_whose_offload_landed_but_was_not_reported(
     await cache.drain()
     s = cache.stats()
     assert s.leaked_bytes == 0 and s.pending_copies == 0 and s.dropped == 0
+    for i, expected in enumerate(kept):
+        assert_exact(await cache.get(i, device="cpu"), expected)
+
+
+async def test_the_waiter_watches_one_offload_at_a_time_and_still_tells_an_idle_loop(
+    rig: Rig, make_cache: CacheFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An offload per feature, started ahead of need: puts do not wait for landings.
+    cache = make_cache(gpu_mb=1, cpu_mb=4, small_copy_bytes=0, evict_ahead=0.125)
+    watching = [0, 0, 0]  # now, most at once, offloads queued
+
+    def when_done(
+        self: FeatureCache,
+        fences: Sequence[Fence],
+        callback: Callable[[], None],
+        *,
+        fresh: bool = False,
+    ) -> None:
+        if callback != self._landing_reported:
+            return watched(self, fences, callback, fresh=fresh)
+
+        def reported() -> None:
+            watching[0] -= 1
+            callback()
+
+        watching[0] += 1
+        watching[1] = max(watching[1], watching[0])
+        return watched(self, fences, reported, fresh=fresh)
+
+    def start_offloads(
+        self: FeatureCache, items: Sequence[tuple[Entry, HostBlock]], charged_gpu: bool
+    ) -> None:
+        watching[2] += len(items)
+        started(self, items, charged_gpu=charged_gpu)
+
+    watched, started = FeatureCache._when_done, FeatureCache._start_offloads
+    monkeypatch.setattr(FeatureCache, "_when_done", when_done)
+    monkeypatch.setattr(FeatureCache, "_start_offloads", start_offloads)
+    kept = []
+    with rig.hold():  # the offloads the last puts start stay queued together
+        for i in range(62):  # the GPU tier holds 64, and offloads ahead from about 56
+            kept.append(await put_feature(cache, rig, i, 16, seed=i))
+        assert watching[2] >= 4
+    rig.settle()
+    # No put follows: the watch alone must bring every landing to the loop.
+    assert cache._watcher is not None
+    await asyncio.wait_for(cache._watcher.idle(), 10)
+    assert not cache._landing and cache.stats().pending_copies == 0
+    assert watching[1] == 1, f"{watching[1]} landing watches at once"
     for i, expected in enumerate(kept):
         assert_exact(await cache.get(i, device="cpu"), expected)
 

@@ -117,10 +117,12 @@ async def test_broken_variant_source_released_before_copy_sees_poison(
 
     from mmcache import CacheSettings
 
-    def untracked(self: FeatureCache, fences: object, callback: object, **_: object) -> None:
-        callback()  # type: ignore[operator]
+    def untracked(self: FeatureCache) -> None:
+        while self._landing:  # every queued offload counts as landed at once
+            _, landed = self._landing.popitem(last=False)
+            landed()
 
-    monkeypatch.setattr(FeatureCache, "_when_done", untracked)
+    monkeypatch.setattr(FeatureCache, "_watch_landings", untracked)
     settings = CacheSettings(gpu_cache_mb=FEATURE_MB, cpu_cache_mb=1)
     async with FeatureCache(settings, sim_rig.device, registry=CollectorRegistry()) as cache:
         got, want = await _evict_under_hold_then_read(sim_rig, cache, rows)
