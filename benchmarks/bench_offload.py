@@ -3,6 +3,10 @@
 Run from the repository root (about two minutes on an H200; --quick: under a minute):
 
     python benchmarks/bench_offload.py --out bench.json [--quick] [--device cuda|sim]
+        [--cores all|fast]
+
+It first probes each core's Python speed (shared hosts have slow ones) and reports the
+cores the event loop's thread ran on; --cores fast keeps the process to the fast ones.
 """
 
 from __future__ import annotations
@@ -29,9 +33,13 @@ from _common import (  # noqa: E402
     MiB,
     concat_batches,
     copy_to_slot,
+    core_speeds,
     cuda_elapsed_s,
+    current_core,
+    describe_cores,
     gbps,
     host_speed,
+    keep_to_fast_cores,
     markdown_table,
     pinned_pool_bytes,
     put_in_groups,
@@ -585,12 +593,13 @@ async def matmul_interference(
 # --- driver -------------------------------------------------------------------------------------
 
 
-async def run(device: str, quick: bool) -> dict[str, Any]:
+async def run(device: str, quick: bool, cores: dict[str, Any]) -> dict[str, Any]:
     """Every column for every feature size."""
     cuda = device != "sim"
     total = (256 if quick else 1024) * MiB if cuda else 32 * MiB
     torch_device = torch.device("cuda") if cuda else torch.device("cpu")
-    results: dict[str, Any] = {"device": device, "quick": quick, "sizes": {}}
+    results: dict[str, Any] = {"device": device, "quick": quick, "sizes": {}, "cores": cores}
+    ran_on = {current_core()}
     if cuda:
         props = torch.cuda.get_device_properties(torch_device)
         results["gpu"] = props.name
@@ -613,7 +622,9 @@ async def run(device: str, quick: bool) -> dict[str, Any]:
             row["sync_cpu"] = await sync_cpu(w)
             row["nonblocking"] = await nonblocking_pinned(w)
         if mmcache_error is None:
+            ran_on.add(current_core())
             row["mmcache"] = await mmcache_column(w, device, quick)
+            ran_on.add(current_core())
         else:
             row["mmcache"] = {"error": mmcache_error}
         results["sizes"][name] = row
@@ -621,6 +632,7 @@ async def run(device: str, quick: bool) -> dict[str, Any]:
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
+    cores["loop_ran_on"] = sorted(ran_on)
     return results
 
 
@@ -647,6 +659,19 @@ def report(results: dict[str, Any]) -> str:
         "host speed, µs per op (lower is faster): "
         + ", ".join(f"{k.removesuffix('_us')} {v:.3f}" for k, v in speed.items())
     )
+    cores = results.get("cores", {})
+    if cores.get("speeds"):
+        speeds = {int(core): us for core, us in cores["speeds"].items()}
+        kept = cores.get("kept")
+        out.append(
+            f"cores (python probe each): {describe_cores(speeds)}; "
+            + (f"kept to cores {kept}" if kept else "not pinned")
+            + "; the event loop's thread was seen on cores "
+            + ", ".join(
+                f"{c} ({speeds[c]:.3f} µs)" if c in speeds else str(c)
+                for c in cores.get("loop_ran_on", [])
+            )
+        )
     out.append("### get latency, µs (p50 / p99)")
     rows: list[list[Any]] = []
     for name, r in sizes.items():
@@ -816,14 +841,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="cuda",
         help="sim: only the mmcache column, on the CPU simulator (exercises the script)",
     )
+    parser.add_argument(
+        "--cores",
+        choices=("all", "fast"),
+        default="all",
+        help="fast: keep every thread to the cores whose Python probe ran within 25%% of "
+        "the fastest (as a serving process pinned to cores of its own)",
+    )
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: bench_offload compares GPU offload paths; nothing to do")
         print("(use --device sim to run the mmcache column on the simulator)")
         write_json(args.out, {"skipped": "no CUDA device"})
         return 0
+    speeds = core_speeds()
+    cores: dict[str, Any] = {"speeds": speeds, "kept": None}
+    if args.cores == "fast":
+        cores["kept"] = keep_to_fast_cores(speeds)
     start = time.perf_counter()
-    results = asyncio.run(run(args.device, args.quick))
+    results = asyncio.run(run(args.device, args.quick, cores))
     results["elapsed_s"] = time.perf_counter() - start
     print(report(results))
     print(f"\nbench took {results['elapsed_s']:.1f} s", file=sys.stderr)
