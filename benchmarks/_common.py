@@ -211,18 +211,6 @@ def core_speeds() -> dict[int, float]:
     return speeds
 
 
-def keep_to_fast_cores(speeds: dict[int, float], slack: float = 1.25) -> list[int]:
-    """Restrict every thread of this process (and those it starts) to the cores whose
-    probe ran within slack of the fastest; return them. As a deployment would pin a
-    serving process to cores of its own."""
-    best = min(speeds.values())
-    fast = sorted(core for core, us in speeds.items() if us <= best * slack)
-    for tid in os.listdir("/proc/self/task"):
-        with contextlib.suppress(OSError):  # a thread that has just ended
-            os.sched_setaffinity(int(tid), fast)
-    return fast
-
-
 def current_core() -> int:
     """The core the calling thread last ran on (Linux), or -1 where unknown."""
     try:

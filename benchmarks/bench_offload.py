@@ -3,10 +3,10 @@
 Run from the repository root (about two minutes on an H200; --quick: under a minute):
 
     python benchmarks/bench_offload.py --out bench.json [--quick] [--device cuda|sim]
-        [--cores all|fast]
 
-It first probes each core's Python speed (shared hosts have slow ones) and reports the
-cores the event loop's thread ran on; --cores fast keeps the process to the fast ones.
+It first probes each core's Python speed (on shared hosts some cores run far slower,
+and which ones changes from minute to minute) and reports the cores the event loop's
+thread ran on.
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ from _common import (  # noqa: E402
     describe_cores,
     gbps,
     host_speed,
-    keep_to_fast_cores,
     markdown_table,
     pinned_pool_bytes,
     put_in_groups,
@@ -662,11 +661,9 @@ def report(results: dict[str, Any]) -> str:
     cores = results.get("cores", {})
     if cores.get("speeds"):
         speeds = {int(core): us for core, us in cores["speeds"].items()}
-        kept = cores.get("kept")
         out.append(
             f"cores (python probe each): {describe_cores(speeds)}; "
-            + (f"kept to cores {kept}" if kept else "not pinned")
-            + "; the event loop's thread was seen on cores "
+            + "the event loop's thread was seen on cores "
             + ", ".join(
                 f"{c} ({speeds[c]:.3f} µs)" if c in speeds else str(c)
                 for c in cores.get("loop_ran_on", [])
@@ -841,23 +838,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="cuda",
         help="sim: only the mmcache column, on the CPU simulator (exercises the script)",
     )
-    parser.add_argument(
-        "--cores",
-        choices=("all", "fast"),
-        default="all",
-        help="fast: keep every thread to the cores whose Python probe ran within 25%% of "
-        "the fastest (as a serving process pinned to cores of its own)",
-    )
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: bench_offload compares GPU offload paths; nothing to do")
         print("(use --device sim to run the mmcache column on the simulator)")
         write_json(args.out, {"skipped": "no CUDA device"})
         return 0
-    speeds = core_speeds()
-    cores: dict[str, Any] = {"speeds": speeds, "kept": None}
-    if args.cores == "fast":
-        cores["kept"] = keep_to_fast_cores(speeds)
+    cores: dict[str, Any] = {"speeds": core_speeds()}
     start = time.perf_counter()
     results = asyncio.run(run(args.device, args.quick, cores))
     results["elapsed_s"] = time.perf_counter() - start

@@ -27,8 +27,6 @@ fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   timeout 150 python3 benchmarks/gpu_probe.py $quick --out "$out/probe.json" 2>&1 | tee "$out/probe.log" | tail -40
   timeout 200 python3 benchmarks/bench_offload.py $quick --out "$out/offload.json" 2>&1 | tee "$out/offload.log" | tail -40
-  # The same on the host's fast cores only (shared hosts have slow ones; see BENCHMARKS.md).
-  timeout 200 python3 benchmarks/bench_offload.py $quick --cores fast --out "$out/offload-fast.json" 2>&1 | tee "$out/offload-fast.log" | tail -12
   timeout 60 python3 benchmarks/bench_ops.py --device cuda --out "$out/ops.json" 2>&1 | tee "$out/ops.log" | tail -12
 fi
 if [ "$what" = profile ]; then
