@@ -24,6 +24,7 @@ RUNS: dict[str, list[str]] = {
     "pipeline_model.py": ["--quick", "--repeats", "1"],
     "profile_put.py": ["--device", "sim", "--mb", "0.01", "--count", "200", "--top", "3"],
     "trace_offload.py": [],  # CUDA only: says so and exits 0
+    "waiter_gil_probe.py": [],  # CUDA only: says so and exits 0
 }
 
 
