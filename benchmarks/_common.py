@@ -197,7 +197,7 @@ def core_speeds() -> dict[int, float]:
     """µs per op of the Python bookkeeping probe on each core this process may use.
 
     On shared hosts some cores give far less than others (on one H200 host five of
-    sixteen ran it 1.4-2.4x slower than the rest), and the cache's event loop is one
+    sixteen ran it 1.5-2.5x slower than the rest), and the cache's event loop is one
     Python thread: which core it lands on moves the small-feature rates between runs.
     """
     allowed = os.sched_getaffinity(0)
