@@ -56,11 +56,11 @@ CONFIGS = (
 class EngineFence(Fence):
     """Done once the model engine has finished the copy; callbacks come from a thread."""
 
-    __slots__ = ("_at", "_waiter")
+    __slots__ = ("_at", "_waiters")
 
-    def __init__(self, at: float, waiter: _Waiter) -> None:
+    def __init__(self, at: float, waiters: tuple[_Waiter, _Waiter]) -> None:
         self._at = at  # time.perf_counter() at which the copy is done
-        self._waiter = waiter
+        self._waiters = waiters  # (in order, own thread), as CUDA's
 
     def done(self) -> bool:
         return time.perf_counter() >= self._at
@@ -68,11 +68,11 @@ class EngineFence(Fence):
     def exception(self) -> BaseException | None:
         return None
 
-    def add_done_callback(self, fn: Callable[[], None]) -> None:
+    def add_done_callback(self, fn: Callable[[], None], *, own_thread: bool = False) -> None:
         if self.done():
             fn()
         else:
-            self._waiter.jobs.put((self._at, fn))
+            self._waiters[own_thread].jobs.put((self._at, fn))
 
     def wait(self, timeout: float | None = None) -> bool:
         left = self._at - time.perf_counter()
@@ -112,13 +112,13 @@ class ModelDevice(SimDevice):
         super().__init__()
         self._bytes_per_s = gbps * 1e9
         self._engine_free_at = 0.0
-        self._waiter = _Waiter()
+        self._waiters = (_Waiter(), _Waiter())
         self._released: list[torch.Tensor] = []
 
     def _engine(self, nbytes: int) -> EngineFence:
         start = max(self._engine_free_at, time.perf_counter())
         self._engine_free_at = start + nbytes / self._bytes_per_s
-        return EngineFence(self._engine_free_at, self._waiter)
+        return EngineFence(self._engine_free_at, self._waiters)
 
     def copy_d2h_batch(
         self,
@@ -148,7 +148,8 @@ class ModelDevice(SimDevice):
         return self.completed_fence()
 
     def close(self) -> None:
-        self._waiter.close()
+        for waiter in self._waiters:
+            waiter.close()
         self._released.clear()
         super().close()
 

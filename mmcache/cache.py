@@ -1288,15 +1288,18 @@ class FeatureCache:
             return
         self._landing_watched = True
         oldest = next(iter(self._landing))
-        # Fresh: the oldest was queued just now, or was just seen still copying.
-        self._when_done([oldest.fence], self._landing_reported, fresh=True)
+        # Fresh: the oldest was queued just now, or was just seen still copying. On a
+        # thread of its own: armed after later copies' waits, it must not queue behind them.
+        self._when_done([oldest.fence], self._landing_reported, fresh=True, own_thread=True)
 
     def _landing_reported(self) -> None:
         # Still marked watched while reaping: offloads the landings start need no watch
         # of their own until the reap has found the oldest one still copying.
-        self._reap_landed()
-        self._landing_watched = False
-        self._watch_landings()
+        try:
+            self._reap_landed()
+        finally:  # a landing that raised must not leave the rest unwatched
+            self._landing_watched = False
+            self._watch_landings()
 
     def _offloads_done(
         self, batch: list[Entry], failed: BaseException | None, charged_gpu: bool
@@ -1712,10 +1715,15 @@ class FeatureCache:
         return await wait_fences(fences, self._copy_timeout)
 
     def _when_done(
-        self, fences: Sequence[Fence], callback: Callable[[], None], *, fresh: bool = False
+        self,
+        fences: Sequence[Fence],
+        callback: Callable[[], None],
+        *,
+        fresh: bool = False,
+        own_thread: bool = False,
     ) -> None:
         assert self._watcher is not None
-        self._watcher.when_done(fences, callback, fresh=fresh)
+        self._watcher.when_done(fences, callback, fresh=fresh, own_thread=own_thread)
 
     def _copy_started(self, direction: str, count: int = 1) -> None:
         self._pending[direction] += count

@@ -185,6 +185,20 @@ def test_callbacks_of_one_waiter_run_in_order(device: CudaDevice) -> None:
     assert order == [0, 1, 2, 3, 4]
 
 
+def test_an_own_thread_callback_does_not_wait_behind_a_later_fence(device: CudaDevice) -> None:
+    side = side_stream()
+    early, early_too = device.record(side), device.record(side)  # nothing ahead of them
+    hold(side, 1.0)
+    late = device.record(side)
+    late.add_done_callback(lambda: None)  # the waiter of side's fences sleeps on it
+    behind, alone = threading.Event(), threading.Event()
+    early.add_done_callback(behind.set)  # queued after the late fence's wait
+    early_too.add_done_callback(alone.set, own_thread=True)
+    assert alone.wait(0.5) and not late.done()
+    assert not behind.is_set()  # FIFO: the waiter is still asleep on the late fence
+    assert behind.wait(30)
+
+
 # --- copies ------------------------------------------------------------------------------
 
 

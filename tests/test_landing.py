@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import pytest
 from conftest import CacheFactory, KiB, Rig, assert_exact, feature, needs_hold, put_feature
@@ -64,9 +65,11 @@ async def test_the_waiter_watches_one_offload_at_a_time_and_still_tells_an_idle_
         callback: Callable[[], None],
         *,
         fresh: bool = False,
+        own_thread: bool = False,
     ) -> None:
         if callback != self._landing_reported:
-            return watched(self, fences, callback, fresh=fresh)
+            return watched(self, fences, callback, fresh=fresh, own_thread=own_thread)
+        assert own_thread, "the landing watch must not queue behind other waits"
 
         def reported() -> None:
             watching[0] -= 1
@@ -74,7 +77,7 @@ async def test_the_waiter_watches_one_offload_at_a_time_and_still_tells_an_idle_
 
         watching[0] += 1
         watching[1] = max(watching[1], watching[0])
-        return watched(self, fences, reported, fresh=fresh)
+        return watched(self, fences, reported, fresh=True, own_thread=True)
 
     def start_offloads(
         self: FeatureCache, items: Sequence[tuple[Entry, HostBlock]], charged_gpu: bool
@@ -98,6 +101,32 @@ async def test_the_waiter_watches_one_offload_at_a_time_and_still_tells_an_idle_
     assert watching[1] == 1, f"{watching[1]} landing watches at once"
     for i, expected in enumerate(kept):
         assert_exact(await cache.get(i, device="cpu"), expected)
+
+
+async def test_a_landing_that_raises_leaves_later_landings_watched(
+    sim_rig: Rig, make_cache: CacheFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = make_cache(gpu_mb=0.25, cpu_mb=4, small_copy_bytes=0)  # 16 features of 16 KiB
+    kept = [await put_feature(cache, sim_rig, i, 16, seed=i) for i in range(16)]
+    handled = FeatureCache._offloads_done
+    failures = [1]
+
+    def fails_once(self: FeatureCache, *args: Any) -> None:
+        handled(self, *args)
+        if failures[0]:
+            failures[0] = 0
+            self._wake_gpu()  # the waiting put has its room, then the landing fails
+            raise RuntimeError("a landing callback failed")
+
+    monkeypatch.setattr(FeatureCache, "_offloads_done", fails_once)
+    assert await asyncio.wait_for(cache.put("a", feature(sim_rig, 16, 100)), 5)
+    assert not failures[0]
+    # An idle loop, and a put that needs the next offload's landing to be reported.
+    assert await asyncio.wait_for(cache.put("b", feature(sim_rig, 16, 101)), 5)
+    await asyncio.wait_for(cache.drain(), 5)
+    assert not cache._landing
+    for i in range(2, 16):
+        assert_exact(await cache.get(i), kept[i])
 
 
 async def test_a_landed_offload_keeps_device_bytes_charged_while_a_download_reads_them(

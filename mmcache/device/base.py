@@ -42,8 +42,13 @@ class Fence(abc.ABC):
         """The error of the work before the fence, once done; None on success."""
 
     @abc.abstractmethod
-    def add_done_callback(self, fn: Callable[[], None]) -> None:
-        """Call fn() once the fence is done, from any thread (at once if known to be done)."""
+    def add_done_callback(self, fn: Callable[[], None], *, own_thread: bool = False) -> None:
+        """Call fn() once the fence is done, from any thread (at once if known to be done).
+
+        own_thread: from a thread that waits for nothing added before (where threads wait
+        for fences in the order their callbacks came, one added late would otherwise
+        wait behind fences that complete later than this one).
+        """
 
     @abc.abstractmethod
     def wait(self, timeout: float | None = None) -> bool:
@@ -164,6 +169,8 @@ class Device(abc.ABC):
         host is a flat uint8 host tensor (the arena); the byte ranges must not overlap.
         Unlike copy_d2h, the caller keeps every source alive until the fence is done: a
         batch is many small features, and per-source allocator bookkeeping adds up.
+        Batches complete in the order queued (one copy stream): the cache handles
+        landings oldest first and has only the oldest one watched.
         """
         fences = [
             self.copy_d2h(src, host[offset : offset + src.nbytes], after)
@@ -227,7 +234,7 @@ class AllFences(Fence):
                 return exc
         return None
 
-    def add_done_callback(self, fn: Callable[[], None]) -> None:
+    def add_done_callback(self, fn: Callable[[], None], *, own_thread: bool = False) -> None:
         left = [len(self._fences)]
         if not left[0]:
             fn()
@@ -242,7 +249,7 @@ class AllFences(Fence):
                 fn()
 
         for f in self._fences:
-            f.add_done_callback(one_done)
+            f.add_done_callback(one_done, own_thread=own_thread)
 
     def wait(self, timeout: float | None = None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -262,7 +269,7 @@ class _CompletedFence(Fence):
     def exception(self) -> BaseException | None:
         return None
 
-    def add_done_callback(self, fn: Callable[[], None]) -> None:
+    def add_done_callback(self, fn: Callable[[], None], *, own_thread: bool = False) -> None:
         fn()
 
     def wait(self, timeout: float | None = None) -> bool:

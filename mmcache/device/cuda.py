@@ -76,15 +76,20 @@ def _new_stream(device: torch.device, priority: int) -> torch.cuda.Stream:
 class CudaFence(Fence):
     """A torch.cuda.Event recorded on a stream: done once the GPU has passed it."""
 
-    __slots__ = ("_done", "_error", "_waiter", "event", "seq", "stream")
+    __slots__ = ("_done", "_error", "_own_waiter", "_waiter", "event", "seq", "stream")
 
     def __init__(
-        self, event: torch.cuda.Event, stream: torch.cuda.Stream, waiter: _FenceWaiter
+        self,
+        event: torch.cuda.Event,
+        stream: torch.cuda.Stream,
+        waiter: _FenceWaiter,
+        own_waiter: _FenceWaiter,
     ) -> None:
         self.event = event
         self.stream = stream
         self.seq = next(_fence_seq)  # fences of one stream complete in this order
         self._waiter = waiter
+        self._own_waiter = own_waiter  # for callbacks that must not queue behind others
         self._done = False
         self._error: BaseException | None = None
 
@@ -104,16 +109,18 @@ class CudaFence(Fence):
         """The sticky CUDA error seen while waiting, if any (copies fail at enqueue instead)."""
         return self._error
 
-    def add_done_callback(self, fn: Callable[[], object]) -> None:
+    def add_done_callback(self, fn: Callable[[], object], *, own_thread: bool = False) -> None:
         """Call fn() at once if known done, else from the device's waiter thread once done.
 
+        A waiter sleeps on its fences in the order they came: own_thread sends fn to a
+        waiter kept for such callbacks (the cache's one landing watch, armed late).
         No query here: callers have just looked (a fresh fence is pending anyway), and
         a fence that completed meanwhile only sends fn through the waiter.
         """
         if self._done:
             fn()
         else:
-            self._waiter.submit(self, fn)
+            (self._own_waiter if own_thread else self._waiter).submit(self, fn)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until done (polling at up to 1 ms) or until timeout; return done()."""
@@ -394,6 +401,9 @@ class CudaDevice(Device):
         self._d2h_waiter = _FenceWaiter(self._device, f"mmcache-fences-d2h-{self.name}")
         self._h2d_waiter = _FenceWaiter(self._device, f"mmcache-fences-h2d-{self.name}")
         self._other_waiter = _FenceWaiter(self._device, f"mmcache-fences-{self.name}")
+        # For callbacks added late for early fences (own_thread), which FIFO waiting would
+        # hold behind waits for later ones. Its thread starts on first use.
+        self._own_waiter = _FenceWaiter(self._device, f"mmcache-fences-own-{self.name}")
         self._waiters = {
             self._d2h.cuda_stream: self._d2h_waiter,
             self._h2d.cuda_stream: self._h2d_waiter,
@@ -662,7 +672,7 @@ class CudaDevice(Device):
             self._pin_thread.join()
         self._d2h.synchronize()
         self._h2d.synchronize()
-        for waiter in (self._d2h_waiter, self._h2d_waiter, self._other_waiter):
+        for waiter in (self._d2h_waiter, self._h2d_waiter, self._other_waiter, self._own_waiter):
             waiter.close(timeout=60.0)
         # Unpinning leaves the memory valid (pageable) for views still alive; a cuMemHostAlloc
         # arena cannot be freed under them, so it is freed when its last view goes.
@@ -694,7 +704,7 @@ class CudaDevice(Device):
     def _record_on(self, stream: torch.cuda.Stream, waiter: _FenceWaiter) -> CudaFence:
         event = _new_event()
         event.record(stream)
-        return CudaFence(event, stream, waiter)
+        return CudaFence(event, stream, waiter, self._own_waiter)
 
     def _order_after(self, stream: torch.cuda.Stream, after: Sequence[Fence]) -> None:
         if len(after) > 1:
