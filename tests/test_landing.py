@@ -104,10 +104,10 @@ async def test_the_waiter_watches_one_offload_at_a_time_and_still_tells_an_idle_
 
 
 async def test_a_landing_that_raises_leaves_later_landings_watched(
-    sim_rig: Rig, make_cache: CacheFactory, monkeypatch: pytest.MonkeyPatch
+    rig: Rig, make_cache: CacheFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cache = make_cache(gpu_mb=0.25, cpu_mb=4, small_copy_bytes=0)  # 16 features of 16 KiB
-    kept = [await put_feature(cache, sim_rig, i, 16, seed=i) for i in range(16)]
+    kept = [await put_feature(cache, rig, i, 16, seed=i) for i in range(16)]
     handled = FeatureCache._offloads_done
     failures = [1]
 
@@ -119,10 +119,10 @@ async def test_a_landing_that_raises_leaves_later_landings_watched(
             raise RuntimeError("a landing callback failed")
 
     monkeypatch.setattr(FeatureCache, "_offloads_done", fails_once)
-    assert await asyncio.wait_for(cache.put("a", feature(sim_rig, 16, 100)), 5)
+    assert await asyncio.wait_for(cache.put("a", feature(rig, 16, 100)), 5)
     assert not failures[0]
     # An idle loop, and a put that needs the next offload's landing to be reported.
-    assert await asyncio.wait_for(cache.put("b", feature(sim_rig, 16, 101)), 5)
+    assert await asyncio.wait_for(cache.put("b", feature(rig, 16, 101)), 5)
     await asyncio.wait_for(cache.drain(), 5)
     assert not cache._landing
     for i in range(2, 16):
