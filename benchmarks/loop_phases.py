@@ -98,7 +98,7 @@ def _phased_copy_d2h_batch(
                 _add("device: copy_ call", clock() - t0)
                 del packed
             t0 = clock()
-            fence = self._record_on(stream, self._d2h_waiter)
+            fence = self._record_on(stream)
             _add("device: record fence", clock() - t0)
             return fence
     except RuntimeError as exc:  # as the device does: the cache drops the batch, counted
@@ -117,7 +117,7 @@ def instrument() -> None:
     _timed(cache_cls, "_reap_packed", "cache: let go of packed values")
     _timed(cache_cls, "_reap_landed", "cache: reap landings on the loop")
     _timed(mmcache.waiting.FenceWatcher, "_drain", "loop: landings from the waiter")
-    _timed(cuda_device._FenceWaiter, "submit", "device: hand fence to waiter")
+    _timed(cuda_device._FenceWaiters, "submit", "device: hand fence to waiter")
 
 
 async def run(

@@ -16,7 +16,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import queue
+import heapq
+import itertools
 import sys
 import threading
 import time
@@ -56,11 +57,11 @@ CONFIGS = (
 class EngineFence(Fence):
     """Done once the model engine has finished the copy; callbacks come from a thread."""
 
-    __slots__ = ("_at", "_waiters")
+    __slots__ = ("_at", "_waiter")
 
-    def __init__(self, at: float, waiters: tuple[_Waiter, _Waiter]) -> None:
+    def __init__(self, at: float, waiter: _Waiter) -> None:
         self._at = at  # time.perf_counter() at which the copy is done
-        self._waiters = waiters  # (in order, own thread), as CUDA's
+        self._waiter = waiter
 
     def done(self) -> bool:
         return time.perf_counter() >= self._at
@@ -68,11 +69,11 @@ class EngineFence(Fence):
     def exception(self) -> BaseException | None:
         return None
 
-    def add_done_callback(self, fn: Callable[[], None], *, own_thread: bool = False) -> None:
+    def add_done_callback(self, fn: Callable[[], None]) -> None:
         if self.done():
             fn()
         else:
-            self._waiters[own_thread].jobs.put((self._at, fn))
+            self._waiter.add(self._at, fn)
 
     def wait(self, timeout: float | None = None) -> bool:
         left = self._at - time.perf_counter()
@@ -84,22 +85,37 @@ class EngineFence(Fence):
 
 
 class _Waiter:
-    """Like CUDA's fence waiter: one thread sleeps until each copy is done, in order,
-    then runs its callbacks (which hand the landing to the loop thread-safely)."""
+    """Like CUDA's fence waiters: a thread runs each callback once its copy is done,
+    none held behind a later copy (they hand the landing to the loop thread-safely)."""
 
     def __init__(self) -> None:
-        self.jobs: queue.SimpleQueue[tuple[float, Callable[[], None]] | None] = queue.SimpleQueue()
+        self._jobs: list[tuple[float, int, Callable[[], None]]] = []  # a heap by time
+        self._order = itertools.count()
+        self._changed = threading.Condition()
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name="model-fences", daemon=True)
         self._thread.start()
 
+    def add(self, at: float, fn: Callable[[], None]) -> None:
+        with self._changed:
+            heapq.heappush(self._jobs, (at, next(self._order), fn))
+            self._changed.notify()
+
     def _run(self) -> None:
-        while (job := self.jobs.get()) is not None:
-            at, fn = job
-            time.sleep(max(0.0, at - time.perf_counter()))
+        while True:
+            with self._changed:
+                while not self._jobs or self._jobs[0][0] > time.perf_counter():
+                    if self._closed and not self._jobs:
+                        return
+                    wait = self._jobs[0][0] - time.perf_counter() if self._jobs else None
+                    self._changed.wait(wait)
+                _, _, fn = heapq.heappop(self._jobs)
             fn()
 
     def close(self) -> None:
-        self.jobs.put(None)
+        with self._changed:
+            self._closed = True
+            self._changed.notify()
         self._thread.join()
 
 
@@ -112,13 +128,13 @@ class ModelDevice(SimDevice):
         super().__init__()
         self._bytes_per_s = gbps * 1e9
         self._engine_free_at = 0.0
-        self._waiters = (_Waiter(), _Waiter())
+        self._waiter = _Waiter()
         self._released: list[torch.Tensor] = []
 
     def _engine(self, nbytes: int) -> EngineFence:
         start = max(self._engine_free_at, time.perf_counter())
         self._engine_free_at = start + nbytes / self._bytes_per_s
-        return EngineFence(self._engine_free_at, self._waiters)
+        return EngineFence(self._engine_free_at, self._waiter)
 
     def copy_d2h_batch(
         self,
@@ -148,8 +164,7 @@ class ModelDevice(SimDevice):
         return self.completed_fence()
 
     def close(self) -> None:
-        for waiter in self._waiters:
-            waiter.close()
+        self._waiter.close()
         self._released.clear()
         super().close()
 

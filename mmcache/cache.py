@@ -1288,9 +1288,9 @@ class FeatureCache:
             return
         self._landing_watched = True
         oldest = next(iter(self._landing))
-        # Fresh: the oldest was queued just now, or was just seen still copying. On a
-        # thread of its own: armed after later copies' waits, it must not queue behind them.
-        self._when_done([oldest.fence], self._landing_reported, fresh=True, own_thread=True)
+        # Fresh: the oldest was queued just now, or was just seen still copying. Armed
+        # after waits for later copies, it is not held behind them (Fence.add_done_callback).
+        self._when_done([oldest.fence], self._landing_reported, fresh=True)
 
     def _landing_reported(self) -> None:
         # Still marked watched while reaping: offloads the landings start need no watch
@@ -1720,10 +1720,9 @@ class FeatureCache:
         callback: Callable[[], None],
         *,
         fresh: bool = False,
-        own_thread: bool = False,
     ) -> None:
         assert self._watcher is not None
-        self._watcher.when_done(fences, callback, fresh=fresh, own_thread=own_thread)
+        self._watcher.when_done(fences, callback, fresh=fresh)
 
     def _copy_started(self, direction: str, count: int = 1) -> None:
         self._pending[direction] += count

@@ -103,13 +103,11 @@ class FenceWatcher:
         callback: Callable[[], None],
         *,
         fresh: bool = False,
-        own_thread: bool = False,
     ) -> None:
         """Call callback() on the loop after every fence is done (at once if they are).
 
         fresh: the fences were recorded just now, so asking whether they are done (a
         driver call each) is skipped; one that is done already is reported at once anyway.
-        own_thread: see Fence.add_done_callback.
         """
         pending = list(fences) if fresh else [f for f in fences if not f.done()]
         if not pending:
@@ -132,7 +130,7 @@ class FenceWatcher:
                     self._idle.set()
 
         for f in pending:
-            f.add_done_callback(lambda: self._completed(one_done), own_thread=own_thread)
+            f.add_done_callback(lambda: self._completed(one_done))
 
     async def idle(self) -> None:
         """Wait until no callback is outstanding."""

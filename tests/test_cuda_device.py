@@ -169,7 +169,7 @@ def test_fences_complete_without_a_sleeper(monkeypatch: pytest.MonkeyPatch) -> N
         device.close()
 
 
-def test_callbacks_of_one_waiter_run_in_order(device: CudaDevice) -> None:
+def test_callbacks_of_one_stream_run_in_order(device: CudaDevice) -> None:
     side = side_stream()
     order: list[int] = []
     fences = []
@@ -185,18 +185,29 @@ def test_callbacks_of_one_waiter_run_in_order(device: CudaDevice) -> None:
     assert order == [0, 1, 2, 3, 4]
 
 
-def test_an_own_thread_callback_does_not_wait_behind_a_later_fence(device: CudaDevice) -> None:
+def test_a_callback_added_late_does_not_wait_behind_a_later_fence(device: CudaDevice) -> None:
     side = side_stream()
-    early, early_too = device.record(side), device.record(side)  # nothing ahead of them
+    early = device.record(side)  # nothing ahead of it
     hold(side, 1.0)
     late = device.record(side)
-    late.add_done_callback(lambda: None)  # the waiter of side's fences sleeps on it
-    behind, alone = threading.Event(), threading.Event()
-    early.add_done_callback(behind.set)  # queued after the late fence's wait
-    early_too.add_done_callback(alone.set, own_thread=True)
-    assert alone.wait(0.5) and not late.done()
-    assert not behind.is_set()  # FIFO: the waiter is still asleep on the late fence
-    assert behind.wait(30)
+    late.add_done_callback(lambda: None)  # a waiter thread sleeps on it until the hold ends
+    seen = threading.Event()
+    early.add_done_callback(seen.set)  # so it goes to another thread
+    assert seen.wait(0.5) and not late.done()
+
+
+def test_out_of_order_callbacks_use_a_bounded_number_of_threads(device: CudaDevice) -> None:
+    side = side_stream()
+    early = [device.record(side) for _ in range(20)]
+    hold(side, 0.5)
+    late = device.record(side)
+    late.add_done_callback(lambda: None)
+    done = threading.Semaphore(0)
+    for fence in reversed(early):  # each added after a later one
+        fence.add_done_callback(done.release)
+    for _ in early:
+        assert done.acquire(timeout=30)
+    assert len(device._waiters._threads) <= 8
 
 
 # --- copies ------------------------------------------------------------------------------

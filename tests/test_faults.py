@@ -299,7 +299,7 @@ class _FailsWhileChecked(Fence):
     def exception(self) -> BaseException | None:
         return CopyFailedError("simulated copy failure") if self.checks > 1 else None
 
-    def add_done_callback(self, fn: Callable[[], None], *, own_thread: bool = False) -> None:
+    def add_done_callback(self, fn: Callable[[], None]) -> None:
         fn() if self.done() else None
 
     def wait(self, timeout: float | None = None) -> bool:

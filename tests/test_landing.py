@@ -65,11 +65,9 @@ async def test_the_waiter_watches_one_offload_at_a_time_and_still_tells_an_idle_
         callback: Callable[[], None],
         *,
         fresh: bool = False,
-        own_thread: bool = False,
     ) -> None:
         if callback != self._landing_reported:
-            return watched(self, fences, callback, fresh=fresh, own_thread=own_thread)
-        assert own_thread, "the landing watch must not queue behind other waits"
+            return watched(self, fences, callback, fresh=fresh)
 
         def reported() -> None:
             watching[0] -= 1
@@ -77,7 +75,7 @@ async def test_the_waiter_watches_one_offload_at_a_time_and_still_tells_an_idle_
 
         watching[0] += 1
         watching[1] = max(watching[1], watching[0])
-        return watched(self, fences, reported, fresh=True, own_thread=True)
+        return watched(self, fences, reported, fresh=fresh)
 
     def start_offloads(
         self: FeatureCache, items: Sequence[tuple[Entry, HostBlock]], charged_gpu: bool

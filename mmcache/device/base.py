@@ -42,12 +42,11 @@ class Fence(abc.ABC):
         """The error of the work before the fence, once done; None on success."""
 
     @abc.abstractmethod
-    def add_done_callback(self, fn: Callable[[], None], *, own_thread: bool = False) -> None:
+    def add_done_callback(self, fn: Callable[[], None]) -> None:
         """Call fn() once the fence is done, from any thread (at once if known to be done).
 
-        own_thread: from a thread that waits for nothing added before (where threads wait
-        for fences in the order their callbacks came, one added late would otherwise
-        wait behind fences that complete later than this one).
+        Never later than the fence's own completion requires: not held behind a fence
+        that completes after this one.
         """
 
     @abc.abstractmethod
@@ -234,7 +233,7 @@ class AllFences(Fence):
                 return exc
         return None
 
-    def add_done_callback(self, fn: Callable[[], None], *, own_thread: bool = False) -> None:
+    def add_done_callback(self, fn: Callable[[], None]) -> None:
         left = [len(self._fences)]
         if not left[0]:
             fn()
@@ -249,7 +248,7 @@ class AllFences(Fence):
                 fn()
 
         for f in self._fences:
-            f.add_done_callback(one_done, own_thread=own_thread)
+            f.add_done_callback(one_done)
 
     def wait(self, timeout: float | None = None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -269,7 +268,7 @@ class _CompletedFence(Fence):
     def exception(self) -> BaseException | None:
         return None
 
-    def add_done_callback(self, fn: Callable[[], None], *, own_thread: bool = False) -> None:
+    def add_done_callback(self, fn: Callable[[], None]) -> None:
         fn()
 
     def wait(self, timeout: float | None = None) -> bool:

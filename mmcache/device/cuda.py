@@ -76,20 +76,15 @@ def _new_stream(device: torch.device, priority: int) -> torch.cuda.Stream:
 class CudaFence(Fence):
     """A torch.cuda.Event recorded on a stream: done once the GPU has passed it."""
 
-    __slots__ = ("_done", "_error", "_own_waiter", "_waiter", "event", "seq", "stream")
+    __slots__ = ("_done", "_error", "_waiters", "event", "seq", "stream")
 
     def __init__(
-        self,
-        event: torch.cuda.Event,
-        stream: torch.cuda.Stream,
-        waiter: _FenceWaiter,
-        own_waiter: _FenceWaiter,
+        self, event: torch.cuda.Event, stream: torch.cuda.Stream, waiters: _FenceWaiters
     ) -> None:
         self.event = event
         self.stream = stream
         self.seq = next(_fence_seq)  # fences of one stream complete in this order
-        self._waiter = waiter
-        self._own_waiter = own_waiter  # for callbacks that must not queue behind others
+        self._waiters = waiters
         self._done = False
         self._error: BaseException | None = None
 
@@ -109,18 +104,16 @@ class CudaFence(Fence):
         """The sticky CUDA error seen while waiting, if any (copies fail at enqueue instead)."""
         return self._error
 
-    def add_done_callback(self, fn: Callable[[], object], *, own_thread: bool = False) -> None:
-        """Call fn() at once if known done, else from the device's waiter thread once done.
+    def add_done_callback(self, fn: Callable[[], object]) -> None:
+        """Call fn() at once if known done, else from one of the device's waiter threads.
 
-        A waiter sleeps on its fences in the order they came: own_thread sends fn to a
-        waiter kept for such callbacks (the cache's one landing watch, armed late).
         No query here: callers have just looked (a fresh fence is pending anyway), and
-        a fence that completed meanwhile only sends fn through the waiter.
+        a fence that completed meanwhile only sends fn through a waiter.
         """
         if self._done:
             fn()
         else:
-            (self._own_waiter if own_thread else self._waiter).submit(self, fn)
+            self._waiters.submit(self, fn)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until done (polling at up to 1 ms) or until timeout; return done()."""
@@ -162,48 +155,31 @@ class CudaFence(Fence):
 
 _fence_seq = itertools.count()
 
-_Job = tuple[CudaFence, Callable[[], object]]
+_Job = tuple["CudaFence", Callable[[], object], "_FenceWaiters"]
 
 
 @final
 class _FenceWaiter:
-    """One thread that sleeps on fences in FIFO order and then runs their callbacks."""
+    """One thread that sleeps on its fences in the order they came, running each callback."""
 
-    __slots__ = ("_closed", "_device", "_lock", "_name", "_queue", "_thread")
+    __slots__ = ("_device", "_name", "_queue", "_thread", "pending", "tail")
 
     def __init__(self, device: torch.device, name: str) -> None:
         self._device = device
         self._name = name
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._closed = False
+        self.tail: CudaFence | None = None  # the fence of the last job queued
+        self.pending = 0  # jobs queued and not yet run (changed under the pool's lock)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
 
-    def submit(self, fence: CudaFence, fn: Callable[[], object]) -> None:
-        """Run fn() on the waiter thread once fence is done."""
-        with self._lock:
-            if not self._closed:
-                if self._thread is None:
-                    self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-                    self._thread.start()
-                self._queue.put((fence, fn))
-                return
-        # Closed: no thread is left to wait, so honour the contract on this thread.
-        fence.synchronize()
-        fn()
+    def put(self, job: _Job | None) -> None:
+        self._queue.put(job)
 
-    def close(self, timeout: float | None = None) -> None:
-        """Run every queued callback, then stop the thread."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            thread = self._thread
-            self._queue.put(None)
-        if thread is not None:
-            thread.join(timeout)
-            if thread.is_alive():
-                _log.warning("%s: fences still pending after %.0f s at close", self._name, timeout)
+    def join(self, timeout: float | None) -> bool:
+        """Wait for the thread to end; return whether it did."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def _run(self) -> None:
         # Without this the runtime would make a context current on GPU 0 for this thread;
@@ -216,7 +192,7 @@ class _FenceWaiter:
             _log.warning("%s: no fence sleeper (%s); polling fences", self._name, exc)
         try:
             while (job := self._queue.get()) is not None:
-                fence, fn = job
+                fence, fn, pool = job
                 # Drop the job before blocking again: its closure may hold tensors or futures.
                 del job
                 fence.synchronize(sleeper)
@@ -224,10 +200,86 @@ class _FenceWaiter:
                     fn()
                 except Exception:
                     _log.exception("%s: a fence callback raised", self._name)
+                finally:
+                    pool.job_done(self)
                 del fence, fn
         finally:
             if sleeper is not None:
                 sleeper.close()
+
+
+@final
+class _FenceWaiters:
+    """Threads that sleep on fences and run their callbacks, none behind a later fence.
+
+    A thread cannot be woken before the fence it sleeps on, so a callback for an early
+    fence queued behind one for a later fence would wait for the later one (a get whose
+    offload landed, behind a download queued after it). A job therefore goes to a thread
+    whose last job is a fence of the same stream recorded no later than its own (fences
+    of one stream complete in order), else to an idle thread, else to a new one; past
+    max_threads, to the thread with the fewest jobs.
+    """
+
+    __slots__ = ("_closed", "_device", "_lock", "_max_threads", "_name", "_threads")
+
+    def __init__(self, device: torch.device, name: str, max_threads: int = 8) -> None:
+        self._device = device
+        self._name = name
+        self._max_threads = max_threads
+        self._threads: list[_FenceWaiter] = []  # started on demand
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def submit(self, fence: CudaFence, fn: Callable[[], object]) -> None:
+        """Run fn() on a waiter thread once fence is done."""
+        with self._lock:
+            if not self._closed:
+                waiter = self._pick(fence)
+                waiter.tail = fence
+                waiter.pending += 1
+                waiter.put((fence, fn, self))
+                return
+        # Closed: no thread is left to wait, so honour the contract on this thread.
+        fence.synchronize()
+        fn()
+
+    def job_done(self, waiter: _FenceWaiter) -> None:
+        with self._lock:
+            waiter.pending -= 1
+            if not waiter.pending:
+                waiter.tail = None  # an idle thread keeps no fence (nor its event) alive
+
+    def close(self, timeout: float | None = None) -> None:
+        """Run every queued callback, then stop the threads."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            threads = list(self._threads)
+            for waiter in threads:
+                waiter.put(None)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for waiter in threads:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not waiter.join(left):
+                _log.warning("%s: fences still pending after %.0f s at close", self._name, timeout)
+                return
+
+    def _pick(self, fence: CudaFence) -> _FenceWaiter:
+        idle = None
+        for waiter in self._threads:
+            tail = waiter.tail
+            if tail is None:
+                idle = idle or waiter
+            elif tail.stream.cuda_stream == fence.stream.cuda_stream and tail.seq <= fence.seq:
+                return waiter  # it completes after everything queued there
+        if idle is not None:
+            return idle
+        if len(self._threads) < self._max_threads:
+            waiter = _FenceWaiter(self._device, f"{self._name}-{len(self._threads)}")
+            self._threads.append(waiter)
+            return waiter
+        return min(self._threads, key=lambda w: w.pending)
 
 
 @final
@@ -396,18 +448,7 @@ class CudaDevice(Device):
             # the packing kernel and should yield to compute; promotions are on the get path.
             self._d2h = _new_stream(self._device, priority=0)
             self._h2d = _new_stream(self._device, priority=-1)
-        # A waiter per copy stream: fences on one stream complete in order, so FIFO waiting
-        # never holds a short promotion behind a long eviction. Other streams share one.
-        self._d2h_waiter = _FenceWaiter(self._device, f"mmcache-fences-d2h-{self.name}")
-        self._h2d_waiter = _FenceWaiter(self._device, f"mmcache-fences-h2d-{self.name}")
-        self._other_waiter = _FenceWaiter(self._device, f"mmcache-fences-{self.name}")
-        # For callbacks added late for early fences (own_thread), which FIFO waiting would
-        # hold behind waits for later ones. Its thread starts on first use.
-        self._own_waiter = _FenceWaiter(self._device, f"mmcache-fences-own-{self.name}")
-        self._waiters = {
-            self._d2h.cuda_stream: self._d2h_waiter,
-            self._h2d.cuda_stream: self._h2d_waiter,
-        }
+        self._waiters = _FenceWaiters(self._device, f"mmcache-fences-{self.name}")
         self._driver_instance: CudaDriver | None = None
         self._arena_claimed = False
         self._arena_ptr = 0
@@ -457,10 +498,7 @@ class CudaDevice(Device):
 
     def record(self, stream: Stream) -> CudaFence:
         """A fence that completes after all work queued on stream so far."""
-        cuda_stream = as_cuda_stream(stream)
-        return self._record_on(
-            cuda_stream, self._waiters.get(cuda_stream.cuda_stream, self._other_waiter)
-        )
+        return self._record_on(as_cuda_stream(stream))
 
     def wait_on(self, stream: Stream, fence: Fence) -> None:
         """Make later work on stream wait for fence (no host synchronisation)."""
@@ -567,7 +605,7 @@ class CudaDevice(Device):
                 self._copy_bytes(dst_bytes, src_bytes, host=dst_bytes)
                 # The caching allocator must not recycle src while the copy engine reads it.
                 src.record_stream(stream)
-                return self._record_on(stream, self._d2h_waiter)
+                return self._record_on(stream)
         except RuntimeError as exc:
             raise _enqueue_error("device-to-host", src_bytes.numel(), exc) from exc
 
@@ -581,7 +619,7 @@ class CudaDevice(Device):
                 self._order_after(stream, after)
                 self._copy_bytes(dst_bytes, src_bytes, host=src_bytes)
                 dst.record_stream(stream)
-                return self._record_on(stream, self._h2d_waiter)
+                return self._record_on(stream)
         except RuntimeError as exc:
             raise _enqueue_error("host-to-device", src_bytes.numel(), exc) from exc
 
@@ -656,7 +694,7 @@ class CudaDevice(Device):
                     packed = run[0] if len(run) == 1 else torch.cat(run)
                     self._copy_bytes(region, _flat_bytes(packed, "source"), host=region)
                     del packed
-                return self._record_on(stream, self._d2h_waiter)
+                return self._record_on(stream)
         except RuntimeError as exc:
             total = sum(src.nbytes for src in srcs)
             raise _enqueue_error("batched device-to-host", total, exc) from exc
@@ -672,8 +710,7 @@ class CudaDevice(Device):
             self._pin_thread.join()
         self._d2h.synchronize()
         self._h2d.synchronize()
-        for waiter in (self._d2h_waiter, self._h2d_waiter, self._other_waiter, self._own_waiter):
-            waiter.close(timeout=60.0)
+        self._waiters.close(timeout=60.0)
         # Unpinning leaves the memory valid (pageable) for views still alive; a cuMemHostAlloc
         # arena cannot be freed under them, so it is freed when its last view goes.
         if self._arena_finalizer is not None and self.arena_method == "register":
@@ -701,10 +738,10 @@ class CudaDevice(Device):
 
     # --- internals ------------------------------------------------------------
 
-    def _record_on(self, stream: torch.cuda.Stream, waiter: _FenceWaiter) -> CudaFence:
+    def _record_on(self, stream: torch.cuda.Stream) -> CudaFence:
         event = _new_event()
         event.record(stream)
-        return CudaFence(event, stream, waiter, self._own_waiter)
+        return CudaFence(event, stream, self._waiters)
 
     def _order_after(self, stream: torch.cuda.Stream, after: Sequence[Fence]) -> None:
         if len(after) > 1:

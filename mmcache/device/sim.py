@@ -48,8 +48,7 @@ class SimFence(Fence):
     def exception(self) -> BaseException | None:
         return self._exc
 
-    def add_done_callback(self, fn: Callable[[], None], *, own_thread: bool = False) -> None:
-        # Callbacks run as their copies complete, never queued behind one another.
+    def add_done_callback(self, fn: Callable[[], None]) -> None:
         with self._lock:
             if not self._done:
                 self._callbacks.append(fn)
