@@ -45,8 +45,9 @@ class Fence(abc.ABC):
     def add_done_callback(self, fn: Callable[[], None]) -> None:
         """Call fn() once the fence is done, from any thread (at once if known to be done).
 
-        Never later than the fence's own completion requires: not held behind a fence
-        that completes after this one.
+        A device that waits for fences in threads should not hold fn behind a fence that
+        completes after this one (CudaDevice: not while one of its 8 waiter threads is
+        free or already waits on this fence's stream in order).
         """
 
     @abc.abstractmethod

@@ -79,11 +79,11 @@ class CudaFence(Fence):
     __slots__ = ("_done", "_error", "_waiters", "event", "seq", "stream")
 
     def __init__(
-        self, event: torch.cuda.Event, stream: torch.cuda.Stream, waiters: _FenceWaiters
+        self, event: torch.cuda.Event, stream: torch.cuda.Stream, waiters: _FenceWaiters, seq: int
     ) -> None:
         self.event = event
         self.stream = stream
-        self.seq = next(_fence_seq)  # fences of one stream complete in this order
+        self.seq = seq  # fences of one stream complete in this order
         self._waiters = waiters
         self._done = False
         self._error: BaseException | None = None
@@ -154,6 +154,7 @@ class CudaFence(Fence):
 
 
 _fence_seq = itertools.count()
+_record_lock = threading.Lock()
 
 _Job = tuple["CudaFence", Callable[[], object], "_FenceWaiters"]
 
@@ -162,14 +163,17 @@ _Job = tuple["CudaFence", Callable[[], object], "_FenceWaiters"]
 class _FenceWaiter:
     """One thread that sleeps on its fences in the order they came, running each callback."""
 
-    __slots__ = ("_device", "_name", "_queue", "_thread", "pending", "tail")
+    __slots__ = ("_device", "_name", "_queue", "_thread", "mixed", "pending", "tail")
 
     def __init__(self, device: torch.device, name: str) -> None:
         self._device = device
         self._name = name
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self.tail: CudaFence | None = None  # the fence of the last job queued
-        self.pending = 0  # jobs queued and not yet run (changed under the pool's lock)
+        # Changed under the pool's lock: the fence of the last job queued, the jobs queued
+        # and not yet run, and whether a job was queued out of stream order (a fallback).
+        self.tail: CudaFence | None = None
+        self.pending = 0
+        self.mixed = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -184,13 +188,14 @@ class _FenceWaiter:
     def _run(self) -> None:
         # Without this the runtime would make a context current on GPU 0 for this thread;
         # the sleeper's driver calls use the context made current here.
-        torch.cuda.set_device(self._device)
         sleeper: FenceSleeper | None = None
         try:
+            torch.cuda.set_device(self._device)
             sleeper = CudaDriver.get().sleeper(self._device.index or 0)
-        except MMCacheError as exc:  # still correct without it: fences are polled instead
+        except Exception as exc:  # still correct without it: fences are polled instead
             _log.warning("%s: no fence sleeper (%s); polling fences", self._name, exc)
         try:
+            # The thread must outlive any callback: the pool keeps sending it jobs.
             while (job := self._queue.get()) is not None:
                 fence, fn, pool = job
                 # Drop the job before blocking again: its closure may hold tensors or futures.
@@ -198,7 +203,7 @@ class _FenceWaiter:
                 fence.synchronize(sleeper)
                 try:
                     fn()
-                except Exception:
+                except BaseException:
                     _log.exception("%s: a fence callback raised", self._name)
                 finally:
                     pool.job_done(self)
@@ -215,9 +220,11 @@ class _FenceWaiters:
     A thread cannot be woken before the fence it sleeps on, so a callback for an early
     fence queued behind one for a later fence would wait for the later one (a get whose
     offload landed, behind a download queued after it). A job therefore goes to a thread
-    whose last job is a fence of the same stream recorded no later than its own (fences
-    of one stream complete in order), else to an idle thread, else to a new one; past
-    max_threads, to the thread with the fewest jobs.
+    whose jobs are all of its fence's stream, the last recorded no later than its own
+    (fences of one stream complete in order), else to an idle thread, else to a new one.
+    Only with max_threads busy does a job go behind later fences: to a thread waiting on
+    its stream, else to the one with the fewest jobs (marked mixed: no job chains onto
+    it until it is idle).
     """
 
     __slots__ = ("_closed", "_device", "_lock", "_max_threads", "_name", "_threads")
@@ -248,6 +255,7 @@ class _FenceWaiters:
             waiter.pending -= 1
             if not waiter.pending:
                 waiter.tail = None  # an idle thread keeps no fence (nor its event) alive
+                waiter.mixed = False
 
     def close(self, timeout: float | None = None) -> None:
         """Run every queued callback, then stop the threads."""
@@ -262,16 +270,17 @@ class _FenceWaiters:
         for waiter in threads:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             if not waiter.join(left):
-                _log.warning("%s: fences still pending after %.0f s at close", self._name, timeout)
+                _log.warning("%s: fences still pending after %g s at close", self._name, timeout)
                 return
 
     def _pick(self, fence: CudaFence) -> _FenceWaiter:
         idle = None
+        stream = fence.stream.cuda_stream
         for waiter in self._threads:
             tail = waiter.tail
             if tail is None:
                 idle = idle or waiter
-            elif tail.stream.cuda_stream == fence.stream.cuda_stream and tail.seq <= fence.seq:
+            elif not waiter.mixed and tail.stream.cuda_stream == stream and tail.seq <= fence.seq:
                 return waiter  # it completes after everything queued there
         if idle is not None:
             return idle
@@ -279,7 +288,14 @@ class _FenceWaiters:
             waiter = _FenceWaiter(self._device, f"{self._name}-{len(self._threads)}")
             self._threads.append(waiter)
             return waiter
-        return min(self._threads, key=lambda w: w.pending)
+        # All busy: behind this stream's own later fences if a thread has them (fences of
+        # one stream come soon after one another), else behind the shortest queue.
+        waiter = min(
+            self._threads,
+            key=lambda w: (w.tail is None or w.tail.stream.cuda_stream != stream, w.pending),
+        )
+        waiter.mixed = True
+        return waiter
 
 
 @final
@@ -740,8 +756,12 @@ class CudaDevice(Device):
 
     def _record_on(self, stream: torch.cuda.Stream) -> CudaFence:
         event = _new_event()
-        event.record(stream)
-        return CudaFence(event, stream, self._waiters)
+        # The order number is taken with the record: threads recording on one stream
+        # between the two would otherwise get numbers out of the stream's order.
+        with _record_lock:
+            event.record(stream)
+            seq = next(_fence_seq)
+        return CudaFence(event, stream, self._waiters, seq)
 
     def _order_after(self, stream: torch.cuda.Stream, after: Sequence[Fence]) -> None:
         if len(after) > 1:
