@@ -186,10 +186,10 @@ class _FenceWaiter:
         return not self._thread.is_alive()
 
     def _run(self) -> None:
-        # Without this the runtime would make a context current on GPU 0 for this thread;
-        # the sleeper's driver calls use the context made current here.
         sleeper: FenceSleeper | None = None
         try:
+            # Without this the runtime would make a context current on GPU 0 for this
+            # thread; the sleeper's driver calls use the context made current here.
             torch.cuda.set_device(self._device)
             sleeper = CudaDriver.get().sleeper(self._device.index or 0)
         except Exception as exc:  # still correct without it: fences are polled instead
