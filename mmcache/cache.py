@@ -1715,11 +1715,7 @@ class FeatureCache:
         return await wait_fences(fences, self._copy_timeout)
 
     def _when_done(
-        self,
-        fences: Sequence[Fence],
-        callback: Callable[[], None],
-        *,
-        fresh: bool = False,
+        self, fences: Sequence[Fence], callback: Callable[[], None], *, fresh: bool = False
     ) -> None:
         assert self._watcher is not None
         self._watcher.when_done(fences, callback, fresh=fresh)

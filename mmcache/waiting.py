@@ -98,11 +98,7 @@ class FenceWatcher:
         self._drain_scheduled = False
 
     def when_done(
-        self,
-        fences: Sequence[Fence],
-        callback: Callable[[], None],
-        *,
-        fresh: bool = False,
+        self, fences: Sequence[Fence], callback: Callable[[], None], *, fresh: bool = False
     ) -> None:
         """Call callback() on the loop after every fence is done (at once if they are).
 
