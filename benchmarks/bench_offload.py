@@ -219,7 +219,8 @@ class CopyTimingCudaDevice(CudaDevice):
     """CudaDevice that brackets each device-to-host DMA copy with timing events.
 
     Only while marks is a list; the gather kernel that packs a batch stays outside the
-    brackets, a host delay between the first event and the copy stays inside.
+    brackets, a host delay between the first event and the copy stays inside. A batch
+    queued by one driver call is one bracket.
     """
 
     marks: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] | None = None
@@ -235,6 +236,19 @@ class CopyTimingCudaDevice(CudaDevice):
         super()._copy_bytes(dst, src, host=host)
         end.record(stream)
         marks.append((src.nbytes, begin, end))
+
+    def _queue_batch(
+        self, dsts: list[int], srcs: list[int], sizes: list[int], stream: torch.cuda.Stream
+    ) -> None:
+        marks = self.marks
+        if marks is None:
+            super()._queue_batch(dsts, srcs, sizes, stream)
+            return
+        begin, end = timing_event(), timing_event()
+        begin.record(stream)
+        super()._queue_batch(dsts, srcs, sizes, stream)
+        end.record(stream)
+        marks.append((sum(sizes), begin, end))
 
 
 def cache_settings_mb(w: Workload, gpu_fraction: float) -> tuple[int, int]:

@@ -41,9 +41,9 @@ from _common import (  # noqa: E402
 
 import mmcache.cache  # noqa: E402
 import mmcache.device.cuda as cuda_device  # noqa: E402
+import mmcache.device.cuda_driver as cuda_driver  # noqa: E402
 import mmcache.waiting  # noqa: E402
 from mmcache import CacheSettings, FeatureCache  # noqa: E402
-from mmcache.device.base import Fence, batch_order  # noqa: E402
 
 HIDDEN = 4096
 clock = time.perf_counter
@@ -68,47 +68,16 @@ def _timed(owner: Any, attribute: str, label: str) -> None:
     setattr(owner, attribute, wrapper)
 
 
-def _phased_copy_d2h_batch(
-    self: cuda_device.CudaDevice,
-    srcs: Sequence[torch.Tensor],
-    host: torch.Tensor,
-    offsets: Sequence[int],
-    after: Sequence[Fence],
-) -> cuda_device.CudaFence:
-    """CudaDevice.copy_d2h_batch with a timer around each phase (same steps, same order)."""
-    self._check_open()
-    t0 = clock()
-    runs = self._packed_runs(batch_order(srcs, host, offsets))
-    _add("device: checks and runs", clock() - t0)
-    stream = self.d2h_stream
-    try:
-        t0 = clock()
-        with cuda_device._OnStream(stream):
-            _add("device: stream switch", clock() - t0)
-            t0 = clock()
-            self._order_after(stream, after)
-            _add("device: order after producers", clock() - t0)
-            for run, start, nbytes in runs:
-                region = host[start : start + nbytes]
-                t0 = clock()
-                packed = run[0] if len(run) == 1 else torch.cat(run)
-                _add("device: gather (torch.cat)", clock() - t0)
-                t0 = clock()
-                self._copy_bytes(region, cuda_device._flat_bytes(packed, "source"), host=region)
-                _add("device: copy_ call", clock() - t0)
-                del packed
-            t0 = clock()
-            fence = self._record_on(stream)
-            _add("device: record fence", clock() - t0)
-            return fence
-    except RuntimeError as exc:  # as the device does: the cache drops the batch, counted
-        total = sum(src.nbytes for src in srcs)
-        raise cuda_device._enqueue_error("batched device-to-host", total, exc) from exc
-
-
 def instrument() -> None:
     """Install the timers (process-wide: this script only)."""
-    cuda_device.CudaDevice.copy_d2h_batch = _phased_copy_d2h_batch  # type: ignore[method-assign]
+    device_cls = cuda_device.CudaDevice
+    _timed(device_cls, "copy_d2h_batch", "device: batched copy (all of it)")
+    _timed(device_cls, "_packed_runs", "device: checks and runs")
+    _timed(device_cls, "_order_after", "device: order after producers")
+    _timed(cuda_device, "_gather", "device: gather (torch.cat)")
+    _timed(cuda_driver.BatchCopier, "copy", "device: cuMemcpyBatchAsync call")
+    _timed(device_cls, "_copy_bytes", "device: copy_ call")
+    _timed(device_cls, "_record_on", "device: record a fence (a put's too)")
     cache_cls = mmcache.cache.FeatureCache
     _timed(cache_cls, "_evict_gpu_for", "cache: evict (offloads included)")
     _timed(cache_cls, "_start_offloads", "cache: start offloads (device included)")

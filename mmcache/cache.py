@@ -524,9 +524,17 @@ class FeatureCache:
         # (nor be offloaded for nothing). A put that then fails leaves them absent.
         self._remove_keys(keys, wake=True)
         blocks: list[HostBlock] = []
+        # Without room now, a put waits (yielding to the loop); a put that finds it, the
+        # common case, takes it without a coroutine of its own.
+        waited = True
         try:
             if to_gpu:
-                ok = await self._reserve_gpu(total, wait)
+                ok = self._take_gpu(total)
+                if ok:
+                    waited = False
+                elif wait:
+                    await self._wait_gpu(total)
+                    ok = True
             else:
                 unit_sizes = [sum(sizes[i:j]) for i, j in spans]
                 ok = await self._reserve_host_blocks(unit_sizes, wait, blocks)
@@ -537,7 +545,8 @@ class FeatureCache:
             self._give_back(owned, blocks, sources)
             self._c["rejected"] += len(keys)
             return False
-        self._remove_keys(keys, wake=False)  # other puts of these keys done while we waited
+        if waited:
+            self._remove_keys(keys, wake=False)  # other puts of these keys done meanwhile
         offloads: list[tuple[Entry, HostBlock]] = []
         compacted: list[Entry] = []
         entries = self._entries
@@ -928,7 +937,8 @@ class FeatureCache:
     def _gpu_free(self) -> int:
         return self._gpu_capacity - self._gpu_used
 
-    async def _reserve_gpu(self, nbytes: int, wait: bool) -> bool:
+    def _take_gpu(self, nbytes: int) -> bool:
+        """Reserve nbytes of the GPU tier if it has room now and no put waits before us."""
         ahead = self._evict_ahead
         if self._landing and self._gpu_free() < nbytes + ahead:
             self._reap_landed()
@@ -940,8 +950,10 @@ class FeatureCache:
             self._gpu_used += nbytes
             self._gpu_granted += nbytes
             return True
-        if not wait:
-            return False
+        return False
+
+    async def _wait_gpu(self, nbytes: int) -> None:
+        """Wait in line until nbytes of the GPU tier are granted (after _take_gpu failed)."""
         assert self._loop is not None
         waiter = _BudgetWaiter(nbytes, self._loop.create_future())
         self._gpu_waiters.append(waiter)
@@ -956,7 +968,6 @@ class FeatureCache:
                 self._gpu_waiters.remove(waiter)
             self._wake_gpu()
             raise
-        return True
 
     def _evict_gpu_for(self, needed: int) -> None:
         """Offload least recently used entries until needed bytes are free or on their way.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import gc
+import itertools
 import random
 import threading
 import time
@@ -16,7 +17,8 @@ import torch
 from conftest import stall
 
 from mmcache.device.cuda import ArenaMethod, CudaDevice, CudaFence
-from mmcache.errors import CacheClosedError, InvalidValueError, MMCacheError
+from mmcache.device.cuda_driver import BatchCopier
+from mmcache.errors import CacheClosedError, CopyFailedError, InvalidValueError, MMCacheError
 
 pytestmark = [
     pytest.mark.cuda,
@@ -292,16 +294,22 @@ def test_consumer_stream_waits_on_an_upload(device: CudaDevice) -> None:
     assert torch.equal(seen.cpu(), arena)
 
 
+@pytest.mark.parametrize("batch_copies", [True, False], ids=["driver-batch", "torch-copy"])
 def test_batch_copy_is_exact_in_any_order_and_waits_for_its_producers(
-    device: CudaDevice,
+    batch_copies: bool,
 ) -> None:
+    device = CudaDevice(0, batch_copies=batch_copies)
+    if batch_copies:
+        needs_driver_batches(device)
+    else:
+        assert device.describe()["batched_copies"] == "torch copy_"
     rng = random.Random(0)
     specs: list[tuple[tuple[int, ...], torch.dtype]] = [
         ((32, 1024), torch.bfloat16),  # 64 KiB
         ((7,), torch.int8),
         ((), torch.float32),
         ((1000, 4096), torch.bfloat16),  # 8 MB: copied on its own
-        ((128, 4096), torch.bfloat16),  # 1 MiB: gathered
+        ((128, 4096), torch.bfloat16),  # 1 MiB: gathered through torch, alone through the driver
         ((33, 3), torch.float32),
         ((32, 1024), torch.bfloat16),  # the same row shape as the first: a run of two
     ] * 6
@@ -333,6 +341,74 @@ def test_batch_copy_is_exact_in_any_order_and_waits_for_its_producers(
     assert fence.wait(30)
     for i, want in enumerate(expected):
         assert torch.equal(arena[offsets[i] : offsets[i] + want.numel()], want), specs[i]
+    device.close()
+
+
+def needs_driver_batches(device: CudaDevice) -> None:
+    """Skip unless the driver has cuMemcpyBatchAsync (CUDA 12.8 and later)."""
+    if device.describe()["batched_copies"] != "cuMemcpyBatchAsync":
+        pytest.skip("the driver has no cuMemcpyBatchAsync (before CUDA 12.8)")
+
+
+def test_offloads_into_the_arena_take_one_driver_call(
+    device: CudaDevice, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    needs_driver_batches(device)
+    calls: list[int] = []
+    real = BatchCopier.copy
+
+    def counting(
+        copier: BatchCopier, dsts: list[int], srcs: list[int], sizes: list[int], stream: int
+    ) -> None:
+        calls.append(len(sizes))
+        real(copier, dsts, srcs, sizes, stream)
+
+    monkeypatch.setattr(BatchCopier, "copy", counting)
+    srcs = [random_tensor((128, 4096), torch.bfloat16, seed=i) for i in range(8)]  # 1 MiB
+    srcs += [random_tensor((8, 4096), torch.bfloat16, seed=10 + i) for i in range(4)]  # 64 KiB
+    arena = device.host_arena(16 * MiB)
+    offsets = list(itertools.accumulate((s.nbytes for s in srcs[:-1]), initial=0))
+    assert device.copy_d2h_batch(srcs, arena, offsets, []).wait(30)
+    assert calls == [9]  # eight 1 MiB features one by one, the 64 KiB ones gathered
+    for src, offset in zip(srcs, offsets, strict=True):
+        assert torch.equal(arena[offset : offset + src.nbytes], as_bytes(src).cpu())
+    # One copy, and a host tensor outside the arena (not the cache's), go through torch.
+    assert device.copy_d2h_batch([srcs[1]], arena, [0], []).wait(30)
+    assert torch.equal(arena[: srcs[1].nbytes], as_bytes(srcs[1]).cpu())
+    outside = torch.zeros(2 * MiB, dtype=torch.uint8, pin_memory=True)
+    assert device.copy_d2h_batch(srcs[:2], outside, [0, MiB], []).wait(30)
+    assert calls == [9]
+    assert torch.equal(outside[:MiB], as_bytes(srcs[0]).cpu())
+
+
+def test_a_batch_the_driver_refuses_raises_copy_failed(device: CudaDevice) -> None:
+    needs_driver_batches(device)
+    copier = device._copier
+    assert copier is not None
+    with pytest.raises(CopyFailedError, match="cuMemcpyBatchAsync of 0 copies failed"):
+        copier.copy([], [], [], device.d2h_stream.cuda_stream)  # an empty batch is invalid
+
+
+@pytest.mark.parametrize("method", ["register", "hostalloc"])
+def test_batched_copies_across_arena_chunks_are_exact(method: ArenaMethod) -> None:
+    device = CudaDevice(0, arena_method=method, pin_chunk_bytes=4 * MiB)
+    needs_driver_batches(device)
+    arena = device.host_arena(14 * MiB)
+    arena.fill_(0xAB)
+    # 3 MiB at 2.5 MiB crosses the first boundary, 5 MiB at 6 MiB the second, and a run
+    # of small ones, gathered, the third.
+    srcs = [random_tensor((3 * MiB,), torch.uint8, seed=1)]
+    srcs += [random_tensor((5 * MiB,), torch.uint8, seed=2)]
+    srcs += [random_tensor((16, 1024), torch.float32, seed=3 + i) for i in range(4)]
+    offsets = [MiB * 5 // 2, 6 * MiB, 12 * MiB - 128 * 1024]
+    offsets += [offsets[-1] + 64 * 1024 * i for i in range(1, 4)]
+    assert device.copy_d2h_batch(srcs, arena, offsets, []).wait(30)
+    written = torch.zeros(arena.numel(), dtype=torch.bool)
+    for src, offset in zip(srcs, offsets, strict=True):
+        assert torch.equal(arena[offset : offset + src.nbytes], as_bytes(src).cpu())
+        written[offset : offset + src.nbytes] = True
+    assert bool((arena[~written] == 0xAB).all()), "bytes outside the ranges were written"
+    device.close()
 
 
 def test_release_holds_the_tensor_until_its_fences(device: CudaDevice) -> None:

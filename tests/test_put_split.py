@@ -326,13 +326,14 @@ async def test_a_compaction_that_failed_while_the_put_waited_loses_its_keys(
 ) -> None:
     sim = simulator(rig)
     cache = make_cache(gpu_mb=1, cpu_mb=1)
-    reserve = cache._reserve_gpu
+    wait_gpu = cache._wait_gpu
 
-    async def slow(nbytes: int, wait: bool) -> bool:
+    async def slow(nbytes: int) -> None:
         await asyncio.sleep(0.05)  # as if waiting for an offload to make room
-        return await reserve(nbytes, wait)
+        await wait_gpu(nbytes)
 
-    monkeypatch.setattr(cache, "_reserve_gpu", slow)
+    monkeypatch.setattr(cache, "_take_gpu", lambda nbytes: False)  # no room at once
+    monkeypatch.setattr(cache, "_wait_gpu", slow)
     wide = rig.tensor(48, 512, dtype=torch.float32, seed=9)
     sim.inject("copy_fails", 1)  # the compaction of the strided value
     if how == "put":

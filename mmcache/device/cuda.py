@@ -18,7 +18,7 @@ from typing import Any, Final, Literal, final
 import torch
 
 from mmcache.device.base import Device, Fence, Stream, batch_order, packed_shape
-from mmcache.device.cuda_driver import CudaDriver, FenceSleeper
+from mmcache.device.cuda_driver import BatchCopier, CudaDriver, FenceSleeper
 from mmcache.errors import (
     CacheClosedError,
     CopyFailedError,
@@ -29,6 +29,7 @@ from mmcache.errors import (
 
 __all__ = [
     "DEFAULT_PIN_CHUNK_BYTES",
+    "DEFAULT_BATCHED_PACK_MAX_BYTES",
     "DEFAULT_PACK_MAX_BYTES",
     "ArenaMethod",
     "CudaDevice",
@@ -44,7 +45,10 @@ ArenaMethod = Literal["register", "hostalloc"]
 
 _MiB: Final = 1 << 20
 DEFAULT_PIN_CHUNK_BYTES: Final = 256 * _MiB
-DEFAULT_PACK_MAX_BYTES: Final = 1 * _MiB
+DEFAULT_PACK_MAX_BYTES: Final = 1 * _MiB  # copies through torch: one copy_ call per run
+# Through the driver's batched copies a range costs about 1.5 µs more and no kernel: only
+# many small sources are worth gathering first (BENCHMARKS.md, "Tenth session").
+DEFAULT_BATCHED_PACK_MAX_BYTES: Final = 512 * 1024
 # A packed run of small copies needs a device staging buffer of its size: keep it modest.
 _PACK_RUN_MAX_BYTES: Final = 64 * _MiB
 _HUGE_PAGE: Final = 2 * _MiB
@@ -52,8 +56,15 @@ _MAX_STREAM_OBJECTS: Final = 4096
 _PAGE: Final = mmap.PAGESIZE
 
 
+# torch.cuda.Event's Python methods only fill in defaults and forward to these; a put
+# records a fence and the loop queries fences all the time, so they are called directly.
+_EventBase: Any = getattr(torch._C, "_CudaEventBase", None)
+
+
 def _event_query(event: torch.cuda.Event) -> bool:
     """event.query(), typed."""
+    if _EventBase is not None:
+        return bool(_EventBase.query(event))
     return bool(event.query())  # type: ignore[no-untyped-call]
 
 
@@ -64,7 +75,18 @@ def _new_event() -> torch.cuda.Event:
     there blocks the host until the oldest completes, and a put records a fence on its
     producer's stream, which may run a long kernel. Threads sleep through a FenceSleeper.
     """
+    if _EventBase is not None:
+        event: torch.cuda.Event = _EventBase.__new__(torch.cuda.Event)
+        return event
     return torch.cuda.Event()  # type: ignore[no-untyped-call]
+
+
+def _record_event(event: torch.cuda.Event, stream: torch.cuda.Stream) -> None:
+    """event.record(stream)."""
+    if _EventBase is not None:
+        _EventBase.record(event, stream)
+    else:
+        event.record(stream)
 
 
 def _new_stream(device: torch.device, priority: int) -> torch.cuda.Stream:
@@ -437,7 +459,8 @@ class CudaDevice(Device):
         background_pinning: bool = True,
         pin_chunk_bytes: int = DEFAULT_PIN_CHUNK_BYTES,
         huge_pages: bool = True,
-        pack_max_bytes: int = DEFAULT_PACK_MAX_BYTES,
+        pack_max_bytes: int | None = None,
+        batch_copies: bool = True,
     ) -> None:
         if not torch.cuda.is_available():
             raise MMCacheError(
@@ -458,6 +481,18 @@ class CudaDevice(Device):
         self.background_pinning = background_pinning
         self.pin_chunk_bytes = pin_chunk_bytes
         self.huge_pages = huge_pages
+        self._driver_instance: CudaDriver | None = None
+        # Offloads into the arena go through cuMemcpyBatchAsync where the driver has it.
+        self._copier: BatchCopier | None = None
+        if batch_copies:
+            try:
+                self._copier = self._driver().batch_copier(self.index)
+            except MMCacheError as exc:
+                _log.warning("%s: no batched copies through the driver (%s)", self.name, exc)
+        if pack_max_bytes is None:
+            pack_max_bytes = (
+                DEFAULT_PACK_MAX_BYTES if self._copier is None else DEFAULT_BATCHED_PACK_MAX_BYTES
+            )
         self.pack_max_bytes = pack_max_bytes
         with torch.cuda.device(self._device):
             # Priorities only order kernels (the copy engines ignore them): the D2H stream runs
@@ -465,7 +500,6 @@ class CudaDevice(Device):
             self._d2h = _new_stream(self._device, priority=0)
             self._h2d = _new_stream(self._device, priority=-1)
         self._waiters = _FenceWaiters(self._device, f"mmcache-fences-{self.name}")
-        self._driver_instance: CudaDriver | None = None
         self._arena_claimed = False
         self._arena_ptr = 0
         self._arena_nbytes = 0
@@ -695,19 +729,24 @@ class CudaDevice(Device):
 
         Small sources of one dtype and row shape whose ranges lie back to back in host
         memory (in any order) are gathered into one buffer by one kernel and moved by one
-        copy. The caller keeps the sources alive until the fence is done.
+        copy. Several copies into the arena are queued by one driver call where the driver
+        has batched copies; one copy goes through torch (an 8 MB feature's offload was no
+        faster through the driver). The caller keeps the sources alive until the fence is
+        done.
         """
         self._check_open()
         runs = self._packed_runs(batch_order(srcs, host, offsets))
         stream = self._d2h
         try:
+            if len(runs) > 1 and self._copier is not None and self._in_arena(host):
+                self._order_after(stream, after)
+                self._copy_runs(runs, host, stream)
+                return self._record_on(stream)
             with _OnStream(stream):
                 self._order_after(stream, after)
                 for run, start, nbytes in runs:
                     region = host[start : start + nbytes]
-                    # The gather buffer comes from the D2H stream's pool: later work on this
-                    # stream reuses it only after the copy has read it.
-                    packed = run[0] if len(run) == 1 else torch.cat(run)
+                    packed = _gather(run)
                     self._copy_bytes(region, _flat_bytes(packed, "source"), host=region)
                     del packed
                 return self._record_on(stream)
@@ -747,6 +786,7 @@ class CudaDevice(Device):
             "pin_chunk_bytes": self.pin_chunk_bytes,
             "huge_pages": self.huge_pages,
             "pack_max_bytes": self.pack_max_bytes,
+            "batched_copies": "torch copy_" if self._copier is None else "cuMemcpyBatchAsync",
         }
         if self._driver_instance is not None:
             facts["driver_cuda"] = self._driver_instance.version
@@ -759,7 +799,7 @@ class CudaDevice(Device):
         # The order number is taken with the record: threads recording on one stream
         # between the two would otherwise get numbers out of the stream's order.
         with _record_lock:
-            event.record(stream)
+            _record_event(event, stream)
             seq = next(_fence_seq)
         return CudaFence(event, stream, self._waiters, seq)
 
@@ -814,20 +854,65 @@ class CudaDevice(Device):
         """dst.copy_(src) on the current stream, split where host crosses an arena chunk."""
         if dst.numel() == 0:
             return
-        pieces = self._chunk_pieces(host)
+        pieces = self._chunk_pieces(host.data_ptr(), host.numel())
         if pieces is None:
             dst.copy_(src, non_blocking=True)
             return
         for start, stop in pieces:
             dst[start:stop].copy_(src[start:stop], non_blocking=True)
 
-    def _chunk_pieces(self, host: torch.Tensor) -> list[tuple[int, int]] | None:
-        """Byte ranges of host that each lie in one registered chunk; None if it needs no split."""
+    def _copy_runs(
+        self,
+        runs: list[tuple[list[torch.Tensor], int, int]],
+        host: torch.Tensor,
+        stream: torch.cuda.Stream,
+    ) -> None:
+        """Queue every run's copy into host (in the arena) by one driver call on stream.
+
+        The stream is made current only for gathers: the driver call names it.
+        """
+        base = host.data_ptr()
+        dsts: list[int] = []
+        srcs: list[int] = []
+        sizes: list[int] = []
+        gathered: list[torch.Tensor] = []  # referenced until the copies reading them are queued
+        for run, start, nbytes in runs:
+            if not nbytes:
+                continue
+            if len(run) == 1:
+                packed = run[0]
+            else:
+                with _OnStream(stream):
+                    packed = _gather(run)
+            gathered.append(packed)
+            src = packed.data_ptr()
+            for a, b in self._chunk_pieces(base + start, nbytes) or ((0, nbytes),):
+                dsts.append(base + start + a)
+                srcs.append(src + a)
+                sizes.append(b - a)
+        if sizes:
+            self._queue_batch(dsts, srcs, sizes, stream)
+
+    def _queue_batch(
+        self, dsts: list[int], srcs: list[int], sizes: list[int], stream: torch.cuda.Stream
+    ) -> None:
+        """The driver call of _copy_runs (device addresses to host addresses, on stream)."""
+        assert self._copier is not None
+        self._copier.copy(dsts, srcs, sizes, stream.cuda_stream)
+
+    def _in_arena(self, host: torch.Tensor) -> bool:
+        """Whether host lies in this device's pinned arena (what batched copies may target)."""
+        start = host.data_ptr() - self._arena_ptr
+        return self._arena_nbytes > 0 and 0 <= start and start + host.numel() <= self._arena_nbytes
+
+    def _chunk_pieces(self, ptr: int, nbytes: int) -> list[tuple[int, int]] | None:
+        """Byte ranges of the host range at ptr that each lie in one registered chunk, relative
+        to ptr; None if it needs no split."""
         chunk = self._arena_split_chunk
         if chunk == 0:
             return None
-        start = host.data_ptr() - self._arena_ptr
-        stop = start + host.numel()
+        start = ptr - self._arena_ptr
+        stop = start + nbytes
         if start < 0 or stop > self._arena_nbytes:
             return None
         first, last = start // chunk, (stop - 1) // chunk
@@ -931,6 +1016,15 @@ class CudaDevice(Device):
         self._arena_ptr, self._arena_nbytes = ptr, nbytes
         self._arena_split_chunk = chunk if nbytes > chunk else 0
         return arena
+
+
+def _gather(run: list[torch.Tensor]) -> torch.Tensor:
+    """A run's sources back to back in one tensor (the one source itself if alone).
+
+    The gather buffer comes from the current (D2H) stream's pool: later work on this stream
+    reuses it only after the copy queued next has read it.
+    """
+    return run[0] if len(run) == 1 else torch.cat(run)
 
 
 def _pending_event(fence: Fence) -> torch.cuda.Event | None:
