@@ -15,7 +15,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 from conftest import stall
+from prometheus_client import CollectorRegistry
 
+from mmcache import CacheSettings, FeatureCache
 from mmcache.device.cuda import ArenaMethod, CudaDevice, CudaFence
 from mmcache.device.cuda_driver import BatchCopier
 from mmcache.errors import CacheClosedError, CopyFailedError, InvalidValueError, MMCacheError
@@ -387,6 +389,41 @@ def test_a_batch_the_driver_refuses_raises_copy_failed(device: CudaDevice) -> No
     assert copier is not None
     with pytest.raises(CopyFailedError, match="cuMemcpyBatchAsync of 0 copies failed"):
         copier.copy([], [], [], device.d2h_stream.cuda_stream)  # an empty batch is invalid
+
+
+async def test_an_offload_batch_the_driver_refuses_is_dropped_and_leaks_nothing(
+    device: CudaDevice, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    needs_driver_batches(device)
+    real = BatchCopier.copy
+    refused: list[int] = []
+
+    def refuse_once(
+        copier: BatchCopier, dsts: list[int], srcs: list[int], sizes: list[int], stream: int
+    ) -> None:
+        if not refused:
+            refused.append(len(sizes))
+            raise CopyFailedError("cuMemcpyBatchAsync of 4 copies failed: refused for the test")
+        real(copier, dsts, srcs, sizes, stream)
+
+    monkeypatch.setattr(BatchCopier, "copy", refuse_once)
+    # Offloading half the tier ahead: batches of several 1 MiB features, one copy each.
+    settings = CacheSettings(gpu_cache_mb=16, cpu_cache_mb=64, evict_ahead=0.5)
+    features = {i: random_tensor((128, 4096), torch.bfloat16, seed=i) for i in range(40)}
+    expected = {i: t.cpu() for i, t in features.items()}
+    async with FeatureCache(settings, device, registry=CollectorRegistry()) as cache:
+        await cache.wait_host_ready(timeout=30)
+        for i in range(40):
+            assert await cache.put(i, features.pop(i))
+        await cache.drain()
+        s = cache.stats()
+        assert refused and refused[0] > 1, "no batch of several offloads was queued"
+        assert s.copy_failures == 1 and s.dropped == refused[0]
+        assert s.leaked_bytes == 0
+        for i, want in expected.items():  # each is exact or gone
+            got = await cache.get(i, device="cpu")
+            assert got is None or torch.equal(got, want), i
+        assert sum(i in cache for i in expected) == 40 - refused[0]
 
 
 @pytest.mark.parametrize("method", ["register", "hostalloc"])
