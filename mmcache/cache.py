@@ -55,11 +55,7 @@ __all__ = ["FeatureCache"]
 log = logging.getLogger("mmcache")
 
 MiB = 1024 * 1024
-_BATCH_BYTES = 8 * MiB  # ≈150 µs of copy at PCIe Gen5 speed: a put_split run's size
-# Small features are offloaded in batches of this size, each one copy call and one fence.
-# Every batch costs the loop tens of µs however large (the fence, the landing, the driver
-# call); 16 MiB halves that per feature, and room still comes back every ≈300 µs.
-_OFFLOAD_BATCH_BYTES = 16 * MiB
+_BATCH_BYTES = 8 * MiB  # ≈150 µs of copy at PCIe Gen5 speed per batched offload
 # put_many packs features below this size into groups. On the H200 hosts that made 64 KB
 # features through put_many 1.8x faster (median of alternating runs) but 1 MB ones about a
 # quarter slower than the per-feature batched offload, which they keep (BENCHMARKS.md).
@@ -976,7 +972,7 @@ class FeatureCache:
     def _evict_gpu_for(self, needed: int) -> None:
         """Offload least recently used entries until needed bytes are free or on their way.
 
-        Features below small_copy_bytes go in batches of about _OFFLOAD_BATCH_BYTES behind one
+        Features below small_copy_bytes go in batches of about _BATCH_BYTES behind one
         fence: per-copy work (an enqueue, an event, a wake-up on landing) would otherwise
         cap small features far below the copy engine's bandwidth.
         """
@@ -990,7 +986,7 @@ class FeatureCache:
             if entry.nbytes < small_limit:
                 batch.append(entry)
                 batched += entry.nbytes
-                if batched >= _OFFLOAD_BATCH_BYTES:
+                if batched >= _BATCH_BYTES:
                     # One fence frees a whole batch: bounded, so room comes back in steps.
                     self._offload_batch(batch)
                     batch, batched = [], 0
