@@ -888,10 +888,17 @@ class FeatureCache:
 
     def _own(self, value: torch.Tensor, stream: Stream, ready: Fence) -> tuple[torch.Tensor, Fence]:
         """The cache's own alias of value; a view of a larger storage is compacted first."""
-        if value.is_contiguous() and value.untyped_storage().nbytes() == value.nbytes:
+        if (
+            value.is_contiguous()
+            and value.untyped_storage().nbytes() == value.nbytes
+            and not value.is_conj()
+            and not value.is_neg()
+        ):
             return self._device.adopt(value, stream), ready
         # Charging the budget for a view would under-count what it keeps alive: copy it
         # into storage of its own, ordered after the producer on the producer's stream.
+        # A lazy conjugate (or negation) is resolved by the copy: its bytes are not its
+        # values, and offloads copy bytes.
         own = self._allocate(tuple(value.shape), value.dtype, stream)
         return own, self._device.copy_d2d(value, own, stream)
 

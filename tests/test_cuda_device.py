@@ -11,6 +11,7 @@ import threading
 import time
 import weakref
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -334,9 +335,17 @@ def test_batch_copy_is_exact_in_any_order_and_waits_for_its_producers(
     at = [offsets[i] for i in order]
     assert device.copy_d2h_batch(shuffled, arena, at, []).wait(30)
     arena.fill_(0)  # so the held batch below must write every byte again
+    # The producer rewrites every source behind a hold: a batch not ordered after it
+    # would copy the old values.
+    rewrites = [random_tensor(tuple(s.shape), s.dtype, seed=100 + i) for i, s in enumerate(srcs)]
+    expected = [as_bytes(r).cpu() for r in rewrites]
+    torch.cuda.synchronize()  # the rewrites exist before the side stream reads them
     gc.collect()  # an earlier test's arena freed mid-hold (cuMemFreeHost) would synchronise
     side = side_stream()
     hold(side)
+    with torch.cuda.stream(side):
+        for src, new in zip(srcs, rewrites, strict=True):
+            src.copy_(new)
     gate = device.record(side)
     fence = device.copy_d2h_batch(shuffled, arena, at, [gate])
     assert not fence.done()
@@ -391,43 +400,45 @@ def test_a_batch_the_driver_refuses_raises_copy_failed(device: CudaDevice) -> No
         copier.copy([], [], [], device.d2h_stream.cuda_stream)  # an empty batch is invalid
 
 
-async def test_an_offload_batch_the_driver_refuses_is_dropped_and_leaks_nothing(
-    device: CudaDevice, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("gathers", [False, True], ids=["1MiB", "with-gathers"])
+async def test_a_batch_the_driver_refuses_goes_through_torch_and_loses_nothing(
+    device: CudaDevice, monkeypatch: pytest.MonkeyPatch, gathers: bool
 ) -> None:
     needs_driver_batches(device)
-    real = BatchCopier.copy
     refused: list[int] = []
 
-    def refuse_once(
+    def refuse(
         copier: BatchCopier, dsts: list[int], srcs: list[int], sizes: list[int], stream: int
     ) -> None:
-        if not refused:
-            refused.append(len(sizes))
-            raise CopyFailedError("cuMemcpyBatchAsync of 4 copies failed: refused for the test")
-        real(copier, dsts, srcs, sizes, stream)
+        refused.append(len(sizes))
+        raise CopyFailedError("cuMemcpyBatchAsync of some copies failed: refused for the test")
 
-    monkeypatch.setattr(BatchCopier, "copy", refuse_once)
-    # Offloading half the tier ahead: batches of several 1 MiB features, one copy each.
-    settings = CacheSettings(gpu_cache_mb=16, cpu_cache_mb=64, evict_ahead=0.5)
-    features = {i: random_tensor((128, 4096), torch.bfloat16, seed=i) for i in range(40)}
+    monkeypatch.setattr(BatchCopier, "copy", refuse)
+    # Offloading half the tier ahead: batches of several features, one copy per 1 MiB
+    # feature; with gathers, pairs of 64 KiB features between them are gathered first.
+    settings = CacheSettings(gpu_cache_mb=8, cpu_cache_mb=64, evict_ahead=0.5)
+    rows = [8 if gathers and i % 3 != 2 else 128 for i in range(60)]
+    features = {i: random_tensor((n, 4096), torch.bfloat16, seed=i) for i, n in enumerate(rows)}
     expected = {i: t.cpu() for i, t in features.items()}
     async with FeatureCache(settings, device, registry=CollectorRegistry()) as cache:
         await cache.wait_host_ready(timeout=30)
-        for i in range(40):
+        for i in range(60):
             assert await cache.put(i, features.pop(i))
         await cache.drain()
         s = cache.stats()
-        assert refused and refused[0] > 1, "no batch of several offloads was queued"
-        assert s.copy_failures == 1 and s.dropped == refused[0]
-        assert s.leaked_bytes == 0
-        for i, want in expected.items():  # each is exact or gone
+        assert len(refused) == 1 and refused[0] > 1, "no batch of several copies was refused"
+        assert device.describe()["batched_copies"] == "torch copy_"  # from then on
+        assert (s.copy_failures, s.dropped, s.leaked_bytes) == (0, 0, 0)
+        assert s.cpu_entries > refused[0]
+        for i, want in expected.items():
             got = await cache.get(i, device="cpu")
-            assert got is None or torch.equal(got, want), i
-        assert sum(i in cache for i in expected) == 40 - refused[0]
+            assert got is not None and torch.equal(got, want), i
 
 
 @pytest.mark.parametrize("method", ["register", "hostalloc"])
-def test_batched_copies_across_arena_chunks_are_exact(method: ArenaMethod) -> None:
+def test_batched_copies_across_arena_chunks_are_exact(
+    method: ArenaMethod, monkeypatch: pytest.MonkeyPatch
+) -> None:
     device = CudaDevice(0, arena_method=method, pin_chunk_bytes=4 * MiB)
     needs_driver_batches(device)
     arena = device.host_arena(14 * MiB)
@@ -439,7 +450,22 @@ def test_batched_copies_across_arena_chunks_are_exact(method: ArenaMethod) -> No
     srcs += [random_tensor((16, 1024), torch.float32, seed=3 + i) for i in range(4)]
     offsets = [MiB * 5 // 2, 6 * MiB, 12 * MiB - 128 * 1024]
     offsets += [offsets[-1] + 64 * 1024 * i for i in range(1, 4)]
+    pieces: list[tuple[int, int]] = []
+    queue_batch = device._queue_batch
+
+    def recorded(dsts: list[int], srcs: list[int], sizes: list[int], stream: Any) -> None:
+        pieces.extend((dst - arena.data_ptr(), size) for dst, size in zip(dsts, sizes, strict=True))
+        queue_batch(dsts, srcs, sizes, stream)
+
+    monkeypatch.setattr(device, "_queue_batch", recorded)
     assert device.copy_d2h_batch(srcs, arena, offsets, []).wait(30)
+    # One call; with registrations of 4 MiB, no copy crosses one (a copy over two
+    # registrations is not a copy into one pinned range).
+    chunk = 4 * MiB if method == "register" else arena.numel()
+    assert sum(size for _, size in pieces) == sum(src.nbytes for src in srcs)
+    assert all(at // chunk == (at + size - 1) // chunk for at, size in pieces), pieces
+    if method == "register":
+        assert len(pieces) == 6  # three ranges, each split in two
     written = torch.zeros(arena.numel(), dtype=torch.bool)
     for src, offset in zip(srcs, offsets, strict=True):
         assert torch.equal(arena[offset : offset + src.nbytes], as_bytes(src).cpu())

@@ -311,3 +311,49 @@ async def test_a_rows_read_keeps_no_device_memory_alive(rig: Rig, make_cache: Ca
     await cache.drain()
     assert cache.stats().gpu_bytes == 0
     assert rig.allocated_bytes() == 0
+
+
+async def test_a_lazy_conjugate_is_cached_as_its_values(rig: Rig, make_cache: CacheFactory) -> None:
+    # conj() only flips a bit: the bytes are the original's, and offloads copy bytes.
+    cache = make_cache(gpu_mb=0.25, cpu_mb=2)
+    assert await cache.wait_host_ready(timeout=30)
+    base = make_data(rig, 64, 64, dtype=torch.float32, seed=21)
+    z = torch.complex(base, base.flip(0)).conj()  # 32 KiB
+    assert z.is_conj()
+    expected = z.cpu().resolve_conj().clone()
+    assert await cache.put("z", z)
+    del z
+    for i in range(12):  # push it to the host tier (gets would promote it back)
+        assert await cache.put(i, make_data(rig, 128, 64, dtype=torch.float32, seed=i))
+    await cache.drain()
+    assert "z" in cache and cache.stats().cpu_entries >= 1
+    got = await cache.get("z", device="cpu")
+    assert got is not None and not got.is_conj()
+    assert_exact(got, expected)
+    assert cache.stats().leaked_bytes == 0
+
+
+async def test_two_puts_of_one_key_that_wait_for_room_leave_the_later_one(
+    rig: Rig, make_cache: CacheFactory
+) -> None:
+    needs_hold(rig)
+    cache = make_cache(gpu_mb=0.25, cpu_mb=2)
+    assert await cache.wait_host_ready(timeout=30)
+    for i in range(8):  # the GPU tier full: 8 x 32 KiB
+        assert await cache.put(i, make_data(rig, 128, 64, dtype=torch.float32, seed=i))
+    a = make_data(rig, 128, 64, dtype=torch.float32, seed=30)
+    b = make_data(rig, 128, 64, dtype=torch.float32, seed=31)
+    expected = b.cpu().clone()
+    with rig.hold():  # the offloads that make room cannot land yet: both puts wait
+        first = asyncio.create_task(cache.put("k", a))
+        second = asyncio.create_task(cache.put("k", b))
+        del a, b
+        await asyncio.sleep(0.01)
+        assert not first.done() and not second.done()
+    assert await asyncio.wait_for(first, 5) and await asyncio.wait_for(second, 5)
+    del first, second
+    await cache.drain()
+    assert_exact(await cache.get("k", device="cpu"), expected)
+    s = cache.stats()
+    assert s.leaked_bytes == 0
+    assert s.gpu_entries + s.cpu_entries == len(cache) == 9

@@ -487,7 +487,7 @@ class CudaDevice(Device):
         if batch_copies:
             try:
                 self._copier = self._driver().batch_copier(self.index)
-            except MMCacheError as exc:
+            except Exception as exc:  # copies still work through torch
                 _log.warning("%s: no batched copies through the driver (%s)", self.name, exc)
         if pack_max_bytes is None:
             pack_max_bytes = (
@@ -731,8 +731,8 @@ class CudaDevice(Device):
         memory (in any order) are gathered into one buffer by one kernel and moved by one
         copy. Several copies into the arena are queued by one driver call where the driver
         has batched copies; one copy goes through torch (an 8 MB feature's offload was no
-        faster through the driver). The caller keeps the sources alive until the fence is
-        done.
+        faster through the driver), and so does every batch once the driver has refused
+        one. The caller keeps the sources alive until the fence is done.
         """
         self._check_open()
         runs = self._packed_runs(batch_order(srcs, host, offsets))
@@ -740,8 +740,15 @@ class CudaDevice(Device):
         try:
             if len(runs) > 1 and self._copier is not None and self._in_arena(host):
                 self._order_after(stream, after)
-                self._copy_runs(runs, host, stream)
-                return self._record_on(stream)
+                try:
+                    self._copy_runs(runs, host, stream)
+                    return self._record_on(stream)
+                except CopyFailedError as exc:
+                    # Its arguments are checked, so the driver refuses the call itself (an
+                    # unsupported platform), not this batch: torch's copies from now on.
+                    # Nothing of a refused call is queued; copying again is harmless.
+                    _log.warning("%s: %s; copying through torch from now on", self.name, exc)
+                    self._copier = None
             with _OnStream(stream):
                 self._order_after(stream, after)
                 for run, start, nbytes in runs:
@@ -901,9 +908,15 @@ class CudaDevice(Device):
         self._copier.copy(dsts, srcs, sizes, stream.cuda_stream)
 
     def _in_arena(self, host: torch.Tensor) -> bool:
-        """Whether host lies in this device's pinned arena (what batched copies may target)."""
+        """Whether host is a contiguous range of this device's pinned arena (what batched
+        copies, which address bytes, may target)."""
         start = host.data_ptr() - self._arena_ptr
-        return self._arena_nbytes > 0 and 0 <= start and start + host.numel() <= self._arena_nbytes
+        return (
+            self._arena_nbytes > 0
+            and 0 <= start
+            and start + host.numel() <= self._arena_nbytes
+            and host.is_contiguous()
+        )
 
     def _chunk_pieces(self, ptr: int, nbytes: int) -> list[tuple[int, int]] | None:
         """Byte ranges of the host range at ptr that each lie in one registered chunk, relative
@@ -937,9 +950,12 @@ class CudaDevice(Device):
         for offset, src in ordered:
             if not self.is_device_tensor(src):
                 raise InvalidValueError(f"copy source is on {src.device}, not {self.name}")
-            if not src.is_contiguous():
+            if not src.is_contiguous() or src.is_conj() or src.is_neg():
+                # A conjugate or negative view's bytes are not its values: copying them
+                # as bytes would be silently wrong.
                 raise InvalidValueError(
-                    "batched copies need contiguous sources; compact them with copy_d2d first"
+                    "batched copies need contiguous sources with no lazy conjugate or "
+                    "negation; compact them with copy_d2d first"
                 )
             nbytes = src.nbytes
             shape = src.shape
