@@ -300,9 +300,56 @@ class FeatureCache:
         if stream is None:
             stream = self._device.current_stream()  # read before any await: it is per thread
         check_key(key)
-        batch = [(key, value)]
+        holder = [value]
         del value  # the cache owns it now: no frame of ours keeps it alive past its release
-        return await self._put_batch(batch, stream, wait)
+        if self._short_put_applies(key, holder[0]):
+            return await self._put_new(key, holder, stream, wait)
+        return await self._put_batch([(key, holder.pop())], stream, wait)
+
+    def _short_put_applies(self, key: Hashable, value: object) -> bool:
+        """Whether _put_new can take this put: a new key, and a device tensor that owns its
+        storage and fits the GPU tier, of a cache serving on this loop."""
+        return (
+            isinstance(value, torch.Tensor)
+            and 0 < value.nbytes <= self._gpu_capacity
+            and key not in self._entries
+            and not self._closed
+            and self._loop is asyncio.get_running_loop()
+            and self._device.is_device_tensor(value)
+            and _owns_storage(value)
+        )
+
+    async def _put_new(
+        self, key: Hashable, holder: list[torch.Tensor], stream: Stream, wait: bool
+    ) -> bool:
+        """put of one new feature (see _short_put_applies) into the GPU tier.
+
+        What _put_batch and _insert_units do for it, without their lists and loops: per
+        put, they cost the loop a few µs of its ≈25 a 1 MB feature may take at copy speed.
+        A put that must wait for room continues through _insert_units.
+        """
+        tensor = holder.pop()
+        nbytes = tensor.nbytes
+        ready = self._device.record(stream)
+        own = self._device.adopt(tensor, stream)
+        del tensor
+        try:
+            taken = self._take_gpu(nbytes)
+        except BaseException:
+            self._give_back([(own, ready)], [], [[]])
+            raise
+        if not taken:
+            return await self._insert_units(
+                [key], [], [(0, 1)], [nbytes], [(own, ready)], [[]], ready, wait
+            )
+        entry = Entry(key, tuple(own.shape), own.dtype, nbytes, State.GPU, own, ready)
+        self._entries[key] = entry
+        self._gpu_lru[key] = entry
+        self._gpu_granted -= nbytes
+        self._gpu_entries += 1
+        # No put waits now (_take_gpu grants nothing ahead of one): none to wake.
+        self._tiers.request()
+        return True
 
     async def put_many(
         self,
@@ -888,17 +935,10 @@ class FeatureCache:
 
     def _own(self, value: torch.Tensor, stream: Stream, ready: Fence) -> tuple[torch.Tensor, Fence]:
         """The cache's own alias of value; a view of a larger storage is compacted first."""
-        if (
-            value.is_contiguous()
-            and value.untyped_storage().nbytes() == value.nbytes
-            and not value.is_conj()
-            and not value.is_neg()
-        ):
+        if _owns_storage(value):
             return self._device.adopt(value, stream), ready
         # Charging the budget for a view would under-count what it keeps alive: copy it
         # into storage of its own, ordered after the producer on the producer's stream.
-        # A lazy conjugate (or negation) is resolved by the copy: its bytes are not its
-        # values, and offloads copy bytes.
         own = self._allocate(tuple(value.shape), value.dtype, stream)
         return own, self._device.copy_d2d(value, own, stream)
 
@@ -1792,6 +1832,20 @@ class FeatureCache:
         for tier, nbytes in leaked.items():
             self._metrics.set_leaked(tier, nbytes)
         return leaked
+
+
+def _owns_storage(value: torch.Tensor) -> bool:
+    """Whether the cache may hold value itself: it is its whole storage, contiguous.
+
+    Not a lazy conjugate (or negation) either: its bytes are not its values, and offloads
+    copy bytes. Anything else is compacted at put.
+    """
+    return (
+        value.is_contiguous()
+        and value.untyped_storage().nbytes() == value.nbytes
+        and not value.is_conj()
+        and not value.is_neg()
+    )
 
 
 def _raise_if_failed(ready: Fence) -> None:

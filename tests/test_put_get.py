@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Hashable
+from typing import Any
 
 import pytest
 import torch
 from conftest import CacheFactory, Rig, assert_exact, needs_hold
 
-from mmcache import FeatureCache, InvalidRowsError
+from mmcache import FeatureCache, InvalidRowsError, InvalidValueError
 
 DTYPES = [torch.bfloat16, torch.float32, torch.int8, torch.int64]
 SHAPES = [(4096,), (64, 128), (8, 16, 32)]
@@ -357,3 +358,55 @@ async def test_two_puts_of_one_key_that_wait_for_room_leave_the_later_one(
     s = cache.stats()
     assert s.leaked_bytes == 0
     assert s.gpu_entries + s.cpu_entries == len(cache) == 9
+
+
+@pytest.mark.parametrize("replacing", [False, True], ids=["new-key", "replacing"])
+async def test_a_put_whose_reservation_raises_gives_its_value_back(
+    rig: Rig, make_cache: CacheFactory, monkeypatch: pytest.MonkeyPatch, replacing: bool
+) -> None:
+    needs_hold(rig)  # counts SimDevice.allocated_bytes
+    cache = make_cache(gpu_mb=1, cpu_mb=1)
+    await cache.start()  # a put to a cache not started yet takes the general path
+    if replacing:  # and so does a put that replaces a key
+        assert await cache.put("k", make_data(rig, 16, 64, dtype=torch.float32, seed=1))
+    before = rig.allocated_bytes()
+
+    def failing(nbytes: int) -> bool:
+        raise RuntimeError("the eviction failed")
+
+    monkeypatch.setattr(cache, "_take_gpu", failing)
+    t = make_data(rig, 16, 64, dtype=torch.float32, seed=2)
+    with pytest.raises(RuntimeError, match="the eviction failed"):
+        await cache.put("k", t)
+    del t
+    monkeypatch.undo()
+    await cache.drain()
+    rig.settle()
+    # The value was adopted and is released again; a replaced entry is gone.
+    assert rig.allocated_bytes() == (before - 16 * 64 * 4 if replacing else before)
+    assert "k" not in cache
+    assert cache.stats().leaked_bytes == 0
+
+
+async def test_which_puts_take_the_short_path(
+    rig: Rig, make_cache: CacheFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = make_cache(gpu_mb=1, cpu_mb=1)
+    await cache.start()
+    general: list[object] = []
+    put_batch = cache._put_batch
+
+    async def counted(items: Any, stream: Any, wait: bool) -> bool:
+        general.append(items[0][0])
+        return await put_batch(items, stream, wait)
+
+    monkeypatch.setattr(cache, "_put_batch", counted)
+    whole = make_data(rig, 16, 64, dtype=torch.float32, seed=1)
+    assert await cache.put("new", whole)  # a new key, a tensor of its own storage
+    assert await cache.put("new", make_data(rig, 16, 64, dtype=torch.float32, seed=2))
+    wide = make_data(rig, 16, 128, dtype=torch.float32, seed=3)
+    assert await cache.put("view", wide[:, :64])  # compacted first
+    with pytest.raises(InvalidValueError):
+        await cache.put("empty", make_data(rig, 0, 64, dtype=torch.float32))
+    assert general == ["new", "view", "empty"]  # the replacing put, the view, the bad value
+    assert len(cache) == 2 and cache.stats().leaked_bytes == 0
