@@ -311,11 +311,11 @@ class FeatureCache:
         storage and fits the GPU tier, of a cache serving on this loop."""
         return (
             isinstance(value, torch.Tensor)
+            and self._device.is_device_tensor(value)  # first: nbytes raises for some layouts
             and 0 < value.nbytes <= self._gpu_capacity
             and key not in self._entries
             and not self._closed
             and self._loop is asyncio.get_running_loop()
-            and self._device.is_device_tensor(value)
             and _owns_storage(value)
         )
 

@@ -66,6 +66,18 @@ async def test_lookups_tiers_and_get_wait(sim_rig: Rig) -> None:
         assert _value(reg, "mmcache_tier_capacity_bytes", tier="gpu") == s.gpu_capacity_bytes
 
 
+async def test_tier_gauges_follow_puts_without_stats(rig: Rig) -> None:
+    # stats() pushes the gauges itself: here only the puts' own pushes may move them.
+    reg = CollectorRegistry()
+    async with _cache(rig, reg, gpu_mb=1) as cache:
+        await cache.put("b", rig.tensor(64, 128, seed=1)[:, :64])  # a view: the general path
+        await asyncio.sleep(0.01)
+        await cache.put("a", rig.tensor(64, 256))  # 32 KiB, a new key: the short path
+        await asyncio.sleep(0.01)  # the push runs once the loop turns
+        assert _value(reg, "mmcache_tier_bytes", tier="gpu") == 32768 + 8192  # bf16
+        assert _value(reg, "mmcache_tier_entries", tier="gpu") == 2
+
+
 async def test_a_forced_leak_shows_in_leaked_bytes(sim_rig: Rig) -> None:
     reg = CollectorRegistry()
     async with _cache(sim_rig, reg) as cache:
