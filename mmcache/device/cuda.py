@@ -58,14 +58,13 @@ _PAGE: Final = mmap.PAGESIZE
 
 # torch.cuda.Event's Python methods only fill in defaults and forward to these; a put
 # records a fence and the loop queries fences all the time, so they are called directly.
-_EventBase: Any = getattr(torch._C, "_CudaEventBase", None)
+# (torch defines the class in every build: a placeholder where CUDA is missing.)
+_EventBase: Any = torch._C._CudaEventBase
 
 
 def _event_query(event: torch.cuda.Event) -> bool:
     """event.query(), typed."""
-    if _EventBase is not None:
-        return bool(_EventBase.query(event))
-    return bool(event.query())  # type: ignore[no-untyped-call]
+    return bool(_EventBase.query(event))
 
 
 def _new_event() -> torch.cuda.Event:
@@ -75,18 +74,8 @@ def _new_event() -> torch.cuda.Event:
     there blocks the host until the oldest completes, and a put records a fence on its
     producer's stream, which may run a long kernel. Threads sleep through a FenceSleeper.
     """
-    if _EventBase is not None:
-        event: torch.cuda.Event = _EventBase.__new__(torch.cuda.Event)
-        return event
-    return torch.cuda.Event()  # type: ignore[no-untyped-call]
-
-
-def _record_event(event: torch.cuda.Event, stream: torch.cuda.Stream) -> None:
-    """event.record(stream)."""
-    if _EventBase is not None:
-        _EventBase.record(event, stream)
-    else:
-        event.record(stream)
+    event: torch.cuda.Event = _EventBase.__new__(torch.cuda.Event)
+    return event
 
 
 def _new_stream(device: torch.device, priority: int) -> torch.cuda.Stream:
@@ -806,7 +795,7 @@ class CudaDevice(Device):
         # The order number is taken with the record: threads recording on one stream
         # between the two would otherwise get numbers out of the stream's order.
         with _record_lock:
-            _record_event(event, stream)
+            _EventBase.record(event, stream)
             seq = next(_fence_seq)
         return CudaFence(event, stream, self._waiters, seq)
 
