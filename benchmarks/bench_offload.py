@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import gc
 import math
-import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -229,29 +229,29 @@ class CopyTimingCudaDevice(CudaDevice):
     marks: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] | None = None
 
     def _copy_bytes(self, dst: torch.Tensor, src: torch.Tensor, *, host: torch.Tensor) -> None:
-        marks = self.marks
-        if marks is None or not src.is_cuda:
+        with self._bracket(src.nbytes if src.is_cuda else None):
             super()._copy_bytes(dst, src, host=host)
-            return
-        stream = self.d2h_stream
-        begin, end = timing_event(), timing_event()
-        begin.record(stream)
-        super()._copy_bytes(dst, src, host=host)
-        end.record(stream)
-        marks.append((src.nbytes, begin, end))
 
     def _queue_batch(
         self, dsts: list[int], srcs: list[int], sizes: list[int], stream: torch.cuda.Stream
     ) -> None:
-        marks = self.marks
-        if marks is None:
+        with self._bracket(sum(sizes)):
             super()._queue_batch(dsts, srcs, sizes, stream)
+
+    @contextlib.contextmanager
+    def _bracket(self, nbytes: int | None) -> Iterator[None]:
+        """Timing events on the D2H stream around the copy queued inside (nbytes None: not
+        a device-to-host copy, left untimed)."""
+        marks = self.marks
+        if marks is None or nbytes is None:
+            yield
             return
+        stream = self.d2h_stream
         begin, end = timing_event(), timing_event()
         begin.record(stream)
-        super()._queue_batch(dsts, srcs, sizes, stream)
+        yield
         end.record(stream)
-        marks.append((sum(sizes), begin, end))
+        marks.append((nbytes, begin, end))
 
 
 def cache_settings_mb(w: Workload, gpu_fraction: float) -> tuple[int, int]:
@@ -360,7 +360,8 @@ async def offload_rounds(
     group: int = 1,
     split: bool = False,
 ) -> dict[str, Any]:
-    """offload_phase rounds times on fresh features; the median round by GB/s.
+    """offload_phase rounds times on fresh features; the median round by GB/s (the lower
+    middle one for an even count).
 
     Every round but the last discards its keys; the last one's stay, under tag.
     """
@@ -375,9 +376,8 @@ async def offload_rounds(
             for i in range(w.count):
                 cache.discard((round_tag, i))
             await drain(cache)
-    rates = [phase["gbps"] for phase in phases]
     median = sorted(phases, key=lambda phase: phase["gbps"])[(len(phases) - 1) // 2]
-    return {**median, "rounds_gbps": rates, "median_gbps": statistics.median(rates)}
+    return {**median, "rounds_gbps": [phase["gbps"] for phase in phases]}
 
 
 async def get_latencies(cache: FeatureCache, w: Workload, tag: str) -> dict[str, Any]:
