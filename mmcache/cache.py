@@ -1324,6 +1324,8 @@ class FeatureCache:
         """Handle offloads that have landed, oldest first, without waiting to be told.
 
         A put short of room looks here first, and often finds its room already copied out.
+        A landing that raises goes to the loop's exception handler, as a raising callback
+        would: it must not fail the put that happened to reap it, nor stop the reaping.
         """
         landing = self._landing
         while landing:
@@ -1331,7 +1333,13 @@ class FeatureCache:
             if not offload.fence.done():
                 return
             del landing[offload]
-            landed()
+            try:
+                landed()
+            except Exception as exc:
+                assert self._loop is not None
+                self._loop.call_exception_handler(
+                    {"message": "mmcache: handling a landed offload failed", "exception": exc}
+                )
 
     def _watch_landings(self) -> None:
         """Have the device's waiter thread report when the oldest queued offload lands.

@@ -127,6 +127,42 @@ async def test_a_landing_that_raises_leaves_later_landings_watched(
         assert_exact(await cache.get(i), kept[i])
 
 
+async def test_a_landing_that_raises_fails_not_the_put_that_reaps_it(
+    rig: Rig, make_cache: CacheFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = make_cache(gpu_mb=0.25, cpu_mb=4, small_copy_bytes=0)  # 16 features of 16 KiB
+    # The loop hears of no completion: only the put below reaps the landings.
+    monkeypatch.setattr(FenceWatcher, "_completed", lambda self, fn: None)
+    kept = [await put_feature(cache, rig, i, 16, seed=i) for i in range(16)]
+    cache._evict_gpu_for(4 * 16 * KiB)  # four offloads, one feature each
+    assert len(cache._landing) == 4
+    rig.settle()
+    assert all(offload.fence.done() for offload in cache._landing)
+    handled = FeatureCache._offloads_done
+    failures = [1]
+
+    def fails_once(self: FeatureCache, *args: Any) -> None:
+        handled(self, *args)
+        if failures[0]:
+            failures[0] = 0
+            raise RuntimeError("a landing callback failed")
+
+    monkeypatch.setattr(FeatureCache, "_offloads_done", fails_once)
+    reported: list[dict[str, Any]] = []
+    loop = asyncio.get_running_loop()
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _, context: reported.append(context))
+    try:
+        assert await asyncio.wait_for(cache.put("a", feature(rig, 16, 100), wait=False), 5)
+    finally:
+        loop.set_exception_handler(previous)
+    assert [str(c["exception"]) for c in reported] == ["a landing callback failed"]
+    assert not cache._landing, "the landings after the one that raised were not handled"
+    assert cache.stats().pending_copies == 0
+    for i, expected in enumerate(kept):
+        assert_exact(await cache.get(i, device="cpu"), expected)
+
+
 async def test_a_landed_offload_keeps_device_bytes_charged_while_a_download_reads_them(
     rig: Rig, make_cache: CacheFactory
 ) -> None:
