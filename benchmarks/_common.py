@@ -211,6 +211,15 @@ def core_speeds() -> dict[int, float]:
     return speeds
 
 
+def pin_to_fast_cores(speeds: dict[int, float], slack: float = 1.15) -> list[int]:
+    """Restrict the calling thread, and the threads it starts from now on, to the cores
+    whose probe ran within slack of the fastest; returns them."""
+    best = min(speeds.values())
+    fast = sorted(core for core, us in speeds.items() if us <= best * slack)
+    os.sched_setaffinity(0, fast)
+    return fast
+
+
 def current_core() -> int:
     """The core the calling thread last ran on (Linux), or -1 where unknown."""
     try:

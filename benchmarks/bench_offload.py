@@ -6,7 +6,8 @@ Run from the repository root (about two minutes on an H200; --quick: under a min
 
 It first probes each core's Python speed (on shared hosts some cores run far slower,
 and which ones changes from minute to minute) and reports the cores the event loop's
-thread ran on. Each mmcache offload phase runs --rounds times (default 3) and reports
+thread ran on; --loop-cores fast keeps the run on the cores the probe found fast. Each
+mmcache offload phase runs --rounds times (default 3) and reports
 its median round: a round's timed part can be as short as 15 ms, which one scheduling
 hiccup moves by a third.
 """
@@ -43,6 +44,7 @@ from _common import (  # noqa: E402
     gbps,
     host_speed,
     markdown_table,
+    pin_to_fast_cores,
     pinned_pool_bytes,
     put_in_groups,
     put_in_splits,
@@ -709,8 +711,10 @@ def report(results: dict[str, Any]) -> str:
     cores = results.get("cores", {})
     if cores.get("speeds"):
         speeds = {int(core): us for core, us in cores["speeds"].items()}
+        pinned = cores.get("pinned_to")
         out.append(
             f"cores (python probe each): {describe_cores(speeds)}; "
+            + (f"pinned to cores {', '.join(map(str, pinned))}; " if pinned else "")
             + "the event loop's thread was seen on cores "
             + ", ".join(
                 f"{c} ({speeds[c]:.3f} µs)" if c in speeds else str(c)
@@ -895,6 +899,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=3,
         help="rounds of each mmcache offload phase; the median round is reported",
     )
+    parser.add_argument(
+        "--loop-cores",
+        choices=("all", "fast"),
+        default="all",
+        help="fast: keep the benchmark (its event loop and the threads it starts) on the "
+        "cores whose probe ran within 15%% of the fastest one",
+    )
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
@@ -904,6 +915,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         write_json(args.out, {"skipped": "no CUDA device"})
         return 0
     cores: dict[str, Any] = {"speeds": core_speeds()}
+    if args.loop_cores == "fast":
+        cores["pinned_to"] = pin_to_fast_cores(cores["speeds"])
     start = time.perf_counter()
     results = asyncio.run(run(args.device, args.quick, cores, args.rounds))
     results["elapsed_s"] = time.perf_counter() - start

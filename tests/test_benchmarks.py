@@ -47,9 +47,16 @@ def test_benchmark_runs_without_a_gpu(name: str) -> None:
 
 def test_bench_offload_reports_exact_reads_and_no_leaks_on_the_simulator(tmp_path: Path) -> None:
     out = tmp_path / "offload.json"
-    done = _run("bench_offload.py", "--out", str(out))
+    done = _run("bench_offload.py", "--out", str(out), "--loop-cores", "fast")
     assert done.returncode == 0, done.stderr
     results = json.loads(out.read_text())
+    speeds = {int(core): us for core, us in results["cores"]["speeds"].items()}
+    pinned = results["cores"]["pinned_to"]
+    assert pinned and set(pinned) <= set(speeds)
+    assert min(speeds, key=lambda core: speeds[core]) in pinned
+    assert all(speeds[core] <= 1.15 * min(speeds.values()) for core in pinned)
+    assert set(results["cores"]["loop_ran_on"]) <= set(pinned)
+    assert f"pinned to cores {', '.join(map(str, pinned))}" in done.stdout
     for name, row in results["sizes"].items():
         mmcache = row["mmcache"]
         assert mmcache["gets"]["exact"], name
