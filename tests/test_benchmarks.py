@@ -57,6 +57,8 @@ def test_bench_offload_reports_exact_reads_and_no_leaks_on_the_simulator(tmp_pat
     assert all(speeds[core] <= 1.15 * min(speeds.values()) for core in pinned)
     assert set(results["cores"]["loop_ran_on"]) <= set(pinned)
     assert f"pinned to cores {', '.join(map(str, pinned))}" in done.stdout
+    assert results["gc_frozen_objects"] > 0
+    assert f"garbage collector: {results['gc_frozen_objects']:,} objects" in done.stdout
     for name, row in results["sizes"].items():
         mmcache = row["mmcache"]
         assert mmcache["gets"]["exact"], name

@@ -160,12 +160,12 @@ def test_spare_events_are_bounded_and_stay_on_their_gpu(
     monkeypatch.setattr(cuda_module, "_MAX_SPARE_EVENTS", 3)
     stream = side_stream()
     fences = [device.record(stream) for _ in range(5)]
-    events = {id(f.event) for f in fences}
+    events = [f.event for f in fences]  # held here: two of them stay out of the spares
     del fences
     gc.collect()
     assert len(device._spare_events) == 3
     reused = [device.record(stream) for _ in range(5)]
-    assert sum(id(f.event) in events for f in reused) == 3
+    assert sum(any(f.event is e for e in events) for f in reused) == 3
     assert all(f.wait(5) for f in reused)
     del reused
     gc.collect()
