@@ -134,51 +134,6 @@ def test_fences_behind_a_long_kernel_cost_the_host_nothing(device: CudaDevice) -
     assert len(cpu) == 2 and cpu[1] - cpu[0] < 0.1  # asleep in the driver while the kernel ran
 
 
-def test_a_dead_fences_event_is_recorded_again_without_moving_earlier_waits(
-    device: CudaDevice,
-) -> None:
-    producer, consumer = side_stream(), side_stream()
-    hold(producer)
-    fence = device.record(producer)
-    event = fence.event
-    device.wait_on(consumer, fence)  # queued while the event marks the producer's kernel
-    behind = device.record(consumer)
-    del fence
-    gc.collect()
-    again = device.record(side_stream())  # an idle stream: done at once
-    assert again.event is event, "the dead fence's event was not reused"
-    assert again.wait(5)
-    assert not behind.done(), "a wait queued before the event was recorded again moved"
-    assert behind.wait(30)
-
-
-def test_spare_events_are_bounded_and_stay_on_their_gpu(
-    device: CudaDevice, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    import mmcache.device.cuda as cuda_module
-
-    monkeypatch.setattr(cuda_module, "_MAX_SPARE_EVENTS", 3)
-    stream = side_stream()
-    fences = [device.record(stream) for _ in range(5)]
-    events = [f.event for f in fences]  # held here: two of them stay out of the spares
-    del fences
-    gc.collect()
-    assert len(device._spare_events) == 3
-    reused = [device.record(stream) for _ in range(5)]
-    assert sum(any(f.event is e for e in events) for f in reused) == 3
-    assert all(f.wait(5) for f in reused)
-    del reused
-    gc.collect()
-    if torch.cuda.device_count() > 1:  # another GPU's stream: an event of its own, kept out
-        spares = list(device._spare_events)
-        monkeypatch.setattr(cuda_module, "_MAX_SPARE_EVENTS", 10)
-        fence = device.record(torch.cuda.Stream(1))  # type: ignore[no-untyped-call]
-        assert fence.wait(5)
-        del fence
-        gc.collect()
-        assert [id(e) for e in device._spare_events] == [id(e) for e in spares]
-
-
 def test_fence_sleeper_wakes_after_the_kernel(device: CudaDevice) -> None:
     from mmcache.device.cuda_driver import CudaDriver
 

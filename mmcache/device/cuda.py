@@ -52,9 +52,6 @@ DEFAULT_BATCHED_PACK_MAX_BYTES: Final = 512 * 1024
 # A packed run of small copies needs a device staging buffer of its size: keep it modest.
 _PACK_RUN_MAX_BYTES: Final = 64 * _MiB
 _HUGE_PAGE: Final = 2 * _MiB
-# Spare events a device keeps for its next fences (beyond this, a dead fence's event is
-# destroyed with it): about one per copy and per put in flight.
-_MAX_SPARE_EVENTS: Final = 4096
 _MAX_STREAM_OBJECTS: Final = 4096
 _PAGE: Final = mmap.PAGESIZE
 
@@ -88,36 +85,19 @@ def _new_stream(device: torch.device, priority: int) -> torch.cuda.Stream:
 
 @final
 class CudaFence(Fence):
-    """A torch.cuda.Event recorded on a stream: done once the GPU has passed it.
+    """A torch.cuda.Event recorded on a stream: done once the GPU has passed it."""
 
-    The event is the fence's alone while the fence lives; then it goes back to spares (its
-    device's list of events to record again, where given): creating a CUDA event on first
-    record and destroying it after cost a put about as much as the record itself. A wait
-    already queued on it is unaffected by a later record.
-    """
-
-    __slots__ = ("_done", "_error", "_spares", "_waiters", "event", "seq", "stream")
+    __slots__ = ("_done", "_error", "_waiters", "event", "seq", "stream")
 
     def __init__(
-        self,
-        event: torch.cuda.Event,
-        stream: torch.cuda.Stream,
-        waiters: _FenceWaiters,
-        seq: int,
-        spares: list[torch.cuda.Event] | None = None,
+        self, event: torch.cuda.Event, stream: torch.cuda.Stream, waiters: _FenceWaiters, seq: int
     ) -> None:
         self.event = event
         self.stream = stream
         self.seq = seq  # fences of one stream complete in this order
         self._waiters = waiters
-        self._spares = spares
         self._done = False
         self._error: BaseException | None = None
-
-    def __del__(self) -> None:
-        spares = self._spares
-        if spares is not None and len(spares) < _MAX_SPARE_EVENTS:
-            spares.append(self.event)
 
     def done(self) -> bool:
         """Return True once the work before the fence has completed (successfully or not)."""
@@ -509,8 +489,6 @@ class CudaDevice(Device):
             self._d2h = _new_stream(self._device, priority=0)
             self._h2d = _new_stream(self._device, priority=-1)
         self._waiters = _FenceWaiters(self._device, f"mmcache-fences-{self.name}")
-        # Events of dead fences, recorded again by the next ones (appended from any thread).
-        self._spare_events: list[torch.cuda.Event] = []
         self._arena_claimed = False
         self._arena_ptr = 0
         self._arena_nbytes = 0
@@ -813,21 +791,13 @@ class CudaDevice(Device):
     # --- internals ------------------------------------------------------------
 
     def _record_on(self, stream: torch.cuda.Stream) -> CudaFence:
-        spares: list[torch.cuda.Event] | None = None
-        if stream.device_index == self.index:  # an event stays with its first stream's GPU
-            spares = self._spare_events
-            try:
-                event = spares.pop()
-            except IndexError:
-                event = _new_event()
-        else:
-            event = _new_event()
+        event = _new_event()
         # The order number is taken with the record: threads recording on one stream
         # between the two would otherwise get numbers out of the stream's order.
         with _record_lock:
             _EventBase.record(event, stream)
             seq = next(_fence_seq)
-        return CudaFence(event, stream, self._waiters, seq, spares)
+        return CudaFence(event, stream, self._waiters, seq)
 
     def _order_after(self, stream: torch.cuda.Stream, after: Sequence[Fence]) -> None:
         if len(after) > 1:
