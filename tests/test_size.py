@@ -11,6 +11,7 @@ import torch
 from conftest import CacheFactory, KiB, Rig, assert_exact, feature, needs_hold, put_feature
 
 from mmcache import CacheStats, FeatureCache, ValueTooLargeError
+from mmcache.entry import Entry
 
 
 def within_budget(s: CacheStats) -> None:
@@ -428,3 +429,65 @@ async def test_evict_ahead_keeps_room_beyond_what_the_put_needs(
     for i in range(s.evictions_gpu):  # the least recently used went to the host, exact
         got = await cache.get(i, device="cpu")
         assert got is not None and torch.equal(got, rig.tensor(64, 256, seed=i).cpu())
+
+
+def record_offload_batches(monkeypatch: pytest.MonkeyPatch) -> list[list[Hashable]]:
+    """The keys of each offload batch the cache starts from now on."""
+    batches: list[list[Hashable]] = []
+    offload = FeatureCache._offload_batch
+
+    def recorded(self: FeatureCache, entries: list[Entry]) -> None:
+        batches.append([entry.key for entry in entries])
+        offload(self, entries)
+
+    monkeypatch.setattr(FeatureCache, "_offload_batch", recorded)
+    return batches
+
+
+async def test_an_eviction_ahead_tops_up_its_last_batch(
+    rig: Rig, make_cache: CacheFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Evicting ahead 8.25 MiB of 256 KiB features would leave a batch of one (32 + 1);
+    it tops that one up to a whole 8 MiB batch instead of paying a copy for it alone."""
+    cache = make_cache(gpu_mb=32, cpu_mb=64, evict_ahead=0.5)
+    batches = record_offload_batches(monkeypatch)
+    expected = {}
+    # The 97th put finds 8 MiB free, under the low-water mark (its 256 KiB + 8 MiB), and
+    # evicts up to 16.25 MiB free or on the way; the puts after it use that room.
+    for i in range(128):
+        expected[i] = await put_feature(cache, rig, i, 256, seed=i)
+    await cache.drain()
+    assert [len(batch) for batch in batches] == [32, 32]
+    assert [key for batch in batches for key in batch] == list(range(64))  # LRU order
+    for i in (0, 32, 63):
+        assert await tier_of(cache, i) == "host"
+        assert_exact(await cache.get(i, device="cpu"), expected[i])
+    assert await tier_of(cache, 64) == "gpu"
+
+
+async def test_a_top_up_stops_at_a_large_victim_and_at_the_slack(
+    rig: Rig, make_cache: CacheFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = make_cache(gpu_mb=1, cpu_mb=4, small_copy_bytes=32 * KiB)
+    for key, kib in (("s1", 16), ("s2", 16), ("large", 64), ("s3", 16), ("s4", 16), ("s5", 16)):
+        await put_feature(cache, rig, key, kib)
+    batches = record_offload_batches(monkeypatch)
+
+    def room_for(kib: int) -> int:  # bytes needed free or on their way for kib more
+        return cache._gpu_free() + cache._gpu_releasing + kib * KiB
+
+    cache._evict_gpu_for(room_for(16), slack=1024 * KiB)
+    assert batches == [["s1", "s2"]]  # topped up with s2, not with the large one after it
+    cache._evict_gpu_for(room_for(16), slack=1024 * KiB)
+    assert batches[1:] == [["large"]]  # a large victim alone, nothing to top up
+    cache._evict_gpu_for(room_for(16), slack=8 * KiB)
+    assert batches[2:] == [["s3"]]  # s4 would exceed the slack
+    await cache.drain()
+    assert [await tier_of(cache, key) for key in ("s1", "s2", "large", "s3", "s4", "s5")] == [
+        "host",
+        "host",
+        "host",
+        "host",
+        "gpu",
+        "gpu",
+    ]
