@@ -131,8 +131,9 @@ async def test_a_landing_that_raises_fails_not_the_put_that_reaps_it(
     rig: Rig, make_cache: CacheFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cache = make_cache(gpu_mb=0.25, cpu_mb=4, small_copy_bytes=0)  # 16 features of 16 KiB
-    # The loop hears of no completion: only the put below reaps the landings.
-    monkeypatch.setattr(FenceWatcher, "_completed", lambda self, fn: None)
+    # Reports of landings reach the loop and do nothing (the watcher's own bookkeeping
+    # goes on, so the cache still closes): only the put below reaps the landings.
+    monkeypatch.setattr(FeatureCache, "_landing_reported", lambda self: None)
     kept = [await put_feature(cache, rig, i, 16, seed=i) for i in range(16)]
     cache._evict_gpu_for(4 * 16 * KiB)  # four offloads, one feature each
     assert len(cache._landing) == 4
