@@ -17,6 +17,20 @@ def test_every_setting_and_variable_is_in_the_readme() -> None:
             assert f"`{name}`" in README, name
 
 
+def test_the_readme_gives_each_settings_default_and_meaning() -> None:
+    rows = {
+        cells[0].strip("`"): cells
+        for line in README.splitlines()
+        if line.startswith("| `")
+        for cells in [[cell.strip() for cell in line.strip("|").split("|")]]
+    }
+    for row in SETTINGS_TABLE:
+        cells = rows[row.field]
+        default = "unset" if row.default is None else f"`{row.default}`"
+        assert cells[2] == default, f"{row.field}: README says {cells[2]}, the code {default}"
+        assert cells[3] == row.description, row.field
+
+
 def test_every_metric_is_in_the_readme() -> None:
     for metric in METRICS_TABLE:
         assert f"`{metric.name}`" in README, metric.name
