@@ -911,8 +911,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--loop-cores",
         choices=("all", "fast"),
         default="all",
-        help="fast: keep the benchmark (its event loop and the threads it starts) on the "
-        "cores whose probe ran within 15%% of the fastest one",
+        help="fast: keep the benchmark's main thread (its event loop), and the threads it "
+        "starts from then on, on the cores whose probe ran within 15%% of the fastest one",
     )
     parser.add_argument(
         "--no-gc-freeze",

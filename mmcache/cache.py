@@ -991,8 +991,10 @@ class FeatureCache:
             self._reap_landed()
         if not self._gpu_waiters and self._gpu_free() + self._gpu_releasing < nbytes + ahead // 2:
             # Below the low-water mark: offload a batch now, so the copies of the next
-            # batch overlap with the puts that use the room this one makes.
-            self._evict_gpu_for(nbytes + ahead, slack=ahead // 2)
+            # batch overlap with the puts that use the room this one makes. Topping up a
+            # batch saves a copy only where a host tier takes it (else it drops more).
+            slack = ahead // 2 if self._pool is not None else 0
+            self._evict_gpu_for(nbytes + ahead, slack=slack)
         if not self._gpu_waiters and self._gpu_free() >= nbytes:
             self._gpu_used += nbytes
             self._gpu_granted += nbytes

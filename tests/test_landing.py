@@ -157,7 +157,8 @@ async def test_a_landing_that_raises_fails_not_the_put_that_reaps_it(
         assert await asyncio.wait_for(cache.put("a", feature(rig, 16, 100), wait=False), 5)
     finally:
         loop.set_exception_handler(previous)
-    assert [str(c["exception"]) for c in reported] == ["a landing callback failed"]
+    ours = [c for c in reported if c.get("message", "").startswith("mmcache:")]
+    assert [str(c["exception"]) for c in ours] == ["a landing callback failed"]
     assert not cache._landing, "the landings after the one that raised were not handled"
     assert cache.stats().pending_copies == 0
     for i, expected in enumerate(kept):

@@ -444,25 +444,51 @@ def record_offload_batches(monkeypatch: pytest.MonkeyPatch) -> list[list[Hashabl
     return batches
 
 
+@pytest.mark.parametrize(
+    ("ahead", "sizes"),
+    [
+        # 8 MiB free at the 97th put, under its low-water mark (256 KiB + 8 MiB): it
+        # evicts to 16.25 MiB free or on the way, 32 + 1 features, and tops the 1 up.
+        (0.5, [32, 32]),
+        # 2 MiB free at the 121st put (mark 2.25 MiB): it evicts 9 features to 4.25 MiB,
+        # then tops them up by half its 4 MiB evict-ahead room, 8 more.
+        (0.125, [17]),
+    ],
+)
 async def test_an_eviction_ahead_tops_up_its_last_batch(
-    rig: Rig, make_cache: CacheFactory, monkeypatch: pytest.MonkeyPatch
+    rig: Rig,
+    make_cache: CacheFactory,
+    monkeypatch: pytest.MonkeyPatch,
+    ahead: float,
+    sizes: list[int],
 ) -> None:
-    """Evicting ahead 8.25 MiB of 256 KiB features would leave a batch of one (32 + 1);
-    it tops that one up to a whole 8 MiB batch instead of paying a copy for it alone."""
-    cache = make_cache(gpu_mb=32, cpu_mb=64, evict_ahead=0.5)
+    """A batch of small features left part full by an eviction ahead of need is topped
+    up (to 8 MiB at most, by half the evict-ahead room) rather than copied on its own."""
+    cache = make_cache(gpu_mb=32, cpu_mb=64, evict_ahead=ahead)
     batches = record_offload_batches(monkeypatch)
     expected = {}
-    # The 97th put finds 8 MiB free, under the low-water mark (its 256 KiB + 8 MiB), and
-    # evicts up to 16.25 MiB free or on the way; the puts after it use that room.
-    for i in range(128):
+    for i in range(128):  # 256 KiB each: the last ones need room
         expected[i] = await put_feature(cache, rig, i, 256, seed=i)
     await cache.drain()
-    assert [len(batch) for batch in batches] == [32, 32]
-    assert [key for batch in batches for key in batch] == list(range(64))  # LRU order
-    for i in (0, 32, 63):
+    assert [len(batch) for batch in batches] == sizes
+    evicted = sum(sizes)
+    assert [key for batch in batches for key in batch] == list(range(evicted))  # LRU order
+    for i in (0, evicted - 1):
         assert await tier_of(cache, i) == "host"
         assert_exact(await cache.get(i, device="cpu"), expected[i])
-    assert await tier_of(cache, 64) == "gpu"
+    assert await tier_of(cache, evicted) == "gpu"
+
+
+async def test_without_a_host_tier_an_eviction_ahead_drops_no_more_than_it_needs(
+    rig: Rig, make_cache: CacheFactory
+) -> None:
+    """Topping up saves a copy; with no host tier to copy to it would only drop more."""
+    cache = make_cache(gpu_mb=32, cpu_mb=0, evict_ahead=0.5)
+    for i in range(128):
+        await put_feature(cache, rig, i, 256, seed=i)
+    s = cache.stats()
+    assert s.dropped == 33  # 8.25 MiB to reach 16.25 MiB free (see the test above)
+    assert s.gpu_entries == 95
 
 
 async def test_a_top_up_stops_at_a_large_victim_and_at_the_slack(
@@ -480,14 +506,14 @@ async def test_a_top_up_stops_at_a_large_victim_and_at_the_slack(
     assert batches == [["s1", "s2"]]  # topped up with s2, not with the large one after it
     cache._evict_gpu_for(room_for(16), slack=1024 * KiB)
     assert batches[1:] == [["large"]]  # a large victim alone, nothing to top up
-    cache._evict_gpu_for(room_for(16), slack=8 * KiB)
-    assert batches[2:] == [["s3"]]  # s4 would exceed the slack
+    cache._evict_gpu_for(room_for(16), slack=16 * KiB)
+    assert batches[2:] == [["s3", "s4"]]  # s4 fills the slack exactly; s5 would exceed it
     await cache.drain()
     assert [await tier_of(cache, key) for key in ("s1", "s2", "large", "s3", "s4", "s5")] == [
         "host",
         "host",
         "host",
         "host",
-        "gpu",
+        "host",
         "gpu",
     ]
