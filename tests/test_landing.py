@@ -101,11 +101,9 @@ async def test_the_waiter_watches_one_offload_at_a_time_and_still_tells_an_idle_
         assert_exact(await cache.get(i, device="cpu"), expected)
 
 
-async def test_a_landing_that_raises_leaves_later_landings_watched(
-    rig: Rig, make_cache: CacheFactory, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    cache = make_cache(gpu_mb=0.25, cpu_mb=4, small_copy_bytes=0)  # 16 features of 16 KiB
-    kept = [await put_feature(cache, rig, i, 16, seed=i) for i in range(16)]
+def fail_first_landing(monkeypatch: pytest.MonkeyPatch, *, wake_puts: bool = False) -> list[int]:
+    """Make the first landed offload's handling raise once it is done (after waking the
+    puts that wait for room, with wake_puts); the list holds 1 until it has raised."""
     handled = FeatureCache._offloads_done
     failures = [1]
 
@@ -113,10 +111,21 @@ async def test_a_landing_that_raises_leaves_later_landings_watched(
         handled(self, *args)
         if failures[0]:
             failures[0] = 0
-            self._wake_gpu()  # the waiting put has its room, then the landing fails
+            if wake_puts:
+                self._wake_gpu()
             raise RuntimeError("a landing callback failed")
 
     monkeypatch.setattr(FeatureCache, "_offloads_done", fails_once)
+    return failures
+
+
+async def test_a_landing_that_raises_leaves_later_landings_watched(
+    rig: Rig, make_cache: CacheFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = make_cache(gpu_mb=0.25, cpu_mb=4, small_copy_bytes=0)  # 16 features of 16 KiB
+    kept = [await put_feature(cache, rig, i, 16, seed=i) for i in range(16)]
+    # The waiting put gets its room, then the landing fails.
+    failures = fail_first_landing(monkeypatch, wake_puts=True)
     assert await asyncio.wait_for(cache.put("a", feature(rig, 16, 100)), 5)
     assert not failures[0]
     # An idle loop, and a put that needs the next offload's landing to be reported.
@@ -139,16 +148,7 @@ async def test_a_landing_that_raises_fails_not_the_put_that_reaps_it(
     assert len(cache._landing) == 4
     rig.settle()
     assert all(offload.fence.done() for offload in cache._landing)
-    handled = FeatureCache._offloads_done
-    failures = [1]
-
-    def fails_once(self: FeatureCache, *args: Any) -> None:
-        handled(self, *args)
-        if failures[0]:
-            failures[0] = 0
-            raise RuntimeError("a landing callback failed")
-
-    monkeypatch.setattr(FeatureCache, "_offloads_done", fails_once)
+    fail_first_landing(monkeypatch)
     reported: list[dict[str, Any]] = []
     loop = asyncio.get_running_loop()
     previous = loop.get_exception_handler()
