@@ -298,6 +298,12 @@ async def warm_up(cache: FeatureCache, w: Workload, puts: int) -> bool:
 GROUP_BYTES = 8 * MiB
 
 
+def discard_phase(cache: FeatureCache, w: Workload, tag: str) -> None:
+    """Drop every feature an offload phase put under tag."""
+    for i in range(w.count):
+        cache.discard(_tagged(tag, i))
+
+
 def _tagged(tag: str, i: int) -> tuple[str, int]:
     return (tag, i)
 
@@ -377,8 +383,7 @@ async def offload_rounds(
         phases.append(await offload_phase(cache, w, round_tag, features, group, split))
         del features
         if not last:
-            for i in range(w.count):
-                cache.discard((round_tag, i))
+            discard_phase(cache, w, round_tag)
             await drain(cache)
     median = sorted(phases, key=lambda phase: phase["gbps"])[(len(phases) - 1) // 2]
     return {**median, "rounds_gbps": [phase["gbps"] for phase in phases]}
@@ -481,13 +486,11 @@ async def mmcache_column(w: Workload, device: str, quick: bool, rounds: int) -> 
             if group > 1:  # the same workload through put_many, first (its keys are discarded)
                 results["offload_many"] = await offload_rounds(cache, w, "g", rounds, group)
                 results["offload_many"]["group"] = group
-                for i in range(w.count):
-                    cache.discard(("g", i))
+                discard_phase(cache, w, "g")
                 await drain(cache)
                 results["offload_split"] = await offload_rounds(cache, w, "s", rounds, group, True)
                 results["offload_split"]["group"] = group
-                for i in range(w.count):
-                    cache.discard(("s", i))
+                discard_phase(cache, w, "s")
                 await drain(cache)
             results["offload"] = await offload_rounds(cache, w, "a", rounds)
             results["gets"] = await get_latencies(cache, w, "a")
@@ -515,8 +518,7 @@ async def mmcache_column(w: Workload, device: str, quick: bool, rounds: int) -> 
                     (pinned_pool_bytes() or 0) - (pool_before or 0) if cuda else None
                 ),
             }
-            for i in range(w.count):
-                cache.discard(("a", i))
+            discard_phase(cache, w, "a")
             if traced is not None:
                 results["copy_engine"] = await copy_engine_phase(cache, w, traced)
                 results["matmul"] = await matmul_interference(cache, w, quick, results["offload"])
@@ -541,8 +543,7 @@ async def copy_engine_phase(
         phase = await offload_phase(cache, w, "e", features)
     finally:
         traced.marks = None
-    for i in range(w.count):
-        cache.discard(("e", i))
+    discard_phase(cache, w, "e")
     busy_s = sum(float(begin.elapsed_time(end)) for _, begin, end in marks) / 1e3
     nbytes = sum(n for n, _, _ in marks)
     return {
@@ -625,8 +626,7 @@ async def matmul_interference(
     events = load.start(k)
     offload = await offload_phase(cache, w, "m", features)
     await asyncio.get_running_loop().run_in_executor(None, events[1].synchronize)
-    for i in range(w.count):
-        cache.discard(("m", i))
+    discard_phase(cache, w, "m")
     return {
         "matmul_ms_alone": load.alone_s * 1e3,
         "slowdown": load.slowdown(events, k),
