@@ -46,6 +46,7 @@ from mmcache.errors import (
 )
 from mmcache.host_pool import HostBlock, HostPool
 from mmcache.metrics import CacheMetrics, DeferredPush, ensure_metrics_server
+from mmcache.producer_fences import ProducerFences
 from mmcache.settings import CacheSettings
 from mmcache.stats import CacheStats
 from mmcache.waiting import FenceWatcher, wait_fences
@@ -130,6 +131,7 @@ class FeatureCache:
         # key -> its entry, or its place in a put_many group's entry
         self._entries: dict[Hashable, Entry | Member] = {}
         self._done_fence = self._device.completed_fence()
+        self._producers = ProducerFences(self._device)
         # Recency per tier only (least recent first); the byte ledger is ours. Every offloaded
         # feature is inserted, evicted and re-inserted here: an OrderedDict does that in
         # 0.5 µs, cachetools' LRUCache (size accounting per item) in 2.2 µs.
@@ -194,6 +196,7 @@ class FeatureCache:
         self._loop = loop
         self._loop_thread = threading.get_ident()
         self._tiers.bind(loop)
+        self._producers.bind(loop)
         self._watcher = FenceWatcher(loop)
         port = self.settings.metrics_port
         if port is not None and self._registry is None:
@@ -216,6 +219,7 @@ class FeatureCache:
         self._check_loop()
         self._closed = True
         self._tiers.unbind()
+        self._producers.unbind()
         if timeout is None:
             timeout = self._copy_timeout  # a stuck copy must not hang close() for ever
         for waiters in (self._gpu_waiters, self._host_waiters):
@@ -330,7 +334,7 @@ class FeatureCache:
         """
         tensor = holder.pop()
         nbytes = tensor.nbytes
-        ready = self._device.record(stream)
+        ready = self._producers.fence(stream)
         own = self._device.adopt(tensor, stream)
         del tensor
         try:
@@ -462,7 +466,7 @@ class FeatureCache:
             spans = [(0, len(keys))]
         else:
             spans = _runs(sizes, None, min(_BATCH_BYTES, host_limit))
-        produced = self._device.record(stream)
+        produced = self._producers.fence(stream)
         owned: list[tuple[torch.Tensor, Fence]] = []
         try:
             if len(spans) == 1:
@@ -531,7 +535,7 @@ class FeatureCache:
             for i, j in spans:
                 if j - i == 1:
                     if produced is None:
-                        produced = self._device.record(stream)
+                        produced = self._producers.fence(stream)
                     owned.append(self._own(items[i][1], stream, produced))
                     sources.append([])
                 else:

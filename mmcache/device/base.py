@@ -7,7 +7,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import Any, Protocol
+from typing import Any, Protocol, final
 
 import torch
 
@@ -15,6 +15,7 @@ from mmcache.errors import InvalidValueError
 
 __all__ = [
     "AllFences",
+    "DeferredFence",
     "Device",
     "Fence",
     "Stream",
@@ -53,6 +54,10 @@ class Fence(abc.ABC):
     @abc.abstractmethod
     def wait(self, timeout: float | None = None) -> bool:
         """Block the calling thread until done or timeout; return done(). Never on the loop."""
+
+    def resolved(self) -> Fence:
+        """The recorded fence this stands for: itself, but for a DeferredFence."""
+        return self
 
 
 def storage_use_count(tensor: torch.Tensor) -> int:
@@ -258,6 +263,49 @@ class AllFences(Fence):
             if not f.wait(left):
                 return False
         return True
+
+
+@final
+class DeferredFence(Fence):
+    """A fence on a stream that is recorded when first needed rather than when made.
+
+    Recorded later than it was made, it completes after all the work its stream had queued
+    then and perhaps after some queued since: whoever orders after it never waits too
+    little, at worst a little longer. Devices order work after resolved().
+    """
+
+    __slots__ = ("_device", "_fence", "_stream")
+
+    def __init__(self, device: Device, stream: Stream) -> None:
+        self._device = device
+        self._stream = stream
+        self._fence: Fence | None = None
+
+    @property
+    def recorded(self) -> bool:
+        """Whether the fence has been recorded on its stream."""
+        return self._fence is not None
+
+    def resolved(self) -> Fence:
+        """Record the fence now if not yet recorded; return it."""
+        fence = self._fence
+        if fence is None:
+            # Two threads may both record here: either fence covers the work, one stays.
+            fence = self._fence = self._device.record(self._stream)
+        return fence
+
+    def done(self) -> bool:
+        return self.resolved().done()
+
+    def exception(self) -> BaseException | None:
+        fence = self._fence
+        return None if fence is None else fence.exception()  # not recorded: not failed yet
+
+    def add_done_callback(self, fn: Callable[[], None]) -> None:
+        self.resolved().add_done_callback(fn)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self.resolved().wait(timeout)
 
 
 class _CompletedFence(Fence):

@@ -804,7 +804,8 @@ class CudaDevice(Device):
             # A batch's producers are mostly a few streams: waiting on the last fence of
             # each stream orders after all of them, at one wait_event per stream.
             last: dict[int, Fence] = {}
-            for fence in after:
+            for deferred in after:
+                fence = deferred.resolved()
                 if isinstance(fence, CudaFence):
                     key = fence.stream.cuda_stream
                     seen = last.get(key)
@@ -1034,6 +1035,7 @@ def _gather(run: list[torch.Tensor]) -> torch.Tensor:
 
 def _pending_event(fence: Fence) -> torch.cuda.Event | None:
     """The CUDA event a stream must wait on for fence, or None if it is done."""
+    fence = fence.resolved()
     if isinstance(fence, CudaFence):
         return fence.pending_event()
     if fence.done():

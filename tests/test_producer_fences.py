@@ -1,0 +1,153 @@
+"""Producer fences: one record per stream and loop iteration, never a wait too short.
+
+A burst of puts on one stream records a fence at the first put and shares one deferred
+fence among the rest, recorded when an offload or a read first needs it or when the
+iteration ends. Each scenario checks the bytes every reader sees, so a fence shared too
+widely (recorded before a later put's producer work) reads poison or stale memory here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import pytest
+import torch
+from conftest import CacheFactory, Rig, assert_exact, feature, stall
+
+from mmcache import FeatureCache
+from mmcache.device import SimDevice
+from mmcache.device.base import DeferredFence, Fence, Stream
+from mmcache.entry import Entry
+
+KIB = 16  # per feature
+
+
+def count_records(monkeypatch: pytest.MonkeyPatch, rig: Rig) -> collections.Counter[int]:
+    """Count the device's fence records per stream (by id) from now on."""
+    counts: collections.Counter[int] = collections.Counter()
+    record: Callable[[Stream], Fence] = rig.device.record
+
+    def counting(stream: Stream) -> Fence:
+        counts[id(stream)] += 1
+        return record(stream)
+
+    monkeypatch.setattr(rig.device, "record", counting)
+    return counts
+
+
+def ready_of(cache: FeatureCache, key: Hashable) -> Fence:
+    """The fence key's entry orders its readers after (its producer's, until offloaded)."""
+    entry = cache._entries[key]
+    assert isinstance(entry, Entry)
+    return entry.ready
+
+
+def side_stream(rig: Rig) -> Any:
+    """A producer stream of the rig's device, not the current one."""
+    if isinstance(rig.device, SimDevice):
+        return rig.device.stream("encoder")
+    return torch.cuda.Stream()  # type: ignore[no-untyped-call]
+
+
+def produce(rig: Rig, stream: Any, source: torch.Tensor) -> torch.Tensor:
+    """A copy of source (on the device) made by work queued on stream that has not run yet."""
+    dev = rig.device
+    if isinstance(dev, SimDevice):
+        out = dev.empty(tuple(source.shape), source.dtype)  # poison until the "kernel" runs
+        dev.launch(stream, lambda: out.copy_(source))
+        dev.release(out, after=[])  # empty()'s alias: the cache adopts one of its own
+        return out
+    with torch.cuda.stream(stream):
+        stall(stream, 0.002)  # a misordered reader would read before the copy below
+        return source.clone()
+
+
+async def test_a_burst_of_puts_records_one_fence_and_shares_another(
+    rig: Rig, make_cache: CacheFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = make_cache(gpu_mb=4, cpu_mb=4)
+    await cache.start()
+    stream = side_stream(rig)
+    counts = count_records(monkeypatch, rig)
+    for i in range(16):
+        assert await cache.put(i, feature(rig, KIB, seed=i), stream=stream)
+    assert counts[id(stream)] == 1, "only the first put of the iteration records"
+    shared = ready_of(cache, 1)
+    assert isinstance(shared, DeferredFence) and not shared.recorded
+    assert all(ready_of(cache, i) is shared for i in range(1, 16))
+    await asyncio.sleep(0)  # the iteration ends: the shared fence is recorded
+    assert shared.recorded and counts[id(stream)] == 2
+    assert await cache.put(16, feature(rig, KIB, seed=16), stream=stream)
+    assert counts[id(stream)] == 3, "a new iteration's first put records again"
+    for i in (0, 1, 15, 16):
+        assert_exact(await cache.get(i, device="cpu"), feature(rig, KIB, seed=i))
+
+
+async def test_each_put_of_a_burst_is_read_after_its_own_producer(
+    rig: Rig, make_cache: CacheFactory
+) -> None:
+    """Producer work is queued just before each put, and runs only after the burst.
+
+    Offloading ahead of need records the shared fence in the burst's middle, so the puts
+    after that share a new one; reads are queued before any producer work has run. Every
+    feature read on the host is its own producer's values: a fence shared too widely
+    (the first put's, or one recorded before a later put) lets a copy read first.
+    """
+    count = 32
+    cache = make_cache(gpu_mb=count * KIB / 1024, cpu_mb=1, evict_ahead=0.5)
+    await cache.start()
+    stream = side_stream(rig)
+    sources = [feature(rig, KIB, seed=i) for i in range(count)]
+    wants = [s.cpu() for s in sources]
+    rig.settle()
+    with rig.hold():
+        for i in range(count):
+            assert await cache.put(i, produce(rig, stream, sources[i]), stream=stream)
+        evicted = cache.stats().evictions_gpu
+        readies = [ready_of(cache, key) for key in cache._entries]
+        still_shared = [r for r in readies if isinstance(r, DeferredFence) and not r.recorded]
+        reads = [asyncio.create_task(cache.get(i, device="cpu")) for i in range(count)]
+        await asyncio.sleep(0.02)  # each read queues its copy, or waits for its offload
+    assert 0 < evicted < count and still_shared, "no offload in the burst's middle"
+    for i, read in enumerate(reads):
+        assert_exact(await read, wants[i])
+    await cache.drain()
+    assert cache.stats().leaked_bytes == 0
+
+
+async def test_a_shared_fence_is_recorded_when_its_iteration_ends(
+    rig: Rig, make_cache: CacheFactory
+) -> None:
+    """Work queued on the producer's stream in a later iteration is not the fence's to wait
+    for: an offload and a host read of the feature go ahead while that work still runs."""
+    cache = make_cache(gpu_mb=2 * KIB / 1024, cpu_mb=1)
+    await cache.start()
+    stream = side_stream(rig)
+    want = feature(rig, KIB, seed=2)
+    assert await cache.put("first", feature(rig, KIB, seed=1), stream=stream)
+    assert await cache.put("shared", want.clone(), stream=stream)
+    assert isinstance(ready_of(cache, "shared"), DeferredFence)
+    await asyncio.sleep(0)
+    dev = rig.device
+    if isinstance(dev, SimDevice):  # the stream's next work never completes until unstuck
+        dev.inject("fence_never_completes")
+        dev.copy_d2d(feature(rig, 1), dev.empty((1, 256), torch.float32), stream)
+    else:
+        stall(stream, 5.0)
+
+    async def offload_and_read() -> torch.Tensor | None:
+        # Two more features need the tier's room: both earlier ones are offloaded.
+        for key in ("x", "y"):
+            assert await cache.put(key, feature(rig, KIB, seed=3))
+        return await cache.get("shared", device="cpu")
+
+    try:
+        assert_exact(await asyncio.wait_for(offload_and_read(), 2.0), want)
+    finally:
+        if isinstance(dev, SimDevice):
+            dev.unstick()
+        else:
+            torch.cuda.synchronize()
