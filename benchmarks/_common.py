@@ -323,14 +323,17 @@ async def put_in_groups(
     start: int = 0,
     stop: int | None = None,
     key: Callable[[int], Any] = lambda i: i,
+    burst: int = 0,
 ) -> list[float]:
     """put (group == 1) or put_many features[start:stop] under key(index), handing each over.
 
     The list's slots are emptied as the cache takes the tensors, so nothing here keeps
-    them alive past their release. Returns each call's seconds.
+    them alive past their release. burst > 0: yield to the event loop after each burst
+    features (an encoder batch), untimed. Returns each call's seconds.
     """
     calls: list[float] = []
     end = len(features) if stop is None else stop
+    since_yield = 0
     for first in range(start, end, group):
         items = []
         for i in range(first, min(first + group, end)):
@@ -344,7 +347,11 @@ async def put_in_groups(
         else:
             await cache.put_many(items)
         calls.append(time.perf_counter() - t0)
+        since_yield += len(items)
         del items
+        if burst and since_yield >= burst:
+            since_yield = 0
+            await asyncio.sleep(0)
     return calls
 
 
@@ -373,11 +380,12 @@ async def put_in_splits(
     start: int = 0,
     stop: int | None = None,
     key: Callable[[int], Any] = lambda i: i,
+    burst: bool = False,
 ) -> list[float]:
     """put_split batches[start:stop], batch b's features under key(b * group + j).
 
-    The list's slots are emptied as the cache takes the batches. Returns each call's
-    seconds.
+    The list's slots are emptied as the cache takes the batches. burst: yield to the
+    event loop after each call, untimed. Returns each call's seconds.
     """
     calls: list[float] = []
     for b in range(start, len(batches) if stop is None else stop):
@@ -390,4 +398,6 @@ async def put_in_splits(
         await cache.put_split(keys, tensor, rows)
         calls.append(time.perf_counter() - t0)
         del tensor
+        if burst:
+            await asyncio.sleep(0)
     return calls

@@ -11,7 +11,9 @@ objects of start-up are frozen out of the garbage collector's reach first, as se
 engines do after warm-up (SGLang's freeze_gc, vLLM's freeze after warm-up); a full
 collection over torch's objects would stall a phase by ~100 ms. Each mmcache offload
 phase runs --rounds times (default 3) and reports its median round: a round's timed part
-can be as short as 15 ms, which one scheduling hiccup moves by a third.
+can be as short as 15 ms, which one scheduling hiccup moves by a third. Every strategy's
+producer hands over its features in batches of 8 MiB (an encoder batch; an 8 MB feature
+alone) and yields to the event loop between batches.
 """
 
 from __future__ import annotations
@@ -70,24 +72,41 @@ PHASE_TIMEOUT_S = 120.0
 
 @dataclass
 class Workload:
-    """count features of rows x HIDDEN bf16, each a fresh tensor with its own storage."""
+    """count features of rows x HIDDEN bf16, each a fresh tensor with its own storage.
+
+    Every strategy's producer hands them over burst_bytes at a time (an encoder batch)
+    and yields to the event loop between bursts, as a serving loop goes on to other work.
+    """
 
     name: str
     rows: int
     count: int
     base: torch.Tensor
+    burst_bytes: int = 8 * MiB
 
     @classmethod
-    def build(cls, name: str, rows: int, total_bytes: int, device: torch.device) -> Workload:
+    def build(
+        cls,
+        name: str,
+        rows: int,
+        total_bytes: int,
+        device: torch.device,
+        burst_bytes: int = 8 * MiB,
+    ) -> Workload:
         """A workload of about total_bytes; values come from one random base tensor."""
         nbytes = rows * HIDDEN * DTYPE.itemsize
         base = torch.randn(rows + 256, HIDDEN, device=device).to(DTYPE)
-        return cls(name, rows, max(8, total_bytes // nbytes), base)
+        return cls(name, rows, max(8, total_bytes // nbytes), base, burst_bytes)
 
     @property
     def nbytes(self) -> int:
         """Bytes of one feature."""
         return self.rows * HIDDEN * DTYPE.itemsize
+
+    @property
+    def burst(self) -> int:
+        """Features handed over between yields to the event loop (at least one)."""
+        return max(1, self.burst_bytes // self.nbytes)
 
     @property
     def total_bytes(self) -> int:
@@ -179,9 +198,10 @@ async def sync_cpu(w: Workload) -> dict[str, Any]:
     hosts: list[torch.Tensor] = []
     async with LoopLag() as lag:
         start = time.perf_counter()
-        for feature in features:
+        for i, feature in enumerate(features, 1):
             hosts.append(feature.cpu())
-            await asyncio.sleep(0)
+            if i % w.burst == 0:
+                await asyncio.sleep(0)
         wall = time.perf_counter() - start
     exact = all(w.check(i, hosts[i]) for i in range(0, w.count, max(1, w.count // 16)))
     return {"gbps": gbps(w.total_bytes, wall), "max_lag_ms": lag.max_lag_s * 1e3, "exact": exact}
@@ -196,9 +216,10 @@ async def nonblocking_pinned(w: Workload) -> dict[str, Any]:
         hosts: list[torch.Tensor] = []
         async with LoopLag() as lag:
             start = time.perf_counter()
-            for feature in features:
+            for i, feature in enumerate(features, 1):
                 hosts.append(feature.to("cpu", non_blocking=True))
-                await asyncio.sleep(0)
+                if i % w.burst == 0:
+                    await asyncio.sleep(0)
             done = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
             done.record()
             await asyncio.get_running_loop().run_in_executor(None, done.synchronize)
@@ -318,6 +339,9 @@ async def offload_phase(
 ) -> dict[str, Any]:
     """put every feature (handing over ownership), then wait for the offloads; time both.
 
+    The producer yields to the loop after each w.burst features, as the baselines do;
+    put_many and put_split calls are bursts of their own.
+
     The features that fit the GPU tier without eviction go in first, untimed and put
     the same way (the timed evictions move what the timed part puts): the timed part
     is a full tier's steady state, every put making room by offloading,
@@ -329,19 +353,21 @@ async def offload_phase(
     if split:  # the batches exist before the timed part, as features do for the others
         prefill -= prefill % group  # whole batches
         batches = concat_batches(features, group)
-        await put_in_splits(cache, batches, group, stop=prefill // group, key=key)
+        await put_in_splits(cache, batches, group, stop=prefill // group, key=key, burst=True)
     else:
-        await put_in_groups(cache, features, group, stop=prefill, key=key)
+        await put_in_groups(cache, features, group, stop=prefill, key=key, burst=w.burst)
     await drain(cache)
     before = cache.stats()
     async with LoopLag() as lag:
         start = time.perf_counter()
         if split:
             put_latency = await put_in_splits(
-                cache, batches, group, start=prefill // group, key=key
+                cache, batches, group, start=prefill // group, key=key, burst=True
             )
         else:
-            put_latency = await put_in_groups(cache, features, group, start=prefill, key=key)
+            put_latency = await put_in_groups(
+                cache, features, group, start=prefill, key=key, burst=w.burst
+            )
         puts_s = time.perf_counter() - start
         await drain(cache)
         wall = time.perf_counter() - start
@@ -638,7 +664,9 @@ async def matmul_interference(
 # --- driver -------------------------------------------------------------------------------------
 
 
-async def run(device: str, quick: bool, cores: dict[str, Any], rounds: int) -> dict[str, Any]:
+async def run(
+    device: str, quick: bool, cores: dict[str, Any], rounds: int, burst_bytes: int
+) -> dict[str, Any]:
     """Every column for every feature size."""
     cuda = device != "sim"
     total = (256 if quick else 1024) * MiB if cuda else 32 * MiB
@@ -647,6 +675,7 @@ async def run(device: str, quick: bool, cores: dict[str, Any], rounds: int) -> d
         "device": device,
         "quick": quick,
         "rounds": rounds,
+        "burst_bytes": burst_bytes,
         "sizes": {},
         "cores": cores,
     }
@@ -664,9 +693,13 @@ async def run(device: str, quick: bool, cores: dict[str, Any], rounds: int) -> d
     else:
         mmcache_error = None
     for name, rows in SPECS.items():
-        w = Workload.build(name, rows, total, torch_device)
+        w = Workload.build(name, rows, total, torch_device, burst_bytes)
         print(f"[{name}] {w.count} features, {w.total_bytes / MiB:.0f} MiB", file=sys.stderr)
-        row: dict[str, Any] = {"count": w.count, "feature_bytes": w.nbytes}
+        row: dict[str, Any] = {
+            "count": w.count,
+            "feature_bytes": w.nbytes,
+            "burst_features": w.burst,
+        }
         if cuda:
             row["raw"] = raw_pinned(w)
             row["raw"]["matmul"] = matmul_under_raw_copies(w, quick)
@@ -828,7 +861,8 @@ def report(results: dict[str, Any]) -> str:
         "\n### Offload summary (GB/s; ratios are mmcache / baseline; "
         "mmcache: one put per feature, put_many: 8 MiB of features a call, "
         f"put_split: 8 MiB batch tensors a call; mmcache: median of {results.get('rounds', 1)} "
-        "rounds)"
+        f"rounds; every strategy's producer yields to the event loop after each "
+        f"{results.get('burst_bytes', 0) / MiB:g} MiB of features, at least one)"
     )
     rows = []
     for name, r in sizes.items():
@@ -915,6 +949,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "starts from then on, on the cores whose probe ran within 15%% of the fastest one",
     )
     parser.add_argument(
+        "--burst-mb",
+        type=float,
+        default=GROUP_BYTES / MiB,
+        help="MiB of features every strategy's producer hands over between yields to the "
+        "event loop (an encoder batch; 0: yield after every feature)",
+    )
+    parser.add_argument(
         "--no-gc-freeze",
         action="store_true",
         help="leave the objects of start-up (torch's among them) to the garbage collector",
@@ -922,6 +963,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
+    if not args.burst_mb >= 0:
+        parser.error("--burst-mb must be 0 or more")
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: bench_offload compares GPU offload paths; nothing to do")
         print("(use --device sim to run the mmcache column on the simulator)")
@@ -938,7 +981,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         gc.freeze()
         frozen = gc.get_freeze_count()
     start = time.perf_counter()
-    results = asyncio.run(run(args.device, args.quick, cores, args.rounds))
+    burst_bytes = int(args.burst_mb * MiB)
+    results = asyncio.run(run(args.device, args.quick, cores, args.rounds, burst_bytes))
     results["gc_frozen_objects"] = frozen
     results["elapsed_s"] = time.perf_counter() - start
     print(report(results))

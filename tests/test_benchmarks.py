@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -60,6 +61,7 @@ def test_bench_offload_reports_exact_reads_and_no_leaks_on_the_simulator(tmp_pat
     assert results["gc_frozen_objects"] > 0
     assert f"garbage collector: {results['gc_frozen_objects']:,} objects" in done.stdout
     for name, row in results["sizes"].items():
+        assert row["burst_features"] == max(1, (8 << 20) // row["feature_bytes"]), name
         mmcache = row["mmcache"]
         assert mmcache["gets"]["exact"], name
         assert mmcache["stats"]["leaked_bytes"] == 0, name
@@ -70,9 +72,46 @@ def test_bench_offload_reports_exact_reads_and_no_leaks_on_the_simulator(tmp_pat
             assert mmcache["offload_many"]["dropped"] == 0, name
 
 
-def test_bench_offload_can_leave_the_garbage_collector_alone(tmp_path: Path) -> None:
+def test_bench_offload_can_leave_gc_alone_and_yield_after_every_feature(tmp_path: Path) -> None:
     out = tmp_path / "offload.json"
-    done = _run("bench_offload.py", "--out", str(out), "--rounds", "1", "--no-gc-freeze")
+    done = _run(
+        "bench_offload.py", "--out", str(out), "--rounds", "1", "--no-gc-freeze", "--burst-mb", "0"
+    )
     assert done.returncode == 0, done.stderr
-    assert json.loads(out.read_text())["gc_frozen_objects"] == 0
+    results = json.loads(out.read_text())
+    assert results["gc_frozen_objects"] == 0
     assert "garbage collector: nothing frozen (--no-gc-freeze)" in done.stdout
+    assert {row["burst_features"] for row in results["sizes"].values()} == {1}
+
+
+async def test_the_offload_producer_yields_after_each_burst_of_features() -> None:
+    """The benchmark's producer loop hands over a burst, then lets the loop run others."""
+    sys.path.insert(0, str(BENCHMARKS))
+    from _common import put_in_groups
+
+    order: list[object] = []
+
+    class Recorder:
+        async def put(self, key: int, value: object) -> bool:
+            order.append(key)
+            return True
+
+        async def put_many(self, items: list[tuple[int, object]]) -> bool:
+            order.extend(key for key, _ in items)
+            return True
+
+    async def other_work() -> None:
+        while True:
+            order.append("loop")
+            await asyncio.sleep(0)
+
+    other = asyncio.create_task(other_work())
+    await asyncio.sleep(0)
+    order.clear()
+    features: list[object] = list(range(12))
+    await put_in_groups(Recorder(), features, 1, burst=4)  # type: ignore[arg-type]
+    assert order[:14] == [0, 1, 2, 3, "loop", 4, 5, 6, 7, "loop", 8, 9, 10, 11]
+    order.clear()
+    await put_in_groups(Recorder(), list(range(8)), 2, burst=4)  # type: ignore[arg-type]
+    assert order[:9] == [0, 1, 2, 3, "loop", 4, 5, 6, 7]
+    other.cancel()
