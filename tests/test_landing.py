@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from conftest import CacheFactory, KiB, Rig, assert_exact, feature, needs_hold, put_feature
 
+import mmcache.cache
 from mmcache import FeatureCache
 from mmcache.device.base import Fence
 from mmcache.device.sim import SimFence
@@ -37,6 +38,7 @@ async def test_a_put_uses_room_whose_offload_landed_but_was_not_reported(
     monkeypatch.setattr(FenceWatcher, "_completed", lambda self, fn: late.append(fn))
     # No room now: this put starts offloads for it and gives up without waiting.
     assert await cache.put("first", feature(rig, 16, 100), wait=False) is False
+    cache._watch_landings(now=True)  # as the loop does a little later if nothing reaps
     rig.settle()  # the offloads have landed; nobody has said so
     assert late, "the device reported completions (held back here)"
     # The next put finds the landed room itself, without any report.
@@ -52,7 +54,7 @@ async def test_a_put_uses_room_whose_offload_landed_but_was_not_reported(
         assert_exact(await cache.get(i, device="cpu"), expected)
 
 
-async def test_the_waiter_watches_one_offload_at_a_time_and_still_tells_an_idle_loop(
+async def test_the_waiter_watches_one_offload_at_a_time_late_and_still_tells_an_idle_loop(
     rig: Rig, make_cache: CacheFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # An offload per feature, started ahead of need: puts do not wait for landings.
@@ -90,13 +92,76 @@ async def test_the_waiter_watches_one_offload_at_a_time_and_still_tells_an_idle_
     with rig.hold():  # the offloads the last puts start stay queued together
         for i in range(62):  # the GPU tier holds 64, and offloads ahead from about 56
             kept.append(await put_feature(cache, rig, i, 16, seed=i))
-        assert watching[2] >= 4
+        assert watching[2] >= 4 and watching[0] == 0, "watched while puts went on"
+        await asyncio.sleep(0.01)  # an idle loop: the watch is armed, a little late
+        assert watching[0] == 1
     rig.settle()
     # No put follows: the watch alone must bring every landing to the loop.
-    assert cache._watcher is not None
-    await asyncio.wait_for(cache._watcher.idle(), 10)
+    await asyncio.sleep(0.2)  # every copy has landed: the report, then at most a late watch
     assert not cache._landing and cache.stats().pending_copies == 0
     assert watching[1] == 1, f"{watching[1]} landing watches at once"
+    for i, expected in enumerate(kept):
+        assert_exact(await cache.get(i, device="cpu"), expected)
+
+
+def count_landing_watches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the landing watches handed to the waiter thread from now on."""
+    armed = [0]
+    watched = FeatureCache._when_done
+
+    def when_done(
+        self: FeatureCache,
+        fences: Sequence[Fence],
+        callback: Callable[[], None],
+        *,
+        fresh: bool = False,
+    ) -> None:
+        if callback == self._landing_reported:
+            armed[0] += 1
+        watched(self, fences, callback, fresh=fresh)
+
+    monkeypatch.setattr(FeatureCache, "_when_done", when_done)
+    return armed
+
+
+async def test_a_loop_that_yields_between_puts_reaps_landings_without_watches(
+    rig: Rig, make_cache: CacheFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While no put waits, the watch comes late: puts reap what has landed, and drain
+    watches at once."""
+    monkeypatch.setattr(mmcache.cache, "_WATCH_DELAY_S", 60.0)
+    armed = count_landing_watches(monkeypatch)
+    cache = make_cache(gpu_mb=0.25, cpu_mb=4, evict_ahead=0.5)  # 16 features of 16 KiB
+    kept = []
+    for i in range(48):
+        kept.append(await put_feature(cache, rig, i, 16, seed=i))
+        await asyncio.sleep(0)  # other work of the loop between puts, while...
+        rig.settle()  # ...the copies land: no put waits for room
+    assert cache.stats().evictions_gpu >= 32
+    assert armed[0] == 0, "the waiter was asked to watch while puts went on"
+    with rig.hold():
+        cache._evict_gpu_for(cache._gpu_capacity)  # offloads with no put to reap them
+        assert cache._landing and armed[0] == 0
+    await asyncio.wait_for(cache.drain(), 5)  # does not wait for the late watch
+    assert not cache._landing and cache.stats().pending_copies == 0
+    for i, expected in enumerate(kept):
+        assert_exact(await cache.get(i, device="cpu"), expected)
+
+
+async def test_a_put_waiting_for_room_in_flight_has_its_landing_watched_at_once(
+    rig: Rig, make_cache: CacheFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The room a put waits for is already being copied out (offloaded ahead, its watch
+    still to come late): the put must not wait for the late watch."""
+    monkeypatch.setattr(mmcache.cache, "_WATCH_DELAY_S", 60.0)
+    cache = make_cache(gpu_mb=0.25, cpu_mb=4, evict_ahead=0.5)  # 16 features of 16 KiB
+    with rig.hold():
+        kept = [await put_feature(cache, rig, i, 16, seed=i) for i in range(16)]
+        assert cache._landing and not cache._landing_watched
+        waiting = asyncio.create_task(cache.put("late", feature(rig, 16, 100)))
+        await asyncio.sleep(0.01)
+        assert not waiting.done(), "the put found room while every copy was held"
+    assert await asyncio.wait_for(waiting, 5)
     for i, expected in enumerate(kept):
         assert_exact(await cache.get(i, device="cpu"), expected)
 

@@ -117,7 +117,7 @@ async def test_broken_variant_source_released_before_copy_sees_poison(
 
     from mmcache import CacheSettings
 
-    def untracked(self: FeatureCache) -> None:
+    def untracked(self: FeatureCache, *, now: bool = False) -> None:
         while self._landing:  # every queued offload counts as landed at once
             _, landed = self._landing.popitem(last=False)
             landed()
