@@ -54,12 +54,11 @@ async def test_a_put_uses_room_whose_offload_landed_but_was_not_reported(
         assert_exact(await cache.get(i, device="cpu"), expected)
 
 
-async def test_the_waiter_watches_one_offload_at_a_time_late_and_still_tells_an_idle_loop(
-    rig: Rig, make_cache: CacheFactory, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # An offload per feature, started ahead of need: puts do not wait for landings.
-    cache = make_cache(gpu_mb=1, cpu_mb=4, small_copy_bytes=0, evict_ahead=0.125)
-    watching = [0, 0, 0]  # now, most at once, offloads queued
+def track_landing_watches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Follow the landing watches handed to the waiter thread from now on: the list holds
+    those armed now, the most armed at once, and all armed so far."""
+    watching = [0, 0, 0]
+    watched = FeatureCache._when_done
 
     def when_done(
         self: FeatureCache,
@@ -77,22 +76,34 @@ async def test_the_waiter_watches_one_offload_at_a_time_late_and_still_tells_an_
 
         watching[0] += 1
         watching[1] = max(watching[1], watching[0])
+        watching[2] += 1
         return watched(self, fences, reported, fresh=fresh)
+
+    monkeypatch.setattr(FeatureCache, "_when_done", when_done)
+    return watching
+
+
+async def test_the_waiter_watches_one_offload_at_a_time_late_and_still_tells_an_idle_loop(
+    rig: Rig, make_cache: CacheFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An offload per feature, started ahead of need: puts do not wait for landings.
+    cache = make_cache(gpu_mb=1, cpu_mb=4, small_copy_bytes=0, evict_ahead=0.125)
+    watching = track_landing_watches(monkeypatch)
+    queued = [0]
 
     def start_offloads(
         self: FeatureCache, items: Sequence[tuple[Entry, HostBlock]], charged_gpu: bool
     ) -> None:
-        watching[2] += len(items)
+        queued[0] += len(items)
         started(self, items, charged_gpu=charged_gpu)
 
-    watched, started = FeatureCache._when_done, FeatureCache._start_offloads
-    monkeypatch.setattr(FeatureCache, "_when_done", when_done)
+    started = FeatureCache._start_offloads
     monkeypatch.setattr(FeatureCache, "_start_offloads", start_offloads)
     kept = []
     with rig.hold():  # the offloads the last puts start stay queued together
         for i in range(62):  # the GPU tier holds 64, and offloads ahead from about 56
             kept.append(await put_feature(cache, rig, i, 16, seed=i))
-        assert watching[2] >= 4 and watching[0] == 0, "watched while puts went on"
+        assert queued[0] >= 4 and watching[0] == 0, "watched while puts went on"
         await asyncio.sleep(0.01)  # an idle loop: the watch is armed, a little late
         assert watching[0] == 1
     rig.settle()
@@ -104,33 +115,13 @@ async def test_the_waiter_watches_one_offload_at_a_time_late_and_still_tells_an_
         assert_exact(await cache.get(i, device="cpu"), expected)
 
 
-def count_landing_watches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Count the landing watches handed to the waiter thread from now on."""
-    armed = [0]
-    watched = FeatureCache._when_done
-
-    def when_done(
-        self: FeatureCache,
-        fences: Sequence[Fence],
-        callback: Callable[[], None],
-        *,
-        fresh: bool = False,
-    ) -> None:
-        if callback == self._landing_reported:
-            armed[0] += 1
-        watched(self, fences, callback, fresh=fresh)
-
-    monkeypatch.setattr(FeatureCache, "_when_done", when_done)
-    return armed
-
-
 async def test_a_loop_that_yields_between_puts_reaps_landings_without_watches(
     rig: Rig, make_cache: CacheFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """While no put waits, the watch comes late: puts reap what has landed, and drain
     watches at once."""
     monkeypatch.setattr(mmcache.cache, "_WATCH_DELAY_S", 60.0)
-    armed = count_landing_watches(monkeypatch)
+    watching = track_landing_watches(monkeypatch)
     cache = make_cache(gpu_mb=0.25, cpu_mb=4, evict_ahead=0.5)  # 16 features of 16 KiB
     kept = []
     for i in range(48):
@@ -138,10 +129,10 @@ async def test_a_loop_that_yields_between_puts_reaps_landings_without_watches(
         await asyncio.sleep(0)  # other work of the loop between puts, while...
         rig.settle()  # ...the copies land: no put waits for room
     assert cache.stats().evictions_gpu >= 32
-    assert armed[0] == 0, "the waiter was asked to watch while puts went on"
+    assert watching[2] == 0, "the waiter was asked to watch while puts went on"
     with rig.hold():
         cache._evict_gpu_for(cache._gpu_capacity)  # offloads with no put to reap them
-        assert cache._landing and armed[0] == 0
+        assert cache._landing and watching[2] == 0
     await asyncio.wait_for(cache.drain(), 5)  # does not wait for the late watch
     assert not cache._landing and cache.stats().pending_copies == 0
     for i, expected in enumerate(kept):
