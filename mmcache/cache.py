@@ -223,6 +223,9 @@ class FeatureCache:
         self._closed = True
         self._tiers.unbind()
         self._producers.unbind()
+        if self._watch_timer is not None:  # landings are watched at once from here on
+            self._watch_timer.cancel()
+            self._watch_timer = None
         if timeout is None:
             timeout = self._copy_timeout  # a stuck copy must not hang close() for ever
         for waiters in (self._gpu_waiters, self._host_waiters):
@@ -238,9 +241,6 @@ class FeatureCache:
         if self._watcher is not None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._all_landed(), timeout)
-        if self._watch_timer is not None:
-            self._watch_timer.cancel()
-            self._watch_timer = None
         with contextlib.suppress(CopyTimeoutError):
             await self._packings_done(timeout)  # one that never ends keeps its values
         if self._packing_timer is not None:
@@ -1218,6 +1218,7 @@ class FeatureCache:
                     return True
                 waiter.future = self._loop.create_future()
                 self._host_waiters.appendleft(waiter)
+                self._watch_landings()  # a report just took us off the line: watch on
         finally:
             with contextlib.suppress(ValueError):
                 self._host_waiters.remove(waiter)
@@ -1404,8 +1405,10 @@ class FeatureCache:
     def _watch_late(self) -> None:
         """The delayed watch: handle what has landed, then watch the rest at once."""
         self._watch_timer = None
-        self._reap_landed()
-        self._watch_landings(now=True)
+        try:
+            self._reap_landed()
+        finally:
+            self._watch_landings(now=True)
 
     def _landing_reported(self) -> None:
         # Still marked watched while reaping: offloads the landings start need no watch

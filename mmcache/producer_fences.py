@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from typing import Final
 
@@ -11,6 +12,7 @@ from mmcache.device.base import DeferredFence, Device, Fence, Stream
 __all__ = ["ProducerFences"]
 
 _UNSEEN: Final = object()
+_log = logging.getLogger("mmcache")
 
 
 class ProducerFences:
@@ -47,13 +49,13 @@ class ProducerFences:
 
     def fence(self, stream: Stream) -> Fence:
         """The fence a put on stream orders its features' readers after."""
+        loop = self._loop
+        if loop is None or threading.get_ident() != self._thread:
+            return self._device.record(stream)
         opened = self._open
         key = id(stream)
         shared = opened.get(key, _UNSEEN)
         if shared is _UNSEEN:
-            loop = self._loop
-            if loop is None or threading.get_ident() != self._thread:
-                return self._device.record(stream)
             if not opened:
                 loop.call_soon(self.record_open)
             opened[key] = None
@@ -64,8 +66,11 @@ class ProducerFences:
 
     def unbind(self) -> None:
         """Record what is shared now and every fence at once from here on (closing)."""
-        self.record_open()
         self._loop = None
+        try:
+            self.record_open()
+        except Exception:  # a device that cannot record must not stop a close
+            _log.exception("mmcache: recording the shared producer fences failed")
 
     def record_open(self) -> None:
         """Record the shared fences nothing has needed yet, and start a new iteration.
@@ -74,7 +79,9 @@ class ProducerFences:
         is no longer theirs to cover.
         """
         opened = self._open
-        for shared in opened.values():
-            if shared is not None:
-                shared.resolved()
-        opened.clear()
+        try:
+            for shared in opened.values():
+                if shared is not None:
+                    shared.resolved()
+        finally:  # one that failed to record still records when needed
+            opened.clear()

@@ -11,9 +11,11 @@ from typing import Any
 
 import pytest
 from conftest import CacheFactory, KiB, Rig, assert_exact, feature, needs_hold, put_feature
+from prometheus_client import CollectorRegistry
 
 import mmcache.cache
-from mmcache import FeatureCache
+from mmcache import CacheSettings, FeatureCache
+from mmcache.device import SimDevice
 from mmcache.device.base import Fence
 from mmcache.device.sim import SimFence
 from mmcache.entry import Entry
@@ -155,6 +157,29 @@ async def test_a_put_waiting_for_room_in_flight_has_its_landing_watched_at_once(
     assert await asyncio.wait_for(waiting, 5)
     for i, expected in enumerate(kept):
         assert_exact(await cache.get(i, device="cpu"), expected)
+
+
+async def test_a_host_put_needing_several_landings_has_each_watched_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Host tier only: a put waits for three offloads in flight to land, one by one, so
+    that it can evict their entries; each landing that does not yet make its room must
+    leave the next one watched at once, not late."""
+    monkeypatch.setattr(mmcache.cache, "_WATCH_DELAY_S", 60.0)
+    device = SimDevice(latency_s=0.02)  # copies land one by one, 20 ms apart
+    rig = Rig(device, "sim")
+    settings = CacheSettings(gpu_cache_mb=0, cpu_cache_mb=64 / 1024)  # four features
+    try:
+        async with FeatureCache(settings, device, registry=CollectorRegistry()) as cache:
+            for i in range(4):
+                assert await cache.put(i, feature(rig, 16, seed=i))
+            assert cache._landing, "the offloads are still in flight"
+            large = feature(rig, 48, seed=9)
+            want = large.clone()
+            assert await asyncio.wait_for(cache.put("large", large), 5)
+            assert_exact(await cache.get("large", device="cpu"), want)
+    finally:
+        device.close()
 
 
 def fail_first_landing(monkeypatch: pytest.MonkeyPatch, *, wake_puts: bool = False) -> list[int]:

@@ -82,6 +82,10 @@ async def test_a_burst_of_puts_records_one_fence_and_shares_another(
     assert shared.recorded and counts[id(stream)] == 2
     assert await cache.put(16, feature(rig, KIB, seed=16), stream=stream)
     assert counts[id(stream)] == 3, "a new iteration's first put records again"
+    assert await cache.put(17, feature(rig, KIB, seed=17), stream=stream)
+    assert isinstance(ready_of(cache, 17), DeferredFence)
+    off_loop = await asyncio.to_thread(cache._producers.fence, stream)
+    assert not isinstance(off_loop, DeferredFence), "shared with a thread off the loop"
     for i in (0, 1, 15, 16):
         assert_exact(await cache.get(i, device="cpu"), feature(rig, KIB, seed=i))
 
@@ -129,8 +133,10 @@ async def test_a_shared_fence_is_recorded_when_its_iteration_ends(
     want = feature(rig, KIB, seed=2)
     assert await cache.put("first", feature(rig, KIB, seed=1), stream=stream)
     assert await cache.put("shared", want.clone(), stream=stream)
-    assert isinstance(ready_of(cache, "shared"), DeferredFence)
+    shared = ready_of(cache, "shared")
+    assert isinstance(shared, DeferredFence) and not shared.recorded
     await asyncio.sleep(0)
+    assert shared.recorded
     dev = rig.device
     if isinstance(dev, SimDevice):  # the stream's next work never completes until unstuck
         dev.inject("fence_never_completes")
