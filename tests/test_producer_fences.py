@@ -90,8 +90,20 @@ async def test_a_burst_of_puts_records_one_fence_and_shares_another(
         assert_exact(await cache.get(i, device="cpu"), feature(rig, KIB, seed=i))
 
 
+async def put_one(
+    cache: FeatureCache, how: str, key: Hashable, value: torch.Tensor, stream: Any
+) -> bool:
+    """Cache one feature through put, a put_many of it alone, or a put_split of it whole."""
+    if how == "put":
+        return await cache.put(key, value, stream=stream)
+    if how == "put_many":
+        return await cache.put_many([(key, value)], stream=stream)
+    return await cache.put_split([key], value, [value.shape[0]], stream=stream)
+
+
+@pytest.mark.parametrize("how", ["put", "put_many", "put_split"])
 async def test_each_put_of_a_burst_is_read_after_its_own_producer(
-    rig: Rig, make_cache: CacheFactory
+    rig: Rig, make_cache: CacheFactory, how: str
 ) -> None:
     """Producer work is queued just before each put, and runs only after the burst.
 
@@ -109,7 +121,7 @@ async def test_each_put_of_a_burst_is_read_after_its_own_producer(
     rig.settle()
     with rig.hold():
         for i in range(count):
-            assert await cache.put(i, produce(rig, stream, sources[i]), stream=stream)
+            assert await put_one(cache, how, i, produce(rig, stream, sources[i]), stream)
         evicted = cache.stats().evictions_gpu
         readies = [ready_of(cache, key) for key in cache._entries]
         still_shared = [r for r in readies if isinstance(r, DeferredFence) and not r.recorded]
