@@ -1386,8 +1386,8 @@ class FeatureCache:
         puts waiting for room. It is armed at once while a put waits for room (or with
         now), else _WATCH_DELAY_S later and only if landings are still unhandled then:
         a loop that yields between batches of puts would otherwise take a report per
-        landing (1 MB features put 8 MiB between yields on the H200: 36 GB/s with
-        them, 43 without, medians of three alternating pairs).
+        landing (1 MB features put 8 MiB between yields on the H200: 34-38 GB/s with
+        them, 40-43 without, the median rounds of three alternating pairs).
         """
         if self._landing_watched or not self._landing:
             return
