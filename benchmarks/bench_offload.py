@@ -68,6 +68,9 @@ DTYPE = torch.bfloat16
 SPECS = {"8MB": 1000, "1MB": 128, "64KB": 8}
 GET_SAMPLES = 50
 PHASE_TIMEOUT_S = 120.0
+#: put_many groups: about this many bytes of features a call (a few images, a video's
+#: frames); also the producers' default burst between yields, so a call is one burst.
+GROUP_BYTES = 8 * MiB
 
 
 @dataclass
@@ -82,7 +85,7 @@ class Workload:
     rows: int
     count: int
     base: torch.Tensor
-    burst_bytes: int = 8 * MiB
+    burst_bytes: int = GROUP_BYTES
 
     @classmethod
     def build(
@@ -91,7 +94,7 @@ class Workload:
         rows: int,
         total_bytes: int,
         device: torch.device,
-        burst_bytes: int = 8 * MiB,
+        burst_bytes: int = GROUP_BYTES,
     ) -> Workload:
         """A workload of about total_bytes; values come from one random base tensor."""
         nbytes = rows * HIDDEN * DTYPE.itemsize
@@ -313,10 +316,6 @@ async def warm_up(cache: FeatureCache, w: Workload, puts: int) -> bool:
             return ready
         await asyncio.sleep(0.05)
     return False
-
-
-#: put_many groups: about this many bytes of features a call (a few images, a video's frames).
-GROUP_BYTES = 8 * MiB
 
 
 def discard_phase(cache: FeatureCache, w: Workload, tag: str) -> None:
