@@ -9,6 +9,12 @@ feature, next to the main thread's CPU time over wall time.
     python benchmarks/loop_phases.py --mb 0.0625 --count 16384 --group 128
     python benchmarks/loop_phases.py --mb 0.0625 --count 16384 --group 128 --split
     python benchmarks/loop_phases.py --mb 1 --count 2048 --group 8 --untimed
+    python benchmarks/loop_phases.py --mb 1 --count 2048 --burst-mb 8
+
+--burst-mb B yields to the event loop after each B MiB of features, as
+`bench_offload.py`'s producers do; a second table then gives the time of every
+callback the loop ran (task steps, timers, reports from other threads) and of its
+waits in the selector, per loop iteration and per feature.
 
 Steps nest (eviction includes the offloads it starts, which include the device
 phases; a drain of landings includes the offloads it completes). CUDA only.
@@ -68,6 +74,77 @@ def _timed(owner: Any, attribute: str, label: str) -> None:
     setattr(owner, attribute, wrapper)
 
 
+class LoopAccounting:
+    """Times every callback the event loop runs, by what it calls, and its selector waits."""
+
+    def __init__(self) -> None:
+        self.callbacks: dict[str, list[float]] = {}
+        self.selects: list[float] = []
+        self._original_run = asyncio.events.Handle._run
+
+    def install(self, loop: asyncio.AbstractEventLoop) -> None:
+        callbacks = self.callbacks
+        original = self._original_run
+
+        def run(handle: asyncio.Handle) -> None:
+            t0 = clock()
+            try:
+                original(handle)
+            finally:
+                callbacks.setdefault(_callback_name(handle), []).append(clock() - t0)
+
+        asyncio.events.Handle._run = run  # type: ignore[method-assign,assignment]
+        selector = loop._selector  # type: ignore[attr-defined]
+        select = selector.select
+        selects = self.selects
+
+        def timed_select(timeout: float | None = None) -> Any:
+            t0 = clock()
+            try:
+                return select(timeout)
+            finally:
+                selects.append(clock() - t0)
+
+        selector.select = timed_select
+
+    def clear(self) -> None:
+        self.callbacks.clear()
+        self.selects.clear()
+
+    def uninstall(self) -> None:
+        asyncio.events.Handle._run = self._original_run  # type: ignore[method-assign]
+
+    def table(self, count: int) -> list[list[Any]]:
+        iterations = max(1, len(self.selects))
+        rows: list[list[Any]] = [
+            [
+                "selector waits (one per loop iteration)",
+                len(self.selects),
+                f"{sum(self.selects) * 1e6 / iterations:.2f}",
+                f"{sum(self.selects) * 1e6 / count:.2f}",
+            ]
+        ]
+        for name, values in sorted(self.callbacks.items(), key=lambda kv: -sum(kv[1])):
+            rows.append(
+                [
+                    name,
+                    len(values),
+                    f"{sum(values) * 1e6 / iterations:.2f}",
+                    f"{sum(values) * 1e6 / count:.2f}",
+                ]
+            )
+        return rows
+
+
+def _callback_name(handle: asyncio.Handle) -> str:
+    callback = handle._callback  # type: ignore[attr-defined]
+    owner = getattr(callback, "__self__", None)
+    if isinstance(owner, asyncio.Task):
+        return f"task step: {owner.get_coro().__qualname__}"  # type: ignore[union-attr]
+    name = getattr(callback, "__qualname__", None) or type(callback).__qualname__
+    return f"{name} ({'timer' if isinstance(handle, asyncio.TimerHandle) else 'soon'})"
+
+
 def instrument() -> None:
     """Install the timers (process-wide: this script only)."""
     device_cls = cuda_device.CudaDevice
@@ -90,8 +167,8 @@ def instrument() -> None:
 
 
 async def run(
-    mb: float, count: int, group: int, split: bool
-) -> tuple[dict[str, float], list[list[Any]]]:
+    mb: float, count: int, group: int, split: bool, burst_mb: float | None
+) -> tuple[dict[str, float], list[list[Any]], list[list[Any]]]:
     rows = max(1, int(mb * 2**20 / (HIDDEN * 2)))
     features: list[torch.Tensor | None] = [
         torch.full((rows, HIDDEN), float(i % 7), dtype=torch.bfloat16, device="cuda")
@@ -114,13 +191,21 @@ async def run(
         await cache.drain()
         torch.cuda.synchronize()
         offloaded_before = cache.stats().d2h_bytes
+        burst = 0 if burst_mb is None else max(1, int(burst_mb * 2**20) // (rows * HIDDEN * 2))
+        accounting = LoopAccounting() if burst_mb is not None else None
+        if accounting is not None:
+            accounting.install(asyncio.get_running_loop())
         timings.clear()
         start, cpu0 = clock(), time.thread_time()
-        if split:
-            put_s = await put_in_splits(cache, batches, group)
-        else:
-            put_s = await put_in_groups(cache, features, group)
-        await cache.drain()
+        try:
+            if split:
+                put_s = await put_in_splits(cache, batches, group, burst=burst > 0)
+            else:
+                put_s = await put_in_groups(cache, features, group, burst=burst)
+            await cache.drain()
+        finally:
+            if accounting is not None:
+                accounting.uninstall()
         wall, cpu = clock() - start, time.thread_time() - cpu0
         stats = cache.stats()
     summary = {
@@ -140,7 +225,7 @@ async def run(
                 f"{sum(us) / count:.2f}",
             ]
         )
-    return summary, table
+    return summary, table, accounting.table(count) if accounting is not None else []
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -154,15 +239,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="no step timers and the collector off: the put loop's own rate, to compare versions",
     )
+    parser.add_argument(
+        "--burst-mb",
+        type=float,
+        default=None,
+        help="yield to the event loop after each this many MiB of features, and time the "
+        "loop's callbacks (default: never yield)",
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("loop_phases: needs a CUDA device")
         return 0
+    gc.collect()
+    gc.freeze()  # torch's start-up objects: as bench_offload.py and serving engines do
     if args.untimed:
         gc.disable()  # a full collection inside a short loop is noise for a comparison
     else:
         instrument()
-    summary, table = asyncio.run(run(args.mb, args.count, args.group, args.split))
+    if args.burst_mb is not None and not args.burst_mb >= 0:
+        parser.error("--burst-mb must be 0 or more")
+    summary, table, loop_table = asyncio.run(
+        run(args.mb, args.count, args.group, args.split, args.burst_mb)
+    )
     call = "put_split" if args.split else "put_many"
     print(
         f"{args.count} x {args.mb:g} MiB, {call} of {args.group}: {summary['gbps']:.2f} GB/s "
@@ -171,6 +269,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     headers = ["step", "calls", "p50 µs", "p90 µs", "µs per feature"]
     print(markdown_table(headers, table))
+    if loop_table:
+        print()
+        print(
+            markdown_table(
+                ["loop callback", "calls", "µs per iteration", "µs per feature"], loop_table
+            )
+        )
     return 0
 
 
