@@ -240,10 +240,12 @@ async def through_cache(args: argparse.Namespace, device: TracingCudaDevice) -> 
         device.timeline = timeline
         begin = time.perf_counter()
         idle.start()
+        # --burst-mb: yield to the loop between bursts, as bench_offload.py's producers do.
+        burst = 0 if args.burst_mb is None else max(1, int(args.burst_mb * 2**20) // nbytes)
         if args.split:
-            calls = await put_in_splits(cache, batches, args.group)
+            calls = await put_in_splits(cache, batches, args.group, burst=burst > 0)
         else:
-            calls = await put_in_groups(cache, features, args.group)
+            calls = await put_in_groups(cache, features, args.group, burst=burst)
         put_waits = [s * 1e6 for s in calls]
         await cache.drain()
         wall = time.perf_counter() - begin
@@ -315,6 +317,13 @@ def main() -> int:
     parser.add_argument("--depth", type=int, default=0, help="device only: copies in flight")
     parser.add_argument("--group", type=int, default=1, help="through the cache: put_many size")
     parser.add_argument("--split", action="store_true", help="put_split batches of --group")
+    parser.add_argument(
+        "--burst-mb",
+        type=float,
+        default=None,
+        help="through the cache: yield to the event loop after each this many MiB of features "
+        "(default: never yield)",
+    )
     parser.add_argument("--switch-interval", type=float, help="sys.setswitchinterval (s)")
     parser.add_argument("--label", default="")
     args = parser.parse_args()
