@@ -14,7 +14,7 @@ feature, next to the main thread's CPU time over wall time.
 --burst-mb B yields to the event loop after each B MiB of features, as
 `bench_offload.py`'s producers do; a second table then gives the time of every
 callback the loop ran (task steps, timers, reports from other threads) and of its
-waits in the selector, per loop iteration and per feature.
+waits in the selector, per loop iteration and per feature (not with --untimed).
 
 Steps nest (eviction includes the offloads it starts, which include the device
 phases; a drain of landings includes the offloads it completes). CUDA only.
@@ -167,7 +167,7 @@ def instrument() -> None:
 
 
 async def run(
-    mb: float, count: int, group: int, split: bool, burst_mb: float | None
+    mb: float, count: int, group: int, split: bool, burst_mb: float | None, timed: bool
 ) -> tuple[dict[str, float], list[list[Any]], list[list[Any]]]:
     rows = max(1, int(mb * 2**20 / (HIDDEN * 2)))
     features: list[torch.Tensor | None] = [
@@ -192,7 +192,7 @@ async def run(
         torch.cuda.synchronize()
         offloaded_before = cache.stats().d2h_bytes
         burst = 0 if burst_mb is None else max(1, int(burst_mb * 2**20) // (rows * HIDDEN * 2))
-        accounting = LoopAccounting() if burst_mb is not None else None
+        accounting = LoopAccounting() if burst_mb is not None and timed else None
         if accounting is not None:
             accounting.install(asyncio.get_running_loop())
         timings.clear()
@@ -259,7 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.burst_mb is not None and not args.burst_mb >= 0:
         parser.error("--burst-mb must be 0 or more")
     summary, table, loop_table = asyncio.run(
-        run(args.mb, args.count, args.group, args.split, args.burst_mb)
+        run(args.mb, args.count, args.group, args.split, args.burst_mb, not args.untimed)
     )
     call = "put_split" if args.split else "put_many"
     print(

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import gc
 import itertools
 import random
+import sys
 import threading
 import time
 import weakref
@@ -390,6 +392,64 @@ def test_offloads_into_the_arena_take_one_driver_call(
     assert device.copy_d2h_batch(srcs[:2], outside, [0, MiB], []).wait(30)
     assert calls == [9]
     assert torch.equal(outside[:MiB], as_bytes(srcs[0]).cpu())
+
+
+@contextlib.contextmanager
+def gil_wanted_elsewhere() -> Iterator[None]:
+    """A thread that runs Python all along: whenever this one lets go of the GIL, that one
+    takes it and keeps it until the interpreter's switch interval forces it back."""
+    stop = threading.Event()
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.005)
+
+    def spin() -> None:
+        while not stop.is_set():
+            pass
+
+    spinner = threading.Thread(target=spin)
+    spinner.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        spinner.join()
+        sys.setswitchinterval(interval)
+
+
+def test_queueing_driver_calls_keep_the_gil(device: CudaDevice) -> None:
+    """Batched copies and a sleeper's check of a done fence hold the GIL through the driver.
+
+    Each call that let go of it would wait up to a switch interval (5 ms) to get it back
+    from the spinning thread: 100 of them would take about a second.
+    """
+    needs_driver_batches(device)
+    from mmcache.device.cuda_driver import CudaDriver
+
+    srcs = [random_tensor((8, 4096), torch.bfloat16, seed=i) for i in range(4)]  # 64 KiB
+    arena = device.host_arena(MiB)
+    offsets = [i * MiB // 4 for i in range(4)]
+    done = device.record(side_stream())
+    assert done.wait(30)
+    sleeper = CudaDriver.get().sleeper(0)
+    copier = device._copier
+    assert copier is not None
+    stream = device.d2h_stream
+    dsts = [arena.data_ptr() + offset for offset in offsets]
+    ptrs = [src.data_ptr() for src in srcs]
+    sizes = [src.nbytes for src in srcs]
+    try:
+        with gil_wanted_elsewhere():
+            start = time.perf_counter()
+            for _ in range(100):
+                copier.copy(dsts, ptrs, sizes, stream.cuda_stream)
+                sleeper.sleep_until(done.event.cuda_event)
+            elapsed = time.perf_counter() - start
+        stream.synchronize()
+    finally:
+        sleeper.close()
+    assert elapsed < 0.25, f"100 batched copies and checks took {elapsed:.3f} s"
+    for src, offset in zip(srcs, offsets, strict=True):
+        assert torch.equal(arena[offset : offset + src.nbytes], as_bytes(src).cpu())
 
 
 def test_a_batch_the_driver_refuses_raises_copy_failed(device: CudaDevice) -> None:

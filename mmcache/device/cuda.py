@@ -152,9 +152,7 @@ class CudaFence(Fence):
             self.wait(math.inf)  # done() records a sticky error
             return
         try:
-            if not _event_query(self.event):
-                sleeper.sleep_until(self.event.cuda_event)
-                _event_query(self.event)  # a sticky error surfaces here
+            sleeper.sleep_until(self.event.cuda_event)  # a sticky error surfaces here too
         except (RuntimeError, MMCacheError) as exc:
             self._error = CopyFailedError(f"device work before a fence failed: {exc}")
         self._done = True
@@ -439,6 +437,10 @@ class CudaDevice(Device):
     #: pin_chunk_bytes chunks, and a copy that crosses a chunk boundary is split here, so
     #: blocks may straddle chunks and exceed their size.
     arena_chunk_bytes = None
+
+    #: Batches of at least this many copies into the arena go through the driver's
+    #: batched copies; fewer through torch's copy_.
+    driver_min_runs: int = 2
 
     def __init__(
         self,
@@ -727,7 +729,11 @@ class CudaDevice(Device):
         runs = self._packed_runs(batch_order(srcs, host, offsets))
         stream = self._d2h
         try:
-            if len(runs) > 1 and self._copier is not None and self._in_arena(host):
+            if (
+                len(runs) >= self.driver_min_runs
+                and self._copier is not None
+                and self._in_arena(host)
+            ):
                 self._order_after(stream, after)
                 try:
                     self._copy_runs(runs, host, stream)

@@ -24,6 +24,7 @@ _CU_MEMHOSTALLOC_PORTABLE: Final = 0x1
 _CU_MEMHOSTREGISTER_PORTABLE: Final = 0x1
 _CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS: Final = 0x1
 _CUDA_ERROR_OUT_OF_MEMORY: Final = 2
+_CUDA_ERROR_NOT_READY: Final = 600
 _CU_STREAM_NON_BLOCKING: Final = 0x1
 _CU_EVENT_SLEEPS: Final = 0x1 | 0x2  # CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING
 _CU_MEMCPY_SRC_ACCESS_ORDER_STREAM: Final = 0x1
@@ -106,14 +107,31 @@ class CudaDriver:
             func = getattr(lib, name)
             func.argtypes = argtypes
             func.restype = cint
+        # The same library with the GIL kept through each call, for calls that only queue
+        # work or read state. A call through `lib` lets go of the GIL and takes it back
+        # after; with fence waiter threads waiting for it, the taking back can wait for
+        # one of them to run (a hand-over each). Calls that block stay on `lib`.
+        held = ctypes.PyDLL("libcuda.so.1")
+        for name in (
+            "cuCtxPushCurrent_v2",
+            "cuCtxPopCurrent_v2",
+            "cuStreamWaitEvent",
+            "cuEventRecord",
+        ):
+            func = getattr(held, name)
+            func.argtypes = signatures[name]
+            func.restype = cint
+        held.cuEventQuery.argtypes = [vp]
+        held.cuEventQuery.restype = cint
         self._lib = lib
+        self._held = held
         self._contexts: dict[int, ctypes.c_void_p] = {}
         self._lock = threading.Lock()
         self._check(lib.cuInit(0), "cuInit")
         version = ctypes.c_int()
         self._check(lib.cuDriverGetVersion(ctypes.byref(version)), "cuDriverGetVersion")
         self.version = f"{version.value // 1000}.{version.value % 1000 // 10}"
-        self._batch_copy, self._batch_fail_index = _bind_batch_copy(lib, version.value)
+        self._batch_copy, self._batch_fail_index = _bind_batch_copy(held, version.value)
 
     # --- pinned host memory -----------------------------------------------------------
 
@@ -347,7 +365,7 @@ class BatchCopier:
         ]
         if self._fail_index:
             args.append(ctypes.byref(size_t()))
-        lib = self._driver._lib
+        lib = self._driver._held  # it only queues: keep the GIL (see CudaDriver.__init__)
         # Any thread: the stream's context is made current for the call, as _current does.
         code = lib.cuCtxPushCurrent_v2(self._context)
         if code == 0:
@@ -368,8 +386,9 @@ class FenceSleeper:
     (BENCHMARKS.md), and a put records one on its producer's stream, which an encoder
     may keep busy for tens of ms. Instead the sleeping thread queues a wait for the
     fence's event on a stream of its own and sleeps on its one blocking-sync event
-    recorded behind it: one such event per thread is ever pending. The driver calls
-    go through ctypes, which releases the GIL for each.
+    recorded behind it: one such event per thread is ever pending. Only the sleep
+    itself lets go of the GIL: the thread takes it back once per fence, not once per
+    driver call (each taking can make the event loop's thread wait for it).
     """
 
     __slots__ = ("_driver", "_event", "_ordinal", "_stream")
@@ -383,14 +402,23 @@ class FenceSleeper:
         self._event = event
 
     def sleep_until(self, event: int) -> None:
-        """Block until the work before event (a CUevent, e.g. torch's cuda_event) is done."""
+        """Block until the work before event (a CUevent, e.g. torch's cuda_event) is done.
+
+        Returns at once if it is done already. Raises MMCacheError if the work before it
+        failed (a sticky error of the context).
+        """
         stream = self._stream
         if stream is None:
             raise MMCacheError("this FenceSleeper was closed")
-        lib, check = self._driver._lib, self._driver._check
-        check(lib.cuStreamWaitEvent(stream, event, 0), "cuStreamWaitEvent")
-        check(lib.cuEventRecord(self._event, stream), "cuEventRecord")
-        check(lib.cuEventSynchronize(self._event), "cuEventSynchronize")
+        driver = self._driver
+        held, check = driver._held, driver._check
+        code = held.cuEventQuery(event)
+        if code == _CUDA_ERROR_NOT_READY:
+            check(held.cuStreamWaitEvent(stream, event, 0), "cuStreamWaitEvent")
+            check(held.cuEventRecord(self._event, stream), "cuEventRecord")
+            check(driver._lib.cuEventSynchronize(self._event), "cuEventSynchronize")
+            code = held.cuEventQuery(event)
+        check(code, "cuEventQuery")
 
     def close(self) -> None:
         """Destroy the stream and the event (once nothing waits on them)."""
