@@ -142,6 +142,8 @@ class ModelDevice(SimDevice):
         host: torch.Tensor,
         offsets: Sequence[int],
         after: Sequence[Fence],
+        *,
+        owned: bool = False,
     ) -> Fence:
         return self._engine(sum(src.nbytes for src in srcs))
 

@@ -92,13 +92,17 @@ class TracingCudaDevice(CudaDevice):
         host: torch.Tensor,
         offsets: Sequence[int],
         after: Sequence[Fence],
+        *,
+        owned: bool = False,
     ) -> CudaFence:
         if self.timeline is None:
-            return super().copy_d2h_batch(srcs, host, offsets, after)
+            return super().copy_d2h_batch(srcs, host, offsets, after, owned=owned)
         nbytes = sum(src.nbytes for src in srcs)
         return self._traced(
             nbytes,
-            lambda: super(TracingCudaDevice, self).copy_d2h_batch(srcs, host, offsets, after),
+            lambda: super(TracingCudaDevice, self).copy_d2h_batch(
+                srcs, host, offsets, after, owned=owned
+            ),
         )
 
     def _traced(self, nbytes: int, enqueue: Callable[[], CudaFence]) -> CudaFence:

@@ -1286,7 +1286,9 @@ class FeatureCache:
                 if not ready.done() or ready.exception() is not None:
                     readies.append(ready)
         try:
-            fence = self._device.copy_d2h_batch(srcs, self._pool.arena, offsets, after=readies)
+            fence = self._device.copy_d2h_batch(
+                srcs, self._pool.arena, offsets, after=readies, owned=True
+            )
         except MMCacheError as e:
             # Refused at enqueue (e.g. no memory for a gather buffer): nothing was queued,
             # so the victims are dropped as if the host tier could not take them.

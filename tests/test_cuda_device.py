@@ -534,6 +534,109 @@ def test_batched_copies_across_arena_chunks_are_exact(
     device.close()
 
 
+@pytest.mark.parametrize("method", ["register", "hostalloc"])
+def test_owned_batches_go_to_the_driver_as_they_are(
+    method: ArenaMethod, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cache's own sources skip the per-source checks, not the ordering, the chunk
+    splits or the bounds; a batch with a source to gather takes the checked path."""
+    device = CudaDevice(0, arena_method=method, pin_chunk_bytes=4 * MiB)
+    needs_driver_batches(device)
+    arena = device.host_arena(14 * MiB)
+    arena.fill_(0xAB)
+    srcs = [random_tensor((3 * MiB,), torch.uint8, seed=1)]  # across the first boundary
+    srcs += [random_tensor((5 * MiB,), torch.uint8, seed=2)]  # across the second
+    srcs += [random_tensor((128, 4096), torch.bfloat16, seed=3)]  # 1 MiB
+    offsets = [MiB * 5 // 2, 6 * MiB, 12 * MiB]
+    checked: list[int] = []
+    pieces: list[tuple[int, int]] = []
+    packed_runs, queue_batch = device._packed_runs, device._queue_batch
+
+    def counted(ordered: list[tuple[int, torch.Tensor]]) -> Any:
+        checked.append(len(ordered))
+        return packed_runs(ordered)
+
+    def recorded(dsts: list[int], srcs: list[int], sizes: list[int], stream: Any) -> None:
+        pieces.extend((dst - arena.data_ptr(), size) for dst, size in zip(dsts, sizes, strict=True))
+        queue_batch(dsts, srcs, sizes, stream)
+
+    monkeypatch.setattr(device, "_packed_runs", counted)
+    monkeypatch.setattr(device, "_queue_batch", recorded)
+    # The producer rewrites every source behind a hold: a batch not ordered after it
+    # would copy the old values.
+    rewrites = [random_tensor(tuple(s.shape), s.dtype, seed=10 + i) for i, s in enumerate(srcs)]
+    torch.cuda.synchronize()
+    gc.collect()  # an earlier test's arena freed mid-hold (cuMemFreeHost) would synchronise
+    side = side_stream()
+    hold(side)
+    with torch.cuda.stream(side):
+        for src, new in zip(srcs, rewrites, strict=True):
+            src.copy_(new)
+    gate = device.record(side)
+    fence = device.copy_d2h_batch(srcs, arena, offsets, [gate], owned=True)
+    assert not fence.done()
+    assert fence.wait(30)
+    assert checked == []  # no source checked again
+    chunk = 4 * MiB if method == "register" else arena.numel()
+    assert sum(size for _, size in pieces) == sum(src.nbytes for src in srcs)
+    assert all(at // chunk == (at + size - 1) // chunk for at, size in pieces), pieces
+    written = torch.zeros(arena.numel(), dtype=torch.bool)
+    for src, offset in zip(srcs, offsets, strict=True):
+        assert torch.equal(arena[offset : offset + src.nbytes], as_bytes(src).cpu())
+        written[offset : offset + src.nbytes] = True
+    assert bool((arena[~written] == 0xAB).all()), "bytes outside the ranges were written"
+    # Bounds are still checked, before anything is queued.
+    queued = len(pieces)
+    with pytest.raises(InvalidValueError, match="outside"):
+        device.copy_d2h_batch(srcs[1:], arena, [0, 14 * MiB - 4096], [], owned=True)
+    assert len(pieces) == queued
+    # A source small enough to gather with its neighbours: the checked path.
+    small = [random_tensor((16, 1024), torch.float32, seed=20 + i) for i in range(2)]
+    batch = [srcs[2], *small]
+    assert device.copy_d2h_batch(batch, arena, [0, MiB, MiB + 65536], [], owned=True).wait(30)
+    assert checked == [3]
+    for src, offset in zip([srcs[2], *small], [0, MiB, MiB + 65536], strict=True):
+        assert torch.equal(arena[offset : offset + src.nbytes], as_bytes(src).cpu())
+    device.close()
+
+
+async def test_the_cache_offloads_its_own_features_unchecked(
+    device: CudaDevice, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    needs_driver_batches(device)
+    checked: list[int] = []
+    unchecked: list[int] = []
+    packed_runs, owned_ranges = device._packed_runs, device._owned_ranges
+
+    def counted(ordered: list[tuple[int, torch.Tensor]]) -> Any:
+        checked.append(len(ordered))
+        return packed_runs(ordered)
+
+    def owned(srcs: list[torch.Tensor], host: torch.Tensor, offsets: list[int]) -> Any:
+        ranges = owned_ranges(srcs, host, offsets)
+        if ranges is not None:
+            unchecked.append(len(srcs))
+        return ranges
+
+    monkeypatch.setattr(device, "_packed_runs", counted)
+    monkeypatch.setattr(device, "_owned_ranges", owned)
+    settings = CacheSettings(gpu_cache_mb=8, cpu_cache_mb=64, evict_ahead=0.5)
+    features = {i: random_tensor((128, 4096), torch.bfloat16, seed=i) for i in range(40)}
+    expected = {i: t.cpu() for i, t in features.items()}
+    async with FeatureCache(settings, device, registry=CollectorRegistry()) as cache:
+        await cache.wait_host_ready(timeout=30)
+        for i in range(40):
+            assert await cache.put(i, features.pop(i))
+        await cache.drain()
+        s = cache.stats()
+        assert s.cpu_entries >= 30 and (s.copy_failures, s.dropped, s.leaked_bytes) == (0, 0, 0)
+        assert unchecked and min(unchecked) > 1, unchecked  # batches of several features
+        assert all(n == 1 for n in checked), checked  # only lone offloads, through torch
+        for i, want in expected.items():
+            got = await cache.get(i, device="cpu")
+            assert got is not None and torch.equal(got, want), i
+
+
 def test_release_holds_the_tensor_until_its_fences(device: CudaDevice) -> None:
     side = side_stream()
     t = torch.empty(1024, device="cuda:0")  # before the hold: a cudaMalloc may synchronise

@@ -167,6 +167,8 @@ class Device(abc.ABC):
         host: torch.Tensor,
         offsets: Sequence[int],
         after: Sequence[Fence],
+        *,
+        owned: bool = False,
     ) -> Fence:
         """Queue copies of srcs (device, contiguous) into host's bytes at offsets, after
         the fences, behind one fence that fails if any copy fails.
@@ -176,6 +178,10 @@ class Device(abc.ABC):
         batch is many small features, and per-source allocator bookkeeping adds up.
         Batches complete in the order queued (one copy stream): the cache handles
         landings oldest first and has only the oldest one watched.
+
+        owned: the sources are the cache's own aliases (whole, contiguous tensors of this
+        device with no lazy conjugate or negation, checked at put) and the ranges are its
+        host pool's blocks; a device may then skip checking each source again.
         """
         fences = [
             self.copy_d2h(src, host[offset : offset + src.nbytes], after)
