@@ -20,7 +20,7 @@ import torch
 from conftest import stall
 from prometheus_client import CollectorRegistry
 
-from mmcache import CacheSettings, FeatureCache
+from mmcache import CacheSettings, CacheStats, FeatureCache
 from mmcache.device.cuda import ArenaMethod, CudaDevice, CudaFence
 from mmcache.device.cuda_driver import BatchCopier
 from mmcache.errors import CacheClosedError, CopyFailedError, InvalidValueError, MMCacheError
@@ -337,9 +337,22 @@ def test_batch_copy_is_exact_in_any_order_and_waits_for_its_producers(
     at = [offsets[i] for i in order]
     assert device.copy_d2h_batch(shuffled, arena, at, []).wait(30)
     arena.fill_(0)  # so the held batch below must write every byte again
-    # The producer rewrites every source behind a hold: a batch not ordered after it
-    # would copy the old values.
-    rewrites = [random_tensor(tuple(s.shape), s.dtype, seed=100 + i) for i, s in enumerate(srcs)]
+    gate, expected = rewritten_behind_a_hold(device, srcs, seed=100)
+    fence = device.copy_d2h_batch(shuffled, arena, at, [gate])
+    assert not fence.done()
+    assert fence.wait(30)
+    for i, want in enumerate(expected):
+        assert torch.equal(arena[offsets[i] : offsets[i] + want.numel()], want), specs[i]
+    device.close()
+
+
+def rewritten_behind_a_hold(
+    device: CudaDevice, srcs: list[torch.Tensor], seed: int
+) -> tuple[CudaFence, list[torch.Tensor]]:
+    """The producer rewrites every source on a side stream held behind a long kernel: a
+    copy not ordered after the returned fence would copy the old values. Returns the
+    fence and the new values' bytes (read before the hold)."""
+    rewrites = [random_tensor(tuple(s.shape), s.dtype, seed=seed + i) for i, s in enumerate(srcs)]
     expected = [as_bytes(r).cpu() for r in rewrites]
     torch.cuda.synchronize()  # the rewrites exist before the side stream reads them
     gc.collect()  # an earlier test's arena freed mid-hold (cuMemFreeHost) would synchronise
@@ -348,13 +361,25 @@ def test_batch_copy_is_exact_in_any_order_and_waits_for_its_producers(
     with torch.cuda.stream(side):
         for src, new in zip(srcs, rewrites, strict=True):
             src.copy_(new)
-    gate = device.record(side)
-    fence = device.copy_d2h_batch(shuffled, arena, at, [gate])
-    assert not fence.done()
-    assert fence.wait(30)
-    for i, want in enumerate(expected):
-        assert torch.equal(arena[offsets[i] : offsets[i] + want.numel()], want), specs[i]
-    device.close()
+    return device.record(side), expected
+
+
+def assert_copied_in_chunks(
+    arena: torch.Tensor,
+    srcs: list[torch.Tensor],
+    offsets: list[int],
+    pieces: list[tuple[int, int]],
+    chunk: int,
+) -> None:
+    """Every source's bytes at its offset, no copied piece across a registered chunk, and
+    nothing written outside the ranges (the arena was filled with 0xAB)."""
+    assert sum(size for _, size in pieces) == sum(src.nbytes for src in srcs)
+    assert all(at // chunk == (at + size - 1) // chunk for at, size in pieces), pieces
+    written = torch.zeros(arena.numel(), dtype=torch.bool)
+    for src, offset in zip(srcs, offsets, strict=True):
+        assert torch.equal(arena[offset : offset + src.nbytes], as_bytes(src).cpu())
+        written[offset : offset + src.nbytes] = True
+    assert bool((arena[~written] == 0xAB).all()), "bytes outside the ranges were written"
 
 
 def needs_driver_batches(device: CudaDevice) -> None:
@@ -476,23 +501,32 @@ async def test_a_batch_the_driver_refuses_goes_through_torch_and_loses_nothing(
     monkeypatch.setattr(BatchCopier, "copy", refuse)
     # Offloading half the tier ahead: batches of several features, one copy per 1 MiB
     # feature; with gathers, pairs of 64 KiB features between them are gathered first.
+    s = await offload_and_read_back(
+        device, [8 if gathers and i % 3 != 2 else 128 for i in range(60)]
+    )
+    assert len(refused) == 1 and refused[0] > 1, "no batch of several copies was refused"
+    assert device.describe()["batched_copies"] == "torch copy_"  # from then on
+    assert (s.copy_failures, s.dropped, s.leaked_bytes) == (0, 0, 0)
+    assert s.cpu_entries > refused[0]
+
+
+async def offload_and_read_back(device: CudaDevice, rows: list[int]) -> CacheStats:
+    """Put features of rows x 4096 bf16 through a cache that offloads half its GPU tier
+    ahead (batches of several features), drain, and check every read; the stats after
+    the drain."""
     settings = CacheSettings(gpu_cache_mb=8, cpu_cache_mb=64, evict_ahead=0.5)
-    rows = [8 if gathers and i % 3 != 2 else 128 for i in range(60)]
     features = {i: random_tensor((n, 4096), torch.bfloat16, seed=i) for i, n in enumerate(rows)}
     expected = {i: t.cpu() for i, t in features.items()}
     async with FeatureCache(settings, device, registry=CollectorRegistry()) as cache:
         await cache.wait_host_ready(timeout=30)
-        for i in range(60):
+        for i in range(len(rows)):
             assert await cache.put(i, features.pop(i))
         await cache.drain()
-        s = cache.stats()
-        assert len(refused) == 1 and refused[0] > 1, "no batch of several copies was refused"
-        assert device.describe()["batched_copies"] == "torch copy_"  # from then on
-        assert (s.copy_failures, s.dropped, s.leaked_bytes) == (0, 0, 0)
-        assert s.cpu_entries > refused[0]
+        stats = cache.stats()
         for i, want in expected.items():
             got = await cache.get(i, device="cpu")
             assert got is not None and torch.equal(got, want), i
+    return stats
 
 
 @pytest.mark.parametrize("method", ["register", "hostalloc"])
@@ -522,15 +556,9 @@ def test_batched_copies_across_arena_chunks_are_exact(
     # One call; with registrations of 4 MiB, no copy crosses one (a copy over two
     # registrations is not a copy into one pinned range).
     chunk = 4 * MiB if method == "register" else arena.numel()
-    assert sum(size for _, size in pieces) == sum(src.nbytes for src in srcs)
-    assert all(at // chunk == (at + size - 1) // chunk for at, size in pieces), pieces
+    assert_copied_in_chunks(arena, srcs, offsets, pieces, chunk)
     if method == "register":
         assert len(pieces) == 6  # three ranges, each split in two
-    written = torch.zeros(arena.numel(), dtype=torch.bool)
-    for src, offset in zip(srcs, offsets, strict=True):
-        assert torch.equal(arena[offset : offset + src.nbytes], as_bytes(src).cpu())
-        written[offset : offset + src.nbytes] = True
-    assert bool((arena[~written] == 0xAB).all()), "bytes outside the ranges were written"
     device.close()
 
 
@@ -562,29 +590,13 @@ def test_owned_batches_go_to_the_driver_as_they_are(
 
     monkeypatch.setattr(device, "_packed_runs", counted)
     monkeypatch.setattr(device, "_queue_batch", recorded)
-    # The producer rewrites every source behind a hold: a batch not ordered after it
-    # would copy the old values.
-    rewrites = [random_tensor(tuple(s.shape), s.dtype, seed=10 + i) for i, s in enumerate(srcs)]
-    torch.cuda.synchronize()
-    gc.collect()  # an earlier test's arena freed mid-hold (cuMemFreeHost) would synchronise
-    side = side_stream()
-    hold(side)
-    with torch.cuda.stream(side):
-        for src, new in zip(srcs, rewrites, strict=True):
-            src.copy_(new)
-    gate = device.record(side)
+    gate, _ = rewritten_behind_a_hold(device, srcs, seed=10)
     fence = device.copy_d2h_batch(srcs, arena, offsets, [gate], owned=True)
     assert not fence.done()
     assert fence.wait(30)
     assert checked == []  # no source checked again
     chunk = 4 * MiB if method == "register" else arena.numel()
-    assert sum(size for _, size in pieces) == sum(src.nbytes for src in srcs)
-    assert all(at // chunk == (at + size - 1) // chunk for at, size in pieces), pieces
-    written = torch.zeros(arena.numel(), dtype=torch.bool)
-    for src, offset in zip(srcs, offsets, strict=True):
-        assert torch.equal(arena[offset : offset + src.nbytes], as_bytes(src).cpu())
-        written[offset : offset + src.nbytes] = True
-    assert bool((arena[~written] == 0xAB).all()), "bytes outside the ranges were written"
+    assert_copied_in_chunks(arena, srcs, offsets, pieces, chunk)
     # Bounds are still checked, before anything is queued.
     queued = len(pieces)
     with pytest.raises(InvalidValueError, match="outside"):
@@ -620,21 +632,10 @@ async def test_the_cache_offloads_its_own_features_unchecked(
 
     monkeypatch.setattr(device, "_packed_runs", counted)
     monkeypatch.setattr(device, "_owned_ranges", owned)
-    settings = CacheSettings(gpu_cache_mb=8, cpu_cache_mb=64, evict_ahead=0.5)
-    features = {i: random_tensor((128, 4096), torch.bfloat16, seed=i) for i in range(40)}
-    expected = {i: t.cpu() for i, t in features.items()}
-    async with FeatureCache(settings, device, registry=CollectorRegistry()) as cache:
-        await cache.wait_host_ready(timeout=30)
-        for i in range(40):
-            assert await cache.put(i, features.pop(i))
-        await cache.drain()
-        s = cache.stats()
-        assert s.cpu_entries >= 30 and (s.copy_failures, s.dropped, s.leaked_bytes) == (0, 0, 0)
-        assert unchecked and min(unchecked) > 1, unchecked  # batches of several features
-        assert all(n == 1 for n in checked), checked  # only lone offloads, through torch
-        for i, want in expected.items():
-            got = await cache.get(i, device="cpu")
-            assert got is not None and torch.equal(got, want), i
+    s = await offload_and_read_back(device, [128] * 40)  # 1 MiB features
+    assert s.cpu_entries >= 30 and (s.copy_failures, s.dropped, s.leaked_bytes) == (0, 0, 0)
+    assert unchecked and min(unchecked) > 1, unchecked  # batches of several features
+    assert all(n == 1 for n in checked), checked  # only lone offloads, through torch
 
 
 def test_release_holds_the_tensor_until_its_fences(device: CudaDevice) -> None:
