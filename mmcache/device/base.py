@@ -181,7 +181,8 @@ class Device(abc.ABC):
 
         owned: the sources are the cache's own aliases (whole, contiguous tensors of this
         device with no lazy conjugate or negation, checked at put) and the ranges are its
-        host pool's blocks; a device may then skip checking each source again.
+        host pool's blocks, which never overlap; a device may then skip checking each
+        source and the ranges' overlap again (not their bounds).
         """
         fences = [
             self.copy_d2h(src, host[offset : offset + src.nbytes], after)

@@ -748,9 +748,12 @@ class CudaDevice(Device):
                         self._copy_runs(runs, host, stream)
                     return self._record_on(stream)
                 except CopyFailedError as exc:
-                    # Its arguments are checked, so the driver refuses the call itself (an
+                    # With its arguments checked (an owned batch's are checked now, and a
+                    # bad one raises here), the driver refuses the call itself (an
                     # unsupported platform), not this batch: torch's copies from now on.
                     # Nothing of a refused call is queued; copying again is harmless.
+                    if runs is None:
+                        runs = self._packed_runs(batch_order(srcs, host, offsets))
                     _log.warning("%s: %s; copying through torch from now on", self.name, exc)
                     self._copier = None
             if runs is None:

@@ -110,7 +110,11 @@ class CudaDriver:
         # The same library with the GIL kept through each call, for calls that only queue
         # work or read state. A call through `lib` lets go of the GIL and takes it back
         # after; with fence waiter threads waiting for it, the taking back can wait for
-        # one of them to run (a hand-over each). Calls that block stay on `lib`.
+        # one of them to run (a hand-over each). Calls that block stay on `lib`. The
+        # trade: should one of these wait on a driver lock that a long call on another
+        # thread holds (pinning the arena, freeing pinned memory), every Python thread
+        # waits with it, not only the caller. The cache makes most of them once its arena
+        # is pinned (offloads and promotions wait for it).
         held = ctypes.PyDLL("libcuda.so.1")
         for name in (
             "cuCtxPushCurrent_v2",
