@@ -315,6 +315,12 @@ def pinned_pool_bytes() -> int | None:
     return None
 
 
+def burst_features(burst_bytes: float, nbytes: int) -> int:
+    """Features of nbytes a producer hands over between yields to the event loop when it
+    hands over burst_bytes at a time (at least one)."""
+    return max(1, int(burst_bytes) // nbytes)
+
+
 async def put_in_groups(
     cache: FeatureCache,
     features: list[torch.Tensor | None],

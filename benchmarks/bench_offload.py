@@ -39,6 +39,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 from _common import (  # noqa: E402
     LoopLag,
     MiB,
+    burst_features,
     concat_batches,
     copy_to_slot,
     core_speeds,
@@ -109,7 +110,7 @@ class Workload:
     @property
     def burst(self) -> int:
         """Features handed over between yields to the event loop (at least one)."""
-        return max(1, self.burst_bytes // self.nbytes)
+        return burst_features(self.burst_bytes, self.nbytes)
 
     @property
     def total_bytes(self) -> int:

@@ -38,6 +38,7 @@ from prometheus_client import CollectorRegistry
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
 from _common import (  # noqa: E402
+    burst_features,
     concat_batches,
     markdown_table,
     percentile,
@@ -106,10 +107,6 @@ class LoopAccounting:
                 selects.append(clock() - t0)
 
         selector.select = timed_select
-
-    def clear(self) -> None:
-        self.callbacks.clear()
-        self.selects.clear()
 
     def uninstall(self) -> None:
         asyncio.events.Handle._run = self._original_run  # type: ignore[method-assign]
@@ -191,7 +188,7 @@ async def run(
         await cache.drain()
         torch.cuda.synchronize()
         offloaded_before = cache.stats().d2h_bytes
-        burst = 0 if burst_mb is None else max(1, int(burst_mb * 2**20) // (rows * HIDDEN * 2))
+        burst = 0 if burst_mb is None else burst_features(burst_mb * 2**20, rows * HIDDEN * 2)
         accounting = LoopAccounting() if burst_mb is not None and timed else None
         if accounting is not None:
             accounting.install(asyncio.get_running_loop())

@@ -31,7 +31,13 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1])]
 
-from _common import concat_batches, put_in_groups, put_in_splits, timing_event  # noqa: E402
+from _common import (  # noqa: E402
+    burst_features,
+    concat_batches,
+    put_in_groups,
+    put_in_splits,
+    timing_event,
+)
 
 from mmcache import CacheSettings, FeatureCache  # noqa: E402
 from mmcache.device.base import Fence  # noqa: E402
@@ -245,7 +251,7 @@ async def through_cache(args: argparse.Namespace, device: TracingCudaDevice) -> 
         begin = time.perf_counter()
         idle.start()
         # --burst-mb: yield to the loop between bursts, as bench_offload.py's producers do.
-        burst = 0 if args.burst_mb is None else max(1, int(args.burst_mb * 2**20) // nbytes)
+        burst = 0 if args.burst_mb is None else burst_features(args.burst_mb * 2**20, nbytes)
         if args.split:
             calls = await put_in_splits(cache, batches, args.group, burst=burst > 0)
         else:

@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry
 
 from mmcache import CacheSettings, CacheStats, FeatureCache
 from mmcache.device.cuda import ArenaMethod, CudaDevice, CudaFence
-from mmcache.device.cuda_driver import BatchCopier
+from mmcache.device.cuda_driver import BatchCopier, CudaDriver
 from mmcache.errors import CacheClosedError, CopyFailedError, InvalidValueError, MMCacheError
 
 pytestmark = [
@@ -137,8 +137,6 @@ def test_fences_behind_a_long_kernel_cost_the_host_nothing(device: CudaDevice) -
 
 
 def test_fence_sleeper_wakes_after_the_kernel(device: CudaDevice) -> None:
-    from mmcache.device.cuda_driver import CudaDriver
-
     side = side_stream()
     hold(side)
     fence = device.record(side)
@@ -157,8 +155,6 @@ def test_fence_sleeper_wakes_after_the_kernel(device: CudaDevice) -> None:
 
 
 def test_fences_complete_without_a_sleeper(monkeypatch: pytest.MonkeyPatch) -> None:
-    from mmcache.device.cuda_driver import CudaDriver
-
     def no_sleeper(driver: CudaDriver, ordinal: int) -> None:
         raise MMCacheError("cuStreamCreate failed: out of streams")
 
@@ -450,8 +446,6 @@ def test_queueing_driver_calls_keep_the_gil(device: CudaDevice) -> None:
     per batch, one query per check) would take seconds.
     """
     needs_driver_batches(device)
-    from mmcache.device.cuda_driver import CudaDriver
-
     srcs = [random_tensor((8, 4096), torch.bfloat16, seed=i) for i in range(4)]  # 64 KiB
     arena = device.host_arena(MiB)
     offsets = [i * MiB // 4 for i in range(4)]

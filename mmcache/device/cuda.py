@@ -756,8 +756,7 @@ class CudaDevice(Device):
                         runs = self._packed_runs(batch_order(srcs, host, offsets))
                     _log.warning("%s: %s; copying through torch from now on", self.name, exc)
                     self._copier = None
-            if runs is None:
-                runs = self._packed_runs(batch_order(srcs, host, offsets))
+            assert runs is not None  # owned ranges imply the driver path, and runs if refused
             with _OnStream(stream):
                 self._order_after(stream, after)
                 for run, start, nbytes in runs:
@@ -902,11 +901,7 @@ class CudaDevice(Device):
                 with _OnStream(stream):
                     packed = _gather(run)
             gathered.append(packed)
-            src = packed.data_ptr()
-            for a, b in self._chunk_pieces(base + start, nbytes) or ((0, nbytes),):
-                dsts.append(base + start + a)
-                srcs.append(src + a)
-                sizes.append(b - a)
+            self._add_pieces(base + start, packed.data_ptr(), nbytes, dsts, srcs, sizes)
         if sizes:
             self._queue_batch(dsts, srcs, sizes, stream)
 
@@ -943,18 +938,18 @@ class CudaDevice(Device):
                     f"a copy of {nbytes} bytes at offset {offset} falls outside the "
                     f"{limit}-byte host arena"
                 )
-            ptr = src.data_ptr()
-            pieces = self._chunk_pieces(base + offset, nbytes)
-            if pieces is None:
-                dsts.append(base + offset)
-                ptrs.append(ptr)
-                sizes.append(nbytes)
-                continue
-            for a, b in pieces:
-                dsts.append(base + offset + a)
-                ptrs.append(ptr + a)
-                sizes.append(b - a)
+            self._add_pieces(base + offset, src.data_ptr(), nbytes, dsts, ptrs, sizes)
         return dsts, ptrs, sizes
+
+    def _add_pieces(
+        self, at: int, ptr: int, nbytes: int, dsts: list[int], ptrs: list[int], sizes: list[int]
+    ) -> None:
+        """Add the copy of nbytes from device address ptr to host address at (in the arena)
+        to a driver batch's lists, split where it crosses an arena chunk."""
+        for a, b in self._chunk_pieces(at, nbytes) or ((0, nbytes),):
+            dsts.append(at + a)
+            ptrs.append(ptr + a)
+            sizes.append(b - a)
 
     def _queue_batch(
         self, dsts: list[int], srcs: list[int], sizes: list[int], stream: torch.cuda.Stream

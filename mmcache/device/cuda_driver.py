@@ -100,6 +100,7 @@ class CudaDriver:
             "cuStreamWaitEvent": [vp, vp, uint],
             "cuEventCreate": [ptr(vp), uint],
             "cuEventRecord": [vp, vp],
+            "cuEventQuery": [vp],
             "cuEventSynchronize": [vp],
             "cuEventDestroy_v2": [vp],
         }
@@ -121,12 +122,11 @@ class CudaDriver:
             "cuCtxPopCurrent_v2",
             "cuStreamWaitEvent",
             "cuEventRecord",
+            "cuEventQuery",
         ):
             func = getattr(held, name)
             func.argtypes = signatures[name]
             func.restype = cint
-        held.cuEventQuery.argtypes = [vp]
-        held.cuEventQuery.restype = cint
         self._lib = lib
         self._held = held
         self._contexts: dict[int, ctypes.c_void_p] = {}
