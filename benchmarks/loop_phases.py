@@ -75,6 +75,21 @@ def _timed(owner: Any, attribute: str, label: str) -> None:
     setattr(owner, attribute, wrapper)
 
 
+def _timed_async(owner: Any, attribute: str, label: str) -> None:
+    """_timed for a coroutine method: the whole await, its suspensions included."""
+    original = getattr(owner, attribute)
+
+    @functools.wraps(original)
+    async def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t0 = clock()
+        try:
+            return await original(*args, **kwargs)
+        finally:
+            _add(label, clock() - t0)
+
+    setattr(owner, attribute, wrapper)
+
+
 class LoopAccounting:
     """Times every callback the event loop runs, by what it calls, and its selector waits."""
 
@@ -159,6 +174,7 @@ def instrument() -> None:
     _timed(cache_cls, "_pack", "cache: pack a put_many group (device included)")
     _timed(cache_cls, "_reap_packed", "cache: let go of packed values")
     _timed(cache_cls, "_reap_landed", "cache: reap landings on the loop")
+    _timed_async(cache_cls, "_wait_gpu", "cache: a put waits for room (suspended)")
     _timed(mmcache.waiting.FenceWatcher, "_drain", "loop: landings from the waiter")
     _timed(cuda_device._FenceWaiters, "submit", "device: hand fence to waiter")
 

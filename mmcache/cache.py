@@ -44,7 +44,7 @@ from mmcache.errors import (
     ValueTooLargeError,
     WrongLoopError,
 )
-from mmcache.host_pool import HostBlock, HostPool
+from mmcache.host_pool import HostBlock, HostPool, copy_host_bytes
 from mmcache.metrics import CacheMetrics, DeferredPush, ensure_metrics_server
 from mmcache.producer_fences import ProducerFences
 from mmcache.settings import CacheSettings
@@ -1724,7 +1724,11 @@ class FeatureCache:
                 self._quarantine(entry, fence)
                 raise
             view = entry.host_whole(block) if span is None else entry.host_view(*span, block)
-            return view.clone()
+            # Caller-owned, as a download's is: from torch's cache of pinned blocks on CUDA
+            # (no page faults once warm; a later upload of it is asynchronous).
+            out = self._device.host_empty(tuple(view.shape), view.dtype)
+            copy_host_bytes(out, view)
+            return out
         finally:
             pool.unpin(block)
 

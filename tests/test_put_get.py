@@ -191,6 +191,30 @@ async def test_host_get_returns_a_copy_the_caller_owns(
     assert_exact(await cache.get("k"), expected)
 
 
+@pytest.mark.parametrize("rows", [None, slice(2, 5)])
+async def test_a_host_read_copies_without_torchs_own_copies(
+    rig: Rig, make_cache: CacheFactory, monkeypatch: pytest.MonkeyPatch, rows: slice | None
+) -> None:
+    """A host hit read to the CPU is one memcpy into a tensor from the device's host
+    allocator (pinned on CUDA): torch's clone and copy_ spread large copies over its
+    intra-op threads, which spin, and which outnumber the cores of a pinned process."""
+    cache = make_cache(gpu_mb=0, cpu_mb=1)
+    t = make_data(rig, 16, 64, seed=5)
+    expected = t.cpu().clone()
+    await put_resident(cache, "k", t, "host")
+    del t
+
+    def refused(*_args: Any, **_kwargs: Any) -> None:
+        raise AssertionError("a host read went through torch's copies")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(torch.Tensor, "clone", refused)
+        patched.setattr(torch.Tensor, "copy_", refused)
+        out = await cache.get("k", device="cpu", rows=rows)
+    assert_exact(out, expected if rows is None else expected[rows])
+    assert out is not None and out.is_pinned() == (rig.kind == "cuda")
+
+
 async def test_contains_len_and_discard(rig: Rig, make_cache: CacheFactory) -> None:
     cache = make_cache(gpu_mb=0.0625, cpu_mb=1)  # 64 KiB GPU: the first entry goes to host
     keys: list[Hashable] = ["img", b"raw", 7, ("video", 3, (b"f", 1))]
