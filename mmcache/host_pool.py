@@ -22,9 +22,9 @@ def copy_host_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
 
     Not torch's copy_ or clone: they split a large copy over torch's intra-op threads,
     which then spin for a while, and torch sizes that pool by the machine's cores, not by
-    the cores the process may use. With the process kept to four of an H200 host's 16
-    cores, a get of a host-resident 1 MB feature took 28.7 ms at p50 that way, and 156 µs
-    with one thread (BENCHMARKS.md, "Fourteenth session").
+    the cores the process may use. With the process kept to a few of an H200 host's 16
+    cores, a get of a 1 MB feature whose offload was pending took 28.7 ms at p50 that
+    way, and 0.16 ms with torch kept to one thread (BENCHMARKS.md, "Fourteenth session").
     """
     for tensor, role in ((dst, "destination"), (src, "source")):
         if tensor.device.type != "cpu" or not tensor.is_contiguous():
