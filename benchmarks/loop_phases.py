@@ -38,6 +38,7 @@ from prometheus_client import CollectorRegistry
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
 from _common import (  # noqa: E402
+    SelectorWaits,
     burst_features,
     concat_batches,
     markdown_table,
@@ -95,7 +96,7 @@ class LoopAccounting:
 
     def __init__(self) -> None:
         self.callbacks: dict[str, list[float]] = {}
-        self.selects: list[float] = []
+        self._selects: SelectorWaits | None = None
         self._original_run = asyncio.events.Handle._run
 
     def install(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -110,30 +111,23 @@ class LoopAccounting:
                 callbacks.setdefault(_callback_name(handle), []).append(clock() - t0)
 
         asyncio.events.Handle._run = run  # type: ignore[method-assign,assignment]
-        selector = loop._selector  # type: ignore[attr-defined]
-        select = selector.select
-        selects = self.selects
-
-        def timed_select(timeout: float | None = None) -> Any:
-            t0 = clock()
-            try:
-                return select(timeout)
-            finally:
-                selects.append(clock() - t0)
-
-        selector.select = timed_select
+        self._selects = SelectorWaits(loop)
+        self._selects.start()
 
     def uninstall(self) -> None:
         asyncio.events.Handle._run = self._original_run  # type: ignore[method-assign]
+        if self._selects is not None:
+            self._selects.stop()
 
     def table(self, count: int) -> list[list[Any]]:
-        iterations = max(1, len(self.selects))
+        selects = self._selects.waits if self._selects is not None else []
+        iterations = max(1, len(selects))
         rows: list[list[Any]] = [
             [
                 "selector waits (one per loop iteration)",
-                len(self.selects),
-                f"{sum(self.selects) * 1e6 / iterations:.2f}",
-                f"{sum(self.selects) * 1e6 / count:.2f}",
+                len(selects),
+                f"{sum(selects) * 1e6 / iterations:.2f}",
+                f"{sum(selects) * 1e6 / count:.2f}",
             ]
         ]
         for name, values in sorted(self.callbacks.items(), key=lambda kv: -sum(kv[1])):

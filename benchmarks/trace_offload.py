@@ -32,6 +32,7 @@ import torch
 sys.path[:0] = [str(Path(__file__).resolve().parents[1])]
 
 from _common import (  # noqa: E402
+    SelectorWaits,
     burst_features,
     concat_batches,
     put_in_groups,
@@ -196,28 +197,6 @@ def analyse(timeline: Timeline, wall: float) -> dict[str, Any]:
     }
 
 
-class LoopIdle:
-    """Time the event loop spends blocked in its selector (nothing ready to run)."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.seconds = 0.0
-        self._selector: Any = getattr(loop, "_selector")  # noqa: B009 - private on purpose
-        self._select: Callable[..., Any] = self._selector.select
-
-    def start(self) -> None:
-        def select(timeout: float | None = None) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return self._select(timeout)
-            finally:
-                self.seconds += time.perf_counter() - t0
-
-        self._selector.select = select
-
-    def stop(self) -> None:
-        self._selector.select = self._select
-
-
 async def through_cache(args: argparse.Namespace, device: TracingCudaDevice) -> dict[str, Any]:
     rows = max(1, int(args.mb * 2**20 / (HIDDEN * 2)))
     nbytes = rows * HIDDEN * 2
@@ -245,7 +224,7 @@ async def through_cache(args: argparse.Namespace, device: TracingCudaDevice) -> 
             original(batch, *rest)
 
         setattr(cache, "_offloads_done", offloads_done)  # noqa: B010
-        idle = LoopIdle(asyncio.get_running_loop())
+        idle = SelectorWaits(asyncio.get_running_loop())
         timeline = Timeline.start(device.d2h_stream)
         device.timeline = timeline
         begin = time.perf_counter()
