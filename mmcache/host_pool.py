@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import bisect
-import ctypes
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -11,28 +10,9 @@ import torch
 
 from mmcache.device.base import Device, Fence
 
-__all__ = ["HostBlock", "HostPool", "copy_host_bytes"]
+__all__ = ["HostBlock", "HostPool"]
 
 Defer = Callable[[Sequence[Fence], Callable[[], None]], None]
-
-
-def copy_host_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Copy the bytes of src into dst, two contiguous host tensors of one size, by one
-    memcpy on the calling thread (which lets go of the GIL meanwhile).
-
-    Not torch's copy_ or clone: they split a large copy over torch's intra-op threads,
-    which then spin for a while, and torch sizes that pool by the machine's cores, not by
-    the cores the process may use. With the process kept to a few of an H200 host's 16
-    cores, a get of a 1 MB feature whose offload was pending took 28.7 ms at p50 that
-    way, and 0.16 ms with torch kept to one thread (BENCHMARKS.md, "Fourteenth session").
-    """
-    for tensor, role in ((dst, "destination"), (src, "source")):
-        if tensor.device.type != "cpu" or not tensor.is_contiguous():
-            raise ValueError(f"host copy {role} must be a contiguous host tensor")
-    if dst.nbytes != src.nbytes:
-        raise ValueError(f"host copy of {src.nbytes} bytes into a {dst.nbytes}-byte destination")
-    if src.nbytes:
-        ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.nbytes)
 
 
 @dataclass(slots=True, eq=False)

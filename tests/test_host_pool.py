@@ -11,7 +11,7 @@ import torch
 
 from mmcache.device.base import Fence
 from mmcache.device.sim import SimDevice
-from mmcache.host_pool import HostBlock, HostPool, copy_host_bytes
+from mmcache.host_pool import HostBlock, HostPool
 
 ALIGN = 512
 SIZES = (1, 511, 512, 4096, 9000, 33_000, 64 * 1024)
@@ -126,30 +126,3 @@ def test_a_run_needs_one_range_for_all_its_blocks() -> None:
     assert run is not None
     assert [(b.offset, b.nbytes) for b in run] == [(0, 512), (512, 4096), (4608, 5120)]
     assert pool.blocks_live == 7 + 3
-
-
-def test_copy_host_bytes_copies_views_exactly() -> None:
-    arena = torch.arange(4096, dtype=torch.int32).view(torch.uint8)
-    src = arena[1024:3072].view(torch.int32)  # a view at an offset, as a block's rows are
-    dst = torch.full((512,), -1, dtype=torch.int32)
-    copy_host_bytes(dst, src)
-    assert torch.equal(dst, torch.arange(256, 768, dtype=torch.int32))
-    copy_host_bytes(torch.empty(0), torch.empty(0))  # nothing to copy is no error
-
-
-@pytest.mark.parametrize(
-    ("dst", "src", "match"),
-    [
-        (torch.zeros(8), torch.ones(9), "36 bytes into a 32-byte"),
-        (torch.zeros(4, 4), torch.ones(4, 4).t(), "source must be a contiguous host"),
-        (torch.empty(8, device="meta"), torch.ones(8), "destination must be a contiguous host"),
-    ],
-)
-def test_copy_host_bytes_refuses_what_one_memcpy_cannot_copy(
-    dst: torch.Tensor, src: torch.Tensor, match: str
-) -> None:
-    before = dst.clone() if dst.device.type == "cpu" else None
-    with pytest.raises(ValueError, match=match):
-        copy_host_bytes(dst, src)
-    if before is not None:
-        assert torch.equal(dst, before)  # refused before a byte moved
