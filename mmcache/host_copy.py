@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import ctypes
+import os
 import threading
 from collections.abc import Callable
 
@@ -53,7 +54,8 @@ class HostCopier:
     """Copies host tensors: small ones at once, large ones in pieces on worker threads.
 
     threads=0 copies everything at once on the calling thread. The workers start on the
-    first large copy and stop with close(); copies queued by then still run.
+    first large copy, at most one fewer than the cores the process may use then, and
+    stop with close(); copies queued by then still run.
     """
 
     def __init__(
@@ -71,6 +73,7 @@ class HostCopier:
         self.parallel_bytes = parallel_bytes
         self.piece_bytes = piece_bytes
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self.workers = 0  # worker threads, once started (see _usable_workers)
         self._closed = False
         self.copies_in_flight = 0  # large copies queued whose last piece has not finished
 
@@ -89,9 +92,15 @@ class HostCopier:
             if nbytes:
                 _memmove(dst.data_ptr(), src.data_ptr(), nbytes)
             return None
+        executor = self._executor
+        if executor is None:
+            self.workers = self._usable_workers()
+            executor = self._executor = concurrent.futures.ThreadPoolExecutor(
+                self.workers, thread_name_prefix="mmcache-host-copy"
+            )
         loop = asyncio.get_running_loop()
         done: asyncio.Future[None] = loop.create_future()
-        pieces = max(1, min(self.threads, nbytes // self.piece_bytes))
+        pieces = max(1, min(self.workers, nbytes // self.piece_bytes))
         step = -(-nbytes // pieces)
         step += -step % _PIECE_ALIGN
         spans = [(start, min(step, nbytes - start)) for start in range(0, nbytes, step)]
@@ -126,15 +135,19 @@ class HostCopier:
                 except RuntimeError:
                     pass  # the loop is closed: nobody is left to tell
 
-        executor = self._executor
-        if executor is None:
-            executor = self._executor = concurrent.futures.ThreadPoolExecutor(
-                self.threads, thread_name_prefix="mmcache-host-copy"
-            )
         self.copies_in_flight += 1
         for start, size in spans:
             executor.submit(piece, start, size)
         return done
+
+    def _usable_workers(self) -> int:
+        """threads, but leaving one of the cores this process may use to the loop: with
+        every core copying, the loop would wait for the copies it was meant to avoid."""
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except AttributeError:  # not on Linux
+            cores = os.cpu_count() or 1
+        return max(1, min(self.threads, cores - 1))
 
     def close(self) -> None:
         """Stop the workers once the copies queued so far are done; later copies run at once."""

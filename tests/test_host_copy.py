@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -50,6 +51,13 @@ def memmoves(monkeypatch: pytest.MonkeyPatch) -> Iterator[Memmoves]:
     monkeypatch.setattr(host_copy, "_memmove", fake)
     yield fake
     fake.gate.set()  # never leave a worker parked
+
+
+@pytest.fixture(autouse=True)
+def sixteen_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pieces a copy is split into depend on the cores: these tests assume 16 (the H200
+    host's), whatever this machine has."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(16)), raising=False)
 
 
 def random_bytes(nbytes: int, seed: int = 0) -> torch.Tensor:
@@ -177,6 +185,22 @@ async def test_the_copier_refuses_bad_pairs_before_a_byte_moves(
     with pytest.raises(ValueError, match=match):
         copier.copy(dst, src)
     assert memmoves.calls == [] and copier.copies_in_flight == 0
+    copier.close()
+
+
+@pytest.mark.parametrize(("cores", "workers"), [(1, 1), (2, 1), (4, 3), (16, 4)])
+async def test_the_workers_leave_a_core_to_the_loop(
+    monkeypatch: pytest.MonkeyPatch, memmoves: Memmoves, cores: int, workers: int
+) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(cores)))
+    copier = HostCopier(4)
+    src = random_bytes(8 * MiB, seed=5)
+    dst = torch.zeros_like(src)
+    copying = copier.copy(dst, src)
+    assert copying is not None  # off the loop even on one core: the loop keeps its turns
+    await copying
+    assert torch.equal(dst, src)
+    assert copier.workers == workers and len(memmoves.calls) == workers
     copier.close()
 
 
