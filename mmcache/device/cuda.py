@@ -44,7 +44,13 @@ _log = logging.getLogger(__name__)
 ArenaMethod = Literal["register", "hostalloc"]
 
 _MiB: Final = 1 << 20
-DEFAULT_PIN_CHUNK_BYTES: Final = 256 * _MiB
+# Pinning holds a driver lock that every kernel launch and event record in the process
+# waits for: one cuMemHostAlloc of 2 GiB held a launch for 1.1 s on the H200 host. In
+# chunks of 8 MiB with a pause between them (a waiter gets the lock only if the pinning
+# thread lets go for a moment), launches waited 2.3 ms at most (BENCHMARKS.md,
+# "Pinning the host arena while serving").
+DEFAULT_PIN_CHUNK_BYTES: Final = 8 * _MiB
+_PIN_PAUSE_S: Final = 0.0005  # between chunks pinned in the background
 DEFAULT_PACK_MAX_BYTES: Final = 1 * _MiB  # copies through torch: one copy_ call per run
 # Through the driver's batched copies a range costs about 1.5 µs more and no kernel: only
 # many small sources are worth gathering first (BENCHMARKS.md, "Tenth session").
@@ -446,7 +452,7 @@ class CudaDevice(Device):
         self,
         index: int | str | torch.device = 0,
         *,
-        arena_method: ArenaMethod = "hostalloc",
+        arena_method: ArenaMethod = "register",
         background_pinning: bool = True,
         pin_chunk_bytes: int = DEFAULT_PIN_CHUNK_BYTES,
         huge_pages: bool = True,
@@ -622,7 +628,7 @@ class CudaDevice(Device):
             if not future.set_running_or_notify_cancel():
                 return
             try:
-                arena = self._allocate_arena(nbytes)
+                arena = self._allocate_arena(nbytes, pause_s=_PIN_PAUSE_S)
             except BaseException as exc:
                 future.set_exception(exc)
             else:
@@ -1041,7 +1047,9 @@ class CudaDevice(Device):
             )
         self._arena_claimed = True
 
-    def _allocate_arena(self, nbytes: int) -> torch.Tensor:
+    def _allocate_arena(self, nbytes: int, pause_s: float = 0.0) -> torch.Tensor:
+        """Pin nbytes of host memory; a "register" arena chunk by chunk, pause_s between
+        chunks (so the process's other driver calls get the driver's lock in between)."""
         if nbytes == 0:
             return torch.empty(0, dtype=torch.uint8)
         driver = self._driver()
@@ -1073,6 +1081,8 @@ class CudaDevice(Device):
                     self.index, ptr + start, min(chunk, size - start), "MMCACHE_CPU_CACHE_MB"
                 )
                 registered.append(ptr + start)
+                if pause_s:
+                    time.sleep(pause_s)
         except BaseException:
             _release_registered(driver, self.index, tuple(registered), mapping)
             raise
