@@ -3,7 +3,14 @@
 A fence's completion callback runs on whatever thread completed it (the
 simulator's worker, the CUDA waiter thread); it only schedules work on the
 loop with call_soon_threadsafe, which wakes the selector through its
-self-pipe. Nothing polls.
+self-pipe. That report needs the GIL on the reporting thread, and a loop that
+never goes idle can keep it from that thread indefinitely: the loop lets go of
+the GIL around each zero-timeout poll of its selector and takes it back before
+the waiting thread runs, and each let-go restarts the thread's wait for a forced
+switch (CPython's convoy effect; a get waited 6-12 s behind four busy tasks on
+the simulator). So while a wait is outstanding the loop also looks at its fences
+itself, every LOOP_CHECK_S: an idle loop hears from the thread first, a busy one
+finds the fences done within about a millisecond.
 """
 
 from __future__ import annotations
@@ -17,9 +24,55 @@ from collections.abc import Callable, Sequence
 from mmcache.device.base import Fence
 from mmcache.errors import CopyFailedError, CopyTimeoutError
 
-__all__ = ["FenceWatcher", "fence_error", "wait_fences"]
+__all__ = ["LOOP_CHECK_S", "FenceWatcher", "fence_error", "wait_fences"]
 
 log = logging.getLogger(__name__)
+
+#: Seconds between the loop's own looks at the fences of an outstanding wait.
+LOOP_CHECK_S = 0.001
+
+
+class _LoopCheck:
+    """Calls on_done() on the loop once every fence is done, looking every LOOP_CHECK_S
+    until then or until cancel()."""
+
+    __slots__ = ("_fences", "_handle", "_loop", "_on_done")
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        fences: Sequence[Fence],
+        on_done: Callable[[], None],
+    ) -> None:
+        self._loop = loop
+        self._fences = list(fences)
+        self._on_done = on_done
+        self._handle: asyncio.TimerHandle | None = loop.call_later(LOOP_CHECK_S, self._check)
+
+    def _check(self) -> None:
+        fences = self._fences
+        while fences and fences[-1].done():  # the last one is usually the last to finish
+            fences.pop()
+        if fences and all(f.done() for f in fences):
+            fences.clear()
+        if fences:
+            self._handle = self._loop.call_later(LOOP_CHECK_S, self._check)
+            return
+        on_done = self._on_done
+        self.cancel()
+        on_done()
+
+    def cancel(self) -> None:
+        """Stop looking; also lets go of on_done, which often refers back to this check."""
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+        self._on_done = _nothing
+        self._fences = []
+
+
+def _nothing() -> None:
+    pass
 
 
 def fence_error(fences: Sequence[Fence]) -> BaseException | None:
@@ -50,24 +103,32 @@ async def wait_fences(fences: Sequence[Fence], timeout: float | None = None) -> 
         future: asyncio.Future[None] = loop.create_future()
         left = len(pending)
 
+        def all_done() -> None:
+            if not future.done():
+                future.set_result(None)
+
         def one_done() -> None:
             nonlocal left
             left -= 1
-            if left == 0 and not future.done():
-                future.set_result(None)
+            if left == 0:
+                all_done()
 
         for f in pending:
             f.add_done_callback(lambda: _call_on_loop(loop, one_done))
-        if timeout is None:
-            await future
-        else:
-            try:
-                await asyncio.wait_for(future, timeout)
-            except TimeoutError:
-                raise CopyTimeoutError(
-                    f"a device copy did not complete within {timeout:g} s "
-                    "(MMCACHE_COPY_TIMEOUT_SEC); its memory is quarantined"
-                ) from None
+        check = _LoopCheck(loop, pending, all_done)
+        try:
+            if timeout is None:
+                await future
+            else:
+                try:
+                    await asyncio.wait_for(future, timeout)
+                except TimeoutError:
+                    raise CopyTimeoutError(
+                        f"a device copy did not complete within {timeout:g} s "
+                        "(MMCACHE_COPY_TIMEOUT_SEC); its memory is quarantined"
+                    ) from None
+        finally:
+            check.cancel()
         waited = time.perf_counter() - started
     else:
         waited = 0.0
@@ -112,12 +173,14 @@ class FenceWatcher:
         self.outstanding += 1
         self._idle.clear()
         left = len(pending)
+        fired = False
 
-        def one_done() -> None:
-            nonlocal left
-            left -= 1
-            if left:
+        def all_done() -> None:
+            nonlocal fired
+            if fired:  # the loop's own look and the threads' reports both arrive
                 return
+            fired = True
+            check.cancel()
             try:
                 callback()
             finally:
@@ -125,6 +188,13 @@ class FenceWatcher:
                 if self.outstanding == 0:
                     self._idle.set()
 
+        def one_done() -> None:
+            nonlocal left
+            left -= 1
+            if left == 0:
+                all_done()
+
+        check = _LoopCheck(self._loop, pending, all_done)
         for f in pending:
             f.add_done_callback(lambda: self._completed(one_done))
 

@@ -1,0 +1,106 @@
+"""Waits that end on a loop that never goes idle.
+
+A device thread reports a finished fence to the loop through call_soon_threadsafe,
+which needs the GIL. A loop that always has work ready lets go of the GIL around each
+zero-timeout poll of its selector and takes it back before the reporting thread runs,
+so the report can wait for as long as the loop stays busy. The loop therefore also
+looks at the fences itself. These fences finish at a set time without any Python
+code, as a GPU's do; only their reports need the GIL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+
+import mmcache.waiting as waiting
+from mmcache.device.base import Fence
+from mmcache.waiting import FenceWatcher, wait_fences
+
+
+class TimedFence(Fence):
+    """Done from a set time on; reported by a thread that sleeps until then."""
+
+    __slots__ = ("_at",)
+
+    def __init__(self, after_s: float) -> None:
+        self._at = time.monotonic() + after_s
+
+    def done(self) -> bool:
+        return time.monotonic() >= self._at
+
+    def exception(self) -> BaseException | None:
+        return None
+
+    def add_done_callback(self, fn: Callable[[], None]) -> None:
+        def report() -> None:
+            time.sleep(max(0.0, self._at - time.monotonic()))
+            fn()  # Python again: needs the GIL back
+
+        threading.Thread(target=report, daemon=True).start()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        raise NotImplementedError
+
+
+async def _busy(stop: asyncio.Event) -> None:
+    """A task that always has work: 100 µs of Python, then a turn for the others."""
+    while not stop.is_set():
+        started = time.perf_counter()
+        while time.perf_counter() - started < 0.0001:
+            pass
+        await asyncio.sleep(0)
+
+
+@pytest.fixture
+async def busy_loop() -> AsyncIterator[None]:
+    stop = asyncio.Event()
+    tasks = [asyncio.create_task(_busy(stop)) for _ in range(4)]
+    await asyncio.sleep(0.01)
+    yield
+    stop.set()
+    await asyncio.gather(*tasks)
+
+
+async def test_a_wait_ends_soon_after_its_fences_on_a_busy_loop(busy_loop: None) -> None:
+    fences = [TimedFence(0.005), TimedFence(0.01)]
+    started = time.perf_counter()
+    await wait_fences(fences, timeout=30)
+    assert time.perf_counter() - started < 0.25
+    assert all(f.done() for f in fences)
+
+
+async def test_a_watch_fires_once_soon_after_its_fences_on_a_busy_loop(busy_loop: None) -> None:
+    watcher = FenceWatcher(asyncio.get_running_loop())
+    fired: list[float] = []
+    started = time.perf_counter()
+    watcher.when_done(
+        [TimedFence(0.005), TimedFence(0.01)], lambda: fired.append(time.perf_counter())
+    )
+    await asyncio.wait_for(watcher.idle(), 5)
+    assert len(fired) == 1 and fired[0] - started < 0.25
+    await asyncio.sleep(0.05)  # the threads' reports, when they get through, fire nothing more
+    assert len(fired) == 1 and watcher.outstanding == 0
+
+
+async def test_the_loop_looks_only_while_a_wait_is_outstanding(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    looks = 0
+    check = waiting._LoopCheck._check
+
+    def counted(self: waiting._LoopCheck) -> None:
+        nonlocal looks
+        looks += 1
+        check(self)
+
+    monkeypatch.setattr(waiting._LoopCheck, "_check", counted)
+    await wait_fences([TimedFence(0.02)], timeout=5)
+    during = looks
+    assert 1 <= during <= 0.02 / waiting.LOOP_CHECK_S + 5
+    await asyncio.sleep(0.02)
+    assert looks == during  # nothing left armed after the wait
