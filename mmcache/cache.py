@@ -44,7 +44,7 @@ from mmcache.errors import (
     ValueTooLargeError,
     WrongLoopError,
 )
-from mmcache.host_copy import HostCopier
+from mmcache.host_copy import SLICE_BYTES, copy_host_bytes, copy_host_bytes_in_slices
 from mmcache.host_pool import HostBlock, HostPool
 from mmcache.metrics import CacheMetrics, DeferredPush, ensure_metrics_server
 from mmcache.producer_fences import ProducerFences
@@ -168,7 +168,6 @@ class FeatureCache:
         # Offloads past copy_timeout_s -> (device bytes, host bytes) they still pin.
         self._quarantined: dict[Entry, tuple[int, int]] = {}
         self._copy_timeout = self.settings.copy_timeout_s
-        self._host_copier = HostCopier(self.settings.host_copy_threads)
         self._pending = {"d2h": 0, "h2d": 0}
         self._tiers = DeferredPush(self._push_tier_gauges)
         self._c = dict.fromkeys(
@@ -249,7 +248,6 @@ class FeatureCache:
             self._packing_timer.cancel()
             self._packing_timer = None
         self._tiers.request()
-        self._host_copier.close()
         self._metrics.close()
         if self._owns_device:
             self._device.close()
@@ -1720,7 +1718,6 @@ class FeatureCache:
         pool = self._pool
         assert block is not None and pool is not None and fence is not None
         pool.pin(block)  # a discard while we wait must not recycle the block under us
-        copying: asyncio.Future[None] | None = None
         try:
             try:
                 self._observe_wait(await self._wait([fence]))
@@ -1731,16 +1728,13 @@ class FeatureCache:
             # Caller-owned, as a download's is: from torch's cache of pinned blocks on CUDA
             # (no page faults once warm; a later upload of it is asynchronous).
             out = self._device.host_empty(tuple(view.shape), view.dtype)
-            copying = self._host_copier.copy(out, view)
-            del view
-            if copying is not None:  # a large read, copied by worker threads
-                await asyncio.shield(copying)
+            if view.nbytes > SLICE_BYTES:  # a slice per loop turn: the loop is not held
+                await copy_host_bytes_in_slices(out, view)
+            else:
+                copy_host_bytes(out, view)
             return out
         finally:
-            if copying is None or copying.done():
-                pool.unpin(block)
-            else:  # cancelled while the workers copy: the block stays theirs until they end
-                copying.add_done_callback(functools.partial(_unpin_when_copied, pool, block))
+            pool.unpin(block)
 
     async def _upload(
         self,
@@ -1922,13 +1916,6 @@ def _owns_storage(value: torch.Tensor) -> bool:
         and not value.is_conj()
         and not value.is_neg()
     )
-
-
-def _unpin_when_copied(pool: HostPool, block: HostBlock, copying: asyncio.Future[None]) -> None:
-    """Unpin the block of a host read whose reader left before its copy ended."""
-    pool.unpin(block)
-    if copying.exception() is not None:  # the reader is gone: the failure only goes to the log
-        log.error("mmcache: copying a host read failed", exc_info=copying.exception())
 
 
 def _raise_if_failed(ready: Fence) -> None:

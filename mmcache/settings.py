@@ -125,13 +125,6 @@ class CacheSettings(BaseSettings):
     copy_timeout_s: Annotated[float, _Env(("MMCACHE_COPY_TIMEOUT_SEC",))] = Field(
         default=60.0, gt=0, description="seconds before a copy still pending is quarantined"
     )
-    host_copy_threads: Annotated[int, _Env(("MMCACHE_HOST_COPY_THREADS",))] = Field(
-        default=4,
-        ge=0,
-        le=64,
-        description="worker threads that copy large host-tier reads to the CPU off the "
-        "event loop; 0 copies them on the loop",
-    )
 
     # Which variable each field was read from, for env_name().
     _env_reads: dict[str, _EnvRead] = PrivateAttr(default_factory=dict)

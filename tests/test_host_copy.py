@@ -1,11 +1,9 @@
-"""Host copies: one memcpy for small ones, worker threads off the loop for large host reads."""
+"""Host copies: one memcpy for small host reads, a slice per loop turn for large ones."""
 
 from __future__ import annotations
 
 import asyncio
-import os
-import threading
-import time
+import itertools
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -14,35 +12,28 @@ from conftest import CacheFactory, Rig, assert_exact
 
 import mmcache.host_copy as host_copy
 from mmcache import FeatureCache
-from mmcache.host_copy import PARALLEL_COPY_BYTES, HostCopier, copy_host_bytes
+from mmcache.host_copy import SLICE_BYTES, copy_host_bytes, copy_host_bytes_in_slices
 
 MiB = 1 << 20
 
 
 class Memmoves:
-    """Stands in for the copier's memcpy: records each call's thread and span, and can
-    hold every call until released, or fail one."""
+    """Stands in for the memcpy: records each call's span and the loop turns seen so far,
+    and runs a hook after a chosen call."""
 
     def __init__(self) -> None:
-        self.calls: list[tuple[int, int, int, int]] = []  # (thread, dst, src, size)
-        self.lock = threading.Lock()
-        self.gate = threading.Event()
-        self.gate.set()
-        self.started = threading.Event()
-        self.fail_at: int | None = None  # the dst address whose copy raises
+        self.calls: list[tuple[int, int, int, int]] = []  # (dst, src, size, turns so far)
+        self.turns = 0  # advanced by a ticker task while the loop runs other work
+        self.after_call: dict[int, Callable[[], object]] = {}
         self.real: Callable[[int, int, int], object] = host_copy._memmove
 
     def __call__(self, dst: int, src: int, size: int) -> object:
-        with self.lock:
-            self.calls.append((threading.get_ident(), dst, src, size))
-        self.started.set()
-        self.gate.wait(10)
-        if dst == self.fail_at:
-            raise OSError("simulated copy failure")
-        return self.real(dst, src, size)
-
-    def threads(self) -> set[int]:
-        return {thread for thread, *_ in self.calls}
+        self.calls.append((dst, src, size, self.turns))
+        done = self.real(dst, src, size)
+        hook = self.after_call.get(len(self.calls))
+        if hook is not None:
+            hook()
+        return done
 
 
 @pytest.fixture
@@ -50,26 +41,18 @@ def memmoves(monkeypatch: pytest.MonkeyPatch) -> Iterator[Memmoves]:
     fake = Memmoves()
     monkeypatch.setattr(host_copy, "_memmove", fake)
     yield fake
-    fake.gate.set()  # never leave a worker parked
 
 
-@pytest.fixture(autouse=True)
-def sixteen_cores(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The pieces a copy is split into depend on the cores: these tests assume 16 (the H200
-    host's), whatever this machine has."""
-    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(16)), raising=False)
+async def ticking(memmoves: Memmoves, stop: asyncio.Event) -> None:
+    """Another task of the loop: counts its turns."""
+    while not stop.is_set():
+        memmoves.turns += 1
+        await asyncio.sleep(0)
 
 
 def random_bytes(nbytes: int, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
-
-
-async def wait_until(done: Callable[[], bool], within_s: float = 5.0) -> None:
-    deadline = time.monotonic() + within_s
-    while not done():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.001)
 
 
 # --- copy_host_bytes --------------------------------------------------------------------
@@ -102,125 +85,58 @@ def test_copy_host_bytes_refuses_what_one_memcpy_cannot_copy(
         assert torch.equal(dst, before)  # refused before a byte moved
 
 
-# --- HostCopier ---------------------------------------------------------------------------
+# --- copy_host_bytes_in_slices ------------------------------------------------------------
 
 
-async def test_a_small_copy_runs_at_once_on_the_calling_thread(memmoves: Memmoves) -> None:
-    copier = HostCopier(4)
-    src = random_bytes(PARALLEL_COPY_BYTES - 1)
-    dst = torch.zeros_like(src)
-    assert copier.copy(dst, src) is None
-    assert torch.equal(dst, src)
-    assert memmoves.threads() == {threading.get_ident()} and len(memmoves.calls) == 1
-    copier.close()
-
-
-async def test_a_large_copy_is_split_over_the_workers_while_the_loop_runs(
+async def test_a_sliced_copy_is_exact_and_lets_the_loop_run_between_slices(
     memmoves: Memmoves,
 ) -> None:
-    copier = HostCopier(4)
-    src = random_bytes(8 * MiB + 12345, seed=1)  # not a whole number of pages
+    src = random_bytes(3 * MiB + 12345, seed=1)  # not a whole number of slices
     dst = torch.zeros_like(src)
-    memmoves.gate.clear()
-    copying = copier.copy(dst, src)
-    assert copying is not None and copier.copies_in_flight == 1
-    await asyncio.sleep(0.01)  # the loop runs while the pieces are held
-    assert not copying.done()
-    memmoves.gate.set()
-    await copying
+    stop = asyncio.Event()
+    ticker = asyncio.create_task(ticking(memmoves, stop))
+    await asyncio.sleep(0)
+    await copy_host_bytes_in_slices(dst, src, slice_bytes=MiB)
+    stop.set()
+    await ticker
     assert torch.equal(dst, src)
-    assert copier.copies_in_flight == 0
-    assert threading.get_ident() not in memmoves.threads()
-    spans = sorted((d - dst.data_ptr(), s - src.data_ptr(), n) for _, d, s, n in memmoves.calls)
-    assert len(spans) == 4
-    assert all(d == s and d % 4096 == 0 for d, s, _ in spans)  # same offset, page-aligned
-    assert [d for d, _, _ in spans[1:]] == [d + n for d, _, n in spans[:-1]]  # no gap
-    assert spans[-1][0] + spans[-1][2] == src.nbytes
-    copier.close()
+    offsets = [(d - dst.data_ptr(), s - src.data_ptr(), n) for d, s, n, _ in memmoves.calls]
+    assert offsets == [(i * MiB, i * MiB, MiB) for i in range(3)] + [(3 * MiB, 3 * MiB, 12345)]
+    turns = [t for *_, t in memmoves.calls]
+    assert all(b > a for a, b in itertools.pairwise(turns))  # a turn between slices
 
 
-async def test_no_piece_is_smaller_than_a_piece_size(memmoves: Memmoves) -> None:
-    copier = HostCopier(8, parallel_bytes=1, piece_bytes=1 * MiB)
-    src = random_bytes(3 * MiB, seed=2)
+async def test_a_cancelled_sliced_copy_stops_between_slices(memmoves: Memmoves) -> None:
+    src = random_bytes(4 * MiB, seed=2)
     dst = torch.zeros_like(src)
-    copying = copier.copy(dst, src)
-    assert copying is not None
-    await copying
-    assert torch.equal(dst, src)
-    assert sorted(n for *_, n in memmoves.calls) == [MiB] * 3  # 3 pieces, not 8
-    copier.close()
-
-
-@pytest.mark.parametrize("closed", [False, True])
-async def test_without_workers_a_large_copy_runs_at_once(memmoves: Memmoves, closed: bool) -> None:
-    copier = HostCopier(4 if closed else 0)
-    if closed:
-        copier.close()
-    src = random_bytes(PARALLEL_COPY_BYTES, seed=3)
-    dst = torch.zeros_like(src)
-    assert copier.copy(dst, src) is None
-    assert torch.equal(dst, src)
-    assert memmoves.threads() == {threading.get_ident()}
-
-
-async def test_a_failed_piece_fails_the_copy_after_every_piece_ended(memmoves: Memmoves) -> None:
-    copier = HostCopier(4)
-    src = random_bytes(4 * MiB, seed=4)
-    dst = torch.zeros_like(src)
-    memmoves.fail_at = dst.data_ptr()  # the first piece
-    copying = copier.copy(dst, src)
-    assert copying is not None
-    with pytest.raises(OSError, match="simulated copy failure"):
+    copying = asyncio.create_task(copy_host_bytes_in_slices(dst, src, slice_bytes=MiB))
+    memmoves.after_call[2] = copying.cancel
+    with pytest.raises(asyncio.CancelledError):
         await copying
-    assert len(memmoves.calls) == 4  # the others ran, and are not reported as done early
-    assert torch.equal(dst[MiB:], src[MiB:]) and copier.copies_in_flight == 0
-    copier.close()
+    assert len(memmoves.calls) == 2
+    assert torch.equal(dst[: 2 * MiB], src[: 2 * MiB]) and not dst[2 * MiB :].any()
 
 
 @pytest.mark.parametrize(("dst", "src", "match"), BAD_PAIRS)
-async def test_the_copier_refuses_bad_pairs_before_a_byte_moves(
+async def test_a_sliced_copy_refuses_bad_pairs_before_a_byte_moves(
     memmoves: Memmoves, dst: torch.Tensor, src: torch.Tensor, match: str
 ) -> None:
-    copier = HostCopier(4, parallel_bytes=1)
     with pytest.raises(ValueError, match=match):
-        copier.copy(dst, src)
-    assert memmoves.calls == [] and copier.copies_in_flight == 0
-    copier.close()
+        await copy_host_bytes_in_slices(dst, src, slice_bytes=4)
+    assert memmoves.calls == []
 
 
-@pytest.mark.parametrize(("cores", "workers"), [(1, 1), (2, 1), (4, 3), (16, 4)])
-async def test_the_workers_leave_a_core_to_the_loop(
-    monkeypatch: pytest.MonkeyPatch, memmoves: Memmoves, cores: int, workers: int
-) -> None:
-    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(cores)))
-    copier = HostCopier(4)
-    src = random_bytes(8 * MiB, seed=5)
-    dst = torch.zeros_like(src)
-    copying = copier.copy(dst, src)
-    assert copying is not None  # off the loop even on one core: the loop keeps its turns
-    await copying
-    assert torch.equal(dst, src)
-    assert copier.workers == workers and len(memmoves.calls) == workers
-    copier.close()
-
-
-@pytest.mark.parametrize(("threads", "piece"), [(-1, MiB), (1, 0)])
-def test_the_copier_refuses_bad_settings(threads: int, piece: int) -> None:
-    with pytest.raises(ValueError, match="must be"):
-        HostCopier(threads, piece_bytes=piece)
+async def test_a_slice_must_hold_a_byte() -> None:
+    with pytest.raises(ValueError, match="slice_bytes must be > 0"):
+        await copy_host_bytes_in_slices(torch.zeros(4), torch.ones(4), slice_bytes=0)
 
 
 # --- host reads through the cache -------------------------------------------------------
 
 
-def large_feature(rig: Rig, seed: int = 0) -> torch.Tensor:
-    """A 4 MiB feature (1,024 rows of 4 KiB): a host read of it goes to the workers."""
-    return rig.tensor(1024, 1024, dtype=torch.float32, seed=seed)
-
-
 async def put_on_host(cache: FeatureCache, rig: Rig, key: str) -> torch.Tensor:
-    """Put a large feature into a cache without a GPU tier; return a copy to compare with."""
-    t = large_feature(rig, seed=7)
+    """Put a 4 MiB feature into a cache without a GPU tier; return a copy to compare with."""
+    t = rig.tensor(1024, 1024, dtype=torch.float32, seed=7)
     expected = t.cpu().clone()
     assert await cache.put(key, t)
     del t
@@ -230,55 +146,52 @@ async def put_on_host(cache: FeatureCache, rig: Rig, key: str) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("rows", [None, slice(0, 700), slice(5, 9)])
-async def test_a_large_host_read_is_copied_off_the_loop_and_exact(
+async def test_a_large_host_read_goes_a_slice_per_loop_turn_and_is_exact(
     rig: Rig, make_cache: CacheFactory, memmoves: Memmoves, rows: slice | None
 ) -> None:
     cache = make_cache(gpu_mb=0, cpu_mb=8)
     expected = await put_on_host(cache, rig, "k")
     memmoves.calls.clear()
+    stop = asyncio.Event()
+    ticker = asyncio.create_task(ticking(memmoves, stop))
+    await asyncio.sleep(0)
     out = await cache.get("k", device="cpu", rows=rows)
+    stop.set()
+    await ticker
     assert_exact(out, expected if rows is None else expected[rows])
     assert out is not None and out.is_pinned() == (rig.kind == "cuda")
-    nbytes = out.nbytes
-    large = nbytes >= PARALLEL_COPY_BYTES
-    assert (threading.get_ident() not in memmoves.threads()) == large
-    assert len(memmoves.calls) == (min(4, nbytes // MiB) if large else 1)
+    slices = -(-out.nbytes // SLICE_BYTES)
+    assert [n for _, _, n, _ in memmoves.calls][:-1] == [SLICE_BYTES] * (slices - 1)
+    turns = [t for *_, t in memmoves.calls]
+    assert all(b > a for a, b in itertools.pairwise(turns))
 
 
-async def test_a_read_cancelled_mid_copy_keeps_its_block_until_the_copy_ends(
+async def test_a_read_cancelled_between_slices_gives_its_block_back(
     rig: Rig, make_cache: CacheFactory, memmoves: Memmoves
 ) -> None:
     cache = make_cache(gpu_mb=0, cpu_mb=8)
     await put_on_host(cache, rig, "k")
-    used = cache.stats().cpu_bytes
-    memmoves.gate.clear()
-    memmoves.started.clear()
+    memmoves.calls.clear()
     reader = asyncio.create_task(cache.get("k", device="cpu"))
-    await wait_until(memmoves.started.is_set)
-    reader.cancel()
+    memmoves.after_call[1] = reader.cancel
     with pytest.raises(asyncio.CancelledError):
         await reader
+    assert len(memmoves.calls) == 1  # nothing reads the block after the cancel
     assert cache.discard("k")
     await cache.drain()
-    # The workers still read the block: it must not go back to the pool, where a put
-    # could overwrite it under them.
-    assert cache.stats().cpu_bytes == used
-    memmoves.gate.set()
-    await wait_until(lambda: cache.stats().cpu_bytes == 0)
-    assert cache.stats().leaked_bytes == 0
+    s = cache.stats()
+    assert s.cpu_bytes == 0 and s.leaked_bytes == 0
 
 
-async def test_reads_in_flight_at_close_finish(
+async def test_a_read_in_flight_at_close_finishes(
     rig: Rig, make_cache: CacheFactory, memmoves: Memmoves
 ) -> None:
     cache = make_cache(gpu_mb=0, cpu_mb=8)
     expected = await put_on_host(cache, rig, "k")
-    memmoves.gate.clear()
-    memmoves.started.clear()
     reader = asyncio.create_task(cache.get("k", device="cpu"))
-    await wait_until(memmoves.started.is_set)
-    closing = asyncio.create_task(cache.close(timeout=5))
-    await asyncio.sleep(0.01)
-    memmoves.gate.set()
-    await closing
+    closing: list[asyncio.Task[None]] = []
+    memmoves.after_call[len(memmoves.calls) + 1] = lambda: closing.append(
+        asyncio.create_task(cache.close(timeout=5))
+    )
     assert_exact(await reader, expected)
+    await closing[0]

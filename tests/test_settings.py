@@ -41,7 +41,6 @@ def test_defaults() -> None:
     assert settings.host_alignment == 512
     assert settings.copy_timeout_s == 60.0
     assert settings.evict_ahead == 0.125
-    assert settings.host_copy_threads == 4
     assert settings.gpu_cache_bytes == 1024 * MiB
     assert settings.cpu_cache_bytes == 4096 * MiB
     assert settings.ipc_pool_bytes == 512 * MiB
@@ -62,7 +61,6 @@ OWN_NAMES: list[tuple[str, str, str, object]] = [
     ("host_alignment", "MMCACHE_HOST_ALIGNMENT", "4096", 4096),
     ("copy_timeout_s", "MMCACHE_COPY_TIMEOUT_SEC", "2.5", 2.5),
     ("evict_ahead", "MMCACHE_EVICT_AHEAD", "0.25", 0.25),
-    ("host_copy_threads", "MMCACHE_HOST_COPY_THREADS", "0", 0),
     ("metrics_addr", "MMCACHE_METRICS_ADDR", "127.0.0.1", "127.0.0.1"),
 ]
 
@@ -267,8 +265,6 @@ def test_keyword_arguments_override_the_environment(monkeypatch: pytest.MonkeyPa
         ({"host_alignment": 0}, "host_alignment=0 is invalid: must be >= 1"),
         ({"host_alignment": 2 * MiB}, "host_alignment=2097152 is invalid: must be <= 1048576"),
         ({"small_copy_bytes": -1}, "small_copy_bytes=-1 is invalid: must be >= 0"),
-        ({"host_copy_threads": -1}, "host_copy_threads=-1 is invalid: must be >= 0"),
-        ({"host_copy_threads": 65}, "host_copy_threads=65 is invalid: must be <= 64"),
         ({"use_cuda_ipc": "maybe"}, "use_cuda_ipc='maybe' is invalid: must be a boolean"),
         ({"gpu_cache": 64}, "gpu_cache=64 is not a setting; settings are gpu_cache_mb, "),
     ],
