@@ -7,10 +7,12 @@ self-pipe. That report needs the GIL on the reporting thread, and a loop that
 never goes idle can keep it from that thread indefinitely: the loop lets go of
 the GIL around each zero-timeout poll of its selector and takes it back before
 the waiting thread runs, and each let-go restarts the thread's wait for a forced
-switch (CPython's convoy effect; a get waited 6-12 s behind four busy tasks on
-the simulator). So while a wait is outstanding the loop also looks at its fences
-itself, every LOOP_CHECK_S: an idle loop hears from the thread first, a busy one
-finds the fences done within about a millisecond.
+switch (CPython's convoy effect: worker threads copying host reads waited 1.2 s at
+p50 behind four busy tasks). A GPU finishes its copies without the GIL, so while a
+wait is outstanding the loop also looks at its fences itself, every LOOP_CHECK_S:
+an idle loop hears from the thread first, a busy one finds the fences done within
+about a millisecond. (The simulator's copies are Python on a thread: a busy loop
+starves the copies themselves.)
 """
 
 from __future__ import annotations
