@@ -9,10 +9,10 @@ the GIL around each zero-timeout poll of its selector and takes it back before
 the waiting thread runs, and each let-go restarts the thread's wait for a forced
 switch (CPython's convoy effect: worker threads copying host reads waited 1.2 s at
 p50 behind four busy tasks). A GPU finishes its copies without the GIL, so while a
-wait is outstanding the loop also looks at its fences itself, every LOOP_CHECK_S:
-an idle loop hears from the thread first, a busy one finds the fences done within
-about a millisecond. (The simulator's copies are Python on a thread: a busy loop
-starves the copies themselves.)
+wait is outstanding the loop also looks at its fences itself, after LOOP_CHECK_S and
+then less and less often: an idle loop hears from the thread first, a busy one finds
+the fences done at most about 10 ms after they finish. (The simulator's copies are
+Python on a thread: a busy loop starves the copies themselves.)
 """
 
 from __future__ import annotations
@@ -26,19 +26,23 @@ from collections.abc import Callable, Sequence
 from mmcache.device.base import Fence
 from mmcache.errors import CopyFailedError, CopyTimeoutError
 
-__all__ = ["LOOP_CHECK_S", "FenceWatcher", "fence_error", "wait_fences"]
+__all__ = ["LOOP_CHECK_MAX_S", "LOOP_CHECK_S", "FenceWatcher", "fence_error", "wait_fences"]
 
 log = logging.getLogger(__name__)
 
-#: Seconds between the loop's own looks at the fences of an outstanding wait.
+#: Seconds before the loop's first own look at the fences of an outstanding wait; each
+#: look after that waits twice as long as the one before, up to LOOP_CHECK_MAX_S. A look
+#: every millisecond cost an idle loop 4.4 % of a core on the development machine, against
+#: 1.6 % this way and 0.6 % with no looks.
 LOOP_CHECK_S = 0.001
+LOOP_CHECK_MAX_S = 0.01
 
 
 class _LoopCheck:
-    """Calls on_done() on the loop once every fence is done, looking every LOOP_CHECK_S
-    until then or until cancel()."""
+    """Calls on_done() on the loop once every fence is done, looking after LOOP_CHECK_S,
+    then ever less often (up to every LOOP_CHECK_MAX_S) until then or until cancel()."""
 
-    __slots__ = ("_fences", "_handle", "_loop", "_on_done")
+    __slots__ = ("_delay", "_fences", "_handle", "_loop", "_on_done")
 
     def __init__(
         self,
@@ -49,6 +53,7 @@ class _LoopCheck:
         self._loop = loop
         self._fences = list(fences)
         self._on_done = on_done
+        self._delay = LOOP_CHECK_S
         self._handle: asyncio.TimerHandle | None = loop.call_later(LOOP_CHECK_S, self._check)
 
     def _check(self) -> None:
@@ -58,7 +63,8 @@ class _LoopCheck:
         if fences and all(f.done() for f in fences):
             fences.clear()
         if fences:
-            self._handle = self._loop.call_later(LOOP_CHECK_S, self._check)
+            self._delay = min(2 * self._delay, LOOP_CHECK_MAX_S)
+            self._handle = self._loop.call_later(self._delay, self._check)
             return
         on_done = self._on_done
         self.cancel()
