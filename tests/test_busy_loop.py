@@ -105,3 +105,54 @@ async def test_the_loop_looks_less_often_the_longer_a_wait_lasts_and_only_then(
     assert 5 <= during <= 20
     await asyncio.sleep(0.03)
     assert looks == during  # nothing left armed after the wait
+
+
+class SilentFence(TimedFence):
+    """Never reported by a thread: only the loop's own looks can see it done. The second
+    done() (the loop's first look) raises, as a device query may."""
+
+    __slots__ = ("_asked",)
+
+    def __init__(self, after_s: float) -> None:
+        super().__init__(after_s)
+        self._asked = 0
+
+    def done(self) -> bool:
+        self._asked += 1
+        if self._asked == 2:
+            raise RuntimeError("a query failed once")
+        return super().done()
+
+    def add_done_callback(self, fn: Callable[[], None]) -> None:
+        pass
+
+
+async def test_a_failed_look_is_logged_and_the_loop_looks_again(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    fence = SilentFence(0.02)
+    await wait_fences([fence], timeout=5)
+    assert fence.done()
+    assert "looking at a fence failed" in caplog.text
+
+
+async def test_a_wait_that_never_ends_is_looked_at_ever_less_often(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(waiting, "LONG_WAIT_S", 0.05)
+    monkeypatch.setattr(waiting, "LOOP_CHECK_LONG_S", 0.2)
+    looks = 0
+    check = waiting._LoopCheck._check
+
+    def counted(self: waiting._LoopCheck) -> None:
+        nonlocal looks
+        looks += 1
+        check(self)
+
+    monkeypatch.setattr(waiting._LoopCheck, "_check", counted)
+    watcher = FenceWatcher(asyncio.get_running_loop())
+    watcher.when_done([SilentFence(3600)], lambda: None)
+    await asyncio.sleep(0.6)
+    # Every 10 ms for the first 50 ms, then 20, 40, 80, 160 and 200 ms apart: not 60.
+    assert 5 <= looks <= 16
+    assert watcher.outstanding == 1
