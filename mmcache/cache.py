@@ -829,7 +829,9 @@ class FeatureCache:
         """Zero-copy host access to a host-resident feature for the duration of the block.
 
         Yields None on a miss, and a host copy the caller owns for a feature that is
-        only on the device. Do not keep or write to the tensor after the block.
+        only on the device, or whose host bytes cross two pinned chunks of the arena (a
+        device copy of the view would be refused). Do not keep or write to the tensor
+        after the block.
         """
         await self._ready_to_serve()
         found = self._entries.get(key)
@@ -843,9 +845,16 @@ class FeatureCache:
             if entry.copy_fence is not None:
                 self._observe_wait(await self._wait([entry.copy_fence]))
             if isinstance(found, Member):
-                yield entry.host_view(*found.span(None), block)
+                view = entry.host_view(*found.span(None), block)
             else:
-                yield entry.host_whole(block)
+                view = entry.host_whole(block)
+            if self._device.one_pinned_range(view):
+                yield view
+            else:
+                out = self._device.host_empty(tuple(view.shape), view.dtype)
+                await copy_host_bytes_in_slices(out, view)
+                del view
+                yield out
         finally:
             self._pool.unpin(block)
 

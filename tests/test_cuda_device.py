@@ -726,6 +726,18 @@ def test_host_arena_is_pinned_and_copies_across_chunks(method: ArenaMethod) -> N
     assert torch.equal(window, src.cpu())  # ... and still readable
 
 
+@pytest.mark.parametrize("method", ["register", "hostalloc"])
+def test_one_pinned_range_follows_the_registrations(method: ArenaMethod) -> None:
+    dev = CudaDevice(0, arena_method=method, pin_chunk_bytes=4 * MiB)
+    arena = dev.host_arena(12 * MiB)
+    inside = [arena[: 4 * MiB], arena[4 * MiB : 8 * MiB], arena[9 * MiB : 10 * MiB]]
+    across = [arena[3 * MiB : 5 * MiB], arena[: 12 * MiB]]
+    assert all(dev.one_pinned_range(view) for view in inside)
+    assert [dev.one_pinned_range(view) for view in across] == [method == "hostalloc"] * 2
+    assert dev.one_pinned_range(torch.empty(16 * MiB, dtype=torch.uint8))  # not the arena
+    dev.close()
+
+
 async def test_host_arena_pins_in_the_background(device: CudaDevice) -> None:
     future = device.host_arena_async(64 * MiB)
     arena = await asyncio.wrap_future(future)
@@ -753,6 +765,17 @@ def test_background_pinning_keeps_kernel_launches_moving() -> None:
     device.close()
     assert launches > 10  # the pinning took long enough to be watched
     assert worst < 0.05, f"a kernel launch waited {worst * 1e3:.0f} ms for the pinning"
+
+
+def test_close_stops_a_background_pinning() -> None:
+    device = CudaDevice(0)
+    future = device.host_arena_async(8 * 1024 * MiB)  # about 3 s of pinning
+    time.sleep(0.05)
+    started = time.perf_counter()
+    device.close()
+    assert time.perf_counter() - started < 1.0
+    with pytest.raises(MMCacheError, match="closed while its host arena was pinned"):
+        future.result()
 
 
 def test_fence_type(device: CudaDevice) -> None:

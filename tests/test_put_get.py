@@ -215,6 +215,43 @@ async def test_a_host_read_copies_without_torchs_own_copies(
     assert out is not None and out.is_pinned() == (rig.kind == "cuda")
 
 
+async def test_borrow_lends_the_host_copy_itself(rig: Rig, make_cache: CacheFactory) -> None:
+    cache = make_cache(gpu_mb=0, cpu_mb=1)
+    t = make_data(rig, 16, 64, seed=6)
+    expected = t.cpu().clone()
+    await put_resident(cache, "k", t, "host")
+    del t
+    async with cache.borrow("k") as borrowed:
+        assert_exact(borrowed, expected)
+        assert borrowed is not None
+        assert borrowed.untyped_storage().nbytes() > borrowed.nbytes  # a view of the arena
+
+
+async def test_borrow_copies_host_bytes_that_cross_two_pinned_chunks(
+    rig: Rig, make_cache: CacheFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A device copy of a view over two pinned registrations is refused by the driver: such
+    a feature is lent as a copy of its own."""
+    cache = make_cache(gpu_mb=0, cpu_mb=1)
+    t = make_data(rig, 16, 64, seed=7)
+    expected = t.cpu().clone()
+    await put_resident(cache, "k", t, "host")
+    del t
+    asked: list[int] = []
+
+    def across_chunks(host: torch.Tensor) -> bool:
+        asked.append(host.nbytes)
+        return False
+
+    monkeypatch.setattr(rig.device, "one_pinned_range", across_chunks)
+    async with cache.borrow("k") as borrowed:
+        assert_exact(borrowed, expected)
+        assert borrowed is not None
+        assert borrowed.untyped_storage().nbytes() == borrowed.nbytes  # its own
+        assert borrowed.is_pinned() == (rig.kind == "cuda")
+    assert asked == [expected.nbytes]
+
+
 async def test_contains_len_and_discard(rig: Rig, make_cache: CacheFactory) -> None:
     cache = make_cache(gpu_mb=0.0625, cpu_mb=1)  # 64 KiB GPU: the first entry goes to host
     keys: list[Hashable] = ["img", b"raw", 7, ("video", 3, (b"f", 1))]

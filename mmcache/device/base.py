@@ -120,6 +120,11 @@ class Device(abc.ABC):
         """A host tensor a caller will own, fit to receive an asynchronous copy."""
         return torch.empty(tuple(shape), dtype=dtype)
 
+    def one_pinned_range(self, host: torch.Tensor) -> bool:
+        """Whether a host tensor of the arena lies in one pinned range, so that one device
+        copy may read or write it whole (the driver refuses a copy over two registrations)."""
+        return True
+
     @abc.abstractmethod
     def release(self, tensor: torch.Tensor, after: Sequence[Fence]) -> None:
         """Give back the cache's alias of device memory once every fence in after is done."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import ctypes
 import itertools
 import logging
@@ -975,6 +976,10 @@ class CudaDevice(Device):
             and host.is_contiguous()
         )
 
+    def one_pinned_range(self, host: torch.Tensor) -> bool:
+        """Whether host lies in one registered chunk of the arena (or outside the arena)."""
+        return self._chunk_pieces(host.data_ptr(), host.nbytes) is None
+
     def _chunk_pieces(self, ptr: int, nbytes: int) -> list[tuple[int, int]] | None:
         """Byte ranges of the host range at ptr that each lie in one registered chunk, relative
         to ptr; None if it needs no split."""
@@ -1071,12 +1076,20 @@ class CudaDevice(Device):
         if self.huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):
             # Pinning is mostly per-page work: 2 MiB pages make it several times cheaper.
             mapping.madvise(mmap.MADV_HUGEPAGE, offset, size)
+        if hasattr(mmap, "MADV_DONTFORK"):
+            # A forked child (a data loader's worker, say) must not share these pages
+            # copy-on-write: the parent's next write would move it off the pages the GPU
+            # writes to. cuMemHostAlloc memory is kept out of children by the driver.
+            with contextlib.suppress(OSError):
+                mapping.madvise(mmap.MADV_DONTFORK, offset, size)
         arena = whole[offset : offset + nbytes]
         ptr = arena.data_ptr()
         registered: list[int] = []
         try:
             # Whole pages: the tail page past nbytes is mapped and registering it is harmless.
             for start in range(0, size, chunk):
+                if self._closed:  # close() waits for this thread: stop pinning for nobody
+                    raise MMCacheError(f"{self.name} closed while its host arena was pinned")
                 driver.host_register(
                     self.index, ptr + start, min(chunk, size - start), "MMCACHE_CPU_CACHE_MB"
                 )
