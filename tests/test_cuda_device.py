@@ -738,6 +738,26 @@ def test_one_pinned_range_follows_the_registrations(method: ArenaMethod) -> None
     dev.close()
 
 
+async def test_a_borrowed_feature_across_two_chunks_copies_to_the_gpu() -> None:
+    """A 6 MiB feature in an arena of 4 MiB registrations crosses one: the view would be
+    refused by a device copy, so borrow lends a copy, which copies to the GPU exactly."""
+    device = CudaDevice(0, pin_chunk_bytes=4 * MiB, background_pinning=False)
+    settings = CacheSettings(gpu_cache_mb=0, cpu_cache_mb=16)
+    async with FeatureCache(settings, device, registry=CollectorRegistry()) as cache:
+        values = {}
+        for key in ("a", "b"):  # "a" takes 0..6 MiB, "b" 6..12 MiB: both cross an edge
+            value = torch.randint(0, 255, (6 * MiB,), dtype=torch.uint8, device="cuda:0")
+            values[key] = value.clone()
+            assert await cache.put(key, value)
+        await cache.drain()
+        for key, want in values.items():
+            async with cache.borrow(key) as lent:
+                assert lent is not None
+                assert lent.untyped_storage().nbytes() == lent.nbytes  # a copy of its own
+                assert torch.equal(lent.to("cuda:0"), want)
+    device.close()
+
+
 async def test_host_arena_pins_in_the_background(device: CudaDevice) -> None:
     future = device.host_arena_async(64 * MiB)
     arena = await asyncio.wrap_future(future)
