@@ -44,7 +44,7 @@ from mmcache.errors import (
     ValueTooLargeError,
     WrongLoopError,
 )
-from mmcache.host_copy import SLICE_BYTES, copy_host_bytes, copy_host_bytes_in_slices
+from mmcache.host_copy import copy_host_bytes_in_slices
 from mmcache.host_pool import HostBlock, HostPool
 from mmcache.metrics import CacheMetrics, DeferredPush, ensure_metrics_server
 from mmcache.producer_fences import ProducerFences
@@ -851,8 +851,7 @@ class FeatureCache:
             if self._device.one_pinned_range(view):
                 yield view
             else:
-                out = self._device.host_empty(tuple(view.shape), view.dtype)
-                await copy_host_bytes_in_slices(out, view)
+                out = await self._host_copy(view)
                 del view
                 yield out
         finally:
@@ -1734,16 +1733,21 @@ class FeatureCache:
                 self._quarantine(entry, fence)
                 raise
             view = entry.host_whole(block) if span is None else entry.host_view(*span, block)
-            # Caller-owned, as a download's is: from torch's cache of pinned blocks on CUDA
-            # (no page faults once warm; a later upload of it is asynchronous).
-            out = self._device.host_empty(tuple(view.shape), view.dtype)
-            if view.nbytes > SLICE_BYTES:  # a slice per loop turn: the loop is not held
-                await copy_host_bytes_in_slices(out, view)
-            else:
-                copy_host_bytes(out, view)
-            return out
+            return await self._host_copy(view)
         finally:
             pool.unpin(block)
+
+    async def _host_copy(self, view: torch.Tensor) -> torch.Tensor:
+        """A copy the caller owns of a view of the arena (pinned before this is called).
+
+        Caller-owned, as a download's is: from torch's cache of pinned blocks on CUDA (no
+        page faults once warm; a later upload of it is asynchronous). Copied a slice per
+        loop turn, so a large one does not hold the loop; one of a slice or less is one
+        memcpy and does not yield.
+        """
+        out = self._device.host_empty(tuple(view.shape), view.dtype)
+        await copy_host_bytes_in_slices(out, view)
+        return out
 
     async def _upload(
         self,
