@@ -97,7 +97,8 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("gather_probe: needs a CUDA device")
         return 0
-    device = CudaDevice(0, background_pinning=False)
+    # One allocation: the raw copy_ calls below may cross any offset.
+    device = CudaDevice(0, background_pinning=False, arena_method="hostalloc")
     stream = device.d2h_stream
     arena = device.host_arena(128 << 20)
     flatten = torch._C._nn.flatten_dense_tensors

@@ -410,7 +410,9 @@ def primitive_costs(device: CudaDevice, arena: torch.Tensor) -> dict[str, float]
 
 async def probe(index: int, quick: bool) -> dict[str, Any]:
     """Run every measurement and return the results."""
-    device = CudaDevice(index)
+    # Raw torch copies below must stay inside one registration: 256 MiB chunks hold every
+    # raw copy's range, and straddling_copy still finds a boundary to measure.
+    device = CudaDevice(index, pin_chunk_bytes=256 * MiB)
     arena_bytes = 1024 * MiB
     start = time.perf_counter()
     arena = await asyncio.wrap_future(device.host_arena_async(arena_bytes))
