@@ -135,27 +135,37 @@ def small_copy_paths(device: CudaDevice, arena: torch.Tensor) -> dict[str, dict[
     return results
 
 
-def straddling_copy(device: CudaDevice, arena: torch.Tensor, gpu: torch.Tensor) -> dict[str, Any]:
+def straddling_copy(index: int, gpu: torch.Tensor) -> dict[str, Any]:
     """One raw 64 MB copy across two separately registered chunks vs CudaDevice's split copy."""
-    boundary, half = device.pin_chunk_bytes, 32 * MiB
-    if arena.numel() < boundary + half:
-        return {"skipped": "arena has a single registration"}
-    window = arena[boundary - half : boundary + half]
-    results: dict[str, Any] = {}
-    for name, copy in (
-        ("raw copy_ across the boundary", lambda: window.copy_(gpu[: 2 * half], non_blocking=True)),
-        ("CudaDevice.copy_d2h (split)", lambda: device.copy_d2h(gpu[: 2 * half], window, ())),
-    ):
-        window.zero_()
-        try:
-            seconds = cuda_elapsed_s(copy, device.d2h_stream)
-        except RuntimeError as exc:
-            results[name] = {"error": str(exc)}
-            continue
-        device.synchronize()
-        exact = torch.equal(window, gpu[: 2 * half].cpu())
-        results[name] = {"gbps": gbps(2 * half, seconds), "exact": exact}
-    return results
+    half = 32 * MiB
+    device = CudaDevice(index, background_pinning=False, pin_chunk_bytes=2 * half)
+    try:
+        arena = device.host_arena(4 * half)
+        window = arena[half : 3 * half]  # crosses the boundary between the first two chunks
+        results: dict[str, Any] = {}
+        for name, copy in (
+            (
+                "raw copy_ across the boundary",
+                lambda w=window: w.copy_(gpu[: 2 * half], non_blocking=True),
+            ),
+            (
+                "CudaDevice.copy_d2h (split)",
+                lambda w=window: device.copy_d2h(gpu[: 2 * half], w, ()),
+            ),
+        ):
+            window.zero_()
+            try:
+                seconds = cuda_elapsed_s(copy, device.d2h_stream)
+            except RuntimeError as exc:
+                results[name] = {"error": str(exc)}
+                continue
+            device.synchronize()
+            exact = torch.equal(window, gpu[: 2 * half].cpu())
+            results[name] = {"gbps": gbps(2 * half, seconds), "exact": exact}
+        del window, arena
+        return results
+    finally:
+        device.close()
 
 
 # --- pinning ----------------------------------------------------------------------------------
@@ -410,9 +420,8 @@ def primitive_costs(device: CudaDevice, arena: torch.Tensor) -> dict[str, float]
 
 async def probe(index: int, quick: bool) -> dict[str, Any]:
     """Run every measurement and return the results."""
-    # Raw torch copies below must stay inside one registration: 256 MiB chunks hold every
-    # raw copy's range, and straddling_copy still finds a boundary to measure.
-    device = CudaDevice(index, pin_chunk_bytes=256 * MiB)
+    # One allocation: the raw torch copies below may cover any range of the arena.
+    device = CudaDevice(index, arena_method="hostalloc")
     arena_bytes = 1024 * MiB
     start = time.perf_counter()
     arena = await asyncio.wrap_future(device.host_arena_async(arena_bytes))
@@ -427,7 +436,7 @@ async def probe(index: int, quick: bool) -> dict[str, Any]:
     results["primitives_us"] = primitive_costs(device, arena)
     results["bandwidth"] = copy_bandwidth(device, arena, gpu, cycles_per_s, quick)
     results["small_copies"] = small_copy_paths(device, arena)
-    results["straddling_copy"] = straddling_copy(device, arena, gpu)
+    results["straddling_copy"] = straddling_copy(device.index, gpu)
     global _signal_wake
     _signal_wake = SignalWake(device)
     try:
