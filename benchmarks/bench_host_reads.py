@@ -4,7 +4,8 @@ In one run, on the same features, three ways to get a CPU copy of a feature in t
 tier: (a) torch's `clone()` of the host bytes (what the cache did before; torch spreads a
 large copy over its intra-op threads), (b) one memcpy on the event loop into a pinned
 tensor (the cache's read before large reads were sliced), (c) the cache's
-`get(device="cpu")`: reads over 1 MiB a slice per loop turn. Reports get latency
+`get(device="cpu")`: copies of 1 MiB per torch intra-op thread per loop turn (one memcpy
+per 1 MiB where the process may use fewer cores than torch has threads). Reports latency
 p50/p99, the reads' GB/s, and the loop's longest lateness while they ran (a 1 ms
 ticker). --busy-tasks N keeps N more tasks busy on the loop meanwhile (100 µs of Python
 each, then a turn for the others), as a loaded server's loop is.

@@ -1742,8 +1742,8 @@ class FeatureCache:
 
         Caller-owned, as a download's is: from torch's cache of pinned blocks on CUDA (no
         page faults once warm; a later upload of it is asynchronous). Copied a slice per
-        loop turn, so a large one does not hold the loop; one of a slice or less is one
-        memcpy and does not yield.
+        loop turn on torch's intra-op threads (mmcache.host_copy), so a large one does not
+        hold the loop; one of a slice or less does not yield.
         """
         out = self._device.host_empty(tuple(view.shape), view.dtype)
         await copy_host_bytes_in_slices(out, view)

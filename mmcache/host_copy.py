@@ -1,33 +1,59 @@
-"""Copies of host bytes for host reads: one memcpy, and large ones a slice per loop turn.
+"""Copies of host bytes for host reads: a slice per loop turn, on torch's intra-op threads.
 
-A host read copies a feature out of the pinned arena into a tensor the caller owns.
-torch's clone and copy_ would split a large copy over its intra-op threads, which spin
-afterwards, and torch sizes that pool by the machine's cores, not by the cores the
-process may use: with the process kept to 4 of the H200 host's 16 cores, a clone took
-32 ms whatever the size (BENCHMARKS.md, "Host reads to the CPU"). One memcpy avoids
-that, but one core copies only about 9-11 GB/s there, so a large read would hold the
-event loop for milliseconds. It is copied a slice at a time instead, with the loop's
-other work running between slices.
+A host read copies a feature out of the pinned arena into a tensor the caller owns. One
+core copies only about 7-11 GB/s on the H200 hosts (an 8 MiB read: 1.2 ms); torch's
+copy_ splits the copy over its intra-op threads (BENCHMARKS.md, "Host reads to the
+CPU"). Large reads go a slice at a time, with the loop's other work running between
+slices, so none holds the event loop for long.
 
-Not on worker threads: a worker must take the GIL back to report, and a loop that never
-goes idle can keep it from the worker for seconds (see mmcache.waiting).
+torch sizes its thread pool by the machine's cores, not by the cores the process may
+run on: a process kept to 4 of 16 cores after torch started took 32 ms for any parallel
+copy, its threads spinning at barriers for cores they did not get. There, and where
+torch has one thread, the copy is one memcpy per slice on the loop's thread.
+
+Not on worker threads of our own: a worker must take the GIL back to report, and a loop
+that never goes idle can keep it from the worker for seconds (see mmcache.waiting).
 """
 
 from __future__ import annotations
 
 import asyncio
 import ctypes
+import os
 from collections.abc import Callable
 
 import torch
 
-__all__ = ["SLICE_BYTES", "copy_host_bytes", "copy_host_bytes_in_slices"]
+__all__ = [
+    "PARALLEL_FROM_BYTES",
+    "SLICE_BYTES",
+    "copy_host_bytes",
+    "copy_host_bytes_in_slices",
+    "copy_threads",
+]
 
-#: Bytes copied between two turns of the event loop: about 0.1 ms of one core's memcpy.
+#: Bytes one thread copies between two turns of the event loop: about 0.1 ms of memcpy.
 SLICE_BYTES = 1 << 20
+#: Smaller slices are one memcpy: waking torch's threads would cost more than they save.
+PARALLEL_FROM_BYTES = 256 << 10
 
 # ctypes.memmove is a foreign function: a call lets go of the GIL while it copies.
 _memmove: Callable[[int, int, int], object] = ctypes.memmove
+
+
+def _parallel_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    dst.copy_(src)  # torch splits it over its intra-op threads
+
+
+def copy_threads() -> int:
+    """Threads a host copy may use: torch's intra-op threads, or 1 where the process may
+    run on fewer cores than torch has threads (see the module's docstring)."""
+    threads = torch.get_num_threads()
+    if threads <= 1:
+        return 1
+    affinity = getattr(os, "sched_getaffinity", None)
+    cores = len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
+    return threads if threads <= cores else 1
 
 
 def _check_pair(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -49,14 +75,24 @@ def copy_host_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
 async def copy_host_bytes_in_slices(
     dst: torch.Tensor, src: torch.Tensor, slice_bytes: int = SLICE_BYTES
 ) -> None:
-    """copy_host_bytes, slice_bytes at a time, letting the event loop run its other work
-    between slices. Cancelled, it stops between two slices (dst then holds part of src)."""
+    """Copy the bytes of src into dst (as copy_host_bytes), slice_bytes per copy thread at
+    a time, letting the event loop run its other work between slices. Cancelled, it stops
+    between two slices (dst then holds part of src)."""
     if slice_bytes <= 0:
         raise ValueError(f"slice_bytes must be > 0, not {slice_bytes}")
     _check_pair(dst, src)
     nbytes = src.nbytes
-    dst_ptr, src_ptr = dst.data_ptr(), src.data_ptr()  # dst and src stay alive in this frame
-    for start in range(0, nbytes, slice_bytes):
+    if nbytes == 0:
+        return
+    threads = copy_threads()
+    step = slice_bytes * threads
+    # Flat byte views of dst and src: they stay alive in this frame.
+    dst_bytes, src_bytes = dst.reshape(-1).view(torch.uint8), src.reshape(-1).view(torch.uint8)
+    for start in range(0, nbytes, step):
         if start:
             await asyncio.sleep(0)
-        _memmove(dst_ptr + start, src_ptr + start, min(slice_bytes, nbytes - start))
+        stop = min(start + step, nbytes)
+        if threads > 1 and stop - start >= PARALLEL_FROM_BYTES:
+            _parallel_copy(dst_bytes[start:stop], src_bytes[start:stop])
+        else:
+            _memmove(dst_bytes.data_ptr() + start, src_bytes.data_ptr() + start, stop - start)

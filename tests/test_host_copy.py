@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Callable, Iterator
+import os
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -17,36 +18,57 @@ from mmcache.host_copy import SLICE_BYTES, copy_host_bytes, copy_host_bytes_in_s
 MiB = 1 << 20
 
 
-class Memmoves:
-    """Stands in for the memcpy: records each call's span and the loop turns seen so far,
-    and runs a hook after a chosen call."""
+class Copies:
+    """Stands in for the memcpy and for torch's parallel copy: records each call's span,
+    kind and the loop turns seen so far, runs a hook after a chosen call, and sets how
+    many threads a copy may use."""
 
-    def __init__(self) -> None:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.calls: list[tuple[int, int, int, int]] = []  # (dst, src, size, turns so far)
+        self.kinds: list[str] = []
         self.turns = 0  # advanced by a ticker task while the loop runs other work
         self.after_call: dict[int, Callable[[], object]] = {}
-        self.real: Callable[[int, int, int], object] = host_copy._memmove
+        self.real_memmove: Callable[[int, int, int], object] = host_copy._memmove
+        self.real_parallel: Callable[[torch.Tensor, torch.Tensor], None] = host_copy._parallel_copy
+        self.monkeypatch = monkeypatch
+        monkeypatch.setattr(host_copy, "_memmove", self.memmove)
+        monkeypatch.setattr(host_copy, "_parallel_copy", self.parallel)
+        self.use_threads(1)
 
-    def __call__(self, dst: int, src: int, size: int) -> object:
+    def use_threads(self, threads: int) -> None:
+        self.monkeypatch.setattr(host_copy, "copy_threads", lambda: threads)
+
+    def memmove(self, dst: int, src: int, size: int) -> object:
+        self._record("memmove", dst, src, size)
+        done = self.real_memmove(dst, src, size)
+        self._after()
+        return done
+
+    def parallel(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self._record("parallel", dst.data_ptr(), src.data_ptr(), src.nbytes)
+        self.real_parallel(dst, src)
+        self._after()
+
+    def _record(self, kind: str, dst: int, src: int, size: int) -> None:
         self.calls.append((dst, src, size, self.turns))
-        done = self.real(dst, src, size)
+        self.kinds.append(kind)
+
+    def _after(self) -> None:
         hook = self.after_call.get(len(self.calls))
         if hook is not None:
             hook()
-        return done
 
 
 @pytest.fixture
-def memmoves(monkeypatch: pytest.MonkeyPatch) -> Iterator[Memmoves]:
-    fake = Memmoves()
-    monkeypatch.setattr(host_copy, "_memmove", fake)
-    yield fake
+def copies(monkeypatch: pytest.MonkeyPatch) -> Copies:
+    """Copies spied on, by one thread unless a test asks for more."""
+    return Copies(monkeypatch)
 
 
-async def ticking(memmoves: Memmoves, stop: asyncio.Event) -> None:
+async def ticking(copies: Copies, stop: asyncio.Event) -> None:
     """Another task of the loop: counts its turns."""
     while not stop.is_set():
-        memmoves.turns += 1
+        copies.turns += 1
         await asyncio.sleep(0)
 
 
@@ -89,41 +111,86 @@ def test_copy_host_bytes_refuses_what_one_memcpy_cannot_copy(
 
 
 async def test_a_sliced_copy_is_exact_and_lets_the_loop_run_between_slices(
-    memmoves: Memmoves,
+    copies: Copies,
 ) -> None:
     src = random_bytes(3 * MiB + 12345, seed=1)  # not a whole number of slices
     dst = torch.zeros_like(src)
     stop = asyncio.Event()
-    ticker = asyncio.create_task(ticking(memmoves, stop))
+    ticker = asyncio.create_task(ticking(copies, stop))
     await asyncio.sleep(0)
     await copy_host_bytes_in_slices(dst, src, slice_bytes=MiB)
     stop.set()
     await ticker
     assert torch.equal(dst, src)
-    offsets = [(d - dst.data_ptr(), s - src.data_ptr(), n) for d, s, n, _ in memmoves.calls]
+    offsets = [(d - dst.data_ptr(), s - src.data_ptr(), n) for d, s, n, _ in copies.calls]
     assert offsets == [(i * MiB, i * MiB, MiB) for i in range(3)] + [(3 * MiB, 3 * MiB, 12345)]
-    turns = [t for *_, t in memmoves.calls]
+    turns = [t for *_, t in copies.calls]
     assert all(b > a for a, b in itertools.pairwise(turns))  # a turn between slices
 
 
-async def test_a_cancelled_sliced_copy_stops_between_slices(memmoves: Memmoves) -> None:
+async def test_a_parallel_copy_moves_a_slice_per_thread_per_loop_turn(copies: Copies) -> None:
+    copies.use_threads(4)
+    src = random_bytes(8 * MiB + 1000, seed=3)  # two slices of 4 threads, then a short tail
+    dst = torch.zeros_like(src)
+    stop = asyncio.Event()
+    ticker = asyncio.create_task(ticking(copies, stop))
+    await asyncio.sleep(0)
+    await copy_host_bytes_in_slices(dst, src, slice_bytes=MiB)
+    stop.set()
+    await ticker
+    assert torch.equal(dst, src)
+    offsets = [(d - dst.data_ptr(), s - src.data_ptr(), n) for d, s, n, _ in copies.calls]
+    assert offsets == [(0, 0, 4 * MiB), (4 * MiB, 4 * MiB, 4 * MiB), (8 * MiB, 8 * MiB, 1000)]
+    # A tail too short to be worth waking the threads for is one memcpy.
+    assert copies.kinds == ["parallel", "parallel", "memmove"]
+    turns = [t for *_, t in copies.calls]
+    assert all(b > a for a, b in itertools.pairwise(turns))
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.bfloat16, torch.float32, torch.int64, torch.bool, torch.complex64]
+)
+@pytest.mark.parametrize("threads", [1, 3])
+async def test_a_sliced_copy_is_exact_for_every_dtype(
+    copies: Copies, dtype: torch.dtype, threads: int
+) -> None:
+    copies.use_threads(threads)
+    src = random_bytes(2 * MiB + 128, seed=4).view(dtype).reshape(16, -1)
+    dst = torch.empty_like(src)
+    await copy_host_bytes_in_slices(dst, src, slice_bytes=512 << 10)
+    assert torch.equal(dst.view(torch.uint8), src.view(torch.uint8))
+
+
+@pytest.mark.parametrize(
+    ("torch_threads", "cores", "expected"),
+    [(8, 16, 8), (16, 16, 16), (16, 4, 1), (1, 16, 1)],
+)
+def test_copy_threads_are_torchs_unless_the_process_has_fewer_cores(
+    monkeypatch: pytest.MonkeyPatch, torch_threads: int, cores: int, expected: int
+) -> None:
+    monkeypatch.setattr(torch, "get_num_threads", lambda: torch_threads)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(cores)), raising=False)
+    assert host_copy.copy_threads() == expected
+
+
+async def test_a_cancelled_sliced_copy_stops_between_slices(copies: Copies) -> None:
     src = random_bytes(4 * MiB, seed=2)
     dst = torch.zeros_like(src)
     copying = asyncio.create_task(copy_host_bytes_in_slices(dst, src, slice_bytes=MiB))
-    memmoves.after_call[2] = copying.cancel
+    copies.after_call[2] = copying.cancel
     with pytest.raises(asyncio.CancelledError):
         await copying
-    assert len(memmoves.calls) == 2
+    assert len(copies.calls) == 2
     assert torch.equal(dst[: 2 * MiB], src[: 2 * MiB]) and not dst[2 * MiB :].any()
 
 
 @pytest.mark.parametrize(("dst", "src", "match"), BAD_PAIRS)
 async def test_a_sliced_copy_refuses_bad_pairs_before_a_byte_moves(
-    memmoves: Memmoves, dst: torch.Tensor, src: torch.Tensor, match: str
+    copies: Copies, dst: torch.Tensor, src: torch.Tensor, match: str
 ) -> None:
     with pytest.raises(ValueError, match=match):
         await copy_host_bytes_in_slices(dst, src, slice_bytes=4)
-    assert memmoves.calls == []
+    assert copies.calls == []
 
 
 async def test_a_slice_must_hold_a_byte() -> None:
@@ -145,38 +212,41 @@ async def put_on_host(cache: FeatureCache, rig: Rig, key: str) -> torch.Tensor:
     return expected
 
 
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("rows", [None, slice(0, 700), slice(5, 9)])
 async def test_a_large_host_read_goes_a_slice_per_loop_turn_and_is_exact(
-    rig: Rig, make_cache: CacheFactory, memmoves: Memmoves, rows: slice | None
+    rig: Rig, make_cache: CacheFactory, copies: Copies, rows: slice | None, threads: int
 ) -> None:
+    copies.use_threads(threads)
     cache = make_cache(gpu_mb=0, cpu_mb=8)
     expected = await put_on_host(cache, rig, "k")
-    memmoves.calls.clear()
+    copies.calls.clear()
     stop = asyncio.Event()
-    ticker = asyncio.create_task(ticking(memmoves, stop))
+    ticker = asyncio.create_task(ticking(copies, stop))
     await asyncio.sleep(0)
     out = await cache.get("k", device="cpu", rows=rows)
     stop.set()
     await ticker
     assert_exact(out, expected if rows is None else expected[rows])
     assert out is not None and out.is_pinned() == (rig.kind == "cuda")
-    slices = -(-out.nbytes // SLICE_BYTES)
-    assert [n for _, _, n, _ in memmoves.calls][:-1] == [SLICE_BYTES] * (slices - 1)
-    turns = [t for *_, t in memmoves.calls]
+    step = threads * SLICE_BYTES
+    slices = -(-out.nbytes // step)
+    assert [n for _, _, n, _ in copies.calls][:-1] == [step] * (slices - 1)
+    turns = [t for *_, t in copies.calls]
     assert all(b > a for a, b in itertools.pairwise(turns))
 
 
 async def test_a_read_cancelled_between_slices_gives_its_block_back(
-    rig: Rig, make_cache: CacheFactory, memmoves: Memmoves
+    rig: Rig, make_cache: CacheFactory, copies: Copies
 ) -> None:
     cache = make_cache(gpu_mb=0, cpu_mb=8)
     await put_on_host(cache, rig, "k")
-    memmoves.calls.clear()
+    copies.calls.clear()
     reader = asyncio.create_task(cache.get("k", device="cpu"))
-    memmoves.after_call[1] = reader.cancel
+    copies.after_call[1] = reader.cancel
     with pytest.raises(asyncio.CancelledError):
         await reader
-    assert len(memmoves.calls) == 1  # nothing reads the block after the cancel
+    assert len(copies.calls) == 1  # nothing reads the block after the cancel
     assert cache.discard("k")
     await cache.drain()
     s = cache.stats()
@@ -184,13 +254,13 @@ async def test_a_read_cancelled_between_slices_gives_its_block_back(
 
 
 async def test_a_read_in_flight_at_close_finishes(
-    rig: Rig, make_cache: CacheFactory, memmoves: Memmoves
+    rig: Rig, make_cache: CacheFactory, copies: Copies
 ) -> None:
     cache = make_cache(gpu_mb=0, cpu_mb=8)
     expected = await put_on_host(cache, rig, "k")
     reader = asyncio.create_task(cache.get("k", device="cpu"))
     closing: list[asyncio.Task[None]] = []
-    memmoves.after_call[len(memmoves.calls) + 1] = lambda: closing.append(
+    copies.after_call[len(copies.calls) + 1] = lambda: closing.append(
         asyncio.create_task(cache.close(timeout=5))
     )
     assert_exact(await reader, expected)
