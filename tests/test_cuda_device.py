@@ -8,7 +8,9 @@ import ctypes
 import functools
 import gc
 import itertools
+import json
 import random
+import subprocess
 import sys
 import threading
 import time
@@ -803,3 +805,47 @@ def test_fence_type(device: CudaDevice) -> None:
     assert isinstance(fence, CudaFence)
     assert fence.wait(30)
     assert "gpu" in device.describe()
+
+
+# --- warm-up ----------------------------------------------------------------------------
+
+_FIRST_CALLS = """
+import json, sys, time, torch
+from mmcache.device.cuda import CudaDevice
+
+def first_ms(fn):
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3
+
+torch.empty(1, device="cuda")
+device = CudaDevice(0, background_pinning=False)
+x = torch.empty(64, 4096, dtype=torch.bfloat16, device="cuda")
+y = torch.empty(64, 4096, dtype=torch.float32, device="cuda")
+times = {
+    "pack bf16": first_ms(lambda: device.pack([x[:10], x[10:30]], device.current_stream())),
+    "pack fp32": first_ms(lambda: device.pack([y[:10], y[10:30]], device.current_stream())),
+    "record_stream": first_ms(lambda: device.use_on(x, device.d2h_stream)),
+    "pinned host tensor": first_ms(lambda: device.host_empty((16, 4096), torch.bfloat16)),
+    # Not warmed by the device: shows whether this process loads kernels lazily at all.
+    "control: cumsum": first_ms(lambda: torch.cumsum(y, dim=0)),
+}
+device.close()
+json.dump(times, sys.stdout)
+"""
+
+
+def test_a_new_device_has_loaded_what_the_first_put_and_get_use() -> None:
+    """CUDA loads kernels on first launch: a fresh device must not leave that to the loop."""
+    done = subprocess.run(
+        [sys.executable, "-c", _FIRST_CALLS], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    times = json.loads(done.stdout)
+    control = times.pop("control: cumsum")
+    if control < 5:
+        pytest.skip(f"kernels are not loaded lazily here (first cumsum: {control:.1f} ms)")
+    slow = {name: round(ms, 1) for name, ms in times.items() if ms > 3}
+    assert not slow, f"first calls after the warm-up (ms): {slow}; an unwarmed kernel: {control}"
