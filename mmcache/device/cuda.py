@@ -516,18 +516,22 @@ class CudaDevice(Device):
         CUDA loads kernels on first launch, and torch's allocators set up on first use.
         On the H200, in a fresh process, the first packing kernel (torch.cat) took 22 ms,
         the first record_stream 19 ms, and the first pinned host tensor 6.7 ms, each on
-        the thread that called it: the event loop's, at the first put or get.
+        the thread that called it: the event loop's, at the first put or get. Only an
+        optimisation: a failure is logged, and the first calls pay as before.
         """
-        with torch.cuda.device(self._device), torch.no_grad():
-            for dtype in _WARM_DTYPES:
-                rows = torch.empty(2, 8, dtype=dtype, device=self._device)
-                with _OnStream(self._d2h):
-                    packed = torch.empty(4, 8, dtype=dtype, device=self._device)
-                    torch.cat([rows, rows], out=packed)
-                    packed[:2].copy_(rows)  # copy_d2d's kernel
-                rows.record_stream(self._d2h)
-            torch.empty(_PAGE, dtype=torch.uint8, pin_memory=True)
-            torch.cuda.synchronize(self._device)
+        try:
+            with torch.cuda.device(self._device), torch.no_grad():
+                for dtype in _WARM_DTYPES:
+                    rows = torch.empty(2, 8, dtype=dtype, device=self._device)
+                    with _OnStream(self._d2h):
+                        packed = torch.empty(4, 8, dtype=dtype, device=self._device)
+                        torch.cat([rows, rows], out=packed)
+                        packed[:2].copy_(rows)  # copy_d2d's kernel
+                    rows.record_stream(self._d2h)
+                torch.empty(_PAGE, dtype=torch.uint8, pin_memory=True)
+                torch.cuda.synchronize(self._device)
+        except RuntimeError as exc:
+            _log.warning("%s: warming up failed (%s); first copies may be slow", self.name, exc)
 
     # --- streams and fences -------------------------------------------------
 
