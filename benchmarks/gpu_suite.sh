@@ -20,7 +20,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$out/device.txt"
 status=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  timeout 300 python3 -m pytest tests -q -p no:cacheprovider --maxfail=40 --timeout 120 \
+  timeout 450 python3 -m pytest tests -q -p no:cacheprovider --maxfail=40 --timeout 120 \
     -o addopts="" 2>&1 | tee "$out/tests.log" | tail -25
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
