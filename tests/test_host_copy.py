@@ -110,10 +110,20 @@ def test_copy_host_bytes_refuses_what_one_memcpy_cannot_copy(
 # --- copy_host_bytes_in_slices ------------------------------------------------------------
 
 
+@pytest.mark.parametrize(
+    ("threads", "nbytes", "spans", "kinds"),
+    [
+        # One thread: a memcpy per slice, the last one short.
+        (1, 3 * MiB + 12345, [(0, MiB), (MiB, MiB), (2 * MiB, MiB), (3 * MiB, 12345)], "MMMM"),
+        # Four threads: a slice each per turn; a tail too short to wake them is a memcpy.
+        (4, 8 * MiB + 1000, [(0, 4 * MiB), (4 * MiB, 4 * MiB), (8 * MiB, 1000)], "PPM"),
+    ],
+)
 async def test_a_sliced_copy_is_exact_and_lets_the_loop_run_between_slices(
-    copies: Copies,
+    copies: Copies, threads: int, nbytes: int, spans: list[tuple[int, int]], kinds: str
 ) -> None:
-    src = random_bytes(3 * MiB + 12345, seed=1)  # not a whole number of slices
+    copies.use_threads(threads)
+    src = random_bytes(nbytes, seed=threads)
     dst = torch.zeros_like(src)
     stop = asyncio.Event()
     ticker = asyncio.create_task(ticking(copies, stop))
@@ -123,28 +133,10 @@ async def test_a_sliced_copy_is_exact_and_lets_the_loop_run_between_slices(
     await ticker
     assert torch.equal(dst, src)
     offsets = [(d - dst.data_ptr(), s - src.data_ptr(), n) for d, s, n, _ in copies.calls]
-    assert offsets == [(i * MiB, i * MiB, MiB) for i in range(3)] + [(3 * MiB, 3 * MiB, 12345)]
+    assert offsets == [(start, start, size) for start, size in spans]
+    assert "".join(kind[0].upper() for kind in copies.kinds) == kinds
     turns = [t for *_, t in copies.calls]
     assert all(b > a for a, b in itertools.pairwise(turns))  # a turn between slices
-
-
-async def test_a_parallel_copy_moves_a_slice_per_thread_per_loop_turn(copies: Copies) -> None:
-    copies.use_threads(4)
-    src = random_bytes(8 * MiB + 1000, seed=3)  # two slices of 4 threads, then a short tail
-    dst = torch.zeros_like(src)
-    stop = asyncio.Event()
-    ticker = asyncio.create_task(ticking(copies, stop))
-    await asyncio.sleep(0)
-    await copy_host_bytes_in_slices(dst, src, slice_bytes=MiB)
-    stop.set()
-    await ticker
-    assert torch.equal(dst, src)
-    offsets = [(d - dst.data_ptr(), s - src.data_ptr(), n) for d, s, n, _ in copies.calls]
-    assert offsets == [(0, 0, 4 * MiB), (4 * MiB, 4 * MiB, 4 * MiB), (8 * MiB, 8 * MiB, 1000)]
-    # A tail too short to be worth waking the threads for is one memcpy.
-    assert copies.kinds == ["parallel", "parallel", "memmove"]
-    turns = [t for *_, t in copies.calls]
-    assert all(b > a for a, b in itertools.pairwise(turns))
 
 
 @pytest.mark.parametrize(
