@@ -45,6 +45,7 @@ from mmcache.errors import (
     WrongLoopError,
 )
 from mmcache.host_copy import copy_host_bytes_in_slices
+from mmcache.host_copy import warm_up as warm_host_copies
 from mmcache.host_pool import HostBlock, HostPool
 from mmcache.metrics import CacheMetrics, DeferredPush, ensure_metrics_server
 from mmcache.producer_fences import ProducerFences
@@ -202,6 +203,7 @@ class FeatureCache:
         self._tiers.bind(loop)
         self._producers.bind(loop)
         self._watcher = FenceWatcher(loop)
+        warm_host_copies()  # on the loop's thread, where host reads copy
         port = self.settings.metrics_port
         if port is not None and self._registry is None:
             # One server per process serves every cache on the default registry.
@@ -1743,7 +1745,7 @@ class FeatureCache:
         Caller-owned, as a download's is: from torch's cache of pinned blocks on CUDA (no
         page faults once warm; a later upload of it is asynchronous). Copied a slice per
         loop turn on torch's intra-op threads (mmcache.host_copy), so a large one does not
-        hold the loop; one of a slice or less does not yield.
+        hold the loop; one that fits in one turn's slices does not yield.
         """
         out = self._device.host_empty(tuple(view.shape), view.dtype)
         await copy_host_bytes_in_slices(out, view)

@@ -8,8 +8,10 @@ slices, so none holds the event loop for long.
 
 torch sizes its thread pool by the machine's cores, not by the cores the process may
 run on: a process kept to 4 of 16 cores after torch started took 32 ms for any parallel
-copy, its threads spinning at barriers for cores they did not get. There, and where
-torch has one thread, the copy is one memcpy per slice on the loop's thread.
+copy, its threads spinning at barriers for cores they did not get. Where the process's
+CPU affinity or its cgroup's CPU quota gives it fewer cores than torch has threads, and
+where torch has one thread, the copy is one memcpy per slice on the loop's thread. (Cores
+busy with other processes are not seen: a parallel copy then waits for them.)
 
 Not on worker threads of our own: a worker must take the GIL back to report, and a loop
 that never goes idle can keep it from the worker for seconds (see mmcache.waiting).
@@ -19,22 +21,31 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import functools
 import os
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
 __all__ = [
+    "MAX_THREADS_PER_TURN",
     "PARALLEL_FROM_BYTES",
     "SLICE_BYTES",
+    "cgroup_cpu_quota",
     "copy_host_bytes",
     "copy_host_bytes_in_slices",
     "copy_threads",
+    "quota_cores",
+    "warm_up",
 ]
 
 #: Bytes one thread copies between two turns of the event loop: about 0.1 ms of memcpy.
 SLICE_BYTES = 1 << 20
-#: Smaller slices are one memcpy: waking torch's threads would cost more than they save.
+#: At most this many threads' slices per turn: memory bandwidth stops growing with more
+#: threads, so more would only hold the loop longer (16 MiB: about 0.15-0.3 ms on the H200).
+MAX_THREADS_PER_TURN = 16
+#: Less to copy in one turn is one memcpy: waking torch's threads would cost more.
 PARALLEL_FROM_BYTES = 256 << 10
 
 # ctypes.memmove is a foreign function: a call lets go of the GIL while it copies.
@@ -45,6 +56,32 @@ def _parallel_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src)  # torch splits it over its intra-op threads
 
 
+@functools.cache
+def cgroup_cpu_quota() -> float | None:
+    """The cores the process's cgroup may use (its CPU quota ÷ period), or None without a
+    quota. Read once: containers set it at start."""
+    try:
+        fields = Path("/sys/fs/cgroup/cpu.max").read_text().split()  # cgroup v2
+    except OSError:
+        try:  # cgroup v1
+            base = Path("/sys/fs/cgroup/cpu")
+            fields = [
+                (base / f"cpu.cfs_{name}_us").read_text().strip() for name in ("quota", "period")
+            ]
+        except OSError:
+            return None
+    return quota_cores(fields)
+
+
+def quota_cores(fields: list[str]) -> float | None:
+    """Cores of a CPU quota given as [quota, period] ("max" or -1: none)."""
+    try:
+        quota, period = int(fields[0]), int(fields[1])
+    except (IndexError, ValueError):
+        return None
+    return quota / period if quota > 0 and period > 0 else None
+
+
 def copy_threads() -> int:
     """Threads a host copy may use: torch's intra-op threads, or 1 where the process may
     run on fewer cores than torch has threads (see the module's docstring)."""
@@ -52,8 +89,19 @@ def copy_threads() -> int:
     if threads <= 1:
         return 1
     affinity = getattr(os, "sched_getaffinity", None)
-    cores = len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
+    cores: float = len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
+    quota = cgroup_cpu_quota()
+    if quota is not None:
+        cores = min(cores, quota)
     return threads if threads <= cores else 1
+
+
+def warm_up() -> None:
+    """One parallel copy on the calling thread: OpenMP sets up a thread's team on its
+    first parallel region (3.4 ms measured), which a first read would pay on the loop."""
+    if copy_threads() > 1:
+        src = torch.zeros(PARALLEL_FROM_BYTES, dtype=torch.uint8)
+        _parallel_copy(torch.empty_like(src), src)
 
 
 def _check_pair(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -62,6 +110,13 @@ def _check_pair(dst: torch.Tensor, src: torch.Tensor) -> None:
             raise ValueError(f"host copy {role} must be a contiguous host tensor")
     if dst.nbytes != src.nbytes:
         raise ValueError(f"host copy of {src.nbytes} bytes into a {dst.nbytes}-byte destination")
+
+
+def _check_apart(dst: torch.Tensor, src: torch.Tensor) -> None:
+    # A copy in slices of overlapping ranges would read bytes it has already overwritten.
+    d, s, n = dst.data_ptr(), src.data_ptr(), src.nbytes
+    if n and d < s + n and s < d + n:
+        raise ValueError("host copy in slices of overlapping source and destination")
 
 
 def copy_host_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -75,17 +130,18 @@ def copy_host_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
 async def copy_host_bytes_in_slices(
     dst: torch.Tensor, src: torch.Tensor, slice_bytes: int = SLICE_BYTES
 ) -> None:
-    """Copy the bytes of src into dst (as copy_host_bytes), slice_bytes per copy thread at
-    a time, letting the event loop run its other work between slices. Cancelled, it stops
-    between two slices (dst then holds part of src)."""
+    """Copy the bytes of src into dst (as copy_host_bytes, but the two must not overlap),
+    slice_bytes per copy thread at a time, letting the event loop run its other work
+    between slices. Cancelled, it stops between two slices (dst then holds part of src)."""
     if slice_bytes <= 0:
         raise ValueError(f"slice_bytes must be > 0, not {slice_bytes}")
     _check_pair(dst, src)
+    _check_apart(dst, src)
     nbytes = src.nbytes
     if nbytes == 0:
         return
     threads = copy_threads()
-    step = slice_bytes * threads
+    step = slice_bytes * min(threads, MAX_THREADS_PER_TURN)
     # Flat byte views of dst and src: they stay alive in this frame.
     dst_bytes, src_bytes = dst.reshape(-1).view(torch.uint8), src.reshape(-1).view(torch.uint8)
     for start in range(0, nbytes, step):

@@ -824,9 +824,14 @@ torch.empty(1, device="cuda")
 device = CudaDevice(0, background_pinning=False)
 x = torch.empty(64, 4096, dtype=torch.bfloat16, device="cuda")
 y = torch.empty(64, 4096, dtype=torch.float32, device="cuda")
+z = torch.empty(4, 16, 64, dtype=torch.bfloat16, device="cuda")
+square = torch.empty(64, 64, dtype=torch.bfloat16, device="cuda")
+stream = device.current_stream()
 times = {
-    "pack bf16": first_ms(lambda: device.pack([x[:10], x[10:30]], device.current_stream())),
-    "pack fp32": first_ms(lambda: device.pack([y[:10], y[10:30]], device.current_stream())),
+    "pack bf16": first_ms(lambda: device.pack([x[:10], x[10:30]], stream)),
+    "pack fp32": first_ms(lambda: device.pack([y[:10], y[10:30]], stream)),
+    "pack 3-D bf16": first_ms(lambda: device.pack([z[:1], z[1:3], z[3:]], stream)),
+    "strided copy_d2d": first_ms(lambda: device.copy_d2d(x[:, :64].t(), square, stream)),
     "record_stream": first_ms(lambda: device.use_on(x, device.d2h_stream)),
     "pinned host tensor": first_ms(lambda: device.host_empty((16, 4096), torch.bfloat16)),
     # Not warmed by the device: shows whether this process loads kernels lazily at all.

@@ -154,15 +154,71 @@ async def test_a_sliced_copy_is_exact_for_every_dtype(
 
 
 @pytest.mark.parametrize(
-    ("torch_threads", "cores", "expected"),
-    [(8, 16, 8), (16, 16, 16), (16, 4, 1), (1, 16, 1)],
+    ("torch_threads", "cores", "quota", "expected"),
+    [
+        (8, 16, None, 8),
+        (16, 16, None, 16),
+        (16, 4, None, 1),  # kept to fewer cores than torch's threads
+        (1, 16, None, 1),
+        (8, 16, 2.5, 1),  # a container's CPU quota, with every core in the affinity
+        (8, 16, 8.0, 8),
+    ],
 )
 def test_copy_threads_are_torchs_unless_the_process_has_fewer_cores(
-    monkeypatch: pytest.MonkeyPatch, torch_threads: int, cores: int, expected: int
+    monkeypatch: pytest.MonkeyPatch,
+    torch_threads: int,
+    cores: int,
+    quota: float | None,
+    expected: int,
 ) -> None:
     monkeypatch.setattr(torch, "get_num_threads", lambda: torch_threads)
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(cores)), raising=False)
+    monkeypatch.setattr(host_copy, "cgroup_cpu_quota", lambda: quota)
     assert host_copy.copy_threads() == expected
+
+
+@pytest.mark.parametrize(
+    ("fields", "cores"),
+    [
+        (["max", "100000"], None),  # cgroup v2, no quota
+        (["400000", "100000"], 4.0),
+        (["150000", "100000"], 1.5),
+        (["-1", "100000"], None),  # cgroup v1, no quota
+        ([], None),
+        (["400000", "0"], None),
+    ],
+)
+def test_a_cgroup_quota_reads_as_cores(fields: list[str], cores: float | None) -> None:
+    assert host_copy.quota_cores(fields) == cores
+    host_copy.cgroup_cpu_quota()  # this machine's, whatever it is: it must not raise
+
+
+async def test_one_turn_copies_for_at_most_max_threads_per_turn(copies: Copies) -> None:
+    copies.use_threads(4 * host_copy.MAX_THREADS_PER_TURN)
+    slice_bytes = 64 << 10
+    step = host_copy.MAX_THREADS_PER_TURN * slice_bytes
+    src = random_bytes(2 * step, seed=5)
+    dst = torch.zeros_like(src)
+    await copy_host_bytes_in_slices(dst, src, slice_bytes=slice_bytes)
+    assert torch.equal(dst, src)
+    assert [n for _, _, n, _ in copies.calls] == [step, step]
+
+
+async def test_a_sliced_copy_refuses_overlapping_ranges(copies: Copies) -> None:
+    buffer = random_bytes(4 * MiB, seed=6)
+    before = buffer.clone()
+    with pytest.raises(ValueError, match="overlapping"):
+        await copy_host_bytes_in_slices(buffer[MiB:], buffer[: 3 * MiB], slice_bytes=MiB)
+    assert copies.calls == [] and torch.equal(buffer, before)
+
+
+@pytest.mark.parametrize(("threads", "parallel_copies"), [(1, 0), (4, 1)])
+def test_warming_up_runs_one_parallel_copy_where_reads_would(
+    copies: Copies, threads: int, parallel_copies: int
+) -> None:
+    copies.use_threads(threads)
+    host_copy.warm_up()
+    assert copies.kinds == ["parallel"] * parallel_copies
 
 
 async def test_a_cancelled_sliced_copy_stops_between_slices(copies: Copies) -> None:

@@ -516,20 +516,27 @@ class CudaDevice(Device):
         CUDA loads kernels on first launch, and torch's allocators set up on first use.
         On the H200, in a fresh process, the first packing kernel (torch.cat) took 22 ms,
         the first record_stream 19 ms, and the first pinned host tensor 6.7 ms, each on
-        the thread that called it: the event loop's, at the first put or get. Only an
+        the thread that called it: the event loop's, at the first put or get. Kernels are
+        per dtype (_WARM_DTYPES; others pay their first launch when used). Only an
         optimisation: a failure is logged, and the first calls pay as before.
         """
         try:
             with torch.cuda.device(self._device), torch.no_grad():
                 for dtype in _WARM_DTYPES:
-                    rows = torch.empty(2, 8, dtype=dtype, device=self._device)
-                    with _OnStream(self._d2h):
-                        packed = torch.empty(4, 8, dtype=dtype, device=self._device)
-                        torch.cat([rows, rows], out=packed)
-                        packed[:2].copy_(rows)  # copy_d2d's kernel
+                    rows = torch.empty(2, 4, 8, dtype=dtype, device=self._device)
                     rows.record_stream(self._d2h)
+                    with _OnStream(self._d2h):
+                        # torch.cat has a kernel per dimension count: packs of 1-3 dims.
+                        for dims in (1, 2, 3):
+                            part = rows.reshape(-1) if dims == 1 else rows.flatten(0, 3 - dims)
+                            torch.cat([part, part, part])
+                        # A contiguous copy is a plain memcpy; a strided source (as
+                        # copy_d2d may get) runs torch's copy kernel.
+                        rows[0].transpose(0, 1).contiguous()
                 torch.empty(_PAGE, dtype=torch.uint8, pin_memory=True)
-                torch.cuda.synchronize(self._device)
+                # Only the streams used here: a device-wide wait would also wait for (or
+                # break a graph capture of) other threads' work.
+                self._d2h.synchronize()
         except RuntimeError as exc:
             _log.warning("%s: warming up failed (%s); first copies may be slow", self.name, exc)
 
