@@ -160,6 +160,8 @@ async def test_a_sliced_copy_is_exact_for_every_dtype(
         (16, 16, None, 16),
         (16, 4, None, 1),  # kept to fewer cores than torch's threads
         (1, 16, None, 1),
+        (3, 16, None, 1),  # too few threads to be worth a parallel copy
+        (4, 16, None, 4),
         (8, 16, 2.5, 1),  # a container's CPU quota, with every core in the affinity
         (8, 16, 8.0, 8),
     ],
