@@ -35,7 +35,7 @@ from _common import LoopLag, fmt, gbps, markdown_table, summary_us, write_json  
 from prometheus_client import CollectorRegistry  # noqa: E402
 
 from mmcache import CacheSettings, FeatureCache  # noqa: E402
-from mmcache.host_copy import copy_host_bytes  # noqa: E402
+from mmcache.host_copy import copy_host_bytes, copy_threads  # noqa: E402
 
 MiB = 1 << 20
 ROW_BYTES = 4096 * 2  # a bf16 row of hidden size 4,096
@@ -158,7 +158,8 @@ def report(results: Sequence[dict[str, Any]], device: str) -> str:
         rows.append(row)
     exact = all(r[name]["exact"] for r in results for name in STRATEGIES)
     return (
-        f"### Host reads to the CPU ({device}; every read exact: {exact})\n\n"
+        f"### Host reads to the CPU ({device}; every read exact: {exact}; mmcache's copy "
+        f"threads: {copy_threads()} of torch's {torch.get_num_threads()})\n\n"
         + markdown_table(headers, rows)
         + "\n\nRatios below 1: mmcache is faster."
     )
