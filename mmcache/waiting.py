@@ -51,10 +51,11 @@ LOOP_CHECK_LONG_S = 1.0
 
 
 class _LoopCheck:
-    """Calls on_done() on the loop once every fence is done, looking after LOOP_CHECK_S,
-    then ever less often, until then or until cancel()."""
+    """Calls on_done() on the loop, once, when every fence is done: when the device
+    threads have reported each one (one_reported), or when the loop's own look finds them
+    done, looking after LOOP_CHECK_S, then ever less often; never after cancel()."""
 
-    __slots__ = ("_delay", "_fences", "_handle", "_loop", "_on_done", "_started")
+    __slots__ = ("_delay", "_fences", "_handle", "_left", "_loop", "_on_done", "_started")
 
     def __init__(
         self,
@@ -64,6 +65,7 @@ class _LoopCheck:
     ) -> None:
         self._loop = loop
         self._fences = list(fences)
+        self._left = len(self._fences)  # fences not yet reported by their threads
         self._on_done = on_done
         self._delay = LOOP_CHECK_S
         self._started = loop.time()
@@ -87,8 +89,17 @@ class _LoopCheck:
             self._delay = min(2 * self._delay, cap)
             self._handle = self._loop.call_later(self._delay, self._check)
             return
+        self._fire()
+
+    def one_reported(self) -> None:
+        """On the loop: a device thread reported one of the fences done."""
+        self._left -= 1
+        if self._left == 0:
+            self._fire()
+
+    def _fire(self) -> None:
         on_done = self._on_done
-        self.cancel()
+        self.cancel()  # first: the other way of noticing must not call it again
         try:
             on_done()
         except Exception:
@@ -133,21 +144,14 @@ async def wait_fences(fences: Sequence[Fence], timeout: float | None = None) -> 
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
         future: asyncio.Future[None] = loop.create_future()
-        left = len(pending)
 
         def all_done() -> None:
-            if not future.done():
+            if not future.done():  # cancelled by a timeout
                 future.set_result(None)
 
-        def one_done() -> None:
-            nonlocal left
-            left -= 1
-            if left == 0:
-                all_done()
-
-        for f in pending:
-            f.add_done_callback(lambda: _call_on_loop(loop, one_done))
         check = _LoopCheck(loop, pending, all_done)
+        for f in pending:
+            f.add_done_callback(lambda: _call_on_loop(loop, check.one_reported))
         try:
             if timeout is None:
                 await future
@@ -204,15 +208,8 @@ class FenceWatcher:
             return
         self.outstanding += 1
         self._idle.clear()
-        left = len(pending)
-        fired = False
 
         def all_done() -> None:
-            nonlocal fired
-            if fired:  # the loop's own look and the threads' reports both arrive
-                return
-            fired = True
-            check.cancel()
             try:
                 callback()
             finally:
@@ -220,15 +217,9 @@ class FenceWatcher:
                 if self.outstanding == 0:
                     self._idle.set()
 
-        def one_done() -> None:
-            nonlocal left
-            left -= 1
-            if left == 0:
-                all_done()
-
         check = _LoopCheck(self._loop, pending, all_done)
         for f in pending:
-            f.add_done_callback(lambda: self._completed(one_done))
+            f.add_done_callback(lambda: self._completed(check.one_reported))
 
     async def idle(self) -> None:
         """Wait until no callback is outstanding."""
