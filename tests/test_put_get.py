@@ -192,12 +192,12 @@ async def test_host_get_returns_a_copy_the_caller_owns(
 
 
 @pytest.mark.parametrize("rows", [None, slice(2, 5)])
-async def test_a_host_read_copies_without_torchs_own_copies(
+async def test_a_small_host_read_is_one_memcpy_not_torchs_copies(
     rig: Rig, make_cache: CacheFactory, monkeypatch: pytest.MonkeyPatch, rows: slice | None
 ) -> None:
-    """A host hit read to the CPU is one memcpy into a tensor from the device's host
-    allocator (pinned on CUDA): torch's clone and copy_ spread large copies over its
-    intra-op threads, which spin, and which outnumber the cores of a pinned process."""
+    """A small host hit read to the CPU is one memcpy into a tensor from the device's host
+    allocator (pinned on CUDA): torch's clone and copy_ would wake its intra-op threads
+    for less than they save (mmcache.host_copy.PARALLEL_FROM_BYTES)."""
     cache = make_cache(gpu_mb=0, cpu_mb=1)
     t = make_data(rig, 16, 64, seed=5)
     expected = t.cpu().clone()
