@@ -5,13 +5,15 @@ tier: (a) torch's `clone()` of the host bytes (what the cache did before; torch 
 large copy over its intra-op threads), (b) one memcpy on the event loop into a pinned
 tensor (the cache's read before large reads were sliced), (c) the cache's
 `get(device="cpu")`: copies of 1 MiB per torch intra-op thread per loop turn (one memcpy
-per 1 MiB where the process may use fewer cores than torch has threads). Reports latency
+per 1 MiB where the process may use fewer cores than torch has threads, and for a lone
+read: see mmcache.host_copy). Reports latency
 p50/p99, the reads' GB/s, and the loop's longest lateness while they ran (a 1 ms
 ticker). --busy-tasks N keeps N more tasks busy on the loop meanwhile (100 µs of Python
-each, then a turn for the others), as a loaded server's loop is.
+each, then a turn for the others), as a loaded server's loop is. --gap-ms G spaces the
+reads by G ms of idle loop, as a server's reads of one feature now and then are.
 
     python benchmarks/bench_host_reads.py [--device cuda|sim] [--cores N] [--busy-tasks N]
-        [--quick] [--out F]
+        [--gap-ms G] [--quick] [--out F]
 """
 
 from __future__ import annotations
@@ -68,9 +70,11 @@ async def timed_reads(
     read: Callable[[int], Awaitable[torch.Tensor | None]],
     expected: list[torch.Tensor],
     busy_tasks: int = 0,
+    gap_s: float = 0.0,
 ) -> dict[str, Any]:
-    """A read of every feature, one after the other, under a loop-lag ticker that runs
-    between them (a read that holds the loop delays it); then every result checked.
+    """A read of every feature, one after the other (gap_s apart), under a loop-lag ticker
+    that runs between them (a read that holds the loop delays it); then every result
+    checked.
 
     A pass before the timed one holds as many results, so that on CUDA torch's pinned
     cache already has their blocks (a new pinned block takes about 0.5 ms per MiB).
@@ -84,12 +88,16 @@ async def timed_reads(
     others = [asyncio.create_task(busy(stop)) for _ in range(busy_tasks)]
     async with LoopLag() as lag:
         start = time.perf_counter()
+        idle = 0.0
         for i in range(count):
             t0 = time.perf_counter()
             values.append(await read(i))
-            samples.append(time.perf_counter() - t0)
-            await asyncio.sleep(0)  # other tasks' turn, as a server's loop has them
-        wall = time.perf_counter() - start
+            t1 = time.perf_counter()
+            samples.append(t1 - t0)
+            await asyncio.sleep(gap_s)  # other tasks' turn, as a server's loop has them
+            if gap_s:
+                idle += time.perf_counter() - t1
+        wall = time.perf_counter() - start - idle
     stop.set()
     await asyncio.gather(*others)
     return {
@@ -100,7 +108,9 @@ async def timed_reads(
     }
 
 
-async def measure(size_mib: float, count: int, device: str, busy_tasks: int) -> dict[str, Any]:
+async def measure(
+    size_mib: float, count: int, device: str, busy_tasks: int, gap_s: float = 0.0
+) -> dict[str, Any]:
     """The three strategies on count features of size_mib each."""
     rows = max(1, int(size_mib * MiB) // ROW_BYTES)
     nbytes = rows * ROW_BYTES
@@ -120,8 +130,8 @@ async def measure(size_mib: float, count: int, device: str, busy_tasks: int) -> 
         copy_host_bytes(result, pinned[i])
         return result
 
-    out[STRATEGIES[0]] = await timed_reads(clone, expected, busy_tasks)
-    out[STRATEGIES[1]] = await timed_reads(one_memcpy, expected, busy_tasks)
+    out[STRATEGIES[0]] = await timed_reads(clone, expected, busy_tasks, gap_s)
+    out[STRATEGIES[1]] = await timed_reads(one_memcpy, expected, busy_tasks, gap_s)
     pinned.clear()  # the host memory back before the cache takes its own
     settings = CacheSettings(gpu_cache_mb=0, cpu_cache_mb=math.ceil(count * nbytes / MiB) + 8)
     async with FeatureCache(settings, device, registry=CollectorRegistry()) as cache:
@@ -133,13 +143,13 @@ async def measure(size_mib: float, count: int, device: str, busy_tasks: int) -> 
         async def get(i: int) -> torch.Tensor | None:
             return await cache.get(("f", i), device="cpu")
 
-        out[STRATEGIES[2]] = await timed_reads(get, expected, busy_tasks)
+        out[STRATEGIES[2]] = await timed_reads(get, expected, busy_tasks, gap_s)
     for name in STRATEGIES:
         out[name]["gbps"] = gbps(nbytes * count, out[name]["wall_s"])
     return out
 
 
-def report(results: Sequence[dict[str, Any]], device: str) -> str:
+def report(results: Sequence[dict[str, Any]], device: str, gap_s: float = 0.0) -> str:
     headers = ["size", "reads"]
     for name in STRATEGIES:
         headers += [f"{name}: get µs p50 / p99", f"{name}: loop lag ms"]
@@ -157,18 +167,19 @@ def report(results: Sequence[dict[str, Any]], device: str) -> str:
         ]
         rows.append(row)
     exact = all(r[name]["exact"] for r in results for name in STRATEGIES)
+    spacing = f"; reads {gap_s * 1e3:g} ms apart" if gap_s else ""
     return (
         f"### Host reads to the CPU ({device}; every read exact: {exact}; mmcache's copy "
-        f"threads: {copy_threads()} of torch's {torch.get_num_threads()})\n\n"
+        f"threads: {copy_threads()} of torch's {torch.get_num_threads()}{spacing})\n\n"
         + markdown_table(headers, rows)
         + "\n\nRatios below 1: mmcache is faster."
     )
 
 
 async def run(
-    sizes: Sequence[float], count: int, device: str, busy_tasks: int
+    sizes: Sequence[float], count: int, device: str, busy_tasks: int, gap_s: float = 0.0
 ) -> list[dict[str, Any]]:
-    return [await measure(size, count, device, busy_tasks) for size in sizes]
+    return [await measure(size, count, device, busy_tasks, gap_s) for size in sizes]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -187,6 +198,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--busy-tasks", type=int, default=0, help="tasks kept busy on the loop meanwhile"
     )
+    parser.add_argument(
+        "--gap-ms", type=float, default=0.0, help="idle loop time between two reads, ms"
+    )
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)
     torch.ones(1).add_(1)  # torch's intra-op pool exists from here
@@ -199,9 +213,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("no GPU here: run with --device sim")
         return 0
     sizes, count = ([1, 8], 8) if args.quick else (args.sizes, args.reads)
-    results = asyncio.run(run(sizes, count, device, args.busy_tasks))
-    print(report(results, device))
-    write_json(args.out, {"device": device, "busy_tasks": args.busy_tasks, "results": results})
+    gap_s = args.gap_ms / 1e3
+    results = asyncio.run(run(sizes, count, device, args.busy_tasks, gap_s))
+    print(report(results, device, gap_s))
+    write_json(
+        args.out,
+        {"device": device, "busy_tasks": args.busy_tasks, "gap_s": gap_s, "results": results},
+    )
     return 0 if all(r[name]["exact"] for r in results for name in STRATEGIES) else 1
 
 

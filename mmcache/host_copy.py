@@ -15,6 +15,13 @@ on the loop's thread. Cores busy with other work are not seen: a parallel copy w
 its slowest thread. On a 2-core machine, with the other core busy, a 32 MiB read took
 38 ms at p50 in one run (16 ms by memcpy); hence no parallel copies on so few threads.
 
+torch's threads go to sleep soon after a parallel copy, and waking them is slow: on the
+H200 a parallel copy 20-100 ms after the last one took 2.4-3.6 ms for 1 or 8 MiB, where
+a memcpy took 0.2-0.3 ms for 1 MiB and 1.7 ms for 8 MiB (back to back, the parallel copy
+took 0.02 and 0.14 ms). So a lone read, one that does not follow another copy within
+BURST_GAP_S, copies by memcpy slices; reads in a burst, and reads of at least
+LONE_PARALLEL_FROM_BYTES (which repay the wake), use the threads.
+
 Not on worker threads of our own: a worker must take the GIL back to report, and a loop
 that never goes idle can keep it from the worker for seconds (see mmcache.waiting).
 """
@@ -24,13 +31,18 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import functools
+import math
 import os
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 __all__ = [
+    "BURST_GAP_S",
+    "LONE_PARALLEL_FROM_BYTES",
     "MAX_THREADS_PER_TURN",
     "MIN_PARALLEL_THREADS",
     "PARALLEL_FROM_BYTES",
@@ -52,6 +64,25 @@ MAX_THREADS_PER_TURN = 16
 PARALLEL_FROM_BYTES = 256 << 10
 #: Fewer intra-op threads copy by memcpy (see the module's docstring).
 MIN_PARALLEL_THREADS = 4
+
+#: A copy that starts within this many seconds of the end of the calling thread's last
+#: one is part of a burst: torch's threads are awake, or worth waking (module docstring).
+BURST_GAP_S = 0.002
+#: A lone copy this large uses torch's threads all the same: by memcpy, 16 MiB takes
+#: about as long as waking them (twice 8 MiB's 1.7 ms, against 2.4-3.6 ms on the H200).
+LONE_PARALLEL_FROM_BYTES = 16 << 20
+
+_now: Callable[[], float] = time.monotonic
+
+
+class _LastCopy(threading.local):
+    """When the calling thread's last sliced copy ended (each thread has its own team of
+    torch's threads)."""
+
+    ended = -math.inf
+
+
+_last_copy = _LastCopy()
 
 # ctypes.memmove is a foreign function: a call lets go of the GIL while it copies.
 _memmove: Callable[[int, int, int], object] = ctypes.memmove
@@ -137,7 +168,8 @@ async def copy_host_bytes_in_slices(
 ) -> None:
     """Copy the bytes of src into dst (as copy_host_bytes, but the two must not overlap),
     slice_bytes per copy thread at a time, letting the event loop run its other work
-    between slices. Cancelled, it stops between two slices (dst then holds part of src)."""
+    between slices; a lone copy under LONE_PARALLEL_FROM_BYTES goes by memcpy slices.
+    Cancelled, it stops between two slices (dst then holds part of src)."""
     if slice_bytes <= 0:
         raise ValueError(f"slice_bytes must be > 0, not {slice_bytes}")
     _check_pair(dst, src)
@@ -146,14 +178,23 @@ async def copy_host_bytes_in_slices(
     if nbytes == 0:
         return
     threads = copy_threads()
+    if (
+        threads > 1
+        and nbytes < LONE_PARALLEL_FROM_BYTES
+        and _now() - _last_copy.ended > BURST_GAP_S
+    ):
+        threads = 1  # a lone read: waking torch's threads costs more than they save
     step = slice_bytes * min(threads, MAX_THREADS_PER_TURN)
     # Flat byte views of dst and src: they stay alive in this frame.
     dst_bytes, src_bytes = dst.reshape(-1).view(torch.uint8), src.reshape(-1).view(torch.uint8)
-    for start in range(0, nbytes, step):
-        if start:
-            await asyncio.sleep(0)
-        stop = min(start + step, nbytes)
-        if threads > 1 and stop - start >= PARALLEL_FROM_BYTES:
-            _parallel_copy(dst_bytes[start:stop], src_bytes[start:stop])
-        else:
-            _memmove(dst_bytes.data_ptr() + start, src_bytes.data_ptr() + start, stop - start)
+    try:
+        for start in range(0, nbytes, step):
+            if start:
+                await asyncio.sleep(0)
+            stop = min(start + step, nbytes)
+            if threads > 1 and stop - start >= PARALLEL_FROM_BYTES:
+                _parallel_copy(dst_bytes[start:stop], src_bytes[start:stop])
+            else:
+                _memmove(dst_bytes.data_ptr() + start, src_bytes.data_ptr() + start, stop - start)
+    finally:
+        _last_copy.ended = _now()

@@ -21,7 +21,8 @@ MiB = 1 << 20
 class Copies:
     """Stands in for the memcpy and for torch's parallel copy: records each call's span,
     kind and the loop turns seen so far, runs a hook after a chosen call, and sets how
-    many threads a copy may use."""
+    many threads a copy may use. Its clock stands still unless a test moves it (idle()),
+    and the first copy counts as part of a burst: with threads, copies use them."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.calls: list[tuple[int, int, int, int]] = []  # (dst, src, size, turns so far)
@@ -33,7 +34,13 @@ class Copies:
         self.monkeypatch = monkeypatch
         monkeypatch.setattr(host_copy, "_memmove", self.memmove)
         monkeypatch.setattr(host_copy, "_parallel_copy", self.parallel)
+        self.now = 1000.0
+        monkeypatch.setattr(host_copy, "_now", lambda: self.now)
+        monkeypatch.setattr(host_copy._last_copy, "ended", self.now)
         self.use_threads(1)
+
+    def idle(self, seconds: float) -> None:
+        self.now += seconds
 
     def use_threads(self, threads: int) -> None:
         self.monkeypatch.setattr(host_copy, "copy_threads", lambda: threads)
@@ -151,6 +158,33 @@ async def test_a_sliced_copy_is_exact_for_every_dtype(
     dst = torch.empty_like(src)
     await copy_host_bytes_in_slices(dst, src, slice_bytes=512 << 10)
     assert torch.equal(dst.view(torch.uint8), src.view(torch.uint8))
+
+
+async def test_a_lone_copy_goes_by_memcpy_and_a_burst_wakes_the_threads(copies: Copies) -> None:
+    copies.use_threads(4)
+    gap = host_copy.BURST_GAP_S
+    src = random_bytes(4 * MiB, seed=8)
+    dst = torch.zeros_like(src)
+
+    async def copy(idle: float) -> str:
+        copies.idle(idle)
+        first = len(copies.kinds)
+        await copy_host_bytes_in_slices(dst, src, slice_bytes=MiB)
+        assert torch.equal(dst, src)
+        return "".join(kind[0].upper() for kind in copies.kinds[first:])
+
+    assert await copy(10 * gap) == "MMMM"  # lone: a memcpy per slice
+    assert await copy(gap / 2) == "P"  # right after it: a burst, the threads' turn
+    assert await copy(gap / 2) == "P"
+    assert await copy(gap * 1.5) == "MMMM"  # lone again after an idle gap
+    lone_parallel = host_copy.LONE_PARALLEL_FROM_BYTES
+    big = random_bytes(lone_parallel, seed=9)
+    out = torch.zeros_like(big)
+    copies.idle(10 * gap)
+    first = len(copies.kinds)
+    await copy_host_bytes_in_slices(out, big, slice_bytes=MiB)
+    assert torch.equal(out, big)
+    assert set(copies.kinds[first:]) == {"parallel"}  # large enough to repay the wake
 
 
 @pytest.mark.parametrize(
