@@ -29,6 +29,7 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   timeout 200 python3 benchmarks/bench_offload.py $quick --out "$out/offload.json" 2>&1 | tee "$out/offload.log" | tail -40
   timeout 60 python3 benchmarks/bench_ops.py --device cuda --out "$out/ops.json" 2>&1 | tee "$out/ops.log" | tail -12
   timeout 120 python3 benchmarks/bench_host_reads.py $quick --out "$out/reads.json" 2>&1 | tee "$out/reads.log" | tail -12
+  timeout 120 python3 benchmarks/bench_host_reads.py $quick --gap-ms 20 --out "$out/reads_gap.json" 2>&1 | tee "$out/reads_gap.log" | tail -12
 fi
 if [ "$what" = profile ]; then
   timeout 120 python3 -m cProfile -o "$out/offload.prof" benchmarks/bench_offload.py --quick >/dev/null 2>&1
