@@ -5,8 +5,8 @@ tier: (a) torch's `clone()` of the host bytes (what the cache did before; torch 
 large copy over its intra-op threads), (b) one memcpy on the event loop into a pinned
 tensor (the cache's read before large reads were sliced), (c) the cache's
 `get(device="cpu")`: copies of 1 MiB per torch intra-op thread per loop turn (one memcpy
-per 1 MiB where the process may use fewer cores than torch has threads, and for a lone
-read: see mmcache.host_copy). Reports latency
+per 1 MiB where the process may use fewer cores than torch has threads, and until a burst
+of reads repays waking the threads: see mmcache.host_copy). Reports latency
 p50/p99, the reads' GB/s, and the loop's longest lateness while they ran (a 1 ms
 ticker). --busy-tasks N keeps N more tasks busy on the loop meanwhile (100 µs of Python
 each, then a turn for the others), as a loaded server's loop is. --gap-ms G spaces the
@@ -90,13 +90,14 @@ async def timed_reads(
         start = time.perf_counter()
         idle = 0.0
         for i in range(count):
+            if gap_s:  # before each read, the first too: none follows the untimed pass
+                t_idle = time.perf_counter()
+                await asyncio.sleep(gap_s)
+                idle += time.perf_counter() - t_idle
             t0 = time.perf_counter()
             values.append(await read(i))
-            t1 = time.perf_counter()
-            samples.append(t1 - t0)
-            await asyncio.sleep(gap_s)  # other tasks' turn, as a server's loop has them
-            if gap_s:
-                idle += time.perf_counter() - t1
+            samples.append(time.perf_counter() - t0)
+            await asyncio.sleep(0)  # other tasks' turn, as a server's loop has them
         wall = time.perf_counter() - start - idle
     stop.set()
     await asyncio.gather(*others)
@@ -203,6 +204,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)
+    if args.gap_ms < 0:
+        parser.error(f"--gap-ms must be >= 0, not {args.gap_ms:g}")
     torch.ones(1).add_(1)  # torch's intra-op pool exists from here
     if args.cores:
         allowed = sorted(os.sched_getaffinity(0))[: args.cores]

@@ -1,4 +1,5 @@
-"""Copies of host bytes for host reads: a slice per loop turn, on torch's intra-op threads.
+"""Copies of host bytes for host reads: a slice per loop turn, on torch's intra-op threads
+or by memcpy.
 
 A host read copies a feature out of the pinned arena into a tensor the caller owns. One
 core copies only about 7-11 GB/s on the H200 hosts (an 8 MiB read: 1.2 ms); torch's
@@ -15,12 +16,13 @@ on the loop's thread. Cores busy with other work are not seen: a parallel copy w
 its slowest thread. On a 2-core machine, with the other core busy, a 32 MiB read took
 38 ms at p50 in one run (16 ms by memcpy); hence no parallel copies on so few threads.
 
-torch's threads go to sleep soon after a parallel copy, and waking them is slow: on the
-H200 a parallel copy 20-100 ms after the last one took 2.4-3.6 ms for 1 or 8 MiB, where
-a memcpy took 0.2-0.3 ms for 1 MiB and 1.7 ms for 8 MiB (back to back, the parallel copy
-took 0.02 and 0.14 ms). So a lone read, one that does not follow another copy within
-BURST_GAP_S, copies by memcpy slices; reads in a burst, and reads of at least
-LONE_PARALLEL_FROM_BYTES (which repay the wake), use the threads.
+torch's threads go to sleep soon after a parallel copy, and waking them is slow: in a
+probe on the H200, a parallel copy 20-100 ms after the last one took 2.4-3.6 ms for 1 or
+8 MiB, where a memcpy took 0.2-0.3 ms for 1 MiB and 1.7 ms for 8 MiB (back to back, the
+parallel copy took 0.02 and 0.14 ms). So copies go by memcpy slices until a burst of
+them (each starting within BURST_GAP_S of the last one's end, or while one is in flight)
+reaches BURST_PARALLEL_FROM_BYTES, enough to repay the wake; from there on, while the
+burst lasts, the threads are awake and copy.
 
 Not on worker threads of our own: a worker must take the GIL back to report, and a loop
 that never goes idle can keep it from the worker for seconds (see mmcache.waiting).
@@ -42,7 +44,7 @@ import torch
 
 __all__ = [
     "BURST_GAP_S",
-    "LONE_PARALLEL_FROM_BYTES",
+    "BURST_PARALLEL_FROM_BYTES",
     "MAX_THREADS_PER_TURN",
     "MIN_PARALLEL_THREADS",
     "PARALLEL_FROM_BYTES",
@@ -55,7 +57,7 @@ __all__ = [
     "warm_up",
 ]
 
-#: Bytes one thread copies between two turns of the event loop: about 0.1 ms of memcpy.
+#: Bytes one thread copies between two turns of the event loop: 0.05-0.3 ms of memcpy.
 SLICE_BYTES = 1 << 20
 #: At most this many threads' slices per turn: memory bandwidth stops growing with more
 #: threads, so more would only hold the loop longer (16 MiB: about 0.15-0.3 ms on the H200).
@@ -65,24 +67,37 @@ PARALLEL_FROM_BYTES = 256 << 10
 #: Fewer intra-op threads copy by memcpy (see the module's docstring).
 MIN_PARALLEL_THREADS = 4
 
-#: A copy that starts within this many seconds of the end of the calling thread's last
-#: one is part of a burst: torch's threads are awake, or worth waking (module docstring).
+#: Copies this close (the end of one to the start of the next) form a burst, within
+#: which torch's threads, once woken, are still awake (module docstring).
 BURST_GAP_S = 0.002
-#: A lone copy this large uses torch's threads all the same: by memcpy, 16 MiB takes
-#: about as long as waking them (twice 8 MiB's 1.7 ms, against 2.4-3.6 ms on the H200).
-LONE_PARALLEL_FROM_BYTES = 16 << 20
+#: A burst wakes torch's threads once its copies add up to this: by memcpy slices, 8 MiB
+#: took 2.1 ms on an idle H200 loop, so 16 MiB about 4 ms, more than the wake's 2.4-3.6.
+BURST_PARALLEL_FROM_BYTES = 16 << 20
 
-_now: Callable[[], float] = time.monotonic
-
-
-class _LastCopy(threading.local):
-    """When the calling thread's last sliced copy ended (each thread has its own team of
-    torch's threads)."""
-
-    ended = -math.inf
+_now: Callable[[], float] = time.perf_counter
 
 
-_last_copy = _LastCopy()
+class _Recent(threading.local):
+    """The calling thread's recent sliced copies: each thread that starts parallel work
+    has its own team of torch's threads."""
+
+    copy_ended = -math.inf  # when its last copy ended
+    in_flight = 0  # its copies under way (between slices)
+    burst_bytes = 0  # the bytes of its current burst's copies, the latest one's included
+
+
+_recent = _Recent()
+
+
+def _threads_worth_it(nbytes: int) -> bool:
+    """Whether a copy of nbytes starting now should use torch's threads; counts it into
+    the calling thread's burst."""
+    recent, now = _recent, _now()
+    if not recent.in_flight and now - recent.copy_ended > BURST_GAP_S:
+        recent.burst_bytes = 0  # a new burst
+    recent.burst_bytes += nbytes
+    return recent.burst_bytes >= BURST_PARALLEL_FROM_BYTES
+
 
 # ctypes.memmove is a foreign function: a call lets go of the GIL while it copies.
 _memmove: Callable[[int, int, int], object] = ctypes.memmove
@@ -168,8 +183,9 @@ async def copy_host_bytes_in_slices(
 ) -> None:
     """Copy the bytes of src into dst (as copy_host_bytes, but the two must not overlap),
     slice_bytes per copy thread at a time, letting the event loop run its other work
-    between slices; a lone copy under LONE_PARALLEL_FROM_BYTES goes by memcpy slices.
-    Cancelled, it stops between two slices (dst then holds part of src)."""
+    between slices; by memcpy while torch's threads sleep, unless waking them pays
+    (module docstring). Cancelled, it stops between two slices (dst then holds part of
+    src)."""
     if slice_bytes <= 0:
         raise ValueError(f"slice_bytes must be > 0, not {slice_bytes}")
     _check_pair(dst, src)
@@ -178,15 +194,13 @@ async def copy_host_bytes_in_slices(
     if nbytes == 0:
         return
     threads = copy_threads()
-    if (
-        threads > 1
-        and nbytes < LONE_PARALLEL_FROM_BYTES
-        and _now() - _last_copy.ended > BURST_GAP_S
-    ):
-        threads = 1  # a lone read: waking torch's threads costs more than they save
+    if not _threads_worth_it(nbytes):
+        threads = 1
     step = slice_bytes * min(threads, MAX_THREADS_PER_TURN)
     # Flat byte views of dst and src: they stay alive in this frame.
     dst_bytes, src_bytes = dst.reshape(-1).view(torch.uint8), src.reshape(-1).view(torch.uint8)
+    recent = _recent
+    recent.in_flight += 1
     try:
         for start in range(0, nbytes, step):
             if start:
@@ -197,4 +211,5 @@ async def copy_host_bytes_in_slices(
             else:
                 _memmove(dst_bytes.data_ptr() + start, src_bytes.data_ptr() + start, stop - start)
     finally:
-        _last_copy.ended = _now()
+        recent.in_flight -= 1
+        recent.copy_ended = _now()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import os
 from collections.abc import Callable
 
@@ -21,8 +22,9 @@ MiB = 1 << 20
 class Copies:
     """Stands in for the memcpy and for torch's parallel copy: records each call's span,
     kind and the loop turns seen so far, runs a hook after a chosen call, and sets how
-    many threads a copy may use. Its clock stands still unless a test moves it (idle()),
-    and the first copy counts as part of a burst: with threads, copies use them."""
+    many threads a copy may use. Its clock moves by tick per copy call (0 unless a test
+    sets it) and by idle(); copies start in a burst that wakes torch's threads: with
+    threads, copies use them."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.calls: list[tuple[int, int, int, int]] = []  # (dst, src, size, turns so far)
@@ -35,12 +37,19 @@ class Copies:
         monkeypatch.setattr(host_copy, "_memmove", self.memmove)
         monkeypatch.setattr(host_copy, "_parallel_copy", self.parallel)
         self.now = 1000.0
+        self.tick = 0.0
         monkeypatch.setattr(host_copy, "_now", lambda: self.now)
-        monkeypatch.setattr(host_copy._last_copy, "ended", self.now)
+        monkeypatch.setattr(host_copy, "_recent", host_copy._Recent())
+        host_copy._recent.copy_ended = self.now
+        host_copy._recent.burst_bytes = host_copy.BURST_PARALLEL_FROM_BYTES
         self.use_threads(1)
 
     def idle(self, seconds: float) -> None:
         self.now += seconds
+
+    def asleep(self) -> None:
+        """No copy for long: torch's threads sleep."""
+        host_copy._recent.copy_ended = -math.inf
 
     def use_threads(self, threads: int) -> None:
         self.monkeypatch.setattr(host_copy, "copy_threads", lambda: threads)
@@ -59,6 +68,10 @@ class Copies:
     def _record(self, kind: str, dst: int, src: int, size: int) -> None:
         self.calls.append((dst, src, size, self.turns))
         self.kinds.append(kind)
+        self.now += self.tick
+
+    def kinds_since(self, first: int) -> str:
+        return "".join(kind[0].upper() for kind in self.kinds[first:])
 
     def _after(self) -> None:
         hook = self.after_call.get(len(self.calls))
@@ -160,31 +173,70 @@ async def test_a_sliced_copy_is_exact_for_every_dtype(
     assert torch.equal(dst.view(torch.uint8), src.view(torch.uint8))
 
 
-async def test_a_lone_copy_goes_by_memcpy_and_a_burst_wakes_the_threads(copies: Copies) -> None:
-    copies.use_threads(4)
-    gap = host_copy.BURST_GAP_S
-    src = random_bytes(4 * MiB, seed=8)
+async def sliced(copies: Copies, mib: int, idle: float = 0.0, seed: int = 8) -> str:
+    """Copy mib MiB by slices of 1 MiB after idle seconds; the kinds of its copy calls."""
+    copies.idle(idle)
+    src = random_bytes(mib * MiB, seed=seed)
     dst = torch.zeros_like(src)
-
-    async def copy(idle: float) -> str:
-        copies.idle(idle)
-        first = len(copies.kinds)
-        await copy_host_bytes_in_slices(dst, src, slice_bytes=MiB)
-        assert torch.equal(dst, src)
-        return "".join(kind[0].upper() for kind in copies.kinds[first:])
-
-    assert await copy(10 * gap) == "MMMM"  # lone: a memcpy per slice
-    assert await copy(gap / 2) == "P"  # right after it: a burst, the threads' turn
-    assert await copy(gap / 2) == "P"
-    assert await copy(gap * 1.5) == "MMMM"  # lone again after an idle gap
-    lone_parallel = host_copy.LONE_PARALLEL_FROM_BYTES
-    big = random_bytes(lone_parallel, seed=9)
-    out = torch.zeros_like(big)
-    copies.idle(10 * gap)
     first = len(copies.kinds)
-    await copy_host_bytes_in_slices(out, big, slice_bytes=MiB)
-    assert torch.equal(out, big)
-    assert set(copies.kinds[first:]) == {"parallel"}  # large enough to repay the wake
+    await copy_host_bytes_in_slices(dst, src, slice_bytes=MiB)
+    assert torch.equal(dst, src)
+    return copies.kinds_since(first)
+
+
+async def test_torchs_threads_copy_once_a_burst_repays_their_wake(
+    copies: Copies,
+) -> None:
+    copies.use_threads(4)
+    copies.asleep()
+    copies.tick = 0.0005  # a 4 MiB copy by memcpy takes 2 ms: longer than a burst's gap
+    gap = host_copy.BURST_GAP_S
+    assert await sliced(copies, 4, idle=10 * gap) == "MMMM"  # lone: memcpy slices
+    # Each next copy starts gap/2 after the end of the last: one burst, counted from ends.
+    assert await sliced(copies, 4, idle=gap / 2) == "MMMM"
+    assert await sliced(copies, 4, idle=gap / 2) == "MMMM"
+    assert await sliced(copies, 4, idle=gap / 2) == "P"  # 16 MiB in the burst: wake them
+    assert await sliced(copies, 1, idle=gap / 2) == "P"  # still awake
+    assert await sliced(copies, 4, idle=gap * 1.5) == "MMMM"  # asleep again, a new burst
+    assert await sliced(copies, 16, idle=10 * gap) == "PPPP"  # one copy large enough alone
+
+
+async def test_copies_in_flight_together_are_one_burst(copies: Copies) -> None:
+    copies.use_threads(4)
+    copies.asleep()
+    copies.idle(1.0)
+    await asyncio.gather(*(sliced(copies, 4, seed=seed) for seed in range(4)))
+    # The fourth reaches 16 MiB and wakes the threads for its whole copy; the others had
+    # started by memcpy and go on so.
+    sizes = [n for _, _, n, _ in copies.calls]
+    parallel = [n for n, kind in zip(sizes, copies.kinds, strict=True) if kind == "parallel"]
+    assert parallel == [4 * MiB] and len(sizes) == 13
+
+
+@pytest.mark.parametrize(("idle_after", "kinds"), [(0.0, "P"), (1.0, "MMMM")])
+async def test_a_cancelled_copy_still_counts_in_its_burst(
+    copies: Copies, idle_after: float, kinds: str
+) -> None:
+    copies.use_threads(4)
+    copies.asleep()
+    src = random_bytes(12 * MiB, seed=10)
+    copying = asyncio.create_task(copy_host_bytes_in_slices(torch.zeros_like(src), src, MiB))
+    copies.after_call[1] = copying.cancel
+    with pytest.raises(asyncio.CancelledError):
+        await copying
+    # 12 MiB so far: a 4 MiB copy right after it completes 16 MiB; after an idle second it
+    # starts a burst of its own.
+    assert await sliced(copies, 4, idle=idle_after) == kinds
+
+
+async def test_each_thread_has_its_own_burst(copies: Copies) -> None:
+    copies.use_threads(4)
+    assert await sliced(copies, 1) == "P"  # this thread's burst has woken its threads
+
+    def on_another_thread() -> str:
+        return asyncio.run(sliced(copies, 1))
+
+    assert await asyncio.to_thread(on_another_thread) == "M"
 
 
 @pytest.mark.parametrize(
