@@ -252,7 +252,9 @@ class FeatureCache:
         self._tiers.request()
         self._metrics.close()
         if self._owns_device:
-            self._device.close()
+            # Off the loop: unpinning the default 4 GiB arena took the driver 105 ms on the
+            # H200 (0.2 ms per registered chunk), and the device also joins its threads.
+            await asyncio.to_thread(self._device.close)
 
     async def wait_host_ready(self, timeout: float | None = None) -> bool:  # noqa: ASYNC109
         """Wait until the pinned host arena is allocated (it pins in the background).
