@@ -193,9 +193,8 @@ async def copy_host_bytes_in_slices(
     nbytes = src.nbytes
     if nbytes == 0:
         return
-    threads = copy_threads()
-    if not _threads_worth_it(nbytes):
-        threads = 1
+    # Counted into the burst first, always; the cores are looked up only when it pays.
+    threads = copy_threads() if _threads_worth_it(nbytes) else 1
     step = slice_bytes * min(threads, MAX_THREADS_PER_TURN)
     # Flat byte views of dst and src: they stay alive in this frame.
     dst_bytes, src_bytes = dst.reshape(-1).view(torch.uint8), src.reshape(-1).view(torch.uint8)
