@@ -24,6 +24,16 @@ them (each starting within BURST_GAP_S of the last one's end, or while one is in
 reaches BURST_PARALLEL_FROM_BYTES, enough to repay the wake; from there on, while the
 burst lasts, the threads are awake and copy.
 
+Awake threads can still stall: on the H200 hosts, in one run of back-to-back 1 MiB reads
+(each followed by an upload and a compare on the GPU), thirteen parallel copies in a row
+took 2.2-11 ms each, where a memcpy took 0.13-0.23 ms; a minute later the same copies
+took 0.03-0.12 ms. A parallel copy waits for its slowest thread, and a thread whose core
+the host gives to other work for a while holds up all of them. So a parallel turn slower
+than one core's memcpy (STALLED_BELOW_BYTES_PER_S; its burst's first turn may also take
+WAKE_ALLOWANCE_S to wake the threads) sends the thread's copies back to memcpy slices for
+STALL_BACKOFF_S, doubled by each stall after the last fast turn, up to
+STALL_BACKOFF_MAX_S.
+
 Not on worker threads of our own: a worker must take the GIL back to report, and a loop
 that never goes idle can keep it from the worker for seconds (see mmcache.waiting).
 """
@@ -33,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import functools
+import logging
 import math
 import os
 import threading
@@ -49,6 +60,10 @@ __all__ = [
     "MIN_PARALLEL_THREADS",
     "PARALLEL_FROM_BYTES",
     "SLICE_BYTES",
+    "STALLED_BELOW_BYTES_PER_S",
+    "STALL_BACKOFF_MAX_S",
+    "STALL_BACKOFF_S",
+    "WAKE_ALLOWANCE_S",
     "cgroup_cpu_quota",
     "copy_host_bytes",
     "copy_host_bytes_in_slices",
@@ -73,7 +88,18 @@ BURST_GAP_S = 0.002
 #: A burst wakes torch's threads once its copies add up to this: by memcpy slices, 8 MiB
 #: took 2.1 ms on an idle H200 loop, so 16 MiB about 4 ms, more than the wake's 2.4-3.6.
 BURST_PARALLEL_FROM_BYTES = 16 << 20
+#: A parallel turn slower than this has stalled: one core's memcpy moved 4.5-8 GB/s on
+#: the H200 hosts (1 MiB in 0.13-0.23 ms), awake threads 23-60 GB/s.
+STALLED_BELOW_BYTES_PER_S = 4e9
+#: The first parallel turn of a burst may take this much more: it wakes the threads
+#: (2.4-3.6 ms measured 20-100 ms after the last parallel copy).
+WAKE_ALLOWANCE_S = 0.005
+#: After a stall, the thread's copies go by memcpy for this long; each further stall
+#: before a fast parallel turn doubles it, up to STALL_BACKOFF_MAX_S.
+STALL_BACKOFF_S = 0.25
+STALL_BACKOFF_MAX_S = 16.0
 
+_log = logging.getLogger(__name__)
 _now: Callable[[], float] = time.perf_counter
 
 
@@ -84,6 +110,9 @@ class _Recent(threading.local):
     copy_ended = -math.inf  # when its last copy ended
     in_flight = 0  # its copies under way (between slices)
     burst_bytes = 0  # the bytes of its current burst's copies, the latest one's included
+    threads_woken = False  # a parallel turn has run in the current burst
+    threads_off_until = -math.inf  # copies go by memcpy until then, after a stall
+    backoff_s = STALL_BACKOFF_S  # how long the next stall sends copies to memcpy
 
 
 _recent = _Recent()
@@ -95,8 +124,33 @@ def _threads_worth_it(nbytes: int) -> bool:
     recent, now = _recent, _now()
     if not recent.in_flight and now - recent.copy_ended > BURST_GAP_S:
         recent.burst_bytes = 0  # a new burst
+        recent.threads_woken = False
     recent.burst_bytes += nbytes
-    return recent.burst_bytes >= BURST_PARALLEL_FROM_BYTES
+    return recent.burst_bytes >= BURST_PARALLEL_FROM_BYTES and now >= recent.threads_off_until
+
+
+def _copy_on_threads(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """One parallel turn, timed: a stalled one sends the thread's copies to memcpy for a
+    while (module docstring)."""
+    recent = _recent
+    began = _now()
+    _parallel_copy(dst, src)
+    ended = _now()
+    took, due = ended - began, src.nbytes / STALLED_BELOW_BYTES_PER_S
+    waking, recent.threads_woken = not recent.threads_woken, True
+    if took <= due:
+        recent.backoff_s = STALL_BACKOFF_S  # the threads ran: a next stall starts afresh
+        return
+    if waking and took <= due + WAKE_ALLOWANCE_S:
+        return  # slow, but it woke them
+    recent.threads_off_until = ended + recent.backoff_s
+    _log.info(
+        "a parallel host copy of %d bytes took %.1f ms; host copies go by memcpy for %.2f s",
+        src.nbytes,
+        (ended - began) * 1e3,
+        recent.backoff_s,
+    )
+    recent.backoff_s = min(2 * recent.backoff_s, STALL_BACKOFF_MAX_S)
 
 
 # ctypes.memmove is a foreign function: a call lets go of the GIL while it copies.
@@ -195,20 +249,23 @@ async def copy_host_bytes_in_slices(
         return
     # Counted into the burst first, always; the cores are looked up only when it pays.
     threads = copy_threads() if _threads_worth_it(nbytes) else 1
-    step = slice_bytes * min(threads, MAX_THREADS_PER_TURN)
     # Flat byte views of dst and src: they stay alive in this frame.
     dst_bytes, src_bytes = dst.reshape(-1).view(torch.uint8), src.reshape(-1).view(torch.uint8)
     recent = _recent
     recent.in_flight += 1
     try:
-        for start in range(0, nbytes, step):
+        start = 0
+        while start < nbytes:
             if start:
                 await asyncio.sleep(0)
-            stop = min(start + step, nbytes)
+                if threads > 1 and _now() < recent.threads_off_until:
+                    threads = 1  # a turn stalled: the rest goes by memcpy
+            stop = min(start + slice_bytes * min(threads, MAX_THREADS_PER_TURN), nbytes)
             if threads > 1 and stop - start >= PARALLEL_FROM_BYTES:
-                _parallel_copy(dst_bytes[start:stop], src_bytes[start:stop])
+                _copy_on_threads(dst_bytes[start:stop], src_bytes[start:stop])
             else:
                 _memmove(dst_bytes.data_ptr() + start, src_bytes.data_ptr() + start, stop - start)
+            start = stop
     finally:
         recent.in_flight -= 1
         recent.copy_ended = _now()

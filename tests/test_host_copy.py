@@ -22,9 +22,9 @@ MiB = 1 << 20
 class Copies:
     """Stands in for the memcpy and for torch's parallel copy: records each call's span,
     kind and the loop turns seen so far, runs a hook after a chosen call, and sets how
-    many threads a copy may use. Its clock moves by tick per copy call (0 unless a test
-    sets it) and by idle(); copies start in a burst that wakes torch's threads: with
-    threads, copies use them."""
+    many threads a copy may use. Its clock moves by memmove_takes per memcpy call, by
+    parallel_takes per parallel one (0 unless a test sets them) and by idle(); copies start
+    in a burst that has woken torch's threads: with threads, copies use them."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.calls: list[tuple[int, int, int, int]] = []  # (dst, src, size, turns so far)
@@ -37,11 +37,13 @@ class Copies:
         monkeypatch.setattr(host_copy, "_memmove", self.memmove)
         monkeypatch.setattr(host_copy, "_parallel_copy", self.parallel)
         self.now = 1000.0
-        self.tick = 0.0
+        self.memmove_takes = 0.0
+        self.parallel_takes = 0.0
         monkeypatch.setattr(host_copy, "_now", lambda: self.now)
         monkeypatch.setattr(host_copy, "_recent", host_copy._Recent())
         host_copy._recent.copy_ended = self.now
         host_copy._recent.burst_bytes = host_copy.BURST_PARALLEL_FROM_BYTES
+        host_copy._recent.threads_woken = True
         self.use_threads(1)
 
     def idle(self, seconds: float) -> None:
@@ -56,19 +58,20 @@ class Copies:
 
     def memmove(self, dst: int, src: int, size: int) -> object:
         self._record("memmove", dst, src, size)
+        self.now += self.memmove_takes
         done = self.real_memmove(dst, src, size)
         self._after()
         return done
 
     def parallel(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         self._record("parallel", dst.data_ptr(), src.data_ptr(), src.nbytes)
+        self.now += self.parallel_takes
         self.real_parallel(dst, src)
         self._after()
 
     def _record(self, kind: str, dst: int, src: int, size: int) -> None:
         self.calls.append((dst, src, size, self.turns))
         self.kinds.append(kind)
-        self.now += self.tick
 
     def kinds_since(self, first: int) -> str:
         return "".join(kind[0].upper() for kind in self.kinds[first:])
@@ -189,7 +192,7 @@ async def test_torchs_threads_copy_once_a_burst_repays_their_wake(
 ) -> None:
     copies.use_threads(4)
     copies.asleep()
-    copies.tick = 0.0005  # a 4 MiB copy by memcpy takes 2 ms: longer than a burst's gap
+    copies.memmove_takes = 0.0005  # a 4 MiB copy by memcpy takes 2 ms: longer than a burst's gap
     gap = host_copy.BURST_GAP_S
     assert await sliced(copies, 4, idle=10 * gap) == "MMMM"  # lone: memcpy slices
     # Each next copy starts gap/2 after the end of the last: one burst, counted from ends.
@@ -237,6 +240,40 @@ async def test_each_thread_has_its_own_burst(copies: Copies) -> None:
         return asyncio.run(sliced(copies, 1))
 
     assert await asyncio.to_thread(on_another_thread) == "M"
+
+
+async def test_a_stalled_parallel_turn_sends_copies_to_memcpy_for_a_while(
+    copies: Copies,
+) -> None:
+    copies.use_threads(4)  # 4 MiB turns, due in about 1 ms each
+    fast, stalled = 0.0002, 0.003
+    backoff = host_copy.STALL_BACKOFF_S
+    copies.parallel_takes = fast
+    assert await sliced(copies, 8) == "PP"
+    copies.parallel_takes = stalled
+    # The first turn stalls: the rest of its copy and the next copies go by memcpy.
+    assert await sliced(copies, 8) == "PMMMM"
+    assert await sliced(copies, 4) == "MMMM"
+    # The back-off is over: a new burst wakes the threads (slow, but allowed for a wake);
+    # its second turn stalls, for twice as long.
+    assert await sliced(copies, 16, idle=backoff) == "PP" + "M" * 8
+    assert await sliced(copies, 16, idle=1.6 * backoff) == "M" * 16
+    copies.parallel_takes = fast
+    assert await sliced(copies, 16, idle=0.4 * backoff) == "PPPP"
+    # A fast turn since: the next stall backs off for the first length again.
+    copies.parallel_takes = stalled
+    assert await sliced(copies, 16) == "P" + "M" * 12
+    assert await sliced(copies, 16, idle=backoff) == "PP" + "M" * 8
+
+
+async def test_stalls_in_a_row_back_off_up_to_the_longest(copies: Copies) -> None:
+    copies.use_threads(4)
+    copies.parallel_takes = 0.01  # past the wake's allowance too
+    longest = host_copy.STALL_BACKOFF_MAX_S
+    for _ in range(int(math.log2(longest / host_copy.STALL_BACKOFF_S)) + 3):
+        assert (await sliced(copies, 16, idle=longest))[0] == "P"
+    assert await sliced(copies, 16, idle=0.99 * longest) == "M" * 16
+    assert await sliced(copies, 16, idle=0.02 * longest) == "P" + "M" * 12
 
 
 @pytest.mark.parametrize(
