@@ -1747,8 +1747,8 @@ class FeatureCache:
         Caller-owned, as a download's is: from torch's cache of pinned blocks on CUDA (no
         page faults once warm; a later upload of it is asynchronous). Copied a slice per
         loop turn (mmcache.host_copy), so a large one does not hold the loop: by memcpy,
-        1 MiB a turn, or, once a burst of reads repays waking them, on torch's intra-op
-        threads, 1 MiB per thread a turn.
+        1 MiB a turn, or, once a burst of reads repays waking them and unless they stalled
+        lately, on torch's intra-op threads, 1 MiB per thread a turn.
         """
         out = self._device.host_empty(tuple(view.shape), view.dtype)
         await copy_host_bytes_in_slices(out, view)

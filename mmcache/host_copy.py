@@ -2,7 +2,7 @@
 or by memcpy.
 
 A host read copies a feature out of the pinned arena into a tensor the caller owns. One
-core copies only about 7-11 GB/s on the H200 hosts (an 8 MiB read: 1.2 ms); torch's
+core copies only about 4.5-11 GB/s on the H200 hosts (an 8 MiB read: 1.2-1.9 ms); torch's
 copy_ splits the copy over its intra-op threads (BENCHMARKS.md, "Host reads to the
 CPU"). Large reads go a slice at a time, with the loop's other work running between
 slices, so none holds the event loop for long.
@@ -12,9 +12,10 @@ run on: a process kept to 4 of 16 cores after torch started took 32 ms for any p
 copy, its threads spinning at barriers for cores they did not get. Where the process's
 CPU affinity or its cgroup's CPU quota gives it fewer cores than torch has threads, and
 where torch has fewer than MIN_PARALLEL_THREADS threads, the copy is one memcpy per slice
-on the loop's thread. Cores busy with other work are not seen: a parallel copy waits for
-its slowest thread. On a 2-core machine, with the other core busy, a 32 MiB read took
-38 ms at p50 in one run (16 ms by memcpy); hence no parallel copies on so few threads.
+on the loop's thread. Cores busy with other work are not seen beforehand: a parallel copy
+waits for its slowest thread (see the stall guard below). On a 2-core machine, with the
+other core busy, a 32 MiB read took 38 ms at p50 in one run (16 ms by memcpy); hence no
+parallel copies on so few threads.
 
 torch's threads go to sleep soon after a parallel copy, and waking them is slow: in a
 probe on the H200, a parallel copy 20-100 ms after the last one took 2.4-3.6 ms for 1 or
@@ -22,17 +23,19 @@ probe on the H200, a parallel copy 20-100 ms after the last one took 2.4-3.6 ms 
 parallel copy took 0.02 and 0.14 ms). So copies go by memcpy slices until a burst of
 them (each starting within BURST_GAP_S of the last one's end, or while one is in flight)
 reaches BURST_PARALLEL_FROM_BYTES, enough to repay the wake; from there on, while the
-burst lasts, the threads are awake and copy.
+burst lasts, the threads copy, unless they stall.
 
 Awake threads can still stall: on the H200 hosts, in one run of back-to-back 1 MiB reads
 (each followed by an upload and a compare on the GPU), thirteen parallel copies in a row
-took 2.2-11 ms each, where a memcpy took 0.13-0.23 ms; a minute later the same copies
-took 0.03-0.12 ms. A parallel copy waits for its slowest thread, and a thread whose core
+took 2.2-11 ms each, where a memcpy took 0.13-0.23 ms; the eleven after them took
+0.03-0.12 ms. A parallel copy waits for its slowest thread, and a thread whose core
 the host gives to other work for a while holds up all of them. So a parallel turn slower
-than one core's memcpy (STALLED_BELOW_BYTES_PER_S; its burst's first turn may also take
-WAKE_ALLOWANCE_S to wake the threads) sends the thread's copies back to memcpy slices for
-STALL_BACKOFF_S, doubled by each stall after the last fast turn, up to
-STALL_BACKOFF_MAX_S.
+than one core's memcpy (STALLED_BELOW_BYTES_PER_S, and STALL_FLOOR_S at least; a turn more
+than BURST_GAP_S after the thread's last parallel one may also take WAKE_ALLOWANCE_S to
+wake the threads) is a stall: the rest of its copy, and the thread's copies that start
+in the next STALL_BACKOFF_S, go by memcpy slices. A stall within one back-off's length of
+the end of the last back-off doubles the back-off, up to STALL_BACKOFF_MAX_S; a later one
+starts again at STALL_BACKOFF_S.
 
 Not on worker threads of our own: a worker must take the GIL back to report, and a loop
 that never goes idle can keep it from the worker for seconds (see mmcache.waiting).
@@ -63,6 +66,7 @@ __all__ = [
     "STALLED_BELOW_BYTES_PER_S",
     "STALL_BACKOFF_MAX_S",
     "STALL_BACKOFF_S",
+    "STALL_FLOOR_S",
     "WAKE_ALLOWANCE_S",
     "cgroup_cpu_quota",
     "copy_host_bytes",
@@ -89,13 +93,15 @@ BURST_GAP_S = 0.002
 #: took 2.1 ms on an idle H200 loop, so 16 MiB about 4 ms, more than the wake's 2.4-3.6.
 BURST_PARALLEL_FROM_BYTES = 16 << 20
 #: A parallel turn slower than this has stalled: one core's memcpy moved 4.5-8 GB/s on
-#: the H200 hosts (1 MiB in 0.13-0.23 ms), awake threads 23-60 GB/s.
+#: the H200 hosts (1 MiB in 0.13-0.23 ms) as part of a read, awake threads 23-60 GB/s.
 STALLED_BELOW_BYTES_PER_S = 4e9
-#: The first parallel turn of a burst may take this much more: it wakes the threads
-#: (2.4-3.6 ms measured 20-100 ms after the last parallel copy).
+#: ...and took this long at least: shorter holds are a preempted thread's, not a stall.
+STALL_FLOOR_S = 0.0005
+#: A turn more than BURST_GAP_S after the thread's last parallel one may take this much
+#: more: it wakes the threads (0.5-4.9 ms measured on the H200 hosts).
 WAKE_ALLOWANCE_S = 0.005
-#: After a stall, the thread's copies go by memcpy for this long; each further stall
-#: before a fast parallel turn doubles it, up to STALL_BACKOFF_MAX_S.
+#: After a stall, the thread's copies that start within this go by memcpy; a stall within
+#: one back-off's length of the last back-off's end doubles it, up to STALL_BACKOFF_MAX_S.
 STALL_BACKOFF_S = 0.25
 STALL_BACKOFF_MAX_S = 16.0
 
@@ -110,9 +116,9 @@ class _Recent(threading.local):
     copy_ended = -math.inf  # when its last copy ended
     in_flight = 0  # its copies under way (between slices)
     burst_bytes = 0  # the bytes of its current burst's copies, the latest one's included
-    threads_woken = False  # a parallel turn has run in the current burst
-    threads_off_until = -math.inf  # copies go by memcpy until then, after a stall
-    backoff_s = STALL_BACKOFF_S  # how long the next stall sends copies to memcpy
+    parallel_ended = -math.inf  # when its last parallel turn ended
+    threads_off_until = -math.inf  # copies starting before then go by memcpy (a stall)
+    backoff_s = STALL_BACKOFF_S  # the length of its last back-off
 
 
 _recent = _Recent()
@@ -124,7 +130,6 @@ def _threads_worth_it(nbytes: int) -> bool:
     recent, now = _recent, _now()
     if not recent.in_flight and now - recent.copy_ended > BURST_GAP_S:
         recent.burst_bytes = 0  # a new burst
-        recent.threads_woken = False
     recent.burst_bytes += nbytes
     return recent.burst_bytes >= BURST_PARALLEL_FROM_BYTES and now >= recent.threads_off_until
 
@@ -136,13 +141,16 @@ def _copy_on_threads(dst: torch.Tensor, src: torch.Tensor) -> None:
     began = _now()
     _parallel_copy(dst, src)
     ended = _now()
-    took, due = ended - began, src.nbytes / STALLED_BELOW_BYTES_PER_S
-    waking, recent.threads_woken = not recent.threads_woken, True
-    if took <= due:
-        recent.backoff_s = STALL_BACKOFF_S  # the threads ran: a next stall starts afresh
+    due = max(src.nbytes / STALLED_BELOW_BYTES_PER_S, STALL_FLOOR_S)
+    if began - recent.parallel_ended > BURST_GAP_S:
+        due += WAKE_ALLOWANCE_S  # the threads may have gone to sleep since
+    recent.parallel_ended = ended
+    if ended - began <= due:
         return
-    if waking and took <= due + WAKE_ALLOWANCE_S:
-        return  # slow, but it woke them
+    if ended - recent.threads_off_until < recent.backoff_s:  # again, soon after the last
+        recent.backoff_s = min(2 * recent.backoff_s, STALL_BACKOFF_MAX_S)
+    else:
+        recent.backoff_s = STALL_BACKOFF_S
     recent.threads_off_until = ended + recent.backoff_s
     _log.info(
         "a parallel host copy of %d bytes took %.1f ms; host copies go by memcpy for %.2f s",
@@ -150,7 +158,6 @@ def _copy_on_threads(dst: torch.Tensor, src: torch.Tensor) -> None:
         (ended - began) * 1e3,
         recent.backoff_s,
     )
-    recent.backoff_s = min(2 * recent.backoff_s, STALL_BACKOFF_MAX_S)
 
 
 # ctypes.memmove is a foreign function: a call lets go of the GIL while it copies.
@@ -237,9 +244,9 @@ async def copy_host_bytes_in_slices(
 ) -> None:
     """Copy the bytes of src into dst (as copy_host_bytes, but the two must not overlap),
     slice_bytes per copy thread at a time, letting the event loop run its other work
-    between slices; by memcpy while torch's threads sleep, unless waking them pays
-    (module docstring). Cancelled, it stops between two slices (dst then holds part of
-    src)."""
+    between slices; by memcpy while torch's threads sleep, unless waking them pays, and
+    after a parallel turn of the thread's stalled (module docstring). Cancelled, it stops
+    between two slices (dst then holds part of src)."""
     if slice_bytes <= 0:
         raise ValueError(f"slice_bytes must be > 0, not {slice_bytes}")
     _check_pair(dst, src)

@@ -39,11 +39,12 @@ class Copies:
         self.now = 1000.0
         self.memmove_takes = 0.0
         self.parallel_takes = 0.0
+        self.takes_at: dict[int, float] = {}  # the n-th call's time, for a parallel one
         monkeypatch.setattr(host_copy, "_now", lambda: self.now)
         monkeypatch.setattr(host_copy, "_recent", host_copy._Recent())
         host_copy._recent.copy_ended = self.now
         host_copy._recent.burst_bytes = host_copy.BURST_PARALLEL_FROM_BYTES
-        host_copy._recent.threads_woken = True
+        host_copy._recent.parallel_ended = self.now
         self.use_threads(1)
 
     def idle(self, seconds: float) -> None:
@@ -65,7 +66,7 @@ class Copies:
 
     def parallel(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         self._record("parallel", dst.data_ptr(), src.data_ptr(), src.nbytes)
-        self.now += self.parallel_takes
+        self.now += self.takes_at.get(len(self.calls), self.parallel_takes)
         self.real_parallel(dst, src)
         self._after()
 
@@ -245,35 +246,95 @@ async def test_each_thread_has_its_own_burst(copies: Copies) -> None:
 async def test_a_stalled_parallel_turn_sends_copies_to_memcpy_for_a_while(
     copies: Copies,
 ) -> None:
-    copies.use_threads(4)  # 4 MiB turns, due in about 1 ms each
-    fast, stalled = 0.0002, 0.003
+    copies.use_threads(4)  # 4 MiB turns, due in 1.05 ms each
+    fast, stalled = 0.0002, 0.0016
     backoff = host_copy.STALL_BACKOFF_S
     copies.parallel_takes = fast
     assert await sliced(copies, 8) == "PP"
     copies.parallel_takes = stalled
-    # The first turn stalls: the rest of its copy and the next copies go by memcpy.
+    # The first turn stalls: the rest of its copy and the copies that start within the
+    # back-off go by memcpy.
     assert await sliced(copies, 8) == "PMMMM"
-    assert await sliced(copies, 4) == "MMMM"
-    # The back-off is over: a new burst wakes the threads (slow, but allowed for a wake);
-    # its second turn stalls, for twice as long.
-    assert await sliced(copies, 16, idle=backoff) == "PP" + "M" * 8
-    assert await sliced(copies, 16, idle=1.6 * backoff) == "M" * 16
+    assert await sliced(copies, 16, idle=backoff - 0.001) == "M" * 16  # from its end
+    # Over: a new burst wakes the threads (slow, but allowed for a wake); its second turn
+    # stalls soon after the back-off's end, which doubles it.
+    assert await sliced(copies, 16, idle=0.001) == "PP" + "M" * 8
+    assert await sliced(copies, 16, idle=1.8 * backoff) == "M" * 16
     copies.parallel_takes = fast
-    assert await sliced(copies, 16, idle=0.4 * backoff) == "PPPP"
-    # A fast turn since: the next stall backs off for the first length again.
+    assert await sliced(copies, 16, idle=0.2 * backoff) == "PPPP"
+    # Fast turns in between do not undo it: a stall soon after doubles it again...
     copies.parallel_takes = stalled
-    assert await sliced(copies, 16) == "P" + "M" * 12
-    assert await sliced(copies, 16, idle=backoff) == "PP" + "M" * 8
+    assert await sliced(copies, 4) == "P"
+    assert await sliced(copies, 16, idle=3.6 * backoff) == "M" * 16
+    # ...and a stall after a stall-free stretch as long as the back-off starts it afresh.
+    assert await sliced(copies, 16, idle=4.4 * backoff) == "PP" + "M" * 8
+    assert await sliced(copies, 16, idle=1.2 * backoff) == "PP" + "M" * 8
 
 
-async def test_stalls_in_a_row_back_off_up_to_the_longest(copies: Copies) -> None:
+async def test_stalls_each_soon_after_the_last_back_off_double_it_up_to_the_longest(
+    copies: Copies,
+) -> None:
     copies.use_threads(4)
     copies.parallel_takes = 0.01  # past the wake's allowance too
-    longest = host_copy.STALL_BACKOFF_MAX_S
+    recent, longest = host_copy._recent, host_copy.STALL_BACKOFF_MAX_S
+    lengths = []
     for _ in range(int(math.log2(longest / host_copy.STALL_BACKOFF_S)) + 3):
-        assert (await sliced(copies, 16, idle=longest))[0] == "P"
+        copies.idle(max(0.0, recent.threads_off_until - copies.now))  # the back-off's end
+        assert (await sliced(copies, 16))[0] == "P"
+        lengths.append(recent.backoff_s)
+    assert lengths == [0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 16.0, 16.0]
     assert await sliced(copies, 16, idle=0.99 * longest) == "M" * 16
     assert await sliced(copies, 16, idle=0.02 * longest) == "P" + "M" * 12
+
+
+async def test_a_stall_sends_the_threads_other_copies_in_flight_to_memcpy(
+    copies: Copies,
+) -> None:
+    copies.use_threads(4)
+    copies.takes_at = {2: 0.003}  # the second copy's first turn stalls
+    await asyncio.gather(sliced(copies, 8, seed=1), sliced(copies, 8, seed=2))
+    assert copies.kinds_since(0) == "PP" + "M" * 8  # the first copy's next turn too
+
+
+async def test_a_stall_on_one_thread_leaves_another_threads_copies_alone(
+    copies: Copies,
+) -> None:
+    copies.use_threads(4)
+    copies.parallel_takes = 0.003
+    assert await sliced(copies, 8) == "PMMMM"
+    copies.parallel_takes = 0.0002
+
+    def on_another_thread() -> str:
+        return asyncio.run(sliced(copies, 16))
+
+    assert await asyncio.to_thread(on_another_thread) == "PPPP"
+    assert await sliced(copies, 16) == "M" * 16
+
+
+async def test_a_burst_that_outlasts_its_back_off_may_wake_the_threads_again(
+    copies: Copies,
+) -> None:
+    copies.use_threads(4)
+    copies.parallel_takes = 0.003
+    assert await sliced(copies, 8) == "PMMMM"
+    copies.memmove_takes = 0.001  # 1 MiB reads, each 1 ms after the last: one burst
+    while copies.now + 0.001 < host_copy._recent.threads_off_until:
+        assert await sliced(copies, 1, idle=0.001) == "M"
+    # The threads have not copied since the stall: a slow first turn may be their wake.
+    copies.takes_at = {len(copies.calls) + 1: 0.003}
+    copies.parallel_takes = 0.0002
+    assert await sliced(copies, 8, idle=0.001) == "PP"
+
+
+async def test_a_short_slow_turn_is_no_stall(copies: Copies) -> None:
+    copies.use_threads(4)
+    # Slower than one core's memcpy for 256 KiB, but shorter than the floor.
+    copies.parallel_takes = 0.8 * host_copy.STALL_FLOOR_S
+    assert copies.parallel_takes > (256 << 10) / host_copy.STALLED_BELOW_BYTES_PER_S
+    src = random_bytes(2 * MiB, seed=3)
+    dst = torch.zeros_like(src)
+    await copy_host_bytes_in_slices(dst, src, slice_bytes=64 << 10)
+    assert torch.equal(dst, src) and copies.kinds_since(0) == "P" * 8
 
 
 @pytest.mark.parametrize(
