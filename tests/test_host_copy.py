@@ -296,13 +296,18 @@ async def test_a_stall_sends_the_threads_other_copies_in_flight_to_memcpy(
     assert copies.kinds_since(0) == "PP" + "M" * 8  # the first copy's next turn too
 
 
-async def test_a_stall_on_one_thread_leaves_another_threads_copies_alone(
-    copies: Copies,
-) -> None:
+async def stall_once(copies: Copies) -> None:
+    """Four copy threads, whose first turn of an 8 MiB copy stalls; fast ones after."""
     copies.use_threads(4)
     copies.parallel_takes = 0.003
     assert await sliced(copies, 8) == "PMMMM"
     copies.parallel_takes = 0.0002
+
+
+async def test_a_stall_on_one_thread_leaves_another_threads_copies_alone(
+    copies: Copies,
+) -> None:
+    await stall_once(copies)
 
     def on_another_thread() -> str:
         return asyncio.run(sliced(copies, 16))
@@ -314,15 +319,12 @@ async def test_a_stall_on_one_thread_leaves_another_threads_copies_alone(
 async def test_a_burst_that_outlasts_its_back_off_may_wake_the_threads_again(
     copies: Copies,
 ) -> None:
-    copies.use_threads(4)
-    copies.parallel_takes = 0.003
-    assert await sliced(copies, 8) == "PMMMM"
+    await stall_once(copies)
     copies.memmove_takes = 0.001  # 1 MiB reads, each 1 ms after the last: one burst
     while copies.now + 0.001 < host_copy._recent.threads_off_until:
         assert await sliced(copies, 1, idle=0.001) == "M"
     # The threads have not copied since the stall: a slow first turn may be their wake.
     copies.takes_at = {len(copies.calls) + 1: 0.003}
-    copies.parallel_takes = 0.0002
     assert await sliced(copies, 8, idle=0.001) == "PP"
 
 
