@@ -472,6 +472,21 @@ async def test_a_large_host_read_goes_a_slice_per_loop_turn_and_is_exact(
     assert all(b > a for a, b in itertools.pairwise(turns))
 
 
+async def test_a_host_read_whose_turn_stalls_goes_on_by_memcpy_and_is_exact(
+    rig: Rig, make_cache: CacheFactory, copies: Copies
+) -> None:
+    copies.use_threads(2)
+    cache = make_cache(gpu_mb=0, cpu_mb=8)
+    expected = await put_on_host(cache, rig, "k")
+    copies.parallel_takes = 0.003  # 2 MiB turns, due in 0.5 ms
+    first = len(copies.kinds)
+    assert_exact(await cache.get("k", device="cpu"), expected)
+    assert copies.kinds_since(first) == "PMM"
+    first = len(copies.kinds)
+    assert_exact(await cache.get("k", device="cpu", rows=slice(0, 700)), expected[:700])
+    assert copies.kinds_since(first) == "MMM"  # 2.7 MiB, in the back-off
+
+
 async def test_a_read_cancelled_between_slices_gives_its_block_back(
     rig: Rig, make_cache: CacheFactory, copies: Copies
 ) -> None:
