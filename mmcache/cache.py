@@ -132,6 +132,7 @@ class FeatureCache:
         self._watcher: FenceWatcher | None = None
         self._pool: HostPool | None = None
         self._closed = False
+        self._closing: asyncio.Future[None] | None = None  # close()'s work, once begun
         # key -> its entry, or its place in a put_many group's entry
         self._entries: dict[Hashable, Entry | Member] = {}
         self._done_fence = self._device.completed_fence()
@@ -219,11 +220,21 @@ class FeatureCache:
         self._tiers.request()
 
     async def close(self, timeout: float | None = None) -> None:  # noqa: ASYNC109
-        """Finish queued copies (waiting up to timeout s each step), release everything, stop."""
-        if self._closed:
-            return
-        self._check_loop()
-        self._closed = True
+        """Finish queued copies (waiting up to timeout s each step), release everything, stop.
+
+        Every call returns once the whole close has: a caller cancelled meanwhile leaves it
+        running, and a later call (or `async with`'s exit) waits for it.
+        """
+        if self._closing is None:
+            if self._closed:
+                return
+            self._check_loop()
+            self._closed = True  # before any await: no put or get starts from here on
+            self._closing = asyncio.ensure_future(self._close(timeout))
+        await asyncio.shield(self._closing)
+
+    async def _close(self, timeout: float | None) -> None:  # noqa: ASYNC109
+        """close()'s work, in a task of its own (see close)."""
         self._tiers.unbind()
         self._producers.unbind()
         if self._watch_timer is not None:  # landings are watched at once from here on
@@ -254,7 +265,7 @@ class FeatureCache:
         if self._owns_device:
             # Off the loop: unpinning the default 4 GiB arena took the driver 105 ms on the
             # H200 (0.2 ms per registered chunk), and the device also joins its threads.
-            await asyncio.to_thread(self._device.close)
+            await _off_the_loop(self._device.close)
 
     async def wait_host_ready(self, timeout: float | None = None) -> bool:  # noqa: ASYNC109
         """Wait until the pinned host arena is allocated (it pins in the background).
@@ -1050,6 +1061,10 @@ class FeatureCache:
                 self._gpu_waiters.remove(waiter)
             self._wake_gpu()
             raise
+        if self._closed:  # granted, then close() ran before we resumed: insert nothing
+            self._gpu_used -= nbytes
+            self._gpu_granted -= nbytes
+            raise CacheClosedError("the cache closed while put waited")
 
     def _evict_gpu_for(self, needed: int, *, slack: int = 0) -> None:
         """Offload least recently used entries until needed bytes are free or on their way.
@@ -1223,6 +1238,8 @@ class FeatureCache:
         try:
             while True:
                 await waiter.future
+                if self._closed:  # woken, then close() ran before we resumed
+                    raise CacheClosedError("the cache closed while put waited")
                 if self._host_tier_failed():
                     return False
                 taken = self._host_alloc_all(sizes)
@@ -1934,6 +1951,35 @@ def _owns_storage(value: torch.Tensor) -> bool:
         and not value.is_conj()
         and not value.is_neg()
     )
+
+
+async def _off_the_loop(fn: Callable[[], object]) -> None:
+    """Run fn on a thread of its own and wait for it without holding the loop.
+
+    Not the loop's default executor: `asyncio.run` shuts that down before the last
+    `async with` of a cache may exit, and a busy one would make fn wait its turn.
+    """
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+
+    def report(error: BaseException | None) -> None:
+        if not done.done():
+            if error is None:
+                done.set_result(None)
+            else:
+                done.set_exception(error)
+
+    def run() -> None:
+        error: BaseException | None = None
+        try:
+            fn()
+        except BaseException as e:  # reported to the awaiting task
+            error = e
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            loop.call_soon_threadsafe(report, error)
+
+    threading.Thread(target=run, name="mmcache-close", daemon=True).start()
+    await done
 
 
 def _raise_if_failed(ready: Fence) -> None:

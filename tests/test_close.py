@@ -108,6 +108,47 @@ async def test_close_fails_a_put_waiting_for_budget(
     assert rig.allocated_bytes() == 0
 
 
+async def test_a_put_granted_room_just_before_close_inserts_nothing(
+    rig: Rig, make_cache: CacheFactory
+) -> None:
+    needs_hold(rig)
+    cache = make_cache(gpu_mb=0.1875, cpu_mb=1)  # three 64 KiB features
+    await cache.start()
+    with rig.hold():
+        for key in ("a", "b"):
+            assert await cache.put(key, rig.tensor(64, 256, dtype=torch.float32))
+        # c needs a's held offload to land; dropping b grants it the room at once.
+        waiting = asyncio.create_task(cache.put("c", rig.tensor(128, 256, dtype=torch.float32)))
+        await asyncio.sleep(0.01)
+        assert not waiting.done()
+        assert cache.discard("b")
+    await cache.close()  # runs up to its first wait before the granted put resumes
+    with pytest.raises(CacheClosedError):
+        await waiting
+    assert "c" not in cache and len(cache) == 0
+    assert rig.allocated_bytes() == 0
+
+
+async def test_a_put_woken_for_host_room_just_before_close_inserts_nothing(
+    rig: Rig, make_cache: CacheFactory
+) -> None:
+    needs_hold(rig)
+    cache = make_cache(gpu_mb=0, cpu_mb=0.125)
+    await cache.start()
+    with rig.hold():
+        assert await cache.put("a", rig.tensor(128, 256, dtype=torch.float32))  # fills it
+        waiting = asyncio.create_task(cache.put("b", rig.tensor(64, 256, dtype=torch.float32)))
+        await asyncio.sleep(0.01)
+        assert not waiting.done()
+    # Woken as a landing would wake it; close() runs up to its first wait before it resumes.
+    cache._host_waiters[0].future.set_result(None)
+    await cache.close()
+    with pytest.raises(CacheClosedError):
+        await asyncio.wait_for(waiting, 2)
+    assert "b" not in cache and len(cache) == 0
+    assert rig.allocated_bytes() == 0
+
+
 @pytest.mark.parametrize(
     "wait_on",
     ["offload", "upload"],
@@ -198,11 +239,11 @@ async def test_device_memory_is_released_after_close(rig: Rig, make_cache: Cache
     assert rig.allocated_bytes() == 0
 
 
-async def test_closing_its_own_device_does_not_hold_the_loop(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A cache that made its device closes it off the loop: unpinning a large arena holds
-    the driver for a while (105 ms for 4 GiB on the H200)."""
+async def cache_with_slow_device_close(
+    monkeypatch: pytest.MonkeyPatch, closed: list[bool], error: Exception | None = None
+) -> FeatureCache:
+    """A started cache on a simulator it made, whose close takes 0.2 s (appending True to
+    closed when done), or raises error after that."""
     cache = FeatureCache(
         CacheSettings(gpu_cache_mb=1, cpu_cache_mb=1), "sim", registry=CollectorRegistry()
     )
@@ -210,14 +251,25 @@ async def test_closing_its_own_device_does_not_hold_the_loop(
     assert await cache.put("k", torch.ones(16, 64))
     device = cache.device
     real_close = device.close
-    closed: list[bool] = []
 
     def slow_close() -> None:
         time.sleep(0.2)
         real_close()
         closed.append(True)
+        if error is not None:
+            raise error
 
     monkeypatch.setattr(device, "close", slow_close)
+    return cache
+
+
+async def test_closing_its_own_device_does_not_hold_the_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A cache that made its device closes it off the loop: unpinning a large arena holds
+    the driver for a while (105 ms for 4 GiB on the H200)."""
+    closed: list[bool] = []
+    cache = await cache_with_slow_device_close(monkeypatch, closed)
     ticks = 0
     stop = asyncio.Event()
 
@@ -234,3 +286,39 @@ async def test_closing_its_own_device_does_not_hold_the_loop(
     stop.set()
     await ticker
     assert ticks >= 10  # the loop ran meanwhile: 0.2 s at one tick per 5 ms
+
+
+async def test_a_close_whose_caller_is_cancelled_still_finishes_and_a_second_waits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    closed: list[bool] = []
+    cache = await cache_with_slow_device_close(monkeypatch, closed)
+    first = asyncio.create_task(cache.close())
+    await asyncio.sleep(0.05)  # the device is closing
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    assert closed == []
+    await cache.close()  # returns once the device is closed, not at once
+    assert closed == [True]
+
+
+async def test_a_cache_closes_its_device_after_the_default_executor_is_gone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    closed: list[bool] = []
+    cache = await cache_with_slow_device_close(monkeypatch, closed)
+    await asyncio.get_running_loop().shutdown_default_executor()
+    await cache.close()
+    assert closed == [True]
+
+
+async def test_an_error_closing_the_device_reaches_every_close(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    closed: list[bool] = []
+    cache = await cache_with_slow_device_close(monkeypatch, closed, RuntimeError("unpin"))
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="unpin"):
+            await cache.close()
+    assert closed == [True]
