@@ -14,7 +14,7 @@ from conftest import Rig
 from test_ipc_support import MiB, Transport, settled_bytes, transport
 
 from mmcache.device import SimDevice
-from mmcache.errors import ValueTooLargeError
+from mmcache.errors import CacheClosedError, ValueTooLargeError
 from mmcache.ipc import FeatureHandle, FeatureSender, SharedMemoryFullError, TransportFullError
 from mmcache.ipc.shm import SHM_DIR
 
@@ -208,3 +208,35 @@ async def test_a_cancelled_send_leaves_nothing_behind(sim_rig: Rig) -> None:
         assert (stats.waiting_sends, stats.live_leases, stats.leaked_bytes) == (0, 1, 0)
         assert stats.fallback_used_bytes == 1 * MiB
         assert device.allocated_bytes == baseline
+
+
+async def test_close_lets_a_host_copy_under_way_land_and_refuses_its_send(sim_rig: Rig) -> None:
+    """The fallback is unpinned and unmapped only after copies into it have landed."""
+    async with transport(sim_rig, consumers=1, pool_mb=1, fallback_mb=16) as tr:
+        with sim_rig.hold():
+            sending = asyncio.create_task(tr.sender.send(torch.full(FEATURE_8MB, 3.0)))
+            await asyncio.sleep(0.01)
+            closing = asyncio.create_task(tr.sender.close(timeout=5))
+            await asyncio.sleep(0.1)
+            assert not closing.done()  # the 8 MiB copy into the fallback is held
+            assert not sending.done()
+        await asyncio.wait_for(closing, 5)
+        with pytest.raises(CacheClosedError):
+            await sending  # a handle of a closed sender would reach no receiver
+        assert await settled_bytes(sim_rig, 0) == 0  # the feature and the pool are freed
+
+
+async def test_a_send_granted_room_just_before_close_is_refused(sim_rig: Rig) -> None:
+    async with transport(sim_rig, consumers=1, pool_mb=1, fallback_mb=0) as tr:
+        first = await tr.sender.send(torch.full((256, 1024), 1.0))  # fills the pool
+        assert first.where == "pool"
+        waiting = asyncio.create_task(tr.sender.send(torch.full((256, 1024), 2.0)))
+        await asyncio.sleep(0.01)
+        assert not waiting.done()
+        got = await tr.receivers[0].receive(first)  # releases the slice
+        assert torch.equal(got, torch.full((256, 1024), 1.0))
+        tr.sender.sweep()  # reclaims it and grants the waiting send its room
+        await tr.sender.close(timeout=1)  # runs up to its first wait before the send resumes
+        with pytest.raises(CacheClosedError):
+            await waiting
+        assert tr.sender.stats().live_leases == 0

@@ -157,6 +157,7 @@ class FeatureSender:
         self._last_sweep = 0.0
         self._seq = 0
         self._inflight = {"pool": 0, "host": 0}  # bytes placed for sends still copying
+        self._host_copies: set[Fence] = set()  # copies into the fallback not yet landed
         self._sends = 0
         self._fallbacks: dict[str, int] = {}
 
@@ -241,7 +242,13 @@ class FeatureSender:
             if self._watcher is not None:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._watcher.idle(), timeout)
-        self._teardown(keep_memory=bool(leftover))
+        # Copies into the fallback still under way must land before it is unpinned and
+        # unmapped; one that never does keeps it.
+        copying = list(self._host_copies)
+        with contextlib.suppress(CopyFailedError):  # a timeout is one too
+            await wait_fences(copying, timeout)
+        landed = all(f.done() for f in copying)
+        self._teardown(keep_memory=bool(leftover) or not landed)
         self._metrics.close()
         if self._owns_device:
             self._device.close()
@@ -294,6 +301,10 @@ class FeatureSender:
         except BaseException:
             self._release_source(own, [ready])
             raise
+        if self._closed:  # room granted, then close() began before this send resumed
+            self._abort(placement, ())
+            self._release_source(own, [ready])
+            raise CacheClosedError("the IPC sender closed while send waited for room")
         if placement.where == "pool":
             handle = self._write_pool(own, placement, ready, stream, (owed, needed))
         else:
@@ -550,6 +561,7 @@ class FeatureSender:
             self._abort(placement, ())
             self._release_source(own, after)
             raise
+        self._host_copies.add(copied)  # close() waits for it before freeing the fallback
         try:
             await wait_fences([copied])
         except BaseException as exc:
@@ -558,6 +570,12 @@ class FeatureSender:
             self._abort(placement, [copied])
             self._release_source(own, [copied])
             raise
+        finally:
+            self._host_copies.discard(copied)
+        if self._closed:  # no receiver can take a handle of a closed sender
+            self._abort(placement, [copied])
+            self._release_source(own, [copied])
+            raise CacheClosedError("the IPC sender closed while send copied to the host")
         # The device memory goes back before the handle exists: the seed bug kept it.
         self._release_source(own, [copied])
         del own
