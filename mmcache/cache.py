@@ -1054,7 +1054,8 @@ class FeatureCache:
         try:
             await waiter.future
         except BaseException:
-            if waiter.future.done() and not waiter.future.cancelled() and not self._closed:
+            future = waiter.future
+            if future.done() and not future.cancelled() and future.exception() is None:
                 self._gpu_used -= nbytes  # granted just as we were cancelled: give it back
                 self._gpu_granted -= nbytes
             with contextlib.suppress(ValueError):
@@ -1978,7 +1979,8 @@ async def _off_the_loop(fn: Callable[[], object]) -> None:
         with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
             loop.call_soon_threadsafe(report, error)
 
-    threading.Thread(target=run, name="mmcache-close", daemon=True).start()
+    # Not a daemon: an interpreter that exits meanwhile waits for the close to finish.
+    threading.Thread(target=run, name="mmcache-close").start()
     await done
 
 

@@ -129,6 +129,29 @@ async def test_a_put_granted_room_just_before_close_inserts_nothing(
     assert rig.allocated_bytes() == 0
 
 
+async def test_a_put_granted_room_then_cancelled_as_close_begins_gives_it_back(
+    rig: Rig, make_cache: CacheFactory
+) -> None:
+    needs_hold(rig)
+    cache = make_cache(gpu_mb=0.1875, cpu_mb=1)
+    await cache.start()
+    with rig.hold():
+        for key in ("a", "b"):
+            assert await cache.put(key, rig.tensor(64, 256, dtype=torch.float32))
+        waiting = asyncio.create_task(cache.put("c", rig.tensor(128, 256, dtype=torch.float32)))
+        await asyncio.sleep(0.01)
+        assert not waiting.done()
+        closing = asyncio.create_task(cache.close())
+        asyncio.get_running_loop().call_soon(waiting.cancel)  # after close() has begun
+        assert cache.discard("b")  # grants c its room; c resumes cancelled
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    await closing
+    stats = cache.stats()
+    assert (stats.gpu_bytes, stats.leaked_bytes) == (0, 0)
+    assert cache._gpu_granted == 0  # the grant went back, not only out of sight
+
+
 async def test_a_put_woken_for_host_room_just_before_close_inserts_nothing(
     rig: Rig, make_cache: CacheFactory
 ) -> None:
@@ -140,9 +163,9 @@ async def test_a_put_woken_for_host_room_just_before_close_inserts_nothing(
         waiting = asyncio.create_task(cache.put("b", rig.tensor(64, 256, dtype=torch.float32)))
         await asyncio.sleep(0.01)
         assert not waiting.done()
-    # Woken as a landing would wake it; close() runs up to its first wait before it resumes.
-    cache._host_waiters[0].future.set_result(None)
-    await cache.close()
+    rig.settle()
+    assert cache.discard("a")  # frees a's block now: wakes b, with room
+    await cache.close()  # runs up to its first wait before b resumes
     with pytest.raises(CacheClosedError):
         await asyncio.wait_for(waiting, 2)
     assert "b" not in cache and len(cache) == 0

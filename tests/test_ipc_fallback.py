@@ -240,3 +240,24 @@ async def test_a_send_granted_room_just_before_close_is_refused(sim_rig: Rig) ->
         with pytest.raises(CacheClosedError):
             await waiting
         assert tr.sender.stats().live_leases == 0
+
+
+async def test_close_keeps_the_fallback_a_cancelled_sends_copy_still_writes(sim_rig: Rig) -> None:
+    async with transport(sim_rig, consumers=1, pool_mb=1, fallback_mb=16) as tr:
+        sender = tr.sender
+        kept: list[bool] = []
+        teardown = sender._teardown
+
+        def spy(keep_memory: bool) -> None:
+            kept.append(keep_memory)
+            teardown(keep_memory)
+
+        sender._teardown = spy  # type: ignore[method-assign]
+        with sim_rig.hold():
+            sending = asyncio.create_task(sender.send(torch.full(FEATURE_8MB, 3.0)))
+            await asyncio.sleep(0.01)
+            sending.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await sending
+            await sender.close(timeout=0.2)  # its copy is still held
+        assert kept == [True]  # neither unpinned nor unmapped under the copy

@@ -571,7 +571,9 @@ class FeatureSender:
             self._release_source(own, [copied])
             raise
         finally:
-            self._host_copies.discard(copied)
+            # Forgotten once landed, also when this send was cancelled while it copied.
+            assert self._watcher is not None
+            self._watcher.when_done([copied], functools.partial(self._host_copies.discard, copied))
         if self._closed:  # no receiver can take a handle of a closed sender
             self._abort(placement, [copied])
             self._release_source(own, [copied])
