@@ -108,19 +108,28 @@ async def test_close_fails_a_put_waiting_for_budget(
     assert rig.allocated_bytes() == 0
 
 
+async def a_put_waiting_for_gpu_room(
+    rig: Rig, make_cache: CacheFactory
+) -> tuple[FeatureCache, asyncio.Task[bool]]:
+    """A cache whose GPU tier (three 64 KiB features) holds a and b, and a task whose put of
+    c (128 KiB) waits for a's held offload to land; dropping b grants it room at once.
+    Call it with the rig's copies held."""
+    cache = make_cache(gpu_mb=0.1875, cpu_mb=1)
+    await cache.start()
+    for key in ("a", "b"):
+        assert await cache.put(key, rig.tensor(64, 256, dtype=torch.float32))
+    waiting = asyncio.create_task(cache.put("c", rig.tensor(128, 256, dtype=torch.float32)))
+    await asyncio.sleep(0.01)
+    assert not waiting.done()
+    return cache, waiting
+
+
 async def test_a_put_granted_room_just_before_close_inserts_nothing(
     rig: Rig, make_cache: CacheFactory
 ) -> None:
     needs_hold(rig)
-    cache = make_cache(gpu_mb=0.1875, cpu_mb=1)  # three 64 KiB features
-    await cache.start()
     with rig.hold():
-        for key in ("a", "b"):
-            assert await cache.put(key, rig.tensor(64, 256, dtype=torch.float32))
-        # c needs a's held offload to land; dropping b grants it the room at once.
-        waiting = asyncio.create_task(cache.put("c", rig.tensor(128, 256, dtype=torch.float32)))
-        await asyncio.sleep(0.01)
-        assert not waiting.done()
+        cache, waiting = await a_put_waiting_for_gpu_room(rig, make_cache)
         assert cache.discard("b")
     await cache.close()  # runs up to its first wait before the granted put resumes
     with pytest.raises(CacheClosedError):
@@ -133,14 +142,8 @@ async def test_a_put_granted_room_then_cancelled_as_close_begins_gives_it_back(
     rig: Rig, make_cache: CacheFactory
 ) -> None:
     needs_hold(rig)
-    cache = make_cache(gpu_mb=0.1875, cpu_mb=1)
-    await cache.start()
     with rig.hold():
-        for key in ("a", "b"):
-            assert await cache.put(key, rig.tensor(64, 256, dtype=torch.float32))
-        waiting = asyncio.create_task(cache.put("c", rig.tensor(128, 256, dtype=torch.float32)))
-        await asyncio.sleep(0.01)
-        assert not waiting.done()
+        cache, waiting = await a_put_waiting_for_gpu_room(rig, make_cache)
         closing = asyncio.create_task(cache.close())
         asyncio.get_running_loop().call_soon(waiting.cancel)  # after close() has begun
         assert cache.discard("b")  # grants c its room; c resumes cancelled
