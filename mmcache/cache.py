@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 import torch
 from prometheus_client import CollectorRegistry
 
+from mmcache.closing import CloseOnce, off_the_loop
 from mmcache.device import Device, Fence, Stream, resolve_device
 from mmcache.device.base import feature_bytes
 from mmcache.entry import Entry, GroupKey, Member, State, check_key, check_keys, row_range
@@ -132,7 +133,7 @@ class FeatureCache:
         self._watcher: FenceWatcher | None = None
         self._pool: HostPool | None = None
         self._closed = False
-        self._closing: asyncio.Future[None] | None = None  # close()'s work, once begun
+        self._closing = CloseOnce()
         # key -> its entry, or its place in a put_many group's entry
         self._entries: dict[Hashable, Entry | Member] = {}
         self._done_fence = self._device.completed_fence()
@@ -225,13 +226,10 @@ class FeatureCache:
         Every call returns once the whole close has: a caller cancelled meanwhile leaves it
         running, and a later call (or `async with`'s exit) waits for it.
         """
-        if self._closing is None:
-            if self._closed:
-                return
+        if not self._closing.begun:
             self._check_loop()
             self._closed = True  # before any await: no put or get starts from here on
-            self._closing = asyncio.ensure_future(self._close(timeout))
-        await asyncio.shield(self._closing)
+        await self._closing.run(functools.partial(self._close, timeout))
 
     async def _close(self, timeout: float | None) -> None:  # noqa: ASYNC109
         """close()'s work, in a task of its own (see close)."""
@@ -265,7 +263,7 @@ class FeatureCache:
         if self._owns_device:
             # Off the loop: unpinning the default 4 GiB arena took the driver 105 ms on the
             # H200 (0.2 ms per registered chunk), and the device also joins its threads.
-            await _off_the_loop(self._device.close)
+            await off_the_loop(self._device.close)
 
     async def wait_host_ready(self, timeout: float | None = None) -> bool:  # noqa: ASYNC109
         """Wait until the pinned host arena is allocated (it pins in the background).
@@ -1952,36 +1950,6 @@ def _owns_storage(value: torch.Tensor) -> bool:
         and not value.is_conj()
         and not value.is_neg()
     )
-
-
-async def _off_the_loop(fn: Callable[[], object]) -> None:
-    """Run fn on a thread of its own and wait for it without holding the loop.
-
-    Not the loop's default executor: `asyncio.run` shuts that down before the last
-    `async with` of a cache may exit, and a busy one would make fn wait its turn.
-    """
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future[None] = loop.create_future()
-
-    def report(error: BaseException | None) -> None:
-        if not done.done():
-            if error is None:
-                done.set_result(None)
-            else:
-                done.set_exception(error)
-
-    def run() -> None:
-        error: BaseException | None = None
-        try:
-            fn()
-        except BaseException as e:  # reported to the awaiting task
-            error = e
-        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-            loop.call_soon_threadsafe(report, error)
-
-    # Not a daemon: an interpreter that exits meanwhile waits for the close to finish.
-    threading.Thread(target=run, name="mmcache-close").start()
-    await done
 
 
 def _raise_if_failed(ready: Fence) -> None:

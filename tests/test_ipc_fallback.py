@@ -6,7 +6,9 @@ import asyncio
 import errno
 import os
 import shutil
+import threading
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ from conftest import Rig
 from test_ipc_support import MiB, Transport, settled_bytes, transport
 
 from mmcache.device import SimDevice
+from mmcache.device.base import Fence
 from mmcache.errors import CacheClosedError, ValueTooLargeError
 from mmcache.ipc import FeatureHandle, FeatureSender, SharedMemoryFullError, TransportFullError
 from mmcache.ipc.shm import SHM_DIR
@@ -261,3 +264,65 @@ async def test_close_keeps_the_fallback_a_cancelled_sends_copy_still_writes(sim_
                 await sending
             await sender.close(timeout=0.2)  # its copy is still held
         assert kept == [True]  # neither unpinned nor unmapped under the copy
+
+
+async def test_a_sender_close_whose_caller_is_cancelled_still_frees_and_a_second_waits(
+    sim_rig: Rig,
+) -> None:
+    async with transport(sim_rig, consumers=1, pool_mb=1, fallback_mb=16) as tr:
+        endpoint = tr.sender.endpoint
+        paths = [endpoint.control_path, endpoint.pool_path, endpoint.fallback_path]
+        with sim_rig.hold():
+            sending = asyncio.create_task(tr.sender.send(torch.full(FEATURE_8MB, 3.0)))
+            await asyncio.sleep(0.01)
+            first = asyncio.create_task(tr.sender.close(timeout=5))
+            await asyncio.sleep(0.05)  # close() waits for the held copy
+            first.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await first
+            second = asyncio.create_task(tr.sender.close())
+            await asyncio.sleep(0.05)
+            assert not second.done() and all(map(os.path.exists, paths))
+        await asyncio.wait_for(second, 5)  # the first close's work, finished
+        assert not any(map(os.path.exists, paths))
+        with pytest.raises(CacheClosedError):
+            await sending
+
+
+class _DoneLater(Fence):
+    """A copy still reading a slice: done after_s seconds from now."""
+
+    def __init__(self, after_s: float) -> None:
+        self._at = time.monotonic() + after_s
+
+    def done(self) -> bool:
+        return time.monotonic() >= self._at
+
+    def exception(self) -> BaseException | None:
+        return None
+
+    def add_done_callback(self, fn: Callable[[], None]) -> None:
+        threading.Timer(max(0.0, self._at - time.monotonic()), fn).start()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        raise NotImplementedError
+
+
+async def test_a_receiver_close_whose_caller_is_cancelled_still_leaves_and_a_second_waits(
+    sim_rig: Rig,
+) -> None:
+    async with transport(sim_rig, consumers=1, pool_mb=1) as tr:
+        receiver = tr.receivers[0]
+        assert tr.sender.stats().receivers == 1
+        receiver._pending.add(_DoneLater(0.3))  # as a stream-ordered read on a GPU would
+        first = asyncio.create_task(receiver.close(timeout=5))
+        await asyncio.sleep(0.05)
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        second = asyncio.create_task(receiver.close())
+        await asyncio.sleep(0.05)
+        assert not second.done() and tr.sender.stats().receivers == 1
+        await asyncio.wait_for(second, 5)  # the first close's work, finished
+        tr.sender.sweep()
+        assert tr.sender.stats().receivers == 0  # it left the sender

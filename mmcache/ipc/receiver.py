@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -20,6 +21,7 @@ from typing import Final, Literal
 
 import torch
 
+from mmcache.closing import CloseOnce
 from mmcache.device import Device, Fence, SimDevice, Stream, resolve_device
 from mmcache.device.cuda import as_cuda_stream
 from mmcache.errors import CacheClosedError, CopyFailedError, InvalidValueError
@@ -136,6 +138,7 @@ class FeatureReceiver:
         self._pending: set[Fence] = set()  # copies whose slices are released when they finish
         self._pending_lock = threading.Lock()
         self._closed = False
+        self._closing = CloseOnce()
         self.received = 0
 
     @property
@@ -218,10 +221,15 @@ class FeatureReceiver:
             self._release_after(channel, handle, self._device.record(stream), verify=True)
 
     async def close(self, timeout: float | None = 10.0) -> None:  # noqa: ASYNC109
-        """Wait (up to timeout s) for copies still reading slices, then leave every sender."""
-        if self._closed:
-            return
-        self._closed = True
+        """Wait (up to timeout s) for copies still reading slices, then leave every sender.
+
+        Every call returns once the whole close has (mmcache.closing).
+        """
+        if not self._closing.begun:
+            self._closed = True  # before any await: no receive starts from here on
+        await self._closing.run(functools.partial(self._close, timeout))
+
+    async def _close(self, timeout: float | None) -> None:  # noqa: ASYNC109
         with self._pending_lock:
             pending = list(self._pending)
         if pending:

@@ -24,6 +24,7 @@ from typing import Final, Literal
 import torch
 from prometheus_client import CollectorRegistry
 
+from mmcache.closing import CloseOnce
 from mmcache.device import Device, Fence, SimDevice, Stream, resolve_device
 from mmcache.device.base import feature_bytes
 from mmcache.errors import (
@@ -158,6 +159,7 @@ class FeatureSender:
         self._seq = 0
         self._inflight = {"pool": 0, "host": 0}  # bytes placed for sends still copying
         self._host_copies: set[Fence] = set()  # copies into the fallback not yet landed
+        self._closing = CloseOnce()
         self._sends = 0
         self._fallbacks: dict[str, int] = {}
 
@@ -210,9 +212,14 @@ class FeatureSender:
         Memory a receiver still holds after the timeout is kept (and logged), never
         reused or poisoned under it.
         """
-        if self._closed:
-            return
-        self._closed = True
+        if not self._closing.begun:
+            if self._closed:  # a start() that failed closed it
+                return
+            self._closed = True  # before any await: no send starts from here on
+        await self._closing.run(functools.partial(self._close, timeout))
+
+    async def _close(self, timeout: float | None) -> None:  # noqa: ASYNC109
+        """close()'s work, in a task of its own (mmcache.closing)."""
         self._gauges.unbind()
         while self._waiters:
             waiter = self._waiters.popleft()

@@ -1,0 +1,70 @@
+"""Closing asynchronous resources: the work once, in a task every close() awaits; blocking
+calls on a thread of their own.
+
+A close() that awaits (copies to land, receivers to let go) can have its caller cancelled
+half-way. Run in the caller's own task, the rest of the close would never happen: the
+memory it frees stays pinned or mapped, and a second close() returns at once, before the
+first one's work is done. So the work runs in a task of its own, started by the first
+close(), and every close() (an `async with` exit too) waits for it, shielded from its own
+caller's cancellation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+__all__ = ["CloseOnce", "off_the_loop"]
+
+
+class CloseOnce:
+    """The work of one object's close(), run once."""
+
+    __slots__ = ("_task",)
+
+    def __init__(self) -> None:
+        self._task: asyncio.Future[None] | None = None
+
+    @property
+    def begun(self) -> bool:
+        return self._task is not None
+
+    async def run(self, work: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        """Start work() unless a close began already; wait until it has finished (raising
+        its error, for every caller)."""
+        if self._task is None:
+            self._task = asyncio.ensure_future(work())
+        await asyncio.shield(self._task)
+
+
+async def off_the_loop(fn: Callable[[], object]) -> None:
+    """Run fn on a thread of its own and wait for it without holding the loop.
+
+    Not the loop's default executor: `asyncio.run` shuts that down before the last
+    `async with` may exit, and a busy one would make fn wait its turn.
+    """
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+
+    def report(error: BaseException | None) -> None:
+        if not done.done():
+            if error is None:
+                done.set_result(None)
+            else:
+                done.set_exception(error)
+
+    def run() -> None:
+        error: BaseException | None = None
+        try:
+            fn()
+        except BaseException as e:  # reported to the awaiting task
+            error = e
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            loop.call_soon_threadsafe(report, error)
+
+    # Not a daemon: an interpreter that exits meanwhile waits for fn to finish.
+    threading.Thread(target=run, name="mmcache-close").start()
+    await done
