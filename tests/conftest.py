@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import threading
+import time
 from collections.abc import AsyncIterator, Callable, Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from mmcache import CacheSettings, FeatureCache
 from mmcache.device import Device, SimDevice
+from mmcache.device.base import Fence
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -179,3 +182,28 @@ async def make_cache(rig: Rig) -> AsyncIterator[CacheFactory]:
     yield factory
     for cache in made:
         await cache.close(timeout=10)
+
+
+class TimedFence(Fence):
+    """Done from a set time on; reported by a thread that sleeps until then."""
+
+    __slots__ = ("_at",)
+
+    def __init__(self, after_s: float) -> None:
+        self._at = time.monotonic() + after_s
+
+    def done(self) -> bool:
+        return time.monotonic() >= self._at
+
+    def exception(self) -> BaseException | None:
+        return None
+
+    def add_done_callback(self, fn: Callable[[], None]) -> None:
+        def report() -> None:
+            time.sleep(max(0.0, self._at - time.monotonic()))
+            fn()  # Python again: needs the GIL back
+
+        threading.Thread(target=report, daemon=True).start()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        raise NotImplementedError

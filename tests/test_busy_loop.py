@@ -11,40 +11,14 @@ code, as a GPU's do; only their reports need the GIL.
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import AsyncIterator, Callable
 
 import pytest
+from conftest import TimedFence
 
 import mmcache.waiting as waiting
-from mmcache.device.base import Fence
 from mmcache.waiting import FenceWatcher, wait_fences
-
-
-class TimedFence(Fence):
-    """Done from a set time on; reported by a thread that sleeps until then."""
-
-    __slots__ = ("_at",)
-
-    def __init__(self, after_s: float) -> None:
-        self._at = time.monotonic() + after_s
-
-    def done(self) -> bool:
-        return time.monotonic() >= self._at
-
-    def exception(self) -> BaseException | None:
-        return None
-
-    def add_done_callback(self, fn: Callable[[], None]) -> None:
-        def report() -> None:
-            time.sleep(max(0.0, self._at - time.monotonic()))
-            fn()  # Python again: needs the GIL back
-
-        threading.Thread(target=report, daemon=True).start()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        raise NotImplementedError
 
 
 async def _busy(stop: asyncio.Event) -> None:

@@ -6,17 +6,14 @@ import asyncio
 import errno
 import os
 import shutil
-import threading
 import time
-from collections.abc import Callable
 
 import pytest
 import torch
-from conftest import Rig
+from conftest import Rig, TimedFence
 from test_ipc_support import MiB, Transport, settled_bytes, transport
 
 from mmcache.device import SimDevice
-from mmcache.device.base import Fence
 from mmcache.errors import CacheClosedError, ValueTooLargeError
 from mmcache.ipc import FeatureHandle, FeatureSender, SharedMemoryFullError, TransportFullError
 from mmcache.ipc.shm import SHM_DIR
@@ -289,32 +286,13 @@ async def test_a_sender_close_whose_caller_is_cancelled_still_frees_and_a_second
             await sending
 
 
-class _DoneLater(Fence):
-    """A copy still reading a slice: done after_s seconds from now."""
-
-    def __init__(self, after_s: float) -> None:
-        self._at = time.monotonic() + after_s
-
-    def done(self) -> bool:
-        return time.monotonic() >= self._at
-
-    def exception(self) -> BaseException | None:
-        return None
-
-    def add_done_callback(self, fn: Callable[[], None]) -> None:
-        threading.Timer(max(0.0, self._at - time.monotonic()), fn).start()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        raise NotImplementedError
-
-
 async def test_a_receiver_close_whose_caller_is_cancelled_still_leaves_and_a_second_waits(
     sim_rig: Rig,
 ) -> None:
     async with transport(sim_rig, consumers=1, pool_mb=1) as tr:
         receiver = tr.receivers[0]
         assert tr.sender.stats().receivers == 1
-        receiver._pending.add(_DoneLater(0.3))  # as a stream-ordered read on a GPU would
+        receiver._pending.add(TimedFence(0.3))  # as a stream-ordered read on a GPU would
         first = asyncio.create_task(receiver.close(timeout=5))
         await asyncio.sleep(0.05)
         first.cancel()
