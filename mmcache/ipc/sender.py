@@ -571,6 +571,8 @@ class FeatureSender:
         self._host_copies.add(copied)  # close() waits for it before freeing the fallback
         try:
             await wait_fences([copied])
+            if self._closed:  # no receiver can take a handle of a closed sender
+                raise CacheClosedError("the IPC sender closed while send copied to the host")
         except BaseException as exc:
             if isinstance(exc, CopyFailedError):
                 self._metrics.fault("copy_failed")
@@ -581,10 +583,6 @@ class FeatureSender:
             # Forgotten once landed, also when this send was cancelled while it copied.
             assert self._watcher is not None
             self._watcher.when_done([copied], functools.partial(self._host_copies.discard, copied))
-        if self._closed:  # no receiver can take a handle of a closed sender
-            self._abort(placement, [copied])
-            self._release_source(own, [copied])
-            raise CacheClosedError("the IPC sender closed while send copied to the host")
         # The device memory goes back before the handle exists: the seed bug kept it.
         self._release_source(own, [copied])
         del own
