@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Hashable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -207,3 +208,27 @@ class TimedFence(Fence):
 
     def wait(self, timeout: float | None = None) -> bool:
         raise NotImplementedError
+
+
+async def longest_loop_gap(work: Awaitable[object]) -> float:
+    """Await work while a 1 ms ticker runs on the loop; the longest the ticker waited for it."""
+    stop = asyncio.Event()
+    longest = 0.0
+
+    async def ticking() -> None:
+        nonlocal longest
+        last = time.perf_counter()
+        while not stop.is_set():
+            await asyncio.sleep(0.001)
+            now = time.perf_counter()
+            longest = max(longest, now - last)
+            last = now
+
+    ticker = asyncio.create_task(ticking())
+    await asyncio.sleep(0)
+    try:
+        await work
+    finally:
+        stop.set()
+        await ticker
+    return longest

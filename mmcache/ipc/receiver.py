@@ -16,12 +16,12 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Final, Literal
 
 import torch
 
-from mmcache.closing import CloseOnce
+from mmcache.closing import CloseOnce, off_the_loop
 from mmcache.device import Device, Fence, SimDevice, Stream, resolve_device
 from mmcache.device.cuda import as_cuda_stream
 from mmcache.errors import CacheClosedError, CopyFailedError, InvalidValueError
@@ -44,6 +44,7 @@ log = logging.getLogger("mmcache.ipc")
 _POLL_MIN_S: Final = 50e-6
 _POLL_MAX_S: Final = 2e-3
 _SENDER_CHECK_S: Final = 0.1
+_CLOSE_POLL_S: Final = 0.005  # close() looks this often for receives and leases to finish
 
 
 class _Channel:
@@ -61,6 +62,7 @@ class _Channel:
         self.peer_pool: PeerPool | None = None
         self._segments: list[SharedSegment] = []
         self._unpin: Callable[[], None] | None = None
+        self.readers = 0  # receives and leases under way (on the loop's thread)
 
     def release(self, handle: FeatureHandle) -> None:
         """Tell the sender we are done with handle's bytes (any thread)."""
@@ -163,35 +165,37 @@ class FeatureReceiver:
         self._check_open()
         channel = self._channel(handle.sender)
         self._open(channel, handle)
-        try:
-            await self._wait_ready(channel, handle, stream)
-            src = await self._source(channel, handle)
-            dst, fence = self._copy_out(src, stream)
-            del src
-        except BaseException:
-            channel.release(handle)  # nothing of ours reads the slice
-            raise
-        out = dst.detach()  # the caller's own alias: ours goes back to the device below
-        self._device.release(dst, [fence])
-        del dst
-        if self._device.stream_ordered_reads:
-            self._release_after(channel, handle, fence, verify=True)
+        with self._reading(channel):
+            try:
+                await self._wait_ready(channel, handle, stream)
+                src = await self._source(channel, handle)
+                dst, fence = self._copy_out(src, stream)
+                del src
+            except BaseException:
+                channel.release(handle)  # nothing of ours reads the slice
+                raise
+            out = dst.detach()  # the caller's own alias: ours goes back to the device below
+            self._device.release(dst, [fence])
+            del dst
+            if self._device.stream_ordered_reads:
+                self._release_after(channel, handle, fence, verify=True)
+                self.received += 1
+                return out
+            try:
+                await wait_fences([fence])
+            except BaseException:
+                self._release_after(channel, handle, fence, verify=False)
+                raise
+            intact = channel.control.slot_seq(handle.slot) == handle.seq
+            channel.release(handle)
+            if not intact:
+                raise HandleExpiredError(
+                    f"{handle.describe()} was reclaimed by its sender while it was being "
+                    "read; the data read is not trustworthy (see the sender's log for why it "
+                    "reclaimed it)"
+                )
             self.received += 1
             return out
-        try:
-            await wait_fences([fence])
-        except BaseException:
-            self._release_after(channel, handle, fence, verify=False)
-            raise
-        intact = channel.control.slot_seq(handle.slot) == handle.seq
-        channel.release(handle)
-        if not intact:
-            raise HandleExpiredError(
-                f"{handle.describe()} was reclaimed by its sender while it was being read; "
-                "the data read is not trustworthy (see the sender's log for why it reclaimed it)"
-            )
-        self.received += 1
-        return out
 
     @contextlib.asynccontextmanager
     async def lease(
@@ -208,38 +212,70 @@ class FeatureReceiver:
         self._check_open()
         channel = self._channel(handle.sender)
         self._open(channel, handle)
-        try:
-            await self._wait_ready(channel, handle, stream)
-            view = await self._source(channel, handle)
-        except BaseException:
-            channel.release(handle)
-            raise
-        try:
-            yield view
-        finally:
-            del view
-            self._release_after(channel, handle, self._device.record(stream), verify=True)
+        with self._reading(channel):
+            try:
+                await self._wait_ready(channel, handle, stream)
+                view = await self._source(channel, handle)
+            except BaseException:
+                channel.release(handle)
+                raise
+            try:
+                yield view
+            finally:
+                del view
+                self._release_after(channel, handle, self._device.record(stream), verify=True)
 
     async def close(self, timeout: float | None = 10.0) -> None:  # noqa: ASYNC109
-        """Wait (up to timeout s) for copies still reading slices, then leave every sender.
+        """Wait (up to timeout s in all) for receives and leases under way and for copies
+        still reading senders' memory, then leave every sender and unmap its memory.
 
-        Every call returns once the whole close has (mmcache.closing).
+        A sender whose memory is still read after the timeout (an open lease, a copy that
+        never ends) is neither left nor unmapped: the reader keeps valid memory, and the
+        sender keeps the slices leased. Every call returns once the whole close has
+        (mmcache.closing).
         """
         if not self._closing.begun:
             self._closed = True  # before any await: no receive starts from here on
         await self._closing.run(functools.partial(self._close, timeout))
 
     async def _close(self, timeout: float | None) -> None:  # noqa: ASYNC109
+        deadline = None if timeout is None else time.monotonic() + timeout
+        # A receive under way may still start a copy out of a sender's memory, and a
+        # lease's caller still reads it: they finish first (a receive still waiting for its
+        # data stops, closed).
+        while any(c.readers for c in self._channels.values()):
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(_CLOSE_POLL_S)
         with self._pending_lock:
             pending = list(self._pending)
         if pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(wait_fences(pending), timeout)
+                await asyncio.wait_for(wait_fences(pending), left)
+        copying = not all(f.done() for f in pending)  # a copy's channel is not known here
+        channels = []
         for channel in self._channels.values():
-            channel.close()
+            if channel.readers or copying:
+                log.warning(
+                    "FeatureReceiver closed while the memory of the IPC sender (pid %d) was "
+                    "still read; it stays mapped and leased",
+                    channel.endpoint.pid,
+                )
+            else:
+                channels.append(channel)
         self._channels.clear()
-        if self._owns_device:
-            self._device.close()
+        device = self._device if self._owns_device else None
+
+        def release() -> None:
+            for channel in channels:
+                channel.close()
+            if device is not None:
+                device.close()
+
+        # Off the loop: unmapping a sender's pool waits for the whole GPU, and unpinning a
+        # large fallback holds the thread for a while.
+        await off_the_loop(release)
 
     async def __aenter__(self) -> FeatureReceiver:
         return self
@@ -248,6 +284,15 @@ class FeatureReceiver:
         await self.close()
 
     # --- internals ------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _reading(self, channel: _Channel) -> Iterator[None]:
+        """Count a receive or lease under way on channel: close() waits for them."""
+        channel.readers += 1
+        try:
+            yield
+        finally:
+            channel.readers -= 1
 
     def _check_open(self) -> None:
         if self._closed:
@@ -319,6 +364,7 @@ class FeatureReceiver:
                     )
                 next_check = now + _SENDER_CHECK_S
             await asyncio.sleep(delay)
+            self._check_open()
             delay = min(_POLL_MAX_S, max(_POLL_MIN_S, delay * 2))
 
     async def _source(self, channel: _Channel, handle: FeatureHandle) -> torch.Tensor:

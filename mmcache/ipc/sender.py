@@ -24,7 +24,7 @@ from typing import Final, Literal
 import torch
 from prometheus_client import CollectorRegistry
 
-from mmcache.closing import CloseOnce
+from mmcache.closing import CloseOnce, off_the_loop
 from mmcache.device import Device, Fence, SimDevice, Stream, resolve_device
 from mmcache.device.base import feature_bytes
 from mmcache.errors import (
@@ -185,7 +185,7 @@ class FeatureSender:
                 self._fallback = await self._make_fallback()
         except BaseException:
             self._closed = True
-            self._teardown(keep_memory=False)
+            self._teardown(keep_memory=False)()
             self._metrics.close()
             if self._owns_device:
                 self._device.close()
@@ -255,10 +255,18 @@ class FeatureSender:
         with contextlib.suppress(CopyFailedError):  # a timeout is one too
             await wait_fences(copying, timeout)
         landed = all(f.done() for f in copying)
-        self._teardown(keep_memory=bool(leftover) or not landed)
+        release = self._teardown(keep_memory=bool(leftover) or not landed)
         self._metrics.close()
-        if self._owns_device:
-            self._device.close()
+        device = self._device if self._owns_device else None
+
+        def release_all() -> None:
+            release()
+            if device is not None:
+                device.close()
+
+        # Off the loop: freeing the pool waits for the whole GPU, and unpinning and unmapping
+        # a large fallback hold the thread for a while.
+        await off_the_loop(release_all)
 
     async def __aenter__(self) -> FeatureSender:
         await self.start()
@@ -795,22 +803,32 @@ class FeatureSender:
         self._unpin = await self._loop.run_in_executor(None, pin_host, self._device.index, tensor)
         return self._arena(tensor)
 
-    def _teardown(self, keep_memory: bool) -> None:
-        """Unlink the shared segments; free the pool unless a receiver may still read it."""
-        if self._control is not None:
-            self._control.close(unlink=True)
+    def _teardown(self, keep_memory: bool) -> Callable[[], None]:
+        """Let go of the shared segments, and unless a receiver may still read it of the
+        pool and the fallback's pinning; return the blocking part of that (unlinking,
+        freeing, unpinning), which close() runs on a thread of its own."""
+        control, segments = self._control, list(self._segments)
+        arenas = [self._pool, self._fallback]  # views of the segments: unmapped with the last
         self._pool = self._fallback = None
-        for segment in self._segments:
-            segment.unlink()
-            segment.close()
-        if keep_memory:
-            return
-        if self._sim_pool is not None:
-            pool, self._sim_pool = self._sim_pool, None
-            self._device.release(pool, ())
-        if self._cuda_pool is not None:
-            self._cuda_pool.close()
-            self._cuda_pool = None
-        if self._unpin is not None:
-            self._unpin()
-            self._unpin = None
+        sim_pool = cuda_pool = unpin = None
+        if not keep_memory:
+            sim_pool, self._sim_pool = self._sim_pool, None
+            cuda_pool, self._cuda_pool = self._cuda_pool, None
+            unpin, self._unpin = self._unpin, None
+        device = self._device
+
+        def release() -> None:
+            if control is not None:
+                control.close(unlink=True)
+            for segment in segments:
+                segment.unlink()
+                segment.close()
+            arenas.clear()
+            if sim_pool is not None:
+                device.release(sim_pool, ())
+            if cuda_pool is not None:
+                cuda_pool.close()  # waits for the device, then frees
+            if unpin is not None:
+                unpin()
+
+        return release

@@ -1,0 +1,199 @@
+"""Closing the IPC transport: what close() waits for, what it keeps, and that its blocking
+releases (freeing the pool, unpinning and unmapping shared memory) stay off the loop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Callable
+
+import pytest
+import torch
+from conftest import Rig, TimedFence, longest_loop_gap
+from test_ipc_support import settled_bytes, transport
+
+from mmcache.errors import CacheClosedError
+from mmcache.ipc import receiver as receiver_module
+from mmcache.ipc.shm import SharedSegment
+
+FEATURE_8MB = (1024, 2048)  # float32: 8 MiB
+
+
+def slowed(real: Callable[..., None], seconds: float) -> Callable[..., None]:
+    """real, taking seconds longer on the calling thread (a large unpin or unmap)."""
+
+    def slow(*args: object) -> None:
+        time.sleep(seconds)
+        real(*args)
+
+    return slow
+
+
+async def test_a_sender_frees_its_memory_off_the_loop(
+    sim_rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with transport(sim_rig, consumers=1, pool_mb=1, fallback_mb=4) as tr:
+        endpoint = tr.sender.endpoint
+        paths = [endpoint.control_path, endpoint.pool_path, endpoint.fallback_path]
+        monkeypatch.setattr(SharedSegment, "close", slowed(SharedSegment.close, 0.1))
+        assert await longest_loop_gap(tr.sender.close()) < 0.1  # three segments: 0.3 s
+        assert not any(map(os.path.exists, paths))  # close() returned once they were gone
+
+
+async def test_a_receiver_leaves_its_senders_off_the_loop(
+    sim_rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with transport(sim_rig, consumers=1, pool_mb=1) as tr:
+        channel_type = receiver_module._Channel
+        monkeypatch.setattr(channel_type, "close", slowed(channel_type.close, 0.2))
+        assert await longest_loop_gap(tr.receivers[0].close()) < 0.1
+        tr.sender.sweep()
+        assert tr.sender.stats().receivers == 0  # close() returned once it had left
+
+
+async def test_a_receiver_close_waits_for_an_open_lease(rig: Rig) -> None:
+    async with transport(rig, consumers=1, pool_mb=1) as tr:
+        receiver, value = tr.receivers[0], rig.tensor(64, 256, seed=3)
+        handle = await tr.sender.send(value.clone())
+        async with receiver.lease(handle) as view:
+            closing = asyncio.create_task(receiver.close(timeout=5))
+            await asyncio.sleep(0.05)
+            assert not closing.done()
+            tr.sender.sweep()
+            assert tr.sender.stats().receivers == 1  # not left while the lease reads
+            assert torch.equal(view, value)
+        await asyncio.wait_for(closing, 5)
+        tr.sender.sweep()
+        stats = tr.sender.stats()
+        assert (stats.receivers, stats.live_leases) == (0, 0)
+
+
+async def test_a_lease_open_past_the_close_timeout_keeps_its_sender_mapped(
+    rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with transport(rig, consumers=1, pool_mb=1) as tr:
+        receiver, value = tr.receivers[0], rig.tensor(64, 256, seed=4)
+        handle = await tr.sender.send(value.clone())
+        with caplog.at_level(logging.WARNING, logger="mmcache.ipc"):
+            async with receiver.lease(handle) as view:
+                await receiver.close(timeout=0.05)
+                assert "still read" in caplog.text
+                tr.sender.sweep()
+                assert tr.sender.stats().receivers == 1  # neither left nor unmapped
+                assert torch.equal(view, value)  # still the sender's memory
+        await tr.sender.drain(timeout=5)  # the lease's end released the slice
+        assert tr.sender.stats().live_leases == 0
+
+
+async def test_a_receive_waiting_for_its_data_stops_when_the_receiver_closes(
+    sim_rig: Rig,
+) -> None:
+    async with transport(sim_rig, consumers=1, pool_mb=16) as tr:
+        receiver = tr.receivers[0]
+        with sim_rig.hold():  # the copy into the pool is held: the handle is not ready
+            handle = await tr.sender.send(torch.full(FEATURE_8MB, 5.0))
+            receiving = asyncio.create_task(receiver.receive(handle))
+            await asyncio.sleep(0.02)
+            await asyncio.wait_for(receiver.close(timeout=5), 1)
+            with pytest.raises(CacheClosedError):
+                await receiving
+        await tr.sender.drain(timeout=5)  # the receive gave its lease back
+        assert tr.sender.stats().live_leases == 0
+
+
+async def test_close_lets_a_host_copy_under_way_land_and_refuses_its_send(sim_rig: Rig) -> None:
+    """The fallback is unpinned and unmapped only after copies into it have landed."""
+    async with transport(sim_rig, consumers=1, pool_mb=1, fallback_mb=16) as tr:
+        with sim_rig.hold():
+            sending = asyncio.create_task(tr.sender.send(torch.full(FEATURE_8MB, 3.0)))
+            await asyncio.sleep(0.01)
+            closing = asyncio.create_task(tr.sender.close(timeout=5))
+            await asyncio.sleep(0.1)
+            assert not closing.done()  # the 8 MiB copy into the fallback is held
+            assert not sending.done()
+        await asyncio.wait_for(closing, 5)
+        with pytest.raises(CacheClosedError):
+            await sending  # a handle of a closed sender would reach no receiver
+        assert await settled_bytes(sim_rig, 0) == 0  # the feature and the pool are freed
+
+
+async def test_a_send_granted_room_just_before_close_is_refused(sim_rig: Rig) -> None:
+    async with transport(sim_rig, consumers=1, pool_mb=1, fallback_mb=0) as tr:
+        first = await tr.sender.send(torch.full((256, 1024), 1.0))  # fills the pool
+        assert first.where == "pool"
+        waiting = asyncio.create_task(tr.sender.send(torch.full((256, 1024), 2.0)))
+        await asyncio.sleep(0.01)
+        assert not waiting.done()
+        got = await tr.receivers[0].receive(first)  # releases the slice
+        assert torch.equal(got, torch.full((256, 1024), 1.0))
+        tr.sender.sweep()  # reclaims it and grants the waiting send its room
+        await tr.sender.close(timeout=1)  # runs up to its first wait before the send resumes
+        with pytest.raises(CacheClosedError):
+            await waiting
+        assert tr.sender.stats().live_leases == 0
+
+
+async def test_close_keeps_the_fallback_a_cancelled_sends_copy_still_writes(sim_rig: Rig) -> None:
+    async with transport(sim_rig, consumers=1, pool_mb=1, fallback_mb=16) as tr:
+        sender = tr.sender
+        kept: list[bool] = []
+        teardown = sender._teardown
+
+        def spy(keep_memory: bool) -> Callable[[], None]:
+            kept.append(keep_memory)
+            return teardown(keep_memory)
+
+        sender._teardown = spy  # type: ignore[method-assign]
+        with sim_rig.hold():
+            sending = asyncio.create_task(sender.send(torch.full(FEATURE_8MB, 3.0)))
+            await asyncio.sleep(0.01)
+            sending.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await sending
+            await sender.close(timeout=0.2)  # its copy is still held
+        assert kept == [True]  # neither unpinned nor unmapped under the copy
+
+
+async def test_a_sender_close_whose_caller_is_cancelled_still_frees_and_a_second_waits(
+    sim_rig: Rig,
+) -> None:
+    async with transport(sim_rig, consumers=1, pool_mb=1, fallback_mb=16) as tr:
+        endpoint = tr.sender.endpoint
+        paths = [endpoint.control_path, endpoint.pool_path, endpoint.fallback_path]
+        with sim_rig.hold():
+            sending = asyncio.create_task(tr.sender.send(torch.full(FEATURE_8MB, 3.0)))
+            await asyncio.sleep(0.01)
+            first = asyncio.create_task(tr.sender.close(timeout=5))
+            await asyncio.sleep(0.05)  # close() waits for the held copy
+            first.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await first
+            second = asyncio.create_task(tr.sender.close())
+            await asyncio.sleep(0.05)
+            assert not second.done() and all(map(os.path.exists, paths))
+        await asyncio.wait_for(second, 5)  # the first close's work, finished
+        assert not any(map(os.path.exists, paths))
+        with pytest.raises(CacheClosedError):
+            await sending
+
+
+async def test_a_receiver_close_whose_caller_is_cancelled_still_leaves_and_a_second_waits(
+    sim_rig: Rig,
+) -> None:
+    async with transport(sim_rig, consumers=1, pool_mb=1) as tr:
+        receiver = tr.receivers[0]
+        assert tr.sender.stats().receivers == 1
+        receiver._pending.add(TimedFence(0.3))  # as a stream-ordered read on a GPU would
+        first = asyncio.create_task(receiver.close(timeout=5))
+        await asyncio.sleep(0.05)
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        second = asyncio.create_task(receiver.close())
+        await asyncio.sleep(0.05)
+        assert not second.done() and tr.sender.stats().receivers == 1
+        await asyncio.wait_for(second, 5)  # the first close's work, finished
+        tr.sender.sweep()
+        assert tr.sender.stats().receivers == 0  # it left the sender
