@@ -1,13 +1,16 @@
-"""The README documents every setting, environment variable and metric the code defines."""
+"""The README documents every setting, environment variable and metric the code defines, and
+the tests its tables cite exist."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from mmcache.metrics import METRICS_TABLE
 from mmcache.settings import SETTINGS_TABLE
 
-README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
 
 
 def test_every_setting_and_variable_is_in_the_readme() -> None:
@@ -42,3 +45,23 @@ def test_the_readme_starts_with_its_two_commands() -> None:
         "bash scripts/run demo",
         "bash scripts/run test",
     ]
+
+
+def test_every_test_the_docs_cite_exists() -> None:
+    """`test_x.py::name` and the `::other` after it on the same line name real tests."""
+    defined = {
+        path.name: set(re.findall(r"^(?:async )?def (test_\w+)", path.read_text(), re.M))
+        for path in (ROOT / "tests").glob("test_*.py")
+    }
+    missing, cited = [], 0
+    for doc in (ROOT / "README.md", ROOT / "docs" / "guarantees.md"):
+        for line in doc.read_text().splitlines():
+            module = None
+            for m in re.finditer(r"`(test_\w+\.py)?(?:::(\w+))?`", line):
+                module = m.group(1) or module
+                if m.group(2):
+                    cited += 1
+                    if module is None or m.group(2) not in defined.get(module, set()):
+                        missing.append(f"{doc.name}: {module}::{m.group(2)}")
+    assert cited > 50
+    assert missing == []
