@@ -1,5 +1,5 @@
 """Closing asynchronous resources: the work once, in a task every close() awaits; blocking
-calls on a thread of their own.
+calls on a thread of their own; every release step run even when one fails.
 
 A close() that awaits (copies to land, receivers to let go) can have its caller cancelled
 half-way. Run in the caller's own task, the rest of the close would never happen: the
@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
-__all__ = ["CloseOnce", "off_the_loop"]
+__all__ = ["CloseOnce", "off_the_loop", "run_each"]
+
+log = logging.getLogger("mmcache")
 
 
 class CloseOnce:
@@ -68,3 +71,19 @@ async def off_the_loop(fn: Callable[[], object]) -> None:
     # Not a daemon: an interpreter that exits meanwhile waits for fn to finish.
     threading.Thread(target=run, name="mmcache-close").start()
     await done
+
+
+def run_each(steps: Iterable[Callable[[], object]]) -> None:
+    """Run every step, also after one raised (a failed unlink must not leave memory pinned);
+    then raise the first error, logging the others."""
+    first: BaseException | None = None
+    for step in steps:
+        try:
+            step()
+        except BaseException as e:  # raised below, once every step has run
+            if first is None:
+                first = e
+            else:
+                log.warning("another release step failed as well: %r", e)
+    if first is not None:
+        raise first

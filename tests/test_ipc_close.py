@@ -12,10 +12,14 @@ from collections.abc import Callable
 import pytest
 import torch
 from conftest import Rig, TimedFence, longest_loop_gap
-from test_ipc_support import settled_bytes, transport
+from prometheus_client import CollectorRegistry
+from test_ipc_support import ipc_settings, settled_bytes, transport
 
+from mmcache.device import SimDevice
 from mmcache.errors import CacheClosedError
+from mmcache.ipc import FeatureReceiver, FeatureSender, cuda_ipc
 from mmcache.ipc import receiver as receiver_module
+from mmcache.ipc.control import ControlBlock
 from mmcache.ipc.shm import SharedSegment
 
 FEATURE_8MB = (1024, 2048)  # float32: 8 MiB
@@ -85,6 +89,212 @@ async def test_a_lease_open_past_the_close_timeout_keeps_its_sender_mapped(
                 assert torch.equal(view, value)  # still the sender's memory
         await tr.sender.drain(timeout=5)  # the lease's end released the slice
         assert tr.sender.stats().live_leases == 0
+
+
+async def eventually(condition: Callable[[], bool], timeout: float = 2.0) -> bool:  # noqa: ASYNC109
+    """Whether condition() holds within timeout s (a release finishing on its own thread)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.005)
+    return True
+
+
+async def test_a_kept_sender_is_left_once_its_lease_ends(rig: Rig) -> None:
+    """Else the closed receiver would stay a live consumer, and every later send would
+    wait for its release until the lease timeout."""
+    async with transport(rig, consumers=2, pool_mb=1) as tr:
+        closing, other = tr.receivers
+        handle = await tr.sender.send(rig.tensor(64, 256, seed=5))
+        async with closing.lease(handle):
+            await closing.close(timeout=0.05)
+        await other.receive(handle)
+
+        def left() -> bool:
+            tr.sender.sweep()
+            return tr.sender.stats().receivers == 1
+
+        assert await eventually(left)
+        value = rig.tensor(64, 256, seed=6)
+        later = await tr.sender.send(value.clone())
+        assert torch.equal(await other.receive(later), value)
+        assert await tr.sender.drain(timeout=2)  # no release owed by the closed receiver
+
+
+async def test_a_copy_still_running_keeps_only_its_own_sender(sim_rig: Rig) -> None:
+    async with (
+        transport(sim_rig, consumers=1, pool_mb=1) as slow,
+        transport(sim_rig, consumers=1, receivers=0, pool_mb=1) as quick,
+    ):
+        receiver = slow.receivers[0]
+        await receiver.connect(quick.sender.endpoint)
+        handle = await slow.sender.send(torch.ones(64, 256))
+        channel = receiver._channels[slow.sender.endpoint.control_path]
+        receiver._open(channel, handle)  # as a receive on a GPU does: a copy out of it,
+        receiver._release_after(channel, handle, TimedFence(0.3), verify=False)  # queued
+        await receiver.close(timeout=0.05)
+        quick.sender.sweep()
+        slow.sender.sweep()
+        assert quick.sender.stats().receivers == 0  # left at once
+        assert slow.sender.stats().receivers == 1  # kept while the copy runs
+
+        def left() -> bool:
+            slow.sender.sweep()
+            return slow.sender.stats().receivers == 0
+
+        assert await eventually(left)  # once the copy has ended
+
+
+async def test_a_receivers_own_device_closes_after_its_kept_sender(sim_rig: Rig) -> None:
+    async with transport(sim_rig, consumers=1, receivers=0, pool_mb=1) as tr:
+        receiver = FeatureReceiver("sim")
+        device = receiver.device
+        assert isinstance(device, SimDevice)
+        await receiver.connect(tr.sender.endpoint)
+        value = torch.full((64, 256), 7.0)
+        handle = await tr.sender.send(value.clone())
+        async with receiver.lease(handle) as view:
+            await receiver.close(timeout=0.05)
+            assert not device._closed  # the lease's end still records on it
+            assert torch.equal(view, value)
+        assert await eventually(lambda: device._closed)
+
+
+async def test_close_waits_for_readers_and_copies_within_one_timeout(sim_rig: Rig) -> None:
+    async with transport(sim_rig, consumers=1, pool_mb=1) as tr:
+        receiver = tr.receivers[0]
+        handle = await tr.sender.send(torch.ones(64, 256))
+        started = asyncio.Event()
+
+        async def lease_for(seconds: float) -> None:
+            async with receiver.lease(handle):
+                started.set()
+                await asyncio.sleep(seconds)
+
+        leasing = asyncio.create_task(lease_for(0.25))
+        await started.wait()
+        channel = next(iter(receiver._channels.values()))
+        channel.pending.add(TimedFence(5))  # a copy that outlasts the timeout
+        began = time.monotonic()
+        await receiver.close(timeout=0.3)
+        assert time.monotonic() - began < 0.45  # not 0.25 s for the lease, then 0.3 more
+        await leasing
+
+
+async def test_a_release_step_that_fails_leaves_the_others_done_and_reaches_close(
+    sim_rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sender = FeatureSender(ipc_settings(pool_mb=1), sim_rig.device, registry=CollectorRegistry())
+    await sender.start()
+    endpoint = sender.endpoint
+    real_close = ControlBlock.close
+
+    def failing_close(block: ControlBlock, unlink: bool) -> None:
+        raise OSError("the control block cannot be closed")
+
+    monkeypatch.setattr(ControlBlock, "close", failing_close)
+    try:
+        with pytest.raises(OSError, match="cannot be closed"):
+            await sender.close()
+        assert not any(map(os.path.exists, [endpoint.pool_path, endpoint.fallback_path]))
+        assert await settled_bytes(sim_rig, 0) == 0  # the pool went back to the device
+        with pytest.raises(OSError, match="cannot be closed"):
+            await sender.close()  # every close() gets the error
+    finally:
+        monkeypatch.setattr(ControlBlock, "close", real_close)
+        os.unlink(endpoint.control_path)
+
+
+async def test_a_channel_that_fails_to_close_leaves_the_others_and_the_device_closed(
+    sim_rig: Rig,
+) -> None:
+    async with (
+        transport(sim_rig, consumers=1, receivers=0, pool_mb=1) as first,
+        transport(sim_rig, consumers=1, receivers=0, pool_mb=1) as second,
+    ):
+        receiver = FeatureReceiver("sim")
+        device = receiver.device
+        assert isinstance(device, SimDevice)
+        await receiver.connect(first.sender.endpoint)
+        await receiver.connect(second.sender.endpoint)
+        broken = receiver._channels[first.sender.endpoint.control_path]
+        real_close = broken.close
+
+        def failing_close() -> None:
+            real_close()
+            raise OSError("cannot unmap")
+
+        broken.close = failing_close  # type: ignore[method-assign]
+        with pytest.raises(OSError, match="cannot unmap"):
+            await receiver.close()
+        second.sender.sweep()
+        assert second.sender.stats().receivers == 0
+        assert device._closed
+
+
+async def test_a_sender_or_receiver_closes_the_device_it_made_off_the_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    sender = FeatureSender(ipc_settings(pool_mb=1), "sim", registry=CollectorRegistry())
+    await sender.start()
+    receiver = FeatureReceiver("sim")
+    await receiver.connect(sender.endpoint)
+    for device in (sender.device, receiver.device):
+        monkeypatch.setattr(device, "close", slowed(device.close, 0.2))
+    assert await longest_loop_gap(receiver.close()) < 0.1
+    assert await longest_loop_gap(sender.close()) < 0.1
+
+
+async def test_a_start_cancelled_while_pinning_the_fallback_unpins_it(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if rig.kind != "cuda":
+        pytest.skip("only a CUDA sender pins its fallback")
+    unpinned: list[bool] = []
+    real_pin = cuda_ipc.pin_host
+
+    def slow_pin(ordinal: int, tensor: torch.Tensor) -> Callable[[], None]:
+        time.sleep(0.2)
+        unpin = real_pin(ordinal, tensor)
+
+        def recorded() -> None:
+            unpin()
+            unpinned.append(True)
+
+        return recorded
+
+    monkeypatch.setattr("mmcache.ipc.sender.pin_host", slow_pin)
+    sender = FeatureSender(ipc_settings(pool_mb=1, fallback_mb=8), rig.device)
+    starting = asyncio.create_task(sender.start())
+    await asyncio.sleep(0.05)  # pinning
+    starting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await starting
+    assert await eventually(lambda: unpinned == [True])
+
+
+async def test_receives_that_meet_an_unmapped_fallback_together_pin_it_once(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if rig.kind != "cuda":
+        pytest.skip("only a CUDA receiver pins the fallback")
+    pins: list[int] = []
+    real_pin = cuda_ipc.pin_host
+
+    def counted_pin(ordinal: int, tensor: torch.Tensor) -> Callable[[], None]:
+        pins.append(ordinal)
+        time.sleep(0.05)
+        return real_pin(ordinal, tensor)
+
+    monkeypatch.setattr("mmcache.ipc.receiver.pin_host", counted_pin)
+    async with transport(rig, consumers=1, pool_mb=0, fallback_mb=4) as tr:
+        values = [rig.tensor(64, 256, seed=seed) for seed in (8, 9)]
+        handles = [await tr.sender.send(v.clone()) for v in values]
+        assert [h.where for h in handles] == ["host", "host"]
+        got = await asyncio.gather(*(tr.receivers[0].receive(h) for h in handles))
+        assert all(map(torch.equal, got, values))
+        assert len(pins) == 1
 
 
 async def test_a_receive_waiting_for_its_data_stops_when_the_receiver_closes(
@@ -185,7 +395,8 @@ async def test_a_receiver_close_whose_caller_is_cancelled_still_leaves_and_a_sec
     async with transport(sim_rig, consumers=1, pool_mb=1) as tr:
         receiver = tr.receivers[0]
         assert tr.sender.stats().receivers == 1
-        receiver._pending.add(TimedFence(0.3))  # as a stream-ordered read on a GPU would
+        channel = next(iter(receiver._channels.values()))
+        channel.pending.add(TimedFence(0.3))  # as a stream-ordered read on a GPU would
         first = asyncio.create_task(receiver.close(timeout=5))
         await asyncio.sleep(0.05)
         first.cancel()

@@ -21,7 +21,7 @@ from typing import Final, Literal
 
 import torch
 
-from mmcache.closing import CloseOnce, off_the_loop
+from mmcache.closing import CloseOnce, off_the_loop, run_each
 from mmcache.device import Device, Fence, SimDevice, Stream, resolve_device
 from mmcache.device.cuda import as_cuda_stream
 from mmcache.errors import CacheClosedError, CopyFailedError, InvalidValueError
@@ -51,7 +51,12 @@ class _Channel:
     """One sender as this receiver sees it: its control block, our lane, its memory mapped once."""
 
     def __init__(
-        self, endpoint: SenderEndpoint, control: ControlBlock, lane: int, epoch: int
+        self,
+        endpoint: SenderEndpoint,
+        control: ControlBlock,
+        lane: int,
+        epoch: int,
+        when_kept_read: Callable[[_Channel], None],
     ) -> None:
         self.endpoint = endpoint
         self.control = control
@@ -62,7 +67,31 @@ class _Channel:
         self.peer_pool: PeerPool | None = None
         self._segments: list[SharedSegment] = []
         self._unpin: Callable[[], None] | None = None
-        self.readers = 0  # receives and leases under way (on the loop's thread)
+        self._mapping_fallback: asyncio.Future[None] | None = None
+        # What still reads the sender's memory: receives, leases and the fallback's mapping
+        # under way (counted on the loop's thread), copies queued out of it (any thread,
+        # under lock). close() waits for them, or keeps the channel.
+        self.readers = 0
+        self.pending: set[Fence] = set()
+        self.lock = threading.Lock()
+        self.kept = False  # close() timed out on it: closed once nothing reads it
+        self._when_kept_read = when_kept_read  # a read of a kept channel ended
+
+    def start_reading(self) -> None:
+        self.readers += 1
+
+    def stop_reading(self) -> None:
+        self.readers -= 1
+        if self.kept:
+            self._when_kept_read(self)
+
+    def copying(self) -> list[Fence]:
+        """The copies out of the sender's memory still under way."""
+        with self.lock:
+            return [f for f in self.pending if not f.done()]
+
+    def busy(self) -> bool:
+        return self.readers > 0 or bool(self.copying())
 
     def release(self, handle: FeatureHandle) -> None:
         """Tell the sender we are done with handle's bytes (any thread)."""
@@ -75,6 +104,17 @@ class _Channel:
 
     async def fallback_tensor(self, device: Device) -> torch.Tensor:
         if self.fallback is None:
+            # Mapped and pinned once, also for receives that ask meanwhile; counted as a
+            # reader until pinned, wherever the receive that started it went.
+            if self._mapping_fallback is None:
+                self.start_reading()
+                self._mapping_fallback = asyncio.ensure_future(self._map_fallback(device))
+            await asyncio.shield(self._mapping_fallback)
+        assert self.fallback is not None
+        return self.fallback
+
+    async def _map_fallback(self, device: Device) -> None:
+        try:
             tensor = self._map(self.endpoint.fallback_path, "host fallback")
             index = getattr(device, "index", None)
             if index is not None:
@@ -85,7 +125,9 @@ class _Channel:
                 except Exception as exc:
                     log.warning("cannot pin the IPC host fallback (%s); copies are slower", exc)
             self.fallback = tensor
-        return self.fallback
+        finally:
+            self._mapping_fallback = None
+            self.stop_reading()
 
     def cuda_pool(self, device: Device) -> PeerPool:
         if self.peer_pool is None:
@@ -102,17 +144,19 @@ class _Channel:
 
     def close(self) -> None:
         """Leave the sender (it reclaims what we still owed) and unmap its memory."""
-        self.control.leave(self.lane, self.epoch)
-        if self.peer_pool is not None:
-            self.peer_pool.close()
-            self.peer_pool = None
-        if self._unpin is not None:
-            self._unpin()
-            self._unpin = None
+        peer_pool, self.peer_pool = self.peer_pool, None
+        unpin, self._unpin = self._unpin, None
         self.sim_pool = self.fallback = None
-        for segment in self._segments:
-            segment.close()
-        self.control.close(unlink=False)
+        steps: list[Callable[[], object]] = [
+            functools.partial(self.control.leave, self.lane, self.epoch)
+        ]
+        if peer_pool is not None:
+            steps.append(peer_pool.close)
+        if unpin is not None:
+            steps.append(unpin)
+        steps += [segment.close for segment in self._segments]
+        steps.append(functools.partial(self.control.close, unlink=False))
+        run_each(steps)
 
     def _map(self, path: str, what: str) -> torch.Tensor:
         if not path:
@@ -137,10 +181,12 @@ class FeatureReceiver:
             "sim" if isinstance(self._device, SimDevice) else "cuda"
         )
         self._channels: dict[str, _Channel] = {}
-        self._pending: set[Fence] = set()  # copies whose slices are released when they finish
-        self._pending_lock = threading.Lock()
         self._closed = False
         self._closing = CloseOnce()
+        self._loop: asyncio.AbstractEventLoop | None = None  # close()'s, for kept channels
+        self._kept: set[_Channel] = set()  # closed later, once nothing reads them
+        self._releasing: set[asyncio.Task[None]] = set()
+        self._release_lock = asyncio.Lock()  # kept channels close one by one, the device last
         self.received = 0
 
     @property
@@ -239,43 +285,69 @@ class FeatureReceiver:
         await self._closing.run(functools.partial(self._close, timeout))
 
     async def _close(self, timeout: float | None) -> None:  # noqa: ASYNC109
+        self._loop = asyncio.get_running_loop()
         deadline = None if timeout is None else time.monotonic() + timeout
+        channels = list(self._channels.values())
+        self._channels.clear()
         # A receive under way may still start a copy out of a sender's memory, and a
         # lease's caller still reads it: they finish first (a receive still waiting for its
         # data stops, closed).
-        while any(c.readers for c in self._channels.values()):
+        while any(c.readers for c in channels):
             if deadline is not None and time.monotonic() >= deadline:
                 break
             await asyncio.sleep(_CLOSE_POLL_S)
-        with self._pending_lock:
-            pending = list(self._pending)
+        pending = [f for channel in channels for f in channel.copying()]
         if pending:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(wait_fences(pending), left)
-        copying = not all(f.done() for f in pending)  # a copy's channel is not known here
-        channels = []
-        for channel in self._channels.values():
-            if channel.readers or copying:
+        idle = []
+        for channel in channels:
+            if channel.busy():
                 log.warning(
                     "FeatureReceiver closed while the memory of the IPC sender (pid %d) was "
-                    "still read; it stays mapped and leased",
+                    "still read; it stays mapped and leased until that read ends",
                     channel.endpoint.pid,
                 )
+                channel.kept = True
+                self._kept.add(channel)
             else:
-                channels.append(channel)
-        self._channels.clear()
-        device = self._device if self._owns_device else None
-
-        def release() -> None:
-            for channel in channels:
-                channel.close()
-            if device is not None:
-                device.close()
-
+                idle.append(channel)
         # Off the loop: unmapping a sender's pool waits for the whole GPU, and unpinning a
         # large fallback holds the thread for a while.
-        await off_the_loop(release)
+        await off_the_loop(functools.partial(run_each, self._release_steps(idle)))
+
+    def _release_steps(self, channels: list[_Channel]) -> list[Callable[[], object]]:
+        """Closing channels, and the device we made once no channel is kept any more."""
+        steps: list[Callable[[], object]] = [channel.close for channel in channels]
+        if self._owns_device and not self._kept:  # a kept channel's reads still use it
+            steps.append(self._device.close)
+        return steps
+
+    def _close_kept(self, channel: _Channel) -> None:
+        """A channel close() kept: close it (on the loop's thread) once nothing reads it."""
+        if not channel.kept or channel.busy():
+            return
+        channel.kept = False
+        assert self._loop is not None
+        task = self._loop.create_task(self._close_later(channel))
+        self._releasing.add(task)
+        task.add_done_callback(self._released)
+
+    async def _close_later(self, channel: _Channel) -> None:
+        with contextlib.suppress(Exception):  # its error went to close()'s callers
+            await self.close()  # after the first close's own releases
+        async with self._release_lock:
+            self._kept.discard(channel)
+            await off_the_loop(functools.partial(run_each, self._release_steps([channel])))
+
+    def _released(self, task: asyncio.Task[None]) -> None:
+        self._releasing.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error(
+                "FeatureReceiver: closing a channel after its last read failed: %r",
+                task.exception(),
+            )
 
     async def __aenter__(self) -> FeatureReceiver:
         return self
@@ -288,11 +360,11 @@ class FeatureReceiver:
     @contextlib.contextmanager
     def _reading(self, channel: _Channel) -> Iterator[None]:
         """Count a receive or lease under way on channel: close() waits for them."""
-        channel.readers += 1
+        channel.start_reading()
         try:
             yield
         finally:
-            channel.readers -= 1
+            channel.stop_reading()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -312,7 +384,7 @@ class FeatureReceiver:
                 f"{endpoint.control_path} no longer exists"
             ) from None
         lane, epoch = control.register(os.getpid(), self._peer_ok(endpoint))
-        channel = _Channel(endpoint, control, lane, epoch)
+        channel = _Channel(endpoint, control, lane, epoch, self._close_kept)
         self._channels[endpoint.control_path] = channel
         return channel
 
@@ -413,12 +485,15 @@ class FeatureReceiver:
                     handle.describe(),
                 )
             channel.release(handle)
-            with self._pending_lock:
-                self._pending.discard(fence)
+            with channel.lock:
+                channel.pending.discard(fence)
+            if channel.kept and self._loop is not None:
+                with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                    self._loop.call_soon_threadsafe(self._close_kept, channel)
 
         if fence.done():
             done()
             return
-        with self._pending_lock:
-            self._pending.add(fence)
+        with channel.lock:
+            channel.pending.add(fence)
         fence.add_done_callback(done)
