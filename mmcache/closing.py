@@ -12,7 +12,6 @@ caller's cancellation.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 from collections.abc import Callable, Coroutine, Iterable
@@ -65,8 +64,11 @@ async def off_the_loop(fn: Callable[[], object]) -> None:
             fn()
         except BaseException as e:  # reported to the awaiting task
             error = e
-        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+        try:
             loop.call_soon_threadsafe(report, error)
+        except RuntimeError:  # the loop closed meanwhile: nobody awaits the result
+            if error is not None:
+                log.error("closing after the event loop closed failed: %r", error)
 
     # Not a daemon: an interpreter that exits meanwhile waits for fn to finish.
     threading.Thread(target=run, name="mmcache-close").start()

@@ -4,18 +4,20 @@ releases (freeing the pool, unpinning and unmapping shared memory) stay off the 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 from conftest import Rig, TimedFence, longest_loop_gap
 from prometheus_client import CollectorRegistry
-from test_ipc_support import ipc_settings, settled_bytes, transport
+from test_ipc_support import Transport, ipc_settings, settled_bytes, transport
 
-from mmcache.device import SimDevice
+from mmcache.device import Fence, SimDevice
 from mmcache.errors import CacheClosedError
 from mmcache.ipc import FeatureReceiver, FeatureSender, cuda_ipc
 from mmcache.ipc import receiver as receiver_module
@@ -101,6 +103,45 @@ async def eventually(condition: Callable[[], bool], timeout: float = 2.0) -> boo
     return True
 
 
+async def copy_out_of(
+    tr: Transport, receiver: FeatureReceiver, fence: Fence, *, verify: bool = False
+) -> None:
+    """A feature sent, leased and read by a copy that ends with fence, as a receive on a
+    GPU leaves it: its slice released once fence is reported done."""
+    handle = await tr.sender.send(torch.ones(64, 256))
+    await asyncio.sleep(0.02)  # its copy into the pool has landed
+    channel = receiver._channels[tr.sender.endpoint.control_path]
+    receiver._open(channel, handle)
+    receiver._release_after(channel, handle, fence, verify=verify)
+
+
+class ReportedLate(TimedFence):
+    """Done after after_s, its callbacks run report_s later (a busy waiter thread)."""
+
+    __slots__ = ("_report_s",)
+
+    def __init__(self, after_s: float, report_s: float) -> None:
+        super().__init__(after_s)
+        self._report_s = report_s
+
+    def add_done_callback(self, fn: Callable[[], None]) -> None:
+        super().add_done_callback(functools.partial(self._late, fn))
+
+    def _late(self, fn: Callable[[], None]) -> None:
+        time.sleep(self._report_s)
+        fn()
+
+
+def left(tr: Transport) -> Callable[[], bool]:
+    """Whether the sender of tr counts no receiver any more."""
+
+    def check() -> bool:
+        tr.sender.sweep()
+        return tr.sender.stats().receivers == 0
+
+    return check
+
+
 async def test_a_kept_sender_is_left_once_its_lease_ends(rig: Rig) -> None:
     """Else the closed receiver would stay a live consumer, and every later send would
     wait for its release until the lease timeout."""
@@ -111,11 +152,11 @@ async def test_a_kept_sender_is_left_once_its_lease_ends(rig: Rig) -> None:
             await closing.close(timeout=0.05)
         await other.receive(handle)
 
-        def left() -> bool:
+        def one_left() -> bool:
             tr.sender.sweep()
             return tr.sender.stats().receivers == 1
 
-        assert await eventually(left)
+        assert await eventually(one_left)
         value = rig.tensor(64, 256, seed=6)
         later = await tr.sender.send(value.clone())
         assert torch.equal(await other.receive(later), value)
@@ -129,21 +170,11 @@ async def test_a_copy_still_running_keeps_only_its_own_sender(sim_rig: Rig) -> N
     ):
         receiver = slow.receivers[0]
         await receiver.connect(quick.sender.endpoint)
-        handle = await slow.sender.send(torch.ones(64, 256))
-        channel = receiver._channels[slow.sender.endpoint.control_path]
-        receiver._open(channel, handle)  # as a receive on a GPU does: a copy out of it,
-        receiver._release_after(channel, handle, TimedFence(0.3), verify=False)  # queued
+        await copy_out_of(slow, receiver, TimedFence(0.3))
         await receiver.close(timeout=0.05)
-        quick.sender.sweep()
-        slow.sender.sweep()
-        assert quick.sender.stats().receivers == 0  # left at once
-        assert slow.sender.stats().receivers == 1  # kept while the copy runs
-
-        def left() -> bool:
-            slow.sender.sweep()
-            return slow.sender.stats().receivers == 0
-
-        assert await eventually(left)  # once the copy has ended
+        assert left(quick)()  # at once
+        assert not left(slow)()  # kept while the copy runs
+        assert await eventually(left(slow))  # once the copy has ended
 
 
 async def test_a_receivers_own_device_closes_after_its_kept_sender(sim_rig: Rig) -> None:
@@ -174,12 +205,12 @@ async def test_close_waits_for_readers_and_copies_within_one_timeout(sim_rig: Ri
 
         leasing = asyncio.create_task(lease_for(0.25))
         await started.wait()
-        channel = next(iter(receiver._channels.values()))
-        channel.pending.add(TimedFence(5))  # a copy that outlasts the timeout
+        await copy_out_of(tr, receiver, TimedFence(0.6))  # outlasts the timeout
         began = time.monotonic()
         await receiver.close(timeout=0.3)
         assert time.monotonic() - began < 0.45  # not 0.25 s for the lease, then 0.3 more
         await leasing
+        assert await eventually(left(tr))
 
 
 async def test_a_release_step_that_fails_leaves_the_others_done_and_reaches_close(
@@ -297,6 +328,71 @@ async def test_receives_that_meet_an_unmapped_fallback_together_pin_it_once(
         assert len(pins) == 1
 
 
+async def test_close_inside_a_lease_does_not_wait_for_that_lease(sim_rig: Rig) -> None:
+    async with transport(sim_rig, consumers=1, pool_mb=1) as tr:
+        receiver = tr.receivers[0]
+        handle = await tr.sender.send(torch.ones(64, 256))
+        async with receiver.lease(handle) as view:
+            began = time.monotonic()
+            await receiver.close(timeout=None)  # in this task: a wait_for would wrap another
+            assert time.monotonic() - began < 1
+            assert torch.equal(view, torch.ones(64, 256))  # kept, still mapped
+        assert await eventually(left(tr))
+
+
+async def test_a_sender_kept_by_a_receive_is_left_when_it_returns(sim_rig: Rig) -> None:
+    async with transport(sim_rig, consumers=1, pool_mb=1) as tr:
+        receiver = tr.receivers[0]
+        handle = await tr.sender.send(torch.ones(64, 256))
+        assert await tr.sender.drain(timeout=0) is False  # sent, not yet received
+        await asyncio.sleep(0.05)  # its copy into the pool has landed
+        device = receiver.device
+        assert isinstance(device, SimDevice)
+        with device.hold():  # the receive's copy out waits
+            receiving = asyncio.create_task(receiver.receive(handle))
+            await asyncio.sleep(0.02)
+            await receiver.close(timeout=0.05)
+            assert not left(tr)()
+        assert torch.equal(await receiving, torch.ones(64, 256))
+        assert await eventually(left(tr))
+
+
+async def test_a_copy_reported_while_close_decides_leaves_nothing_kept(
+    sim_rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The copy's report, on another thread, may run between close()'s look at the channel
+    and its marking it kept (here: while the warning is written)."""
+    real_warning = receiver_module.log.warning
+
+    def slow_warning(*args: Any) -> None:
+        time.sleep(0.1)
+        real_warning(*args)
+
+    async with transport(sim_rig, consumers=1, pool_mb=1) as tr:
+        receiver = tr.receivers[0]
+        await copy_out_of(tr, receiver, TimedFence(0.08))
+        monkeypatch.setattr(receiver_module.log, "warning", slow_warning)
+        await receiver.close(timeout=0.05)
+        assert await eventually(left(tr))
+
+
+async def test_close_waits_for_a_done_copy_to_be_reported_before_leaving(
+    sim_rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Left before the report, the sender could reuse the slice, and the report's check
+    would take that for a slice reclaimed under the read."""
+    async with transport(sim_rig, consumers=1, pool_mb=1) as tr:
+        receiver = tr.receivers[0]
+        await copy_out_of(tr, receiver, ReportedLate(0.1, 0.2), verify=True)
+        with caplog.at_level(logging.WARNING, logger="mmcache.ipc"):
+            await receiver.close(timeout=2)
+            assert left(tr)()
+            for _ in range(4):  # the slot is reused once reclaimed
+                await tr.sender.send(torch.zeros(64, 256))
+                await asyncio.sleep(0.05)
+        assert caplog.records == []  # neither kept nor reported as reclaimed
+
+
 async def test_a_receive_waiting_for_its_data_stops_when_the_receiver_closes(
     sim_rig: Rig,
 ) -> None:
@@ -395,8 +491,7 @@ async def test_a_receiver_close_whose_caller_is_cancelled_still_leaves_and_a_sec
     async with transport(sim_rig, consumers=1, pool_mb=1) as tr:
         receiver = tr.receivers[0]
         assert tr.sender.stats().receivers == 1
-        channel = next(iter(receiver._channels.values()))
-        channel.pending.add(TimedFence(0.3))  # as a stream-ordered read on a GPU would
+        await copy_out_of(tr, receiver, TimedFence(0.3))
         first = asyncio.create_task(receiver.close(timeout=5))
         await asyncio.sleep(0.05)
         first.cancel()
@@ -406,5 +501,4 @@ async def test_a_receiver_close_whose_caller_is_cancelled_still_leaves_and_a_sec
         await asyncio.sleep(0.05)
         assert not second.done() and tr.sender.stats().receivers == 1
         await asyncio.wait_for(second, 5)  # the first close's work, finished
-        tr.sender.sweep()
-        assert tr.sender.stats().receivers == 0  # it left the sender
+        assert left(tr)()

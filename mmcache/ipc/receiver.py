@@ -10,6 +10,7 @@ receiver's device and releases the slot once that copy has read them.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import logging
@@ -17,7 +18,7 @@ import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Final, Literal
+from typing import Any, Final, Literal
 
 import torch
 
@@ -26,7 +27,7 @@ from mmcache.device import Device, Fence, SimDevice, Stream, resolve_device
 from mmcache.device.cuda import as_cuda_stream
 from mmcache.errors import CacheClosedError, CopyFailedError, InvalidValueError
 from mmcache.ipc.control import ControlBlock
-from mmcache.ipc.cuda_ipc import PeerPool, ordinal_of, pin_host
+from mmcache.ipc.cuda_ipc import PeerPool, ordinal_of, pin_off_the_loop
 from mmcache.ipc.errors import HandleExpiredError, NoPeerAccessError, SenderGoneError
 from mmcache.ipc.handle import FeatureHandle, SenderEndpoint, dtype_from_name
 from mmcache.ipc.shm import SharedSegment
@@ -85,13 +86,12 @@ class _Channel:
         if self.kept:
             self._when_kept_read(self)
 
-    def copying(self) -> list[Fence]:
-        """The copies out of the sender's memory still under way."""
-        with self.lock:
-            return [f for f in self.pending if not f.done()]
-
     def busy(self) -> bool:
-        return self.readers > 0 or bool(self.copying())
+        """Whether anything still reads the sender's memory: a copy counts until its slice
+        is released (a fence done, its report not yet run, still owes the release)."""
+        with self.lock:
+            copies = bool(self.pending)
+        return self.readers > 0 or copies
 
     def release(self, handle: FeatureHandle) -> None:
         """Tell the sender we are done with handle's bytes (any thread)."""
@@ -119,9 +119,8 @@ class _Channel:
             index = getattr(device, "index", None)
             if index is not None:
                 # Pinned in this process too, the copy to the GPU is asynchronous and fast.
-                loop = asyncio.get_running_loop()
                 try:
-                    self._unpin = await loop.run_in_executor(None, pin_host, index, tensor)
+                    self._unpin = await pin_off_the_loop(index, tensor)
                 except Exception as exc:
                     log.warning("cannot pin the IPC host fallback (%s); copies are slower", exc)
             self.fallback = tensor
@@ -187,6 +186,7 @@ class FeatureReceiver:
         self._kept: set[_Channel] = set()  # closed later, once nothing reads them
         self._releasing: set[asyncio.Task[None]] = set()
         self._release_lock = asyncio.Lock()  # kept channels close one by one, the device last
+        self._reads_by_task: collections.Counter[asyncio.Task[Any] | None] = collections.Counter()
         self.received = 0
 
     @property
@@ -282,40 +282,48 @@ class FeatureReceiver:
         """
         if not self._closing.begun:
             self._closed = True  # before any await: no receive starts from here on
-        await self._closing.run(functools.partial(self._close, timeout))
+        caller = asyncio.current_task()
+        await self._closing.run(functools.partial(self._close, timeout, caller))
 
-    async def _close(self, timeout: float | None) -> None:  # noqa: ASYNC109
+    async def _close(self, timeout: float | None, caller: asyncio.Task[Any] | None) -> None:  # noqa: ASYNC109
         self._loop = asyncio.get_running_loop()
         deadline = None if timeout is None else time.monotonic() + timeout
         channels = list(self._channels.values())
         self._channels.clear()
-        # A receive under way may still start a copy out of a sender's memory, and a
-        # lease's caller still reads it: they finish first (a receive still waiting for its
-        # data stops, closed).
-        while any(c.readers for c in channels):
+        # A receive under way may still start a copy out of a sender's memory, a lease's
+        # caller still reads it, and a queued copy's slice is released once it is reported
+        # done: they finish first (a receive still waiting for its data stops, closed),
+        # except close()'s own caller's reads (inside a lease, it would wait for itself).
+        while self._still_read(channels, caller):
             if deadline is not None and time.monotonic() >= deadline:
                 break
             await asyncio.sleep(_CLOSE_POLL_S)
-        pending = [f for channel in channels for f in channel.copying()]
-        if pending:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(wait_fences(pending), left)
         idle = []
         for channel in channels:
+            # Marked first: a copy reported on another thread between the check and the
+            # mark would find it unmarked and leave it kept for good.
+            channel.kept = True
             if channel.busy():
                 log.warning(
                     "FeatureReceiver closed while the memory of the IPC sender (pid %d) was "
                     "still read; it stays mapped and leased until that read ends",
                     channel.endpoint.pid,
                 )
-                channel.kept = True
                 self._kept.add(channel)
             else:
+                channel.kept = False
                 idle.append(channel)
-        # Off the loop: unmapping a sender's pool waits for the whole GPU, and unpinning a
-        # large fallback holds the thread for a while.
-        await off_the_loop(functools.partial(run_each, self._release_steps(idle)))
+        steps = self._release_steps(idle)
+        if steps:
+            # Off the loop: unmapping a sender's pool waits for the whole GPU, and
+            # unpinning a large fallback holds the thread for a while.
+            await off_the_loop(functools.partial(run_each, steps))
+
+    def _still_read(self, channels: list[_Channel], caller: asyncio.Task[Any] | None) -> bool:
+        readers = sum(channel.readers for channel in channels)
+        if readers > self._reads_by_task.get(caller, 0):
+            return True
+        return any(channel.busy() for channel in channels if not channel.readers)
 
     def _release_steps(self, channels: list[_Channel]) -> list[Callable[[], object]]:
         """Closing channels, and the device we made once no channel is kept any more."""
@@ -330,6 +338,9 @@ class FeatureReceiver:
             return
         channel.kept = False
         assert self._loop is not None
+        if self._loop.is_closed():
+            log.warning("FeatureReceiver: its loop closed before a kept channel could close")
+            return
         task = self._loop.create_task(self._close_later(channel))
         self._releasing.add(task)
         task.add_done_callback(self._released)
@@ -343,7 +354,9 @@ class FeatureReceiver:
 
     def _released(self, task: asyncio.Task[None]) -> None:
         self._releasing.discard(task)
-        if not task.cancelled() and task.exception() is not None:
+        if task.cancelled():
+            log.warning("FeatureReceiver: closing a channel after its last read was cancelled")
+        elif task.exception() is not None:
             log.error(
                 "FeatureReceiver: closing a channel after its last read failed: %r",
                 task.exception(),
@@ -360,10 +373,15 @@ class FeatureReceiver:
     @contextlib.contextmanager
     def _reading(self, channel: _Channel) -> Iterator[None]:
         """Count a receive or lease under way on channel: close() waits for them."""
+        task = asyncio.current_task()
         channel.start_reading()
+        self._reads_by_task[task] += 1
         try:
             yield
         finally:
+            self._reads_by_task[task] -= 1
+            if not self._reads_by_task[task]:
+                del self._reads_by_task[task]
             channel.stop_reading()
 
     def _check_open(self) -> None:
@@ -488,8 +506,12 @@ class FeatureReceiver:
             with channel.lock:
                 channel.pending.discard(fence)
             if channel.kept and self._loop is not None:
-                with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                try:
                     self._loop.call_soon_threadsafe(self._close_kept, channel)
+                except RuntimeError:  # the loop closed meanwhile
+                    log.warning(
+                        "FeatureReceiver: its loop closed before a kept channel could close"
+                    )
 
         if fence.done():
             done()

@@ -38,7 +38,7 @@ from mmcache.errors import (
 )
 from mmcache.host_pool import HostBlock
 from mmcache.ipc.control import LIVE, ControlBlock, LaneInfo
-from mmcache.ipc.cuda_ipc import CudaPool, pin_host
+from mmcache.ipc.cuda_ipc import CudaPool, pin_off_the_loop
 from mmcache.ipc.errors import NoPeerAccessError, TransportFullError
 from mmcache.ipc.handle import FeatureHandle, SenderEndpoint, dtype_name
 from mmcache.ipc.leases import Lease, LeaseLedger
@@ -186,7 +186,6 @@ class FeatureSender:
         except BaseException:
             self._closed = True
             steps = [self._teardown(keep_memory=False)]
-            self._metrics.close()
             if self._owns_device:
                 steps.append(self._device.close)
             try:
@@ -195,6 +194,8 @@ class FeatureSender:
                 log.exception(
                     "IPC sender %r: releasing what a failed start() made failed", self.name
                 )
+            finally:
+                self._metrics.close()
             raise
         cuda_pool = self._cuda_pool
         self._endpoint = SenderEndpoint(
@@ -262,12 +263,14 @@ class FeatureSender:
             await wait_fences(copying, timeout)
         landed = all(f.done() for f in copying)
         steps = [self._teardown(keep_memory=bool(leftover) or not landed)]
-        self._metrics.close()
         if self._owns_device:
             steps.append(self._device.close)
-        # Off the loop: freeing the pool waits for the whole GPU, and unpinning and unmapping
-        # the default 1 GiB fallback held the loop 258 ms on the H200.
-        await off_the_loop(functools.partial(run_each, steps))
+        try:
+            # Off the loop: freeing the pool waits for the whole GPU, and unpinning and
+            # unmapping the default 1 GiB fallback held the loop 258 ms on the H200.
+            await off_the_loop(functools.partial(run_each, steps))
+        finally:
+            self._metrics.close()
 
     async def __aenter__(self) -> FeatureSender:
         await self.start()
@@ -801,14 +804,7 @@ class FeatureSender:
         # touches every page, so reserve them all first (a clean error if /dev/shm is full).
         segment.commit(0, self._fallback_bytes, hint)
         tensor = segment.tensor()
-        pinning = self._loop.run_in_executor(None, pin_host, self._device.index, tensor)
-        try:
-            self._unpin = await asyncio.shield(pinning)
-        except asyncio.CancelledError:
-            # start() was cancelled: the pin goes on in its thread; undo it once done (the
-            # callback keeps the mapping until then).
-            pinning.add_done_callback(functools.partial(_unpin_once_pinned, tensor))
-            raise
+        self._unpin = await pin_off_the_loop(self._device.index, tensor)
         return self._arena(tensor)
 
     def _teardown(self, keep_memory: bool) -> Callable[[], None]:
@@ -825,20 +821,14 @@ class FeatureSender:
             unpin, self._unpin = self._unpin, None
         steps: list[Callable[[], object]] = []
         if control is not None:
-            steps.append(functools.partial(control.close, unlink=True))
-        for segment in segments:
-            steps += [segment.unlink, segment.close]
-        steps.append(arenas.clear)
+            steps.append(functools.partial(control.close, unlink=True))  # marks it closed
+        steps += [segment.unlink for segment in segments]
         if sim_pool is not None:
             steps.append(functools.partial(self._device.release, sim_pool, ()))
         if cuda_pool is not None:
             steps.append(cuda_pool.close)  # waits for the device, then frees
         if unpin is not None:
-            steps.append(unpin)
+            steps.append(unpin)  # before the mapping goes
+        steps += [segment.close for segment in segments]
+        steps.append(arenas.clear)
         return functools.partial(run_each, steps)
-
-
-def _unpin_once_pinned(tensor: torch.Tensor, pinning: asyncio.Future[Callable[[], None]]) -> None:
-    """Undo the pin of tensor that a cancelled start() left running."""
-    if not pinning.cancelled() and pinning.exception() is None:
-        pinning.result()()
