@@ -57,6 +57,8 @@ async def off_the_loop(fn: Callable[[], object]) -> None:
                 done.set_result(None)
             else:
                 done.set_exception(error)
+        elif error is not None:  # its awaiting task was cancelled: nobody else will see it
+            log.error("closing on a thread of its own failed: %r", error)
 
     def run() -> None:
         error: BaseException | None = None

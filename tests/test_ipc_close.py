@@ -4,11 +4,12 @@ releases (freeing the pool, unpinning and unmapping shared memory) stay off the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
@@ -63,13 +64,23 @@ async def test_a_receiver_close_waits_for_an_open_lease(rig: Rig) -> None:
     async with transport(rig, consumers=1, pool_mb=1) as tr:
         receiver, value = tr.receivers[0], rig.tensor(64, 256, seed=3)
         handle = await tr.sender.send(value.clone())
-        async with receiver.lease(handle) as view:
-            closing = asyncio.create_task(receiver.close(timeout=5))
-            await asyncio.sleep(0.05)
-            assert not closing.done()
-            tr.sender.sweep()
-            assert tr.sender.stats().receivers == 1  # not left while the lease reads
-            assert torch.equal(view, value)
+        entered, done = asyncio.Event(), asyncio.Event()
+
+        async def hold() -> None:  # another task's lease
+            async with receiver.lease(handle) as view:
+                entered.set()
+                await done.wait()
+                assert torch.equal(view, value)
+
+        holding = asyncio.create_task(hold())
+        await entered.wait()
+        closing = asyncio.create_task(receiver.close(timeout=5))
+        await asyncio.sleep(0.05)
+        assert not closing.done()
+        tr.sender.sweep()
+        assert tr.sender.stats().receivers == 1  # not left while the lease reads
+        done.set()
+        await holding
         await asyncio.wait_for(closing, 5)
         tr.sender.sweep()
         stats = tr.sender.stats()
@@ -237,6 +248,46 @@ async def test_a_release_step_that_fails_leaves_the_others_done_and_reaches_clos
         os.unlink(endpoint.control_path)
 
 
+async def test_a_close_during_start_frees_what_start_made(
+    sim_rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sender = FeatureSender(ipc_settings(pool_mb=1), sim_rig.device, registry=CollectorRegistry())
+    real_make_fallback = sender._make_fallback
+
+    async def slow_make_fallback() -> Any:  # as pinning a GPU sender's fallback is
+        await asyncio.sleep(0.1)
+        return await real_make_fallback()
+
+    monkeypatch.setattr(sender, "_make_fallback", slow_make_fallback)
+    starting = asyncio.create_task(sender.start())
+    await asyncio.sleep(0.02)
+    await sender.close()
+    await starting  # it finished before close() freed what it made
+    endpoint = sender.endpoint
+    paths = [endpoint.control_path, endpoint.pool_path, endpoint.fallback_path]
+    assert not any(map(os.path.exists, paths))
+    assert sender._recycler is not None and sender._recycler.done()
+    assert await settled_bytes(sim_rig, 0) == 0
+
+
+async def test_a_sender_close_that_fails_while_waiting_still_frees(
+    sim_rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sender = FeatureSender(ipc_settings(pool_mb=1), sim_rig.device, registry=CollectorRegistry())
+    await sender.start()
+    endpoint = sender.endpoint
+
+    def failing_sweep() -> None:
+        raise RuntimeError("the recycler broke")
+
+    monkeypatch.setattr(sender, "_sweep", failing_sweep)
+    await sender.send(torch.ones(64, 256))  # a lease for close() to wait for
+    with pytest.raises(RuntimeError, match="the recycler broke"):
+        await sender.close()
+    paths = [endpoint.control_path, endpoint.pool_path, endpoint.fallback_path]
+    assert not any(map(os.path.exists, paths))
+
+
 async def test_a_channel_that_fails_to_close_leaves_the_others_and_the_device_closed(
     sim_rig: Rig,
 ) -> None:
@@ -277,6 +328,56 @@ async def test_a_sender_or_receiver_closes_the_device_it_made_off_the_loop(
     assert await longest_loop_gap(sender.close()) < 0.1
 
 
+class FakePins:
+    """pin_host stand-in: pinning takes pin_s; records pins and unpins (no GPU needed)."""
+
+    def __init__(self, pin_s: float, error: Exception | None = None) -> None:
+        self.pin_s, self.error = pin_s, error
+        self.pinned: list[int] = []
+        self.unpinned: list[int] = []
+
+    def __call__(self, ordinal: int, tensor: torch.Tensor) -> Callable[[], None]:
+        time.sleep(self.pin_s)
+        if self.error is not None:
+            raise self.error
+        self.pinned.append(tensor.data_ptr())
+        return functools.partial(self.unpinned.append, tensor.data_ptr())
+
+
+async def test_a_pin_whose_caller_was_cancelled_is_undone_once_done(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pins = FakePins(0.1)
+    monkeypatch.setattr(cuda_ipc, "pin_host", pins)
+    pinning = asyncio.create_task(cuda_ipc.pin_off_the_loop(0, torch.ones(16)))
+    await asyncio.sleep(0.02)
+    pinning.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await pinning
+    assert await eventually(lambda: len(pins.unpinned) == 1)
+    assert pins.unpinned == pins.pinned
+
+
+async def test_a_pin_that_fails_raises_to_its_caller(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cuda_ipc, "pin_host", FakePins(0.0, OSError("out of pinnable memory")))
+    with pytest.raises(OSError, match="out of pinnable memory"):
+        await cuda_ipc.pin_off_the_loop(0, torch.ones(16))
+
+
+def test_a_pin_that_ends_after_its_loop_is_undone(monkeypatch: pytest.MonkeyPatch) -> None:
+    pins = FakePins(0.2)
+    monkeypatch.setattr(cuda_ipc, "pin_host", pins)
+    loop = asyncio.new_event_loop()
+    pinning = loop.create_task(cuda_ipc.pin_off_the_loop(0, torch.ones(16)))
+    loop.run_until_complete(asyncio.sleep(0.02))  # pinning now, on its thread
+    pinning.cancel()  # never run: the loop closes first, with its caller still waiting
+    loop.close()
+    deadline = time.monotonic() + 2
+    while not pins.unpinned and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pins.unpinned == pins.pinned and len(pins.pinned) == 1
+
+
 async def test_a_start_cancelled_while_pinning_the_fallback_unpins_it(
     rig: Rig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -295,7 +396,7 @@ async def test_a_start_cancelled_while_pinning_the_fallback_unpins_it(
 
         return recorded
 
-    monkeypatch.setattr("mmcache.ipc.sender.pin_host", slow_pin)
+    monkeypatch.setattr(cuda_ipc, "pin_host", slow_pin)
     sender = FeatureSender(ipc_settings(pool_mb=1, fallback_mb=8), rig.device)
     starting = asyncio.create_task(sender.start())
     await asyncio.sleep(0.05)  # pinning
@@ -318,8 +419,8 @@ async def test_receives_that_meet_an_unmapped_fallback_together_pin_it_once(
         time.sleep(0.05)
         return real_pin(ordinal, tensor)
 
-    monkeypatch.setattr("mmcache.ipc.receiver.pin_host", counted_pin)
     async with transport(rig, consumers=1, pool_mb=0, fallback_mb=4) as tr:
+        monkeypatch.setattr(cuda_ipc, "pin_host", counted_pin)  # the receiver's pins only
         values = [rig.tensor(64, 256, seed=seed) for seed in (8, 9)]
         handles = [await tr.sender.send(v.clone()) for v in values]
         assert [h.where for h in handles] == ["host", "host"]
@@ -334,9 +435,51 @@ async def test_close_inside_a_lease_does_not_wait_for_that_lease(sim_rig: Rig) -
         handle = await tr.sender.send(torch.ones(64, 256))
         async with receiver.lease(handle) as view:
             began = time.monotonic()
-            await receiver.close(timeout=None)  # in this task: a wait_for would wrap another
+            await receiver.close(timeout=None)
             assert time.monotonic() - began < 1
             assert torch.equal(view, torch.ones(64, 256))  # kept, still mapped
+        assert await eventually(left(tr))
+
+
+@pytest.mark.parametrize("how", ["gather", "shield", "wait_for", "task"])
+async def test_close_through_a_task_started_inside_a_lease_does_not_wait_for_it(
+    sim_rig: Rig, how: str
+) -> None:
+    async with transport(sim_rig, consumers=1, pool_mb=1) as tr:
+        receiver = tr.receivers[0]
+        handle = await tr.sender.send(torch.ones(64, 256))
+        began = time.monotonic()
+        async with receiver.lease(handle):
+            closing = receiver.close(timeout=None)
+            if how == "gather":
+                await asyncio.gather(closing)
+            elif how == "shield":
+                await asyncio.shield(closing)
+            elif how == "wait_for":
+                await asyncio.wait_for(closing, 5)
+            else:
+                await asyncio.create_task(closing)
+        assert time.monotonic() - began < 1
+        assert await eventually(left(tr))
+
+
+async def test_a_second_close_inside_a_lease_does_not_wait_for_it(sim_rig: Rig) -> None:
+    """One task closes while another holds a lease and closes inside it (its own cleanup):
+    neither waits for the other."""
+    async with transport(sim_rig, consumers=1, pool_mb=1) as tr:
+        receiver = tr.receivers[0]
+        handle = await tr.sender.send(torch.ones(64, 256))
+        entered = asyncio.Event()
+
+        async def hold_then_close() -> None:
+            async with receiver.lease(handle):
+                entered.set()
+                await asyncio.sleep(0.05)  # the first close() is waiting for this lease
+                await receiver.close(timeout=None)
+
+        holding = asyncio.create_task(hold_then_close())
+        await entered.wait()
+        await asyncio.wait_for(asyncio.gather(receiver.close(timeout=None), holding), 2)
         assert await eventually(left(tr))
 
 
@@ -393,6 +536,44 @@ async def test_close_waits_for_a_done_copy_to_be_reported_before_leaving(
         assert caplog.records == []  # neither kept nor reported as reclaimed
 
 
+def test_a_kept_sender_is_left_after_the_event_loop_has_ended() -> None:
+    """The last copy out of a kept sender may be reported after asyncio.run() returned:
+    the channel is still closed, without a loop, and the device made for it too."""
+    device = SimDevice()
+    made: list[tuple[FeatureSender, FeatureReceiver]] = []
+
+    async def serve() -> None:
+        registry = CollectorRegistry()
+        sender = FeatureSender(ipc_settings(pool_mb=1), device, consumers=1, registry=registry)
+        await sender.start()
+        receiver = FeatureReceiver("sim")
+        await receiver.connect(sender.endpoint)
+        made.append((sender, receiver))
+        tr = Transport(Rig(device, "sim"), sender, [receiver], registry)
+        await copy_out_of(tr, receiver, TimedFence(0.3))
+        await receiver.close(timeout=0.05)  # kept: the copy runs past the loop's end
+
+    asyncio.run(serve())
+    ((sender, receiver),) = made
+    own_device = receiver.device
+    assert isinstance(own_device, SimDevice)
+    assert sender.stats().receivers == 1 and not own_device._closed
+    deadline = time.monotonic() + 2
+    while sender.stats().receivers and time.monotonic() < deadline:
+        time.sleep(0.01)
+    try:
+        assert sender.stats().receivers == 0
+        while not own_device._closed and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert own_device._closed
+    finally:
+        endpoint = sender.endpoint
+        for path in (endpoint.control_path, endpoint.pool_path, endpoint.fallback_path):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        device.close()
+
+
 async def test_a_receive_waiting_for_its_data_stops_when_the_receiver_closes(
     sim_rig: Rig,
 ) -> None:
@@ -444,14 +625,16 @@ async def test_a_send_granted_room_just_before_close_is_refused(sim_rig: Rig) ->
 async def test_close_keeps_the_fallback_a_cancelled_sends_copy_still_writes(sim_rig: Rig) -> None:
     async with transport(sim_rig, consumers=1, pool_mb=1, fallback_mb=16) as tr:
         sender = tr.sender
-        kept: list[bool] = []
+        kept: list[tuple[bool, int]] = []
         teardown = sender._teardown
 
-        def spy(keep_memory: bool) -> Callable[[], None]:
-            kept.append(keep_memory)
-            return teardown(keep_memory)
+        def spy(keep_pool: bool, copying: Sequence[Fence]) -> Callable[[], None]:
+            kept.append((keep_pool, sum(not f.done() for f in copying)))
+            return teardown(keep_pool, copying)
 
         sender._teardown = spy  # type: ignore[method-assign]
+        unpinned: list[bool] = []
+        sender._unpin = functools.partial(unpinned.append, True)  # as on a GPU
         with sim_rig.hold():
             sending = asyncio.create_task(sender.send(torch.full(FEATURE_8MB, 3.0)))
             await asyncio.sleep(0.01)
@@ -459,7 +642,21 @@ async def test_close_keeps_the_fallback_a_cancelled_sends_copy_still_writes(sim_
             with pytest.raises(asyncio.CancelledError):
                 await sending
             await sender.close(timeout=0.2)  # its copy is still held
-        assert kept == [True]  # neither unpinned nor unmapped under the copy
+            assert kept == [(True, 1)]  # neither freed nor unpinned under the copy
+            await asyncio.sleep(0.05)
+            assert unpinned == []
+        assert await eventually(lambda: unpinned == [True])  # once it has landed
+
+
+async def test_a_sender_closed_with_leases_still_held_unpins_its_fallback(sim_rig: Rig) -> None:
+    """Receivers read the fallback through mappings and pins of their own: a lease kept past
+    the timeout keeps the pool, not the sender's pin."""
+    async with transport(sim_rig, consumers=1, pool_mb=1, fallback_mb=4) as tr:
+        unpinned: list[bool] = []
+        tr.sender._unpin = functools.partial(unpinned.append, True)  # as on a GPU
+        await tr.sender.send(torch.ones(64, 256))  # never released
+        await tr.sender.close(timeout=0.05)
+        assert unpinned == [True]
 
 
 async def test_a_sender_close_whose_caller_is_cancelled_still_frees_and_a_second_waits(

@@ -16,12 +16,12 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import cast, final
 
 import torch
 
-from mmcache.device.base import Stream
+from mmcache.device.base import Fence, Stream
 from mmcache.device.cuda import as_cuda_stream
 from mmcache.device.cuda_driver import CudaDriver
 from mmcache.errors import MMCacheError
@@ -83,27 +83,66 @@ def pin_host(ordinal: int, tensor: torch.Tensor) -> Callable[[], None]:
 
 
 async def pin_off_the_loop(ordinal: int, tensor: torch.Tensor) -> Callable[[], None]:
-    """pin_host on a worker thread. If the caller is cancelled meanwhile, the pin still
-    finishes there, and is undone once it has (the mapping kept alive until then)."""
-    pinning = asyncio.get_running_loop().run_in_executor(None, pin_host, ordinal, tensor)
+    """pin_host on a thread of its own. A pin its caller no longer takes (cancelled, or
+    the loop closed) is undone once done; the mapping stays alive until then."""
+    loop = asyncio.get_running_loop()
+    result: asyncio.Future[Callable[[], None]] = loop.create_future()
+
+    def hand_over(unpin: Callable[[], None] | None, error: BaseException | None) -> None:
+        if result.cancelled():
+            if unpin is not None:
+                unpin_later(unpin, tensor)
+        elif unpin is not None:
+            result.set_result(unpin)
+        else:
+            result.set_exception(error or RuntimeError("pinning failed"))
+
+    def pin() -> None:
+        unpin: Callable[[], None] | None = None
+        error: BaseException | None = None
+        try:
+            unpin = pin_host(ordinal, tensor)
+        except BaseException as e:  # handed to the awaiting caller
+            error = e
+        try:
+            loop.call_soon_threadsafe(hand_over, unpin, error)
+        except RuntimeError:  # the loop closed: nobody takes the pin
+            if unpin is not None:
+                unpin()
+
+    threading.Thread(target=pin, name="mmcache-pin").start()
     try:
-        return await asyncio.shield(pinning)
+        return await result
     except asyncio.CancelledError:
-        pinning.add_done_callback(functools.partial(_unpin_once_pinned, tensor))
+        handed = result.done() and not result.cancelled() and result.exception() is None
+        if handed:  # as we were cancelled
+            unpin_later(result.result(), tensor)
         raise
 
 
-def _unpin_once_pinned(tensor: torch.Tensor, pinning: asyncio.Future[Callable[[], None]]) -> None:
-    if pinning.cancelled() or pinning.exception() is not None:
-        return
-    # Unpinning a large range holds its thread for a while (0.24 ms per MiB on the H200).
-    threading.Thread(
-        target=_unpin_holding, args=(pinning.result(), tensor), name="mmcache-unpin"
-    ).start()
+def unpin_later(unpin: Callable[[], None], tensor: torch.Tensor) -> None:
+    """unpin() on a thread of its own (a large range holds it a while: 0.24 ms per MiB on
+    the H200), tensor (the pinned range's mapping) alive until it has returned."""
+    threading.Thread(target=_unpin_holding, args=(unpin, tensor), name="mmcache-unpin").start()
+
+
+def unpin_after(fences: Sequence[Fence], unpin: Callable[[], None], tensor: torch.Tensor) -> None:
+    """unpin_later once every fence is done (copies into the pinned range still running)."""
+    left = [len(fences)]
+    lock = threading.Lock()
+
+    def one_done() -> None:
+        with lock:
+            left[0] -= 1
+            last = not left[0]
+        if last:
+            unpin_later(unpin, tensor)
+
+    for fence in fences:
+        fence.add_done_callback(one_done)
 
 
 def _unpin_holding(unpin: Callable[[], None], tensor: torch.Tensor) -> None:
-    """unpin(), with tensor (the pinned range's mapping) alive until it has returned."""
     unpin()
 
 

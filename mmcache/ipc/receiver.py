@@ -10,7 +10,6 @@ receiver's device and releases the slot once that copy has read them.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import functools
 import logging
@@ -18,7 +17,8 @@ import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any, Final, Literal
+from contextvars import ContextVar
+from typing import Final, Literal
 
 import torch
 
@@ -46,6 +46,11 @@ _POLL_MIN_S: Final = 50e-6
 _POLL_MAX_S: Final = 2e-3
 _SENDER_CHECK_S: Final = 0.1
 _CLOSE_POLL_S: Final = 0.005  # close() looks this often for receives and leases to finish
+#: The receives and leases the current context is inside (tasks started there inherit
+#: them): a close() awaited inside a lease must not wait for that lease.
+_OPEN_READS: ContextVar[frozenset[object]] = ContextVar(
+    "mmcache_ipc_open_reads", default=frozenset()
+)
 
 
 class _Channel:
@@ -182,11 +187,12 @@ class FeatureReceiver:
         self._channels: dict[str, _Channel] = {}
         self._closed = False
         self._closing = CloseOnce()
-        self._loop: asyncio.AbstractEventLoop | None = None  # close()'s, for kept channels
-        self._kept: set[_Channel] = set()  # closed later, once nothing reads them
-        self._releasing: set[asyncio.Task[None]] = set()
-        self._release_lock = asyncio.Lock()  # kept channels close one by one, the device last
-        self._reads_by_task: collections.Counter[asyncio.Task[Any] | None] = collections.Counter()
+        self._reads: set[object] = set()  # receives and leases under way
+        self._closers: list[frozenset[object]] = []  # the reads each close() caller is inside
+        # Channels close on threads, kept ones once nothing reads them: a device we made
+        # closes after the last (guarded by the lock, with each channel's kept mark).
+        self._kept_lock = threading.Lock()
+        self._unclosed = 0
         self.received = 0
 
     @property
@@ -276,91 +282,86 @@ class FeatureReceiver:
         still reading senders' memory, then leave every sender and unmap its memory.
 
         A sender whose memory is still read after the timeout (an open lease, a copy that
-        never ends) is neither left nor unmapped: the reader keeps valid memory, and the
-        sender keeps the slices leased. Every call returns once the whole close has
-        (mmcache.closing).
+        never ends) is neither left nor unmapped until that read ends: the reader keeps
+        valid memory, and the sender keeps the slices leased; a device this receiver made
+        closes after the last such sender. A close() awaited inside a lease (also through
+        tasks started there) does not wait for that lease. Every call returns once the
+        whole close has, but for those kept senders (mmcache.closing).
         """
         if not self._closing.begun:
             self._closed = True  # before any await: no receive starts from here on
-        caller = asyncio.current_task()
-        await self._closing.run(functools.partial(self._close, timeout, caller))
+        inside = _OPEN_READS.get() & self._reads
+        self._closers.append(inside)
+        try:
+            await self._closing.run(functools.partial(self._close, timeout))
+        finally:
+            self._closers.remove(inside)
 
-    async def _close(self, timeout: float | None, caller: asyncio.Task[Any] | None) -> None:  # noqa: ASYNC109
-        self._loop = asyncio.get_running_loop()
+    async def _close(self, timeout: float | None) -> None:  # noqa: ASYNC109
         deadline = None if timeout is None else time.monotonic() + timeout
         channels = list(self._channels.values())
         self._channels.clear()
+        with self._kept_lock:
+            self._unclosed = len(channels)
         # A receive under way may still start a copy out of a sender's memory, a lease's
         # caller still reads it, and a queued copy's slice is released once it is reported
         # done: they finish first (a receive still waiting for its data stops, closed),
-        # except close()'s own caller's reads (inside a lease, it would wait for itself).
-        while self._still_read(channels, caller):
+        # except the reads close()'s callers are inside (they would wait for themselves).
+        while self._still_read(channels):
             if deadline is not None and time.monotonic() >= deadline:
                 break
             await asyncio.sleep(_CLOSE_POLL_S)
-        idle = []
+        steps: list[Callable[[], object]] = []
         for channel in channels:
-            # Marked first: a copy reported on another thread between the check and the
-            # mark would find it unmarked and leave it kept for good.
-            channel.kept = True
-            if channel.busy():
+            with self._kept_lock:  # a copy reported meanwhile finds the mark set, or not
+                channel.kept = channel.busy()
+            if channel.kept:
                 log.warning(
                     "FeatureReceiver closed while the memory of the IPC sender (pid %d) was "
                     "still read; it stays mapped and leased until that read ends",
                     channel.endpoint.pid,
                 )
-                self._kept.add(channel)
             else:
-                channel.kept = False
-                idle.append(channel)
-        steps = self._release_steps(idle)
+                steps.append(functools.partial(self._release, channel))
+        if not channels and self._owns_device:
+            steps.append(self._device.close)
         if steps:
             # Off the loop: unmapping a sender's pool waits for the whole GPU, and
             # unpinning a large fallback holds the thread for a while.
             await off_the_loop(functools.partial(run_each, steps))
 
-    def _still_read(self, channels: list[_Channel], caller: asyncio.Task[Any] | None) -> bool:
-        readers = sum(channel.readers for channel in channels)
-        if readers > self._reads_by_task.get(caller, 0):
+    def _still_read(self, channels: list[_Channel]) -> bool:
+        excused = frozenset[object]().union(*self._closers) & self._reads
+        if sum(channel.readers for channel in channels) > len(excused):
             return True
         return any(channel.busy() for channel in channels if not channel.readers)
 
-    def _release_steps(self, channels: list[_Channel]) -> list[Callable[[], object]]:
-        """Closing channels, and the device we made once no channel is kept any more."""
-        steps: list[Callable[[], object]] = [channel.close for channel in channels]
-        if self._owns_device and not self._kept:  # a kept channel's reads still use it
-            steps.append(self._device.close)
-        return steps
+    def _release(self, channel: _Channel) -> None:
+        """Leave channel's sender and unmap its memory; after the last channel, close the
+        device we made (any thread)."""
+        try:
+            channel.close()
+        finally:
+            with self._kept_lock:
+                self._unclosed -= 1
+                last = not self._unclosed
+            if last and self._owns_device:
+                self._device.close()
 
     def _close_kept(self, channel: _Channel) -> None:
-        """A channel close() kept: close it (on the loop's thread) once nothing reads it."""
-        if not channel.kept or channel.busy():
-            return
-        channel.kept = False
-        assert self._loop is not None
-        if self._loop.is_closed():
-            log.warning("FeatureReceiver: its loop closed before a kept channel could close")
-            return
-        task = self._loop.create_task(self._close_later(channel))
-        self._releasing.add(task)
-        task.add_done_callback(self._released)
+        """A channel close() kept: release it on a thread once nothing reads it (any thread;
+        needs no event loop, which may have ended by then)."""
+        with self._kept_lock:
+            if not channel.kept or channel.busy():
+                return
+            channel.kept = False
+        threading.Thread(target=self._release_kept, args=(channel,), name="mmcache-close").start()
 
-    async def _close_later(self, channel: _Channel) -> None:
-        with contextlib.suppress(Exception):  # its error went to close()'s callers
-            await self.close()  # after the first close's own releases
-        async with self._release_lock:
-            self._kept.discard(channel)
-            await off_the_loop(functools.partial(run_each, self._release_steps([channel])))
-
-    def _released(self, task: asyncio.Task[None]) -> None:
-        self._releasing.discard(task)
-        if task.cancelled():
-            log.warning("FeatureReceiver: closing a channel after its last read was cancelled")
-        elif task.exception() is not None:
-            log.error(
-                "FeatureReceiver: closing a channel after its last read failed: %r",
-                task.exception(),
-            )
+    def _release_kept(self, channel: _Channel) -> None:
+        try:
+            self._release(channel)
+        except Exception:  # nobody awaits this release
+            log.exception("FeatureReceiver: closing a channel after its last read failed")
 
     async def __aenter__(self) -> FeatureReceiver:
         return self
@@ -373,15 +374,16 @@ class FeatureReceiver:
     @contextlib.contextmanager
     def _reading(self, channel: _Channel) -> Iterator[None]:
         """Count a receive or lease under way on channel: close() waits for them."""
-        task = asyncio.current_task()
+        read = object()
         channel.start_reading()
-        self._reads_by_task[task] += 1
+        self._reads.add(read)
+        _OPEN_READS.set(_OPEN_READS.get() | {read})
         try:
             yield
         finally:
-            self._reads_by_task[task] -= 1
-            if not self._reads_by_task[task]:
-                del self._reads_by_task[task]
+            # Not reset to a token: a lease may end in another context than it began in.
+            _OPEN_READS.set(_OPEN_READS.get() - {read})
+            self._reads.discard(read)
             channel.stop_reading()
 
     def _check_open(self) -> None:
@@ -505,13 +507,8 @@ class FeatureReceiver:
             channel.release(handle)
             with channel.lock:
                 channel.pending.discard(fence)
-            if channel.kept and self._loop is not None:
-                try:
-                    self._loop.call_soon_threadsafe(self._close_kept, channel)
-                except RuntimeError:  # the loop closed meanwhile
-                    log.warning(
-                        "FeatureReceiver: its loop closed before a kept channel could close"
-                    )
+            if channel.kept:
+                self._close_kept(channel)
 
         if fence.done():
             done()

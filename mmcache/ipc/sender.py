@@ -38,7 +38,7 @@ from mmcache.errors import (
 )
 from mmcache.host_pool import HostBlock
 from mmcache.ipc.control import LIVE, ControlBlock, LaneInfo
-from mmcache.ipc.cuda_ipc import CudaPool, pin_off_the_loop
+from mmcache.ipc.cuda_ipc import CudaPool, pin_off_the_loop, unpin_after
 from mmcache.ipc.errors import NoPeerAccessError, TransportFullError
 from mmcache.ipc.handle import FeatureHandle, SenderEndpoint, dtype_name
 from mmcache.ipc.leases import Lease, LeaseLedger
@@ -160,6 +160,8 @@ class FeatureSender:
         self._inflight = {"pool": 0, "host": 0}  # bytes placed for sends still copying
         self._host_copies: set[Fence] = set()  # copies into the fallback not yet landed
         self._closing = CloseOnce()
+        self._starting: asyncio.Event | None = None  # set once start() has finished
+        self._start_failed = False
         self._sends = 0
         self._fallbacks: dict[str, int] = {}
 
@@ -175,6 +177,13 @@ class FeatureSender:
         self._loop = loop
         self._watcher = FenceWatcher(loop)
         self._poke = asyncio.Event()
+        self._starting = asyncio.Event()  # a close() meanwhile waits for it
+        try:
+            await self._start(loop)
+        finally:
+            self._starting.set()
+
+    async def _start(self, loop: asyncio.AbstractEventLoop) -> None:
         try:
             control = ControlBlock.create(self._n_lanes, self._slots.capacity)
             self._control = control
@@ -184,8 +193,8 @@ class FeatureSender:
             if self._fallback_bytes:
                 self._fallback = await self._make_fallback()
         except BaseException:
-            self._closed = True
-            steps = [self._teardown(keep_memory=False)]
+            self._closed = self._start_failed = True
+            steps = [self._teardown(keep_pool=False, copying=())]
             if self._owns_device:
                 steps.append(self._device.close)
             try:
@@ -227,6 +236,29 @@ class FeatureSender:
 
     async def _close(self, timeout: float | None) -> None:  # noqa: ASYNC109
         """close()'s work, in a task of its own (mmcache.closing)."""
+        if self._starting is not None:
+            await self._starting.wait()  # a start() under way first makes what we free
+        if self._start_failed:
+            return  # its own failure path freed it
+        keep_pool = True  # unless the waits below find no receiver and no copy still at it
+        try:
+            keep_pool = await self._stop_and_wait(timeout)
+        finally:
+            # Copies into the fallback must land before it is unpinned; the rest of the
+            # memory goes now, the pool unless a receiver may still read it.
+            steps = [self._teardown(keep_pool, list(self._host_copies))]
+            if self._owns_device:
+                steps.append(self._device.close)
+            try:
+                # Off the loop: freeing the pool waits for the whole GPU, and unpinning and
+                # unmapping the default 1 GiB fallback held the loop 258 ms on the H200.
+                await off_the_loop(functools.partial(run_each, steps))
+            finally:
+                self._metrics.close()
+
+    async def _stop_and_wait(self, timeout: float | None) -> bool:  # noqa: ASYNC109
+        """Refuse waiting sends; wait up to timeout s for receivers to release what they
+        hold and for copies to land. Whether the pool must be kept."""
         self._gauges.unbind()
         while self._waiters:
             waiter = self._waiters.popleft()
@@ -256,21 +288,10 @@ class FeatureSender:
             if self._watcher is not None:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._watcher.idle(), timeout)
-        # Copies into the fallback still under way must land before it is unpinned and
-        # unmapped; one that never does keeps it.
         copying = list(self._host_copies)
         with contextlib.suppress(CopyFailedError):  # a timeout is one too
             await wait_fences(copying, timeout)
-        landed = all(f.done() for f in copying)
-        steps = [self._teardown(keep_memory=bool(leftover) or not landed)]
-        if self._owns_device:
-            steps.append(self._device.close)
-        try:
-            # Off the loop: freeing the pool waits for the whole GPU, and unpinning and
-            # unmapping the default 1 GiB fallback held the loop 258 ms on the H200.
-            await off_the_loop(functools.partial(run_each, steps))
-        finally:
-            self._metrics.close()
+        return bool(leftover) or not all(f.done() for f in copying)
 
     async def __aenter__(self) -> FeatureSender:
         await self.start()
@@ -807,18 +828,25 @@ class FeatureSender:
         self._unpin = await pin_off_the_loop(self._device.index, tensor)
         return self._arena(tensor)
 
-    def _teardown(self, keep_memory: bool) -> Callable[[], None]:
-        """Let go of the shared segments, and unless a receiver may still read it of the
-        pool and the fallback's pinning; return the blocking part of that (unlinking,
-        freeing, unpinning), which close() runs on a thread of its own."""
+    def _teardown(self, keep_pool: bool, copying: Sequence[Fence]) -> Callable[[], None]:
+        """Let go of the shared segments, the pool unless keep_pool (a receiver may still
+        read it), and the fallback's pinning once copying (copies into it) have landed;
+        return the blocking part of that (unlinking, freeing, unpinning), which close()
+        runs on a thread of its own."""
         control, segments = self._control, list(self._segments)
+        fallback = self._fallback.tensor if self._fallback is not None else None
         arenas = [self._pool, self._fallback]  # views of the segments: unmapped with the last
         self._pool = self._fallback = None
-        sim_pool = cuda_pool = unpin = None
-        if not keep_memory:
+        sim_pool = cuda_pool = None
+        if not keep_pool:
             sim_pool, self._sim_pool = self._sim_pool, None
             cuda_pool, self._cuda_pool = self._cuda_pool, None
-            unpin, self._unpin = self._unpin, None
+        unpin, self._unpin = self._unpin, None
+        in_flight = [f for f in copying if not f.done()]
+        if unpin is not None and in_flight:
+            assert fallback is not None
+            unpin_after(in_flight, unpin, fallback)  # one never landing keeps it pinned
+            unpin = None
         steps: list[Callable[[], object]] = []
         if control is not None:
             steps.append(functools.partial(control.close, unlink=True))  # marks it closed
