@@ -8,6 +8,7 @@ import contextlib
 import functools
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -270,6 +271,42 @@ async def test_a_close_during_start_frees_what_start_made(
     assert await settled_bytes(sim_rig, 0) == 0
 
 
+async def test_a_start_or_send_during_start_waits_for_it(
+    sim_rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sender = FeatureSender(ipc_settings(pool_mb=1), sim_rig.device, registry=CollectorRegistry())
+    real_make_fallback = sender._make_fallback
+
+    async def slow_make_fallback() -> Any:  # as pinning a GPU sender's fallback is
+        await asyncio.sleep(0.1)
+        return await real_make_fallback()
+
+    monkeypatch.setattr(sender, "_make_fallback", slow_make_fallback)
+    first = asyncio.create_task(sender.start())
+    await asyncio.sleep(0.02)
+    await sender.start()  # returns once the first has finished
+    assert first.done() and sender.endpoint.control_path
+    await sender.close()
+
+
+async def test_first_sends_together_start_the_sender_once(
+    sim_rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sender = FeatureSender(ipc_settings(pool_mb=1), sim_rig.device, registry=CollectorRegistry())
+    real_make_fallback = sender._make_fallback
+
+    async def slow_make_fallback() -> Any:
+        await asyncio.sleep(0.1)
+        return await real_make_fallback()
+
+    monkeypatch.setattr(sender, "_make_fallback", slow_make_fallback)
+    handles = await asyncio.gather(*(sender.send(torch.ones(64, 256)) for _ in range(2)))
+    assert [h.where for h in handles] == ["pool", "pool"]
+    stats = sender.stats()
+    assert (stats.live_leases, stats.pool_used_bytes) == (2, 2 * 64 * 256 * 4)
+    await sender.close(timeout=0.05)
+
+
 async def test_a_sender_close_that_fails_while_waiting_still_frees(
     sim_rig: Rig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -515,6 +552,27 @@ async def test_a_copy_reported_while_close_decides_leaves_nothing_kept(
         receiver = tr.receivers[0]
         await copy_out_of(tr, receiver, TimedFence(0.08))
         monkeypatch.setattr(receiver_module.log, "warning", slow_warning)
+        await receiver.close(timeout=0.05)
+        assert await eventually(left(tr))
+
+
+async def test_a_copy_reported_while_close_marks_the_channel_leaves_nothing_kept(
+    sim_rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The report may run between close()'s look at the channel and its mark being
+    stored (here: a thread switch inside that look)."""
+    real_busy = receiver_module._Channel.busy
+
+    def busy_then_switch(channel: Any) -> bool:
+        result = real_busy(channel)
+        if sys._getframe(1).f_code.co_name == "_close":
+            time.sleep(0.15)  # the copy's report runs meanwhile
+        return result
+
+    async with transport(sim_rig, consumers=1, pool_mb=1) as tr:
+        receiver = tr.receivers[0]
+        await copy_out_of(tr, receiver, TimedFence(0.1))
+        monkeypatch.setattr(receiver_module._Channel, "busy", busy_then_switch)
         await receiver.close(timeout=0.05)
         assert await eventually(left(tr))
 

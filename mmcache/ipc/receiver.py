@@ -507,8 +507,9 @@ class FeatureReceiver:
             channel.release(handle)
             with channel.lock:
                 channel.pending.discard(fence)
-            if channel.kept:
-                self._close_kept(channel)
+            # Not `if channel.kept`: unlocked, that read could miss a mark close() is
+            # setting just now; _close_kept looks under the lock.
+            self._close_kept(channel)
 
         if fence.done():
             done()

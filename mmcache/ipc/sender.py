@@ -172,6 +172,10 @@ class FeatureSender:
         if self._closed:
             raise CacheClosedError("this FeatureSender was closed; create a new one")
         if self._loop is not None:
+            if self._starting is not None:  # another start() under way: return once it has
+                await self._starting.wait()
+            if self._start_failed:
+                raise CacheClosedError("this FeatureSender failed to start; create a new one")
             return
         loop = asyncio.get_running_loop()
         self._loop = loop
@@ -229,7 +233,9 @@ class FeatureSender:
         reused or poisoned under it.
         """
         if not self._closing.begun:
-            if self._closed:  # a start() that failed closed it
+            if self._closed:  # a start() that failed closed it, once it has cleaned up
+                if self._starting is not None:
+                    await self._starting.wait()
                 return
             self._closed = True  # before any await: no send starts from here on
         await self._closing.run(functools.partial(self._close, timeout))
@@ -767,13 +773,13 @@ class FeatureSender:
     async def _ready_to_serve(self) -> None:
         if self._closed:
             raise CacheClosedError("this FeatureSender is closed")
-        if self._loop is None:
-            await self.start()
-        elif asyncio.get_running_loop() is not self._loop:
+        if self._loop is not None and asyncio.get_running_loop() is not self._loop:
             raise WrongLoopError(
                 "this FeatureSender belongs to another event loop; call it from the loop "
                 "that started it"
             )
+        if self._starting is None or not self._starting.is_set():
+            await self.start()  # the first send starts it, or waits for a start under way
 
     def _arena(
         self,
