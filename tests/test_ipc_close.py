@@ -249,17 +249,23 @@ async def test_a_release_step_that_fails_leaves_the_others_done_and_reaches_clos
         os.unlink(endpoint.control_path)
 
 
-async def test_a_close_during_start_frees_what_start_made(
-    sim_rig: Rig, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    sender = FeatureSender(ipc_settings(pool_mb=1), sim_rig.device, registry=CollectorRegistry())
+def slow_starting_sender(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> FeatureSender:
+    """A sender whose start() takes 0.1 s making its fallback (as pinning it on a GPU does)."""
+    sender = FeatureSender(ipc_settings(pool_mb=1), rig.device, registry=CollectorRegistry())
     real_make_fallback = sender._make_fallback
 
-    async def slow_make_fallback() -> Any:  # as pinning a GPU sender's fallback is
+    async def slow_make_fallback() -> Any:
         await asyncio.sleep(0.1)
         return await real_make_fallback()
 
     monkeypatch.setattr(sender, "_make_fallback", slow_make_fallback)
+    return sender
+
+
+async def test_a_close_during_start_frees_what_start_made(
+    sim_rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sender = slow_starting_sender(sim_rig, monkeypatch)
     starting = asyncio.create_task(sender.start())
     await asyncio.sleep(0.02)
     await sender.close()
@@ -274,14 +280,7 @@ async def test_a_close_during_start_frees_what_start_made(
 async def test_a_start_or_send_during_start_waits_for_it(
     sim_rig: Rig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    sender = FeatureSender(ipc_settings(pool_mb=1), sim_rig.device, registry=CollectorRegistry())
-    real_make_fallback = sender._make_fallback
-
-    async def slow_make_fallback() -> Any:  # as pinning a GPU sender's fallback is
-        await asyncio.sleep(0.1)
-        return await real_make_fallback()
-
-    monkeypatch.setattr(sender, "_make_fallback", slow_make_fallback)
+    sender = slow_starting_sender(sim_rig, monkeypatch)
     first = asyncio.create_task(sender.start())
     await asyncio.sleep(0.02)
     await sender.start()  # returns once the first has finished
@@ -292,14 +291,7 @@ async def test_a_start_or_send_during_start_waits_for_it(
 async def test_first_sends_together_start_the_sender_once(
     sim_rig: Rig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    sender = FeatureSender(ipc_settings(pool_mb=1), sim_rig.device, registry=CollectorRegistry())
-    real_make_fallback = sender._make_fallback
-
-    async def slow_make_fallback() -> Any:
-        await asyncio.sleep(0.1)
-        return await real_make_fallback()
-
-    monkeypatch.setattr(sender, "_make_fallback", slow_make_fallback)
+    sender = slow_starting_sender(sim_rig, monkeypatch)
     handles = await asyncio.gather(*(sender.send(torch.ones(64, 256)) for _ in range(2)))
     assert [h.where for h in handles] == ["pool", "pool"]
     stats = sender.stats()
