@@ -529,42 +529,32 @@ async def test_a_sender_kept_by_a_receive_is_left_when_it_returns(sim_rig: Rig) 
         assert await eventually(left(tr))
 
 
+@pytest.mark.parametrize("switch_in", ["look", "warning"])
 async def test_a_copy_reported_while_close_decides_leaves_nothing_kept(
-    sim_rig: Rig, monkeypatch: pytest.MonkeyPatch
+    sim_rig: Rig, monkeypatch: pytest.MonkeyPatch, switch_in: str
 ) -> None:
     """The copy's report, on another thread, may run between close()'s look at the channel
-    and its marking it kept (here: while the warning is written)."""
-    real_warning = receiver_module.log.warning
-
-    def slow_warning(*args: Any) -> None:
-        time.sleep(0.1)
-        real_warning(*args)
-
-    async with transport(sim_rig, consumers=1, pool_mb=1) as tr:
-        receiver = tr.receivers[0]
-        await copy_out_of(tr, receiver, TimedFence(0.08))
-        monkeypatch.setattr(receiver_module.log, "warning", slow_warning)
-        await receiver.close(timeout=0.05)
-        assert await eventually(left(tr))
-
-
-async def test_a_copy_reported_while_close_marks_the_channel_leaves_nothing_kept(
-    sim_rig: Rig, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The report may run between close()'s look at the channel and its mark being
-    stored (here: a thread switch inside that look)."""
-    real_busy = receiver_module._Channel.busy
+    and its mark being stored, or while the warning for a kept channel is written (here:
+    a thread switch at either place)."""
+    real_busy, real_warning = receiver_module._Channel.busy, receiver_module.log.warning
 
     def busy_then_switch(channel: Any) -> bool:
         result = real_busy(channel)
         if sys._getframe(1).f_code.co_name == "_close":
-            time.sleep(0.15)  # the copy's report runs meanwhile
+            time.sleep(0.15)
         return result
+
+    def switch_then_warn(*args: Any) -> None:
+        time.sleep(0.15)
+        real_warning(*args)
 
     async with transport(sim_rig, consumers=1, pool_mb=1) as tr:
         receiver = tr.receivers[0]
         await copy_out_of(tr, receiver, TimedFence(0.1))
-        monkeypatch.setattr(receiver_module._Channel, "busy", busy_then_switch)
+        if switch_in == "look":
+            monkeypatch.setattr(receiver_module._Channel, "busy", busy_then_switch)
+        else:
+            monkeypatch.setattr(receiver_module.log, "warning", switch_then_warn)
         await receiver.close(timeout=0.05)
         assert await eventually(left(tr))
 
