@@ -39,7 +39,14 @@ class CloseOnce:
         its error, for every caller)."""
         if self._task is None:
             self._task = asyncio.ensure_future(work())
-        await asyncio.shield(self._task)
+        try:
+            await asyncio.shield(self._task)
+        except asyncio.CancelledError:
+            caller = asyncio.current_task()
+            if not self._task.cancelled() or (caller is not None and caller.cancelling()):
+                raise  # our caller was cancelled
+            # The work itself was (the loop shutting down): there is nothing left to wait for.
+            log.warning("a close() was cancelled before it finished: %r", work)
 
 
 async def off_the_loop(fn: Callable[[], object]) -> None:

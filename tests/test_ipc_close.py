@@ -614,6 +614,39 @@ def test_a_kept_sender_is_left_after_the_event_loop_has_ended() -> None:
         device.close()
 
 
+async def test_a_receiver_close_cancelled_while_waiting_still_leaves_once_unread(
+    sim_rig: Rig,
+) -> None:
+    """close()'s own task is cancelled only as the loop shuts down: each sender is then
+    left once nothing reads it, the idle ones at once."""
+    async with (
+        transport(sim_rig, consumers=1, pool_mb=1) as read,
+        transport(sim_rig, consumers=1, receivers=0, pool_mb=1) as idle,
+    ):
+        receiver = read.receivers[0]
+        await receiver.connect(idle.sender.endpoint)
+        handle = await read.sender.send(torch.ones(64, 256))
+        entered, done = asyncio.Event(), asyncio.Event()
+
+        async def hold() -> None:
+            async with receiver.lease(handle):
+                entered.set()
+                await done.wait()
+
+        holding = asyncio.create_task(hold())
+        await entered.wait()
+        closing = asyncio.create_task(receiver.close(timeout=5))
+        await asyncio.sleep(0.02)
+        assert receiver._closing._task is not None
+        receiver._closing._task.cancel()
+        await closing  # its work was cancelled: nothing left to wait for
+        assert await eventually(left(idle))
+        assert not left(read)()
+        done.set()
+        await holding
+        assert await eventually(left(read))
+
+
 async def test_a_receive_waiting_for_its_data_stops_when_the_receiver_closes(
     sim_rig: Rig,
 ) -> None:

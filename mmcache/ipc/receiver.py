@@ -307,10 +307,17 @@ class FeatureReceiver:
         # caller still reads it, and a queued copy's slice is released once it is reported
         # done: they finish first (a receive still waiting for its data stops, closed),
         # except the reads close()'s callers are inside (they would wait for themselves).
-        while self._still_read(channels):
-            if deadline is not None and time.monotonic() >= deadline:
-                break
-            await asyncio.sleep(_CLOSE_POLL_S)
+        try:
+            while self._still_read(channels):
+                if deadline is not None and time.monotonic() >= deadline:
+                    break
+                await asyncio.sleep(_CLOSE_POLL_S)
+        except BaseException:  # cancelled as the loop shuts down: each goes once unread
+            for channel in channels:
+                with self._kept_lock:
+                    channel.kept = True
+                self._close_kept(channel)
+            raise
         steps: list[Callable[[], object]] = []
         for channel in channels:
             with self._kept_lock:  # a copy reported meanwhile finds the mark set, or not
