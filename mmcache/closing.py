@@ -23,12 +23,19 @@ log = logging.getLogger("mmcache")
 
 
 class CloseOnce:
-    """The work of one object's close(), run once."""
+    """The work of one object's close(), run once.
 
-    __slots__ = ("_task",)
+    If the work itself is cancelled (the loop shutting down cancels every task), later
+    callers return, with a warning, when the work leaves nothing behind that way
+    (cleans_up_when_cancelled: its releases go on without it); else they get the
+    CancelledError, since the close did not finish and cannot be run again.
+    """
 
-    def __init__(self) -> None:
+    __slots__ = ("_cleans_up_when_cancelled", "_task")
+
+    def __init__(self, *, cleans_up_when_cancelled: bool = False) -> None:
         self._task: asyncio.Future[None] | None = None
+        self._cleans_up_when_cancelled = cleans_up_when_cancelled
 
     @property
     def begun(self) -> bool:
@@ -43,10 +50,13 @@ class CloseOnce:
             await asyncio.shield(self._task)
         except asyncio.CancelledError:
             caller = asyncio.current_task()
-            if not self._task.cancelled() or (caller is not None and caller.cancelling()):
-                raise  # our caller was cancelled
-            # The work itself was (the loop shutting down): there is nothing left to wait for.
-            log.warning("a close() was cancelled before it finished: %r", work)
+            if (
+                not self._cleans_up_when_cancelled
+                or not self._task.cancelled()
+                or (caller is not None and caller.cancelling())
+            ):
+                raise  # our caller was cancelled, or the close stopped half-way
+            log.warning("a close() was cancelled before it finished; its releases go on")
 
 
 async def off_the_loop(fn: Callable[[], object]) -> None:

@@ -315,6 +315,24 @@ async def test_a_close_whose_caller_is_cancelled_still_finishes_and_a_second_wai
     assert closed == [True]
 
 
+async def test_a_cache_close_whose_own_work_was_cancelled_says_so_to_later_callers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Cancelled half-way (as the loop shutting down cancels every task), the cache's close
+    did not finish and cannot run again: a later close() must not pretend it did."""
+    closed: list[bool] = []
+    cache = await cache_with_slow_device_close(monkeypatch, closed)
+    first = asyncio.create_task(cache.close())
+    await asyncio.sleep(0.05)  # closing its device
+    assert cache._closing._task is not None
+    cache._closing._task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    with pytest.raises(asyncio.CancelledError):
+        await cache.close()
+    await asyncio.sleep(0.3)  # the device's close, on its own thread, finishes regardless
+
+
 async def test_a_cache_closes_its_device_after_the_default_executor_is_gone(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

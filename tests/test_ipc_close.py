@@ -288,6 +288,20 @@ async def test_a_start_or_send_during_start_waits_for_it(
     await sender.close()
 
 
+async def test_a_start_waiting_for_another_that_a_close_overtook_raises(
+    sim_rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sender = slow_starting_sender(sim_rig, monkeypatch)
+    first = asyncio.create_task(sender.start())
+    await asyncio.sleep(0.02)
+    second = asyncio.create_task(sender.start())
+    await asyncio.sleep(0.02)
+    await sender.close()
+    await first
+    with pytest.raises(CacheClosedError):
+        await second  # an `async with sender:` body must not run on a closed sender
+
+
 async def test_first_sends_together_start_the_sender_once(
     sim_rig: Rig, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -186,7 +186,7 @@ class FeatureReceiver:
         )
         self._channels: dict[str, _Channel] = {}
         self._closed = False
-        self._closing = CloseOnce()
+        self._closing = CloseOnce(cleans_up_when_cancelled=True)  # see _close
         self._reads: set[object] = set()  # receives and leases under way
         self._closers: list[frozenset[object]] = []  # the reads each close() caller is inside
         # Channels close on threads, kept ones once nothing reads them: a device we made

@@ -159,7 +159,7 @@ class FeatureSender:
         self._seq = 0
         self._inflight = {"pool": 0, "host": 0}  # bytes placed for sends still copying
         self._host_copies: set[Fence] = set()  # copies into the fallback not yet landed
-        self._closing = CloseOnce()
+        self._closing = CloseOnce(cleans_up_when_cancelled=True)  # see _close
         self._starting: asyncio.Event | None = None  # set once start() has finished
         self._start_failed = False
         self._sends = 0
@@ -174,8 +174,8 @@ class FeatureSender:
         if self._loop is not None:
             if self._starting is not None:  # another start() under way: return once it has
                 await self._starting.wait()
-            if self._start_failed:
-                raise CacheClosedError("this FeatureSender failed to start; create a new one")
+            if self._start_failed or self._closed:
+                raise CacheClosedError("this FeatureSender was closed; create a new one")
             return
         loop = asyncio.get_running_loop()
         self._loop = loop
