@@ -15,11 +15,13 @@ import asyncio
 import logging
 import threading
 from collections.abc import Callable, Coroutine, Iterable
-from typing import Any
+from typing import Any, TypeVar, cast
 
 __all__ = ["CloseOnce", "off_the_loop", "run_each"]
 
 log = logging.getLogger("mmcache")
+
+T = TypeVar("T")
 
 
 class CloseOnce:
@@ -59,39 +61,53 @@ class CloseOnce:
             log.warning("a close() was cancelled before it finished; its releases go on")
 
 
-async def off_the_loop(fn: Callable[[], object]) -> None:
-    """Run fn on a thread of its own and wait for it without holding the loop.
+async def off_the_loop(
+    fn: Callable[[], T], abandoned: Callable[[T], None] | None = None, name: str = "mmcache-close"
+) -> T:
+    """Run fn on a thread of its own and wait for its result without holding the loop.
 
-    Not the loop's default executor: `asyncio.run` shuts that down before the last
-    `async with` may exit, and a busy one would make fn wait its turn.
+    A result nobody takes (the awaiting task was cancelled, or the loop closed) goes to
+    abandoned, on whichever thread finds it so. Not the loop's default executor:
+    `asyncio.run` shuts that down before the last `async with` may exit, and a busy one
+    would make fn wait its turn.
     """
     loop = asyncio.get_running_loop()
-    done: asyncio.Future[None] = loop.create_future()
+    done: asyncio.Future[T] = loop.create_future()
 
-    def report(error: BaseException | None) -> None:
-        if not done.done():
-            if error is None:
-                done.set_result(None)
-            else:
-                done.set_exception(error)
-        elif error is not None:  # its awaiting task was cancelled: nobody else will see it
-            log.error("closing on a thread of its own failed: %r", error)
+    def give_up(value: T | None, error: BaseException | None) -> None:
+        if error is not None:
+            log.error("work on a thread of its own failed, and nobody awaits it: %r", error)
+        elif abandoned is not None:
+            abandoned(cast(T, value))
+
+    def report(value: T | None, error: BaseException | None) -> None:
+        if done.done():  # its awaiting task was cancelled
+            give_up(value, error)
+        elif error is None:
+            done.set_result(cast(T, value))
+        else:
+            done.set_exception(error)
 
     def run() -> None:
+        value: T | None = None
         error: BaseException | None = None
         try:
-            fn()
+            value = fn()
         except BaseException as e:  # reported to the awaiting task
             error = e
         try:
-            loop.call_soon_threadsafe(report, error)
-        except RuntimeError:  # the loop closed meanwhile: nobody awaits the result
-            if error is not None:
-                log.error("closing after the event loop closed failed: %r", error)
+            loop.call_soon_threadsafe(report, value, error)
+        except RuntimeError:  # the loop closed meanwhile
+            give_up(value, error)
 
     # Not a daemon: an interpreter that exits meanwhile waits for fn to finish.
-    threading.Thread(target=run, name="mmcache-close").start()
-    await done
+    threading.Thread(target=run, name=name).start()
+    try:
+        return await done
+    except asyncio.CancelledError:
+        if done.done() and not done.cancelled() and done.exception() is None:
+            give_up(done.result(), None)  # handed over just as we were cancelled
+        raise
 
 
 def run_each(steps: Iterable[Callable[[], object]]) -> None:

@@ -10,7 +10,6 @@ device, so a receiver never touches the sender's GPU.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 import os
@@ -21,6 +20,7 @@ from typing import cast, final
 
 import torch
 
+from mmcache.closing import off_the_loop
 from mmcache.device.base import Fence, Stream
 from mmcache.device.cuda import as_cuda_stream
 from mmcache.device.cuda_driver import CudaDriver
@@ -85,39 +85,11 @@ def pin_host(ordinal: int, tensor: torch.Tensor) -> Callable[[], None]:
 async def pin_off_the_loop(ordinal: int, tensor: torch.Tensor) -> Callable[[], None]:
     """pin_host on a thread of its own. A pin its caller no longer takes (cancelled, or
     the loop closed) is undone once done; the mapping stays alive until then."""
-    loop = asyncio.get_running_loop()
-    result: asyncio.Future[Callable[[], None]] = loop.create_future()
-
-    def hand_over(unpin: Callable[[], None] | None, error: BaseException | None) -> None:
-        if result.cancelled():
-            if unpin is not None:
-                unpin_later(unpin, tensor)
-        elif unpin is not None:
-            result.set_result(unpin)
-        else:
-            result.set_exception(error or RuntimeError("pinning failed"))
-
-    def pin() -> None:
-        unpin: Callable[[], None] | None = None
-        error: BaseException | None = None
-        try:
-            unpin = pin_host(ordinal, tensor)
-        except BaseException as e:  # handed to the awaiting caller
-            error = e
-        try:
-            loop.call_soon_threadsafe(hand_over, unpin, error)
-        except RuntimeError:  # the loop closed: nobody takes the pin
-            if unpin is not None:
-                unpin()
-
-    threading.Thread(target=pin, name="mmcache-pin").start()
-    try:
-        return await result
-    except asyncio.CancelledError:
-        handed = result.done() and not result.cancelled() and result.exception() is None
-        if handed:  # as we were cancelled
-            unpin_later(result.result(), tensor)
-        raise
+    return await off_the_loop(
+        functools.partial(pin_host, ordinal, tensor),
+        abandoned=lambda unpin: unpin_later(unpin, tensor),
+        name="mmcache-pin",
+    )
 
 
 def unpin_later(unpin: Callable[[], None], tensor: torch.Tensor) -> None:
