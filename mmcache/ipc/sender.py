@@ -198,17 +198,12 @@ class FeatureSender:
                 self._fallback = await self._make_fallback()
         except BaseException:
             self._closed = self._start_failed = True
-            steps = [self._teardown(keep_pool=False, copying=())]
-            if self._owns_device:
-                steps.append(self._device.close)
             try:
-                await off_the_loop(functools.partial(run_each, steps))
+                await self._free(keep_pool=False, copying=())
             except Exception:  # the start's own error is the one to raise
                 log.exception(
                     "IPC sender %r: releasing what a failed start() made failed", self.name
                 )
-            finally:
-                self._metrics.close()
             raise
         cuda_pool = self._cuda_pool
         self._endpoint = SenderEndpoint(
@@ -252,15 +247,19 @@ class FeatureSender:
         finally:
             # Copies into the fallback must land before it is unpinned; the rest of the
             # memory goes now, the pool unless a receiver may still read it.
-            steps = [self._teardown(keep_pool, list(self._host_copies))]
-            if self._owns_device:
-                steps.append(self._device.close)
-            try:
-                # Off the loop: freeing the pool waits for the whole GPU, and unpinning and
-                # unmapping the default 1 GiB fallback held the loop 258 ms on the H200.
-                await off_the_loop(functools.partial(run_each, steps))
-            finally:
-                self._metrics.close()
+            await self._free(keep_pool, list(self._host_copies))
+
+    async def _free(self, keep_pool: bool, copying: Sequence[Fence]) -> None:
+        """_teardown's releases and the device we made, then our metrics."""
+        steps = [self._teardown(keep_pool, copying)]
+        if self._owns_device:
+            steps.append(self._device.close)
+        try:
+            # Off the loop: freeing the pool waits for the whole GPU, and unpinning and
+            # unmapping the default 1 GiB fallback held the loop 258 ms on the H200.
+            await off_the_loop(functools.partial(run_each, steps))
+        finally:
+            self._metrics.close()
 
     async def _stop_and_wait(self, timeout: float | None) -> bool:  # noqa: ASYNC109
         """Refuse waiting sends; wait up to timeout s for receivers to release what they
