@@ -371,11 +371,17 @@ async def test_a_sender_or_receiver_closes_the_device_it_made_off_the_loop(
     assert await longest_loop_gap(sender.close()) < 0.1
 
 
-class FakePins:
-    """pin_host stand-in: pinning takes pin_s; records pins and unpins (no GPU needed)."""
+class Pins:
+    """pin_host that takes pin_s longer and records pins and unpins: the real one on a GPU,
+    or with real=None a stand-in that needs none."""
 
-    def __init__(self, pin_s: float, error: Exception | None = None) -> None:
-        self.pin_s, self.error = pin_s, error
+    def __init__(
+        self,
+        pin_s: float,
+        error: Exception | None = None,
+        real: Callable[[int, torch.Tensor], Callable[[], None]] | None = None,
+    ) -> None:
+        self.pin_s, self.error, self.real = pin_s, error, real
         self.pinned: list[int] = []
         self.unpinned: list[int] = []
 
@@ -383,14 +389,21 @@ class FakePins:
         time.sleep(self.pin_s)
         if self.error is not None:
             raise self.error
+        unpin = self.real(ordinal, tensor) if self.real is not None else None
         self.pinned.append(tensor.data_ptr())
-        return functools.partial(self.unpinned.append, tensor.data_ptr())
+
+        def recorded() -> None:
+            if unpin is not None:
+                unpin()
+            self.unpinned.append(tensor.data_ptr())
+
+        return recorded
 
 
 async def test_a_pin_whose_caller_was_cancelled_is_undone_once_done(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    pins = FakePins(0.1)
+    pins = Pins(0.1)
     monkeypatch.setattr(cuda_ipc, "pin_host", pins)
     pinning = asyncio.create_task(cuda_ipc.pin_off_the_loop(0, torch.ones(16)))
     await asyncio.sleep(0.02)
@@ -402,13 +415,13 @@ async def test_a_pin_whose_caller_was_cancelled_is_undone_once_done(
 
 
 async def test_a_pin_that_fails_raises_to_its_caller(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cuda_ipc, "pin_host", FakePins(0.0, OSError("out of pinnable memory")))
+    monkeypatch.setattr(cuda_ipc, "pin_host", Pins(0.0, OSError("out of pinnable memory")))
     with pytest.raises(OSError, match="out of pinnable memory"):
         await cuda_ipc.pin_off_the_loop(0, torch.ones(16))
 
 
 def test_a_pin_that_ends_after_its_loop_is_undone(monkeypatch: pytest.MonkeyPatch) -> None:
-    pins = FakePins(0.2)
+    pins = Pins(0.2)
     monkeypatch.setattr(cuda_ipc, "pin_host", pins)
     loop = asyncio.new_event_loop()
     pinning = loop.create_task(cuda_ipc.pin_off_the_loop(0, torch.ones(16)))
@@ -426,27 +439,16 @@ async def test_a_start_cancelled_while_pinning_the_fallback_unpins_it(
 ) -> None:
     if rig.kind != "cuda":
         pytest.skip("only a CUDA sender pins its fallback")
-    unpinned: list[bool] = []
-    real_pin = cuda_ipc.pin_host
-
-    def slow_pin(ordinal: int, tensor: torch.Tensor) -> Callable[[], None]:
-        time.sleep(0.2)
-        unpin = real_pin(ordinal, tensor)
-
-        def recorded() -> None:
-            unpin()
-            unpinned.append(True)
-
-        return recorded
-
-    monkeypatch.setattr(cuda_ipc, "pin_host", slow_pin)
+    pins = Pins(0.2, real=cuda_ipc.pin_host)
+    monkeypatch.setattr(cuda_ipc, "pin_host", pins)
     sender = FeatureSender(ipc_settings(pool_mb=1, fallback_mb=8), rig.device)
     starting = asyncio.create_task(sender.start())
     await asyncio.sleep(0.05)  # pinning
     starting.cancel()
     with pytest.raises(asyncio.CancelledError):
         await starting
-    assert await eventually(lambda: unpinned == [True])
+    assert await eventually(lambda: len(pins.unpinned) == 1)
+    assert pins.unpinned == pins.pinned
 
 
 async def test_receives_that_meet_an_unmapped_fallback_together_pin_it_once(
@@ -454,22 +456,15 @@ async def test_receives_that_meet_an_unmapped_fallback_together_pin_it_once(
 ) -> None:
     if rig.kind != "cuda":
         pytest.skip("only a CUDA receiver pins the fallback")
-    pins: list[int] = []
-    real_pin = cuda_ipc.pin_host
-
-    def counted_pin(ordinal: int, tensor: torch.Tensor) -> Callable[[], None]:
-        pins.append(ordinal)
-        time.sleep(0.05)
-        return real_pin(ordinal, tensor)
-
+    pins = Pins(0.05, real=cuda_ipc.pin_host)
     async with transport(rig, consumers=1, pool_mb=0, fallback_mb=4) as tr:
-        monkeypatch.setattr(cuda_ipc, "pin_host", counted_pin)  # the receiver's pins only
+        monkeypatch.setattr(cuda_ipc, "pin_host", pins)  # the receiver's pins only
         values = [rig.tensor(64, 256, seed=seed) for seed in (8, 9)]
         handles = [await tr.sender.send(v.clone()) for v in values]
         assert [h.where for h in handles] == ["host", "host"]
         got = await asyncio.gather(*(tr.receivers[0].receive(h) for h in handles))
         assert all(map(torch.equal, got, values))
-        assert len(pins) == 1
+        assert len(pins.pinned) == 1
 
 
 async def test_close_inside_a_lease_does_not_wait_for_that_lease(sim_rig: Rig) -> None:
