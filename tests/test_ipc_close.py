@@ -21,12 +21,22 @@ from test_ipc_support import Transport, ipc_settings, settled_bytes, transport
 
 from mmcache.device import Fence, SimDevice
 from mmcache.errors import CacheClosedError
-from mmcache.ipc import FeatureReceiver, FeatureSender, cuda_ipc
+from mmcache.ipc import FeatureReceiver, FeatureSender, SenderEndpoint, cuda_ipc
 from mmcache.ipc import receiver as receiver_module
 from mmcache.ipc.control import ControlBlock
 from mmcache.ipc.shm import SharedSegment
 
 FEATURE_8MB = (1024, 2048)  # float32: 8 MiB
+
+
+def a_sender(rig: Rig) -> FeatureSender:
+    """A sender (not started) with a 1 MiB pool on rig's device."""
+    return FeatureSender(ipc_settings(pool_mb=1), rig.device, registry=CollectorRegistry())
+
+
+def segment_paths(endpoint: SenderEndpoint) -> list[str]:
+    """The shared-memory files a sender links: control block, pool, fallback."""
+    return [endpoint.control_path, endpoint.pool_path, endpoint.fallback_path]
 
 
 def slowed(real: Callable[..., None], seconds: float) -> Callable[..., None]:
@@ -44,7 +54,7 @@ async def test_a_sender_frees_its_memory_off_the_loop(
 ) -> None:
     async with transport(sim_rig, consumers=1, pool_mb=1, fallback_mb=4) as tr:
         endpoint = tr.sender.endpoint
-        paths = [endpoint.control_path, endpoint.pool_path, endpoint.fallback_path]
+        paths = segment_paths(endpoint)
         monkeypatch.setattr(SharedSegment, "close", slowed(SharedSegment.close, 0.1))
         assert await longest_loop_gap(tr.sender.close()) < 0.1  # three segments: 0.3 s
         assert not any(map(os.path.exists, paths))  # close() returned once they were gone
@@ -228,7 +238,7 @@ async def test_close_waits_for_readers_and_copies_within_one_timeout(sim_rig: Ri
 async def test_a_release_step_that_fails_leaves_the_others_done_and_reaches_close(
     sim_rig: Rig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    sender = FeatureSender(ipc_settings(pool_mb=1), sim_rig.device, registry=CollectorRegistry())
+    sender = a_sender(sim_rig)
     await sender.start()
     endpoint = sender.endpoint
     real_close = ControlBlock.close
@@ -251,7 +261,7 @@ async def test_a_release_step_that_fails_leaves_the_others_done_and_reaches_clos
 
 def slow_starting_sender(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> FeatureSender:
     """A sender whose start() takes 0.1 s making its fallback (as pinning it on a GPU does)."""
-    sender = FeatureSender(ipc_settings(pool_mb=1), rig.device, registry=CollectorRegistry())
+    sender = a_sender(rig)
     real_make_fallback = sender._make_fallback
 
     async def slow_make_fallback() -> Any:
@@ -271,7 +281,7 @@ async def test_a_close_during_start_frees_what_start_made(
     await sender.close()
     await starting  # it finished before close() freed what it made
     endpoint = sender.endpoint
-    paths = [endpoint.control_path, endpoint.pool_path, endpoint.fallback_path]
+    paths = segment_paths(endpoint)
     assert not any(map(os.path.exists, paths))
     assert sender._recycler is not None and sender._recycler.done()
     assert await settled_bytes(sim_rig, 0) == 0
@@ -316,7 +326,7 @@ async def test_first_sends_together_start_the_sender_once(
 async def test_a_sender_close_that_fails_while_waiting_still_frees(
     sim_rig: Rig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    sender = FeatureSender(ipc_settings(pool_mb=1), sim_rig.device, registry=CollectorRegistry())
+    sender = a_sender(sim_rig)
     await sender.start()
     endpoint = sender.endpoint
 
@@ -327,7 +337,7 @@ async def test_a_sender_close_that_fails_while_waiting_still_frees(
     await sender.send(torch.ones(64, 256))  # a lease for close() to wait for
     with pytest.raises(RuntimeError, match="the recycler broke"):
         await sender.close()
-    paths = [endpoint.control_path, endpoint.pool_path, endpoint.fallback_path]
+    paths = segment_paths(endpoint)
     assert not any(map(os.path.exists, paths))
 
 
@@ -617,7 +627,7 @@ def test_a_kept_sender_is_left_after_the_event_loop_has_ended() -> None:
         assert own_device._closed
     finally:
         endpoint = sender.endpoint
-        for path in (endpoint.control_path, endpoint.pool_path, endpoint.fallback_path):
+        for path in segment_paths(endpoint):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
         device.close()
@@ -746,7 +756,7 @@ async def test_a_sender_close_whose_caller_is_cancelled_still_frees_and_a_second
 ) -> None:
     async with transport(sim_rig, consumers=1, pool_mb=1, fallback_mb=16) as tr:
         endpoint = tr.sender.endpoint
-        paths = [endpoint.control_path, endpoint.pool_path, endpoint.fallback_path]
+        paths = segment_paths(endpoint)
         with sim_rig.hold():
             sending = asyncio.create_task(tr.sender.send(torch.full(FEATURE_8MB, 3.0)))
             await asyncio.sleep(0.01)
