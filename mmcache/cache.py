@@ -31,6 +31,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from mmcache.closing import CloseOnce, off_the_loop
+from mmcache.core.counters import Counters
 from mmcache.device import Device, Fence, Stream, resolve_device
 from mmcache.device.base import feature_bytes
 from mmcache.entry import Entry, GroupKey, Member, State, check_key, check_keys, row_range
@@ -171,25 +172,8 @@ class FeatureCache:
         # Offloads past copy_timeout_s -> (device bytes, host bytes) they still pin.
         self._quarantined: dict[Entry, tuple[int, int]] = {}
         self._copy_timeout = self.settings.copy_timeout_s
-        self._pending = {"d2h": 0, "h2d": 0}
         self._tiers = DeferredPush(self._push_tier_gauges)
-        self._c = dict.fromkeys(
-            (
-                "hits_gpu",
-                "hits_cpu",
-                "misses",
-                "evictions_gpu",
-                "evictions_cpu",
-                "dropped",
-                "d2h_bytes",
-                "h2d_bytes",
-                "rejected",
-                "promotions",
-                "copy_failures",
-                "alloc_failures",
-            ),
-            0,
-        )
+        self._counters = Counters(self._metrics)
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -623,7 +607,7 @@ class FeatureCache:
             raise
         if not ok:
             self._give_back(owned, blocks, sources)
-            self._c["rejected"] += len(keys)
+            self._counters.refused(len(keys))
             return False
         if waited:
             self._remove_keys(keys, wake=False)  # other puts of these keys done meanwhile
@@ -715,8 +699,7 @@ class FeatureCache:
         check_key(key)
         found = self._entries.get(key)
         if found is None:
-            self._c["misses"] += 1
-            self._metrics.lookup("miss")
+            self._counters.miss()
             return None
         member = None
         if isinstance(found, Member):
@@ -729,8 +712,7 @@ class FeatureCache:
         del found
         state = entry.state
         if state is State.GPU or state is State.D2H:
-            self._c["hits_gpu"] += 1
-            self._metrics.lookup("hit_gpu")
+            self._counters.hit_gpu()
             if state is State.GPU:
                 self._gpu_lru.move_to_end(entry.key)
             assert entry.tensor is not None
@@ -739,8 +721,7 @@ class FeatureCache:
                     return await self._read_host(entry, span)
                 return await self._download(entry.tensor, entry.ready, span, entry)
             return await self._serve_device(entry.tensor, entry.ready, span, stream)
-        self._c["hits_cpu"] += 1
-        self._metrics.lookup("hit_cpu")
+        self._counters.hit_cpu()
         self._host_lru.move_to_end(entry.key)
         if to_host:
             return await self._read_host(entry, span)
@@ -856,7 +837,7 @@ class FeatureCache:
         self._pool.pin(block)
         try:
             if entry.copy_fence is not None:
-                self._observe_wait(await self._wait([entry.copy_fence]))
+                self._counters.waited(await self._wait([entry.copy_fence]))
             if isinstance(found, Member):
                 view = entry.host_view(*found.span(None), block)
             else:
@@ -882,11 +863,11 @@ class FeatureCache:
             cpu_capacity_bytes=pool.capacity_bytes if pool else self._cpu_capacity,
             gpu_entries=self._gpu_entries,
             cpu_entries=self._cpu_entries,
-            pending_copies=self._pending["d2h"] + self._pending["h2d"],
+            pending_copies=self._counters.pending_copies,
             leaked_bytes=leaked["gpu"] + leaked["cpu"],
             quarantined_bytes=sum(g + c for g, c in self._quarantined.values()),
             host_ready=pool is not None or self._cpu_capacity == 0,
-            **self._c,
+            **self._counters.as_dict(),
         )
 
     # --- checks -------------------------------------------------------------------------
@@ -1001,8 +982,7 @@ class FeatureCache:
         try:
             yield
         except DeviceOutOfMemoryError:
-            self._c["alloc_failures"] += 1
-            self._metrics.fault("oom")
+            self._counters.alloc_failed()
             raise
 
     def _give_back(
@@ -1105,8 +1085,7 @@ class FeatureCache:
         if batch:
             self._offload_batch(batch)
         if evicted:
-            self._c["evictions_gpu"] += evicted
-            self._metrics.eviction("gpu", evicted)
+            self._counters.evicted_gpu(evicted)
 
     def _offload_batch(self, entries: list[Entry]) -> None:
         """Offload GPU entries through one fence, dropping those the host tier cannot take."""
@@ -1209,8 +1188,7 @@ class FeatureCache:
     def _evict_host_head(self) -> None:
         """Drop the least recently used host entry (counted as a host-tier eviction)."""
         _, victim = self._host_lru.popitem(last=False)
-        self._c["evictions_cpu"] += victim.count
-        self._metrics.eviction("cpu", victim.count)
+        self._counters.evicted_cpu(victim.count)
         self._unlink(victim)
 
     async def _reserve_host_blocks(
@@ -1322,13 +1300,13 @@ class FeatureCache:
             # Refused at enqueue (e.g. no memory for a gather buffer): nothing was queued,
             # so the victims are dropped as if the host tier could not take them.
             del srcs
-            self._copy_failed("offload", None, e)
+            self._counters.copy_failed("offload", None, e)
             for entry, block in items:
                 self._pool.free(block)
                 if charged_gpu:
                     self._drop(entry)
                 else:  # a put straight to the host tier: nothing was charged to the GPU tier
-                    self._count_dropped(self._forget(entry))
+                    self._counters.lost(self._forget(entry))
                     entry.state = State.GONE
                     tensor, entry.tensor = entry.tensor, None
                     assert tensor is not None
@@ -1349,12 +1327,12 @@ class FeatureCache:
         self._cpu_entries += features
         if charged_gpu:
             self._gpu_releasing += nbytes
-        self._copy_started("d2h", features)
+        self._counters.copy_started("d2h", features)
 
         offload = _Offload(fence, batch, started)
 
         def landed() -> None:
-            self._copy_finished("d2h", nbytes, started, features)
+            self._counters.copy_finished("d2h", nbytes, started, features)
             # Asked once: a batch's fence may be many fences (simulator).
             self._offloads_done(batch, fence.exception(), charged_gpu)
             if charged_gpu:
@@ -1492,13 +1470,13 @@ class FeatureCache:
             self._gpu_entries -= features
             self._gpu_used -= released
         if failed is None:
-            self._c["d2h_bytes"] += moved
+            self._counters.offloaded(moved)
 
     def _offload_lost(self, entry: Entry, failed: BaseException | None) -> None:
         """An offloaded entry that was discarded meanwhile, or whose copy failed."""
         if entry.state is State.D2H:  # the copy failed: the feature is lost
-            self._copy_failed("offload", entry.key, failed)
-            self._count_dropped(self._forget(entry))
+            self._counters.copy_failed("offload", entry.key, failed)
+            self._counters.lost(self._forget(entry))
             entry.state = State.GONE
         self._free_block(entry)
 
@@ -1522,20 +1500,12 @@ class FeatureCache:
             self._copy_timeout,
             entry.nbytes,
         )
-        self._metrics.fault("quarantined")
+        self._counters.quarantined()
         lost = self._forget(entry)
         if lost:
-            self._count_dropped(lost)
+            self._counters.lost(lost)
         entry.state = State.GONE
         self._tiers.request()
-
-    def _copy_failed(self, what: str, key: Hashable | None, exc: BaseException | None) -> None:
-        """Count a failed copy (every direction) for stats and operators."""
-        # A string, not the exception: a log handler keeping the record would otherwise keep
-        # its traceback, and every frame and tensor in it, alive.
-        log.warning("%s copy of %r failed: %s", what, key, str(exc))
-        self._c["copy_failures"] += 1
-        self._metrics.fault("copy_failed")
 
     def _lose(self, entry: Entry) -> None:
         """Drop an entry whose data a failed copy destroyed, and hand its room on."""
@@ -1595,19 +1565,14 @@ class FeatureCache:
         """A put whose producing copy failed (a compaction) must not serve poison: drop it."""
         if ready.exception() is None or entry.ready is not ready:
             return
-        self._copy_failed("compaction", entry.key, ready.exception())
+        self._counters.copy_failed("compaction", entry.key, ready.exception())
         if entry.state is not State.GONE:
             self._lose(entry)
 
     def _drop(self, entry: Entry) -> None:
         """Lose an entry (a GPU one the host tier cannot take now, or a destroyed one)."""
-        self._count_dropped(entry.count)
+        self._counters.lost(entry.count)
         self._unlink(entry)
-
-    def _count_dropped(self, features: int = 1) -> None:
-        """Features the cache lost: the stats counter and the metric move together."""
-        self._c["dropped"] += features
-        self._metrics.dropped(features)
 
     def _remove(self, found: Entry | Member) -> None:
         """Remove a key's feature: its entry, or its place in a group."""
@@ -1700,7 +1665,7 @@ class FeatureCache:
                 self._device.wait_on(stream, ready)
             else:
                 try:
-                    self._observe_wait(await self._wait([ready]))
+                    self._counters.waited(await self._wait([ready]))
                 except BaseException:
                     del out  # a cancelled read must not keep it alive through its traceback
                     raise
@@ -1724,19 +1689,20 @@ class FeatureCache:
             entry.add_device_reader(fence)
         del src
         started = time.perf_counter()
-        self._copy_started("d2h")
+        self._counters.copy_started("d2h")
         try:
-            self._observe_wait(await self._wait([fence]))
+            self._counters.waited(await self._wait([fence]))
         except CopyTimeoutError:
             raise
         except CopyFailedError as e:
-            self._copy_failed("download", entry.key if entry else None, e)
+            self._counters.copy_failed("download", entry.key if entry else None, e)
             raise
         finally:
             if fence.done():
-                self._copy_finished("d2h", dst.nbytes, started)
+                self._counters.copy_finished("d2h", dst.nbytes, started)
             else:  # cancelled: account for it when it lands
-                self._when_done([fence], lambda: self._copy_finished("d2h", dst.nbytes, started))
+                finished = self._counters.copy_finished
+                self._when_done([fence], lambda: finished("d2h", dst.nbytes, started))
         return dst
 
     async def _read_host(self, entry: Entry, span: tuple[int, int] | None) -> torch.Tensor:
@@ -1748,7 +1714,7 @@ class FeatureCache:
         pool.pin(block)  # a discard while we wait must not recycle the block under us
         try:
             try:
-                self._observe_wait(await self._wait([fence]))
+                self._counters.waited(await self._wait([fence]))
             except CopyTimeoutError:
                 self._quarantine(entry, fence)
                 raise
@@ -1793,7 +1759,7 @@ class FeatureCache:
         del src
         entry.add_host_reader(fence)
         started = time.perf_counter()
-        self._copy_started("h2d")
+        self._counters.copy_started("h2d")
         nbytes = dst.nbytes
         if promote and member is not None:
             # The member leaves its group as an entry of its own, made from this copy.
@@ -1806,17 +1772,17 @@ class FeatureCache:
         try:
             return await self._serve_device(dst, fence, None, stream)
         except CopyTimeoutError:
-            self._metrics.fault("quarantined")  # dst and the host block stay pinned by it
+            self._counters.quarantined()  # dst and the host block stay pinned by it
             raise
         finally:
             self._device.release(dst, after=[fence])  # the caller's alias keeps it alive
 
     def _upload_done(self, entry: Entry, fence: Fence, nbytes: int, started: float) -> None:
-        self._copy_finished("h2d", nbytes, started)
+        self._counters.copy_finished("h2d", nbytes, started)
         if fence.exception() is None:
-            self._c["h2d_bytes"] += nbytes
+            self._counters.uploaded(nbytes)
             return
-        self._copy_failed("upload", entry.key, fence.exception())
+        self._counters.copy_failed("upload", entry.key, fence.exception())
         if entry.state is State.GPU and entry.ready is fence:
             self._lose(entry)  # promoted from a copy that failed: the data is gone
 
@@ -1845,7 +1811,7 @@ class FeatureCache:
         self._gpu_used += entry.nbytes
         self._gpu_entries += 1
         self._gpu_lru[entry.key] = entry
-        self._c["promotions"] += 1
+        self._counters.promoted()
         self._tiers.request()
 
     # --- single flight ------------------------------------------------------------------
@@ -1881,19 +1847,6 @@ class FeatureCache:
     ) -> None:
         assert self._watcher is not None
         self._watcher.when_done(fences, callback, fresh=fresh)
-
-    def _copy_started(self, direction: str, count: int = 1) -> None:
-        self._pending[direction] += count
-        self._metrics.copy_started(direction, count)
-
-    def _copy_finished(self, direction: str, nbytes: int, started: float, count: int = 1) -> None:
-        """count features of nbytes in all, moved by one copy queued at started."""
-        self._pending[direction] -= count
-        self._metrics.copy_finished(direction, nbytes, time.perf_counter() - started, count)
-
-    def _observe_wait(self, seconds: float) -> None:
-        if seconds:
-            self._metrics.get_wait(seconds)
 
     def _push_tier_gauges(self) -> None:
         """Tier sizes to the metrics (through self._tiers: once per loop iteration)."""

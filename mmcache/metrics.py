@@ -377,6 +377,13 @@ class CacheMetrics:
             raise _unknown("lookup result", result, LOOKUP_RESULTS) from None
         child.inc()
 
+    def lookup_counter(self, result: str) -> Counter:
+        """The series lookup(result) increments, for a caller that counts on its hot path."""
+        try:
+            return self._lookups[result]
+        except KeyError:
+            raise _unknown("lookup result", result, LOOKUP_RESULTS) from None
+
     def set_tier(self, tier: str, nbytes: int, entries: int) -> None:
         """Report a tier's bytes (resident plus in flight) and entries."""
         try:

@@ -1,0 +1,1 @@
+"""The parts FeatureCache is made of, each owning its own state (docs/design.md)."""
