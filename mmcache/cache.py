@@ -32,6 +32,7 @@ from prometheus_client import CollectorRegistry
 
 from mmcache.closing import CloseOnce, off_the_loop
 from mmcache.core.counters import Counters
+from mmcache.core.policy import make_policy
 from mmcache.device import Device, Fence, Stream, resolve_device
 from mmcache.device.base import feature_bytes
 from mmcache.entry import Entry, GroupKey, Member, State, check_key, check_keys, row_range
@@ -139,11 +140,10 @@ class FeatureCache:
         self._entries: dict[Hashable, Entry | Member] = {}
         self._done_fence = self._device.completed_fence()
         self._producers = ProducerFences(self._device)
-        # Recency per tier only (least recent first); the byte ledger is ours. Every offloaded
-        # feature is inserted, evicted and re-inserted here: an OrderedDict does that in
-        # 0.5 µs, cachetools' LRUCache (size accounting per item) in 2.2 µs.
-        self._gpu_lru: OrderedDict[Hashable, Entry] = OrderedDict()
-        self._host_lru: OrderedDict[Hashable, Entry] = OrderedDict()
+        # The order of victims per tier only; the byte ledger is ours. LRU, the default, is
+        # an OrderedDict: every offloaded feature is inserted, evicted and re-inserted here.
+        self._gpu_lru = make_policy(self.settings.eviction_policy)
+        self._host_lru = make_policy(self.settings.eviction_policy)
         self._gpu_waiters: deque[_BudgetWaiter] = deque()
         self._host_waiters: deque[_BudgetWaiter] = deque()
         self._inflight: dict[Hashable, asyncio.Task[tuple[torch.Tensor, Fence]]] = {}
@@ -714,7 +714,7 @@ class FeatureCache:
         if state is State.GPU or state is State.D2H:
             self._counters.hit_gpu()
             if state is State.GPU:
-                self._gpu_lru.move_to_end(entry.key)
+                self._gpu_lru.touch(entry.key)
             assert entry.tensor is not None
             if to_host:
                 if state is State.D2H:
@@ -722,7 +722,7 @@ class FeatureCache:
                 return await self._download(entry.tensor, entry.ready, span, entry)
             return await self._serve_device(entry.tensor, entry.ready, span, stream)
         self._counters.hit_cpu()
-        self._host_lru.move_to_end(entry.key)
+        self._host_lru.touch(entry.key)
         if to_host:
             return await self._read_host(entry, span)
         return await self._upload(entry, span, stream, member if rows is None else None)
@@ -1065,10 +1065,10 @@ class FeatureCache:
             if have >= needed:
                 if not batch:
                     break
-                oldest = lru[next(iter(lru))]
-                if oldest.nbytes >= small_limit or have + oldest.nbytes > limit:
+                oldest = lru.next_victim()
+                if oldest is None or oldest.nbytes >= small_limit or have + oldest.nbytes > limit:
                     break
-            _, entry = lru.popitem(last=False)
+            entry = lru.evict()
             evicted += entry.count
             if entry.nbytes < small_limit:
                 batch.append(entry)
@@ -1187,7 +1187,7 @@ class FeatureCache:
 
     def _evict_host_head(self) -> None:
         """Drop the least recently used host entry (counted as a host-tier eviction)."""
-        _, victim = self._host_lru.popitem(last=False)
+        victim = self._host_lru.evict()
         self._counters.evicted_cpu(victim.count)
         self._unlink(victim)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Any, Final, NamedTuple, final
+from typing import TYPE_CHECKING, Annotated, Any, Final, Literal, NamedTuple, final
 
 from pydantic import Field, PrivateAttr, ValidationError, field_validator
 from pydantic_core import ErrorDetails
@@ -124,6 +124,13 @@ class CacheSettings(BaseSettings):
     )
     copy_timeout_s: Annotated[float, _Env(("MMCACHE_COPY_TIMEOUT_SEC",))] = Field(
         default=60.0, gt=0, description="seconds before a copy still pending is quarantined"
+    )
+    eviction_policy: Annotated[
+        Literal["lru", "lfu", "fifo"], _Env(("MMCACHE_EVICTION_POLICY",))
+    ] = Field(
+        default="lru",
+        description="which entry each tier gives up first: lru (least recently used), "
+        "lfu (least frequently used) or fifo (first put)",
     )
 
     # Which variable each field was read from, for env_name().
@@ -251,6 +258,7 @@ _REASONS: Final[Mapping[str, str]] = {
     "int_type": "must be an integer",
     "bool_parsing": "must be a boolean (1/0, true/false, yes/no, on/off)",
     "bool_type": "must be a boolean",
+    "literal_error": "must be one of {expected}",
     "value_error": "{error}",
 }
 

@@ -41,6 +41,7 @@ def test_defaults() -> None:
     assert settings.host_alignment == 512
     assert settings.copy_timeout_s == 60.0
     assert settings.evict_ahead == 0.125
+    assert settings.eviction_policy == "lru"
     assert settings.gpu_cache_bytes == 1024 * MiB
     assert settings.cpu_cache_bytes == 4096 * MiB
     assert settings.ipc_pool_bytes == 512 * MiB
@@ -60,6 +61,7 @@ OWN_NAMES: list[tuple[str, str, str, object]] = [
     ("small_copy_bytes", "MMCACHE_SMALL_COPY_BYTES", "4096", 4096),
     ("host_alignment", "MMCACHE_HOST_ALIGNMENT", "4096", 4096),
     ("copy_timeout_s", "MMCACHE_COPY_TIMEOUT_SEC", "2.5", 2.5),
+    ("eviction_policy", "MMCACHE_EVICTION_POLICY", "lfu", "lfu"),
     ("evict_ahead", "MMCACHE_EVICT_AHEAD", "0.25", 0.25),
     ("metrics_addr", "MMCACHE_METRICS_ADDR", "127.0.0.1", "127.0.0.1"),
 ]
@@ -266,6 +268,10 @@ def test_keyword_arguments_override_the_environment(monkeypatch: pytest.MonkeyPa
         ({"host_alignment": 2 * MiB}, "host_alignment=2097152 is invalid: must be <= 1048576"),
         ({"small_copy_bytes": -1}, "small_copy_bytes=-1 is invalid: must be >= 0"),
         ({"use_cuda_ipc": "maybe"}, "use_cuda_ipc='maybe' is invalid: must be a boolean"),
+        (
+            {"eviction_policy": "random"},
+            "eviction_policy='random' is invalid: must be one of 'lru', 'lfu' or 'fifo'",
+        ),
         ({"gpu_cache": 64}, "gpu_cache=64 is not a setting; settings are gpu_cache_mb, "),
     ],
 )
