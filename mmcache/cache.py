@@ -32,10 +32,12 @@ from prometheus_client import CollectorRegistry
 
 from mmcache.closing import CloseOnce, off_the_loop
 from mmcache.core.counters import Counters
+from mmcache.core.index import KeyIndex, holder
 from mmcache.core.policy import make_policy
+from mmcache.core.quarantine import Quarantine
 from mmcache.device import Device, Fence, Stream, resolve_device
 from mmcache.device.base import feature_bytes
-from mmcache.entry import Entry, GroupKey, Member, State, check_key, check_keys, row_range
+from mmcache.entry import Entry, Member, State, check_key, check_keys, row_range
 from mmcache.errors import (
     CacheClosedError,
     CopyFailedError,
@@ -53,6 +55,7 @@ from mmcache.host_pool import HostBlock, HostPool
 from mmcache.metrics import CacheMetrics, DeferredPush, ensure_metrics_server
 from mmcache.producer_fences import ProducerFences
 from mmcache.settings import CacheSettings
+from mmcache.single_flight import SingleFlight
 from mmcache.stats import CacheStats
 from mmcache.waiting import FenceWatcher, wait_fences
 
@@ -137,7 +140,7 @@ class FeatureCache:
         self._closed = False
         self._closing = CloseOnce()
         # key -> its entry, or its place in a put_many group's entry
-        self._entries: dict[Hashable, Entry | Member] = {}
+        self._entries = KeyIndex()
         self._done_fence = self._device.completed_fence()
         self._producers = ProducerFences(self._device)
         # The order of victims per tier only; the byte ledger is ours. LRU, the default, is
@@ -146,7 +149,7 @@ class FeatureCache:
         self._host_lru = make_policy(self.settings.eviction_policy)
         self._gpu_waiters: deque[_BudgetWaiter] = deque()
         self._host_waiters: deque[_BudgetWaiter] = deque()
-        self._inflight: dict[Hashable, asyncio.Task[tuple[torch.Tensor, Fence]]] = {}
+        self._inflight: SingleFlight[tuple[torch.Tensor, Fence]] = SingleFlight()
 
         # GPU ledger: _gpu_used = entries on the device + granted reservations + releasing.
         self._gpu_used = 0
@@ -169,8 +172,7 @@ class FeatureCache:
         # then get a callback, so nothing polls.
         self._packing: list[_Packing] = []
         self._packing_timer: asyncio.TimerHandle | None = None
-        # Offloads past copy_timeout_s -> (device bytes, host bytes) they still pin.
-        self._quarantined: dict[Entry, tuple[int, int]] = {}
+        self._quarantined = Quarantine()
         self._copy_timeout = self.settings.copy_timeout_s
         self._tiers = DeferredPush(self._push_tier_gauges)
         self._counters = Counters(self._metrics)
@@ -229,7 +231,7 @@ class FeatureCache:
                 w = waiters.popleft()
                 if not w.future.done():
                     w.future.set_exception(CacheClosedError("the cache closed while put waited"))
-        for task in list(self._inflight.values()):
+        for task in self._inflight.running():
             with contextlib.suppress(BaseException):
                 await asyncio.wait_for(asyncio.shield(task), timeout)
         for found in list(self._entries.values()):
@@ -620,7 +622,7 @@ class FeatureCache:
                 entry = Entry(key, tuple(own.shape), own.dtype, sizes[i], State.GPU, own, ready)
                 entries[key] = entry
             else:
-                entry = self._insert_group(keys[i:j], rows[i:j], own, ready, sum(sizes[i:j]))
+                entry = entries.add_group(keys[i:j], rows[i:j], own, ready, sum(sizes[i:j]))
             if sources[u]:
                 # Its values stay referenced until the packing copy has read them, and a
                 # packing that failed drops the group then.
@@ -657,26 +659,6 @@ class FeatureCache:
                 self._remove(old)
                 if wake:
                     self._wake_gpu()
-
-    def _insert_group(
-        self, keys: list[Hashable], rows: list[int], packed: torch.Tensor, ready: Fence, nbytes: int
-    ) -> Entry:
-        """Index a packed group: one entry for the tiers, one member per key (keys absent)."""
-        group = Entry(
-            GroupKey(keys[0], len(keys)),
-            tuple(packed.shape),
-            packed.dtype,
-            nbytes,
-            State.GPU,
-            packed,
-            ready,
-            count=len(keys),
-        )
-        stops = list(itertools.accumulate(rows))
-        members = list(map(Member, zip(keys, itertools.repeat(group), [0, *stops], stops)))
-        self._entries.update(zip(keys, members, strict=True))
-        group.members = members
-        return group
 
     async def get(
         self,
@@ -747,11 +729,7 @@ class FeatureCache:
         found = await self.get(key, device=device, rows=rows, stream=stream)
         if found is not None:
             return found
-        task = self._inflight.get(key)
-        if task is None:
-            task = asyncio.ensure_future(self._compute(key, fn, stream))
-            self._inflight[key] = task
-            task.add_done_callback(lambda t: self._computed(key, t))
+        task = self._inflight.run(key, functools.partial(self._compute, key, fn, stream))
         value, ready = await asyncio.shield(task)
         span = row_range(rows, tuple(value.shape))
         if self._wants_host(device):
@@ -829,7 +807,7 @@ class FeatureCache:
         """
         await self._ready_to_serve()
         found = self._entries.get(key)
-        entry = None if found is None else _holder(found)
+        entry = None if found is None else holder(found)
         if entry is None or entry.block is None or self._pool is None:
             yield await self.get(key, device="cpu")
             return
@@ -855,6 +833,7 @@ class FeatureCache:
         """A snapshot of the ledger and counters; also audits it for leaked bytes."""
         self._tiers.flush()
         leaked = self._audit()
+        quarantined = self._quarantined
         pool = self._pool
         return CacheStats(
             gpu_bytes=self._gpu_used,
@@ -865,7 +844,7 @@ class FeatureCache:
             cpu_entries=self._cpu_entries,
             pending_copies=self._counters.pending_copies,
             leaked_bytes=leaked["gpu"] + leaked["cpu"],
-            quarantined_bytes=sum(g + c for g, c in self._quarantined.values()),
+            quarantined_bytes=quarantined.device_bytes() + quarantined.host_bytes(),
             host_ready=pool is not None or self._cpu_capacity == 0,
             **self._counters.as_dict(),
         )
@@ -1306,7 +1285,7 @@ class FeatureCache:
                 if charged_gpu:
                     self._drop(entry)
                 else:  # a put straight to the host tier: nothing was charged to the GPU tier
-                    self._counters.lost(self._forget(entry))
+                    self._counters.lost(self._entries.forget(entry))
                     entry.state = State.GONE
                     tensor, entry.tensor = entry.tensor, None
                     assert tensor is not None
@@ -1445,7 +1424,7 @@ class FeatureCache:
             del offloading[entry]
             features += entry.count
             if quarantined:
-                quarantined.pop(entry, None)  # a late fence: its bytes come back now
+                quarantined.release(entry)  # a late fence: its bytes come back now
             tensor, entry.tensor = entry.tensor, None
             assert tensor is not None
             nbytes = entry.nbytes
@@ -1476,7 +1455,7 @@ class FeatureCache:
         """An offloaded entry that was discarded meanwhile, or whose copy failed."""
         if entry.state is State.D2H:  # the copy failed: the feature is lost
             self._counters.copy_failed("offload", entry.key, failed)
-            self._counters.lost(self._forget(entry))
+            self._counters.lost(self._entries.forget(entry))
             entry.state = State.GONE
         self._free_block(entry)
 
@@ -1489,7 +1468,8 @@ class FeatureCache:
         if fence.done() or entry not in self._offloading or entry in self._quarantined:
             return
         block = entry.block
-        self._quarantined[entry] = (
+        self._quarantined.hold(
+            entry,
             entry.nbytes if self._offloading[entry] else 0,
             block.nbytes if block is not None else 0,
         )
@@ -1501,7 +1481,7 @@ class FeatureCache:
             entry.nbytes,
         )
         self._counters.quarantined()
-        lost = self._forget(entry)
+        lost = self._entries.forget(entry)
         if lost:
             self._counters.lost(lost)
         entry.state = State.GONE
@@ -1587,11 +1567,9 @@ class FeatureCache:
         Its rows stay charged to the group's tier until then: a group is one block of
         memory on either side, and slicing it would cost the copies it saves.
         """
-        if self._entries.get(member.key) is not member:
+        if not self._entries.leave(member):
             return
-        del self._entries[member.key]
         group = member.group
-        group.count -= 1
         state = group.state
         if state is State.GPU:
             self._gpu_entries -= 1
@@ -1604,27 +1582,9 @@ class FeatureCache:
         if group.count == 0:
             self._unlink(group)
 
-    def _forget(self, entry: Entry) -> int:
-        """Remove entry's keys (a group's: its members') from the index; how many there were."""
-        entries = self._entries
-        if entry.members is None:
-            if entries.get(entry.key) is entry:
-                del entries[entry.key]
-                return 1
-            return 0
-        forgotten = 0
-        for member in entry.members:
-            if entries.get(member.key) is member:
-                del entries[member.key]
-                forgotten += 1
-        # Members name their group: without this the two would die only by the cyclic
-        # collector (whose pauses grow with the objects it walks).
-        entry.members = []
-        return forgotten
-
     def _unlink(self, entry: Entry) -> None:
         """Remove entry from the index and release what it holds after its fences."""
-        self._forget(entry)
+        self._entries.forget(entry)
         state, entry.state = entry.state, State.GONE
         if state is State.GPU:
             self._gpu_lru.pop(entry.key, None)
@@ -1830,12 +1790,6 @@ class FeatureCache:
         await self.put(key, value, stream=stream)
         return value, ready
 
-    def _computed(self, key: Hashable, task: asyncio.Task[tuple[torch.Tensor, Fence]]) -> None:
-        if self._inflight.get(key) is task:
-            del self._inflight[key]
-        if not task.cancelled() and task.exception() is not None:
-            log.debug("get_or_compute(%r) failed: %s", key, task.exception())
-
     # --- bookkeeping --------------------------------------------------------------------
 
     async def _wait(self, fences: Sequence[Fence]) -> float:
@@ -1856,15 +1810,11 @@ class FeatureCache:
 
     def _entry(self, key: Hashable) -> Entry:
         """The entry that holds key's feature (its group's, for a member); KeyError if none."""
-        return _holder(self._entries[key])
+        return self._entries.holder(key)
 
     def _held_entries(self) -> list[Entry]:
         """Every entry the index reaches, once each (a group once for all its members)."""
-        held = {}
-        for found in self._entries.values():
-            entry = _holder(found)
-            held[id(entry)] = entry
-        return list(held.values())
+        return self._entries.held()
 
     def _audit(self) -> dict[str, int]:
         """Bytes in the ledgers that no entry, copy or pending release owns (should be 0)."""
@@ -1883,9 +1833,9 @@ class FeatureCache:
         pool = self._pool
         cpu_used = pool.used_bytes - pool.freeing_bytes if pool else 0
         leaked = {"gpu": self._gpu_used - gpu_owned, "cpu": cpu_used - cpu_owned}
-        for gpu_bytes, cpu_bytes in self._quarantined.values():  # owned, but maybe never back
-            leaked["gpu"] += gpu_bytes
-            leaked["cpu"] += cpu_bytes
+        # Owned, but maybe never back.
+        leaked["gpu"] += self._quarantined.device_bytes()
+        leaked["cpu"] += self._quarantined.host_bytes()
         for tier, nbytes in leaked.items():
             self._metrics.set_leaked(tier, nbytes)
         return leaked
@@ -1909,11 +1859,6 @@ def _raise_if_failed(ready: Fence) -> None:
     """A feature whose producing copy already failed is an error to read, never poison."""
     if ready.done() and ready.exception() is not None:
         raise CopyFailedError(f"the copy that made this feature failed: {ready.exception()}")
-
-
-def _holder(found: Entry | Member) -> Entry:
-    """The entry that holds a key's feature: its own, or its group's."""
-    return found.group if isinstance(found, Member) else found
 
 
 def _group_spans(
