@@ -31,8 +31,10 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from mmcache.closing import CloseOnce, off_the_loop
+from mmcache.core.budget import FifoBudget
 from mmcache.core.counters import Counters
 from mmcache.core.index import KeyIndex, holder
+from mmcache.core.ledger import TierLedger
 from mmcache.core.policy import make_policy
 from mmcache.core.quarantine import Quarantine
 from mmcache.device import Device, Fence, Stream, resolve_device
@@ -131,6 +133,7 @@ class FeatureCache:
         self._registry = registry
         self._metrics = CacheMetrics(name, registry)
         self._metrics.set_capacity("gpu", self._gpu_capacity)
+        self._ledger = TierLedger(self._gpu_capacity)
 
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = 0
@@ -147,17 +150,13 @@ class FeatureCache:
         # an OrderedDict: every offloaded feature is inserted, evicted and re-inserted here.
         self._gpu_lru = make_policy(self.settings.eviction_policy)
         self._host_lru = make_policy(self.settings.eviction_policy)
-        self._gpu_waiters: deque[_BudgetWaiter] = deque()
+        # Puts waiting for GPU room, granted from the ledger in arrival order.
+        self._gpu_waiters: FifoBudget[int, int] = FifoBudget(
+            self._ledger.take_if_free, self._ledger.give_back
+        )
         self._host_waiters: deque[_BudgetWaiter] = deque()
         self._inflight: SingleFlight[tuple[torch.Tensor, Fence]] = SingleFlight()
 
-        # GPU ledger: _gpu_used = entries on the device + granted reservations + releasing.
-        self._gpu_used = 0
-        self._gpu_granted = 0  # reserved for puts that have not inserted yet
-        self._gpu_releasing = 0  # entries being offloaded and tensors released after fences
-        self._gpu_released_pending = 0  # the part of _gpu_releasing not owned by an entry
-        self._gpu_entries = 0
-        self._cpu_entries = 0
         # Every offload in flight (linked or already discarded) -> whether it is GPU-charged.
         self._offloading: dict[Entry, bool] = {}
         # Offload batches not yet handled, in the order queued (and so, on one copy stream,
@@ -226,7 +225,8 @@ class FeatureCache:
             self._watch_timer = None
         if timeout is None:
             timeout = self._copy_timeout  # a stuck copy must not hang close() for ever
-        for waiters in (self._gpu_waiters, self._host_waiters):
+        self._gpu_waiters.fail_all(lambda: CacheClosedError("the cache closed while put waited"))
+        for waiters in (self._host_waiters,):
             while waiters:
                 w = waiters.popleft()
                 if not w.future.done():
@@ -364,8 +364,7 @@ class FeatureCache:
         entry = Entry(key, tuple(own.shape), own.dtype, nbytes, State.GPU, own, ready)
         self._entries[key] = entry
         self._gpu_lru[key] = entry
-        self._gpu_granted -= nbytes
-        self._gpu_entries += 1
+        self._ledger.insert(nbytes, 1)
         # No put waits now (_take_gpu grants nothing ahead of one): none to wake.
         self._tiers.request()
         return True
@@ -634,8 +633,7 @@ class FeatureCache:
             else:
                 offloads.append((entry, blocks[u]))
         if to_gpu:
-            self._gpu_granted -= total
-            self._gpu_entries += len(keys)
+            self._ledger.insert(total, len(keys))
             if self._gpu_waiters:
                 self._wake_gpu()  # the next waiter may need these entries offloaded
         else:
@@ -833,15 +831,16 @@ class FeatureCache:
         """A snapshot of the ledger and counters; also audits it for leaked bytes."""
         self._tiers.flush()
         leaked = self._audit()
+        ledger = self._ledger
         quarantined = self._quarantined
         pool = self._pool
         return CacheStats(
-            gpu_bytes=self._gpu_used,
+            gpu_bytes=ledger.used,
             cpu_bytes=pool.used_bytes if pool else 0,
             gpu_capacity_bytes=self._gpu_capacity,
             cpu_capacity_bytes=pool.capacity_bytes if pool else self._cpu_capacity,
-            gpu_entries=self._gpu_entries,
-            cpu_entries=self._cpu_entries,
+            gpu_entries=ledger.gpu_entries,
+            cpu_entries=ledger.cpu_entries,
             pending_copies=self._counters.pending_copies,
             leaked_bytes=leaked["gpu"] + leaked["cpu"],
             quarantined_bytes=quarantined.device_bytes() + quarantined.host_bytes(),
@@ -981,47 +980,35 @@ class FeatureCache:
 
     # --- GPU budget ---------------------------------------------------------------------
 
-    def _gpu_free(self) -> int:
-        return self._gpu_capacity - self._gpu_used
-
     def _take_gpu(self, nbytes: int) -> bool:
         """Reserve nbytes of the GPU tier if it has room now and no put waits before us."""
         ahead = self._evict_ahead
-        if self._landing and self._gpu_free() < nbytes + ahead:
+        ledger = self._ledger
+        if self._landing and ledger.free() < nbytes + ahead:
             self._reap_landed()
-        if not self._gpu_waiters and self._gpu_free() + self._gpu_releasing < nbytes + ahead // 2:
+        if not self._gpu_waiters and ledger.free() + ledger.releasing < nbytes + ahead // 2:
             # Below the low-water mark: offload a batch now, so the copies of the next
             # batch overlap with the puts that use the room this one makes. Topping up a
             # batch saves a copy only where a host tier takes it (else it drops more).
             slack = ahead // 2 if self._pool is not None else 0
             self._evict_gpu_for(nbytes + ahead, slack=slack)
-        if not self._gpu_waiters and self._gpu_free() >= nbytes:
-            self._gpu_used += nbytes
-            self._gpu_granted += nbytes
+        if not self._gpu_waiters and ledger.free() >= nbytes:
+            ledger.grant(nbytes)
             return True
         return False
 
     async def _wait_gpu(self, nbytes: int) -> None:
         """Wait in line until nbytes of the GPU tier are granted (after _take_gpu failed)."""
-        assert self._loop is not None
-        waiter = _BudgetWaiter(nbytes, self._loop.create_future())
-        self._gpu_waiters.append(waiter)
+        waiter = self._gpu_waiters.join(nbytes)
         self._wake_gpu()  # offloads for us, and grants at once what drops freed
         self._watch_landings()  # now, not late: we wait for the room they make
         try:
-            await waiter.future
+            await self._gpu_waiters.wait(waiter)
         except BaseException:
-            future = waiter.future
-            if future.done() and not future.cancelled() and future.exception() is None:
-                self._gpu_used -= nbytes  # granted just as we were cancelled: give it back
-                self._gpu_granted -= nbytes
-            with contextlib.suppress(ValueError):
-                self._gpu_waiters.remove(waiter)
-            self._wake_gpu()
+            self._wake_gpu()  # what we were granted, or our place, goes to the next
             raise
         if self._closed:  # granted, then close() ran before we resumed: insert nothing
-            self._gpu_used -= nbytes
-            self._gpu_granted -= nbytes
+            self._ledger.give_back(nbytes)
             raise CacheClosedError("the cache closed while put waited")
 
     def _evict_gpu_for(self, needed: int, *, slack: int = 0) -> None:
@@ -1035,12 +1022,13 @@ class FeatureCache:
         feature's copy took 29 µs of the loop on the H200).
         """
         lru = self._gpu_lru
+        ledger = self._ledger
         small_limit = self._small_copy_bytes
         limit = needed + slack
         batch: list[Entry] = []
         batched = evicted = 0
         while lru:
-            have = self._gpu_free() + self._gpu_releasing + batched
+            have = ledger.free() + ledger.releasing + batched
             if have >= needed:
                 if not batch:
                     break
@@ -1091,39 +1079,28 @@ class FeatureCache:
     def _wake_gpu(self) -> None:
         """Grant waiting puts in arrival order while they fit; offload more for the rest."""
         waiters = self._gpu_waiters
+        ledger = self._ledger
         while True:
-            while waiters:
-                head = waiters[0]
-                if head.future.done():
-                    waiters.popleft()
-                    continue
-                if self._gpu_free() < head.nbytes:
-                    break
-                waiters.popleft()
-                self._gpu_used += head.nbytes
-                self._gpu_granted += head.nbytes
-                head.future.set_result(None)
+            waiters.grant()
             if not waiters:
                 return
-            free_before = self._gpu_free()
-            self._evict_gpu_for(sum(w.nbytes for w in waiters))
-            if self._gpu_free() == free_before:
+            free_before = ledger.free()
+            self._evict_gpu_for(sum(waiters.wanted()))
+            if ledger.free() == free_before:
                 return  # the rest is on its way (copies in flight)
 
     def _release_device(self, tensor: torch.Tensor, nbytes: int, after: Sequence[Fence]) -> None:
         """Release a device tensor charged to the GPU tier once after's fences are done."""
         pending = [f for f in after if not f.done()]
         self._device.release(tensor, after=pending)
+        ledger = self._ledger
         if not pending:
-            self._gpu_used -= nbytes
+            ledger.release(nbytes)
             return
-        self._gpu_releasing += nbytes
-        self._gpu_released_pending += nbytes
+        ledger.release_later(nbytes)
 
         def released() -> None:
-            self._gpu_releasing -= nbytes
-            self._gpu_released_pending -= nbytes
-            self._gpu_used -= nbytes
+            ledger.released(nbytes)
             self._wake_gpu()
             self._tiers.request()
 
@@ -1303,9 +1280,7 @@ class FeatureCache:
             features += entry.count
         batch = [entry for entry, _ in items]
         nbytes = sum(entry.nbytes for entry in batch)
-        self._cpu_entries += features
-        if charged_gpu:
-            self._gpu_releasing += nbytes
+        self._ledger.offloading(nbytes, features, charged_gpu)
         self._counters.copy_started("d2h", features)
 
         offload = _Offload(fence, batch, started)
@@ -1445,9 +1420,7 @@ class FeatureCache:
             else:
                 self._offload_lost(entry, failed)
         if charged_gpu:
-            self._gpu_releasing -= moved
-            self._gpu_entries -= features
-            self._gpu_used -= released
+            self._ledger.offloaded(moved, features, released)
         if failed is None:
             self._counters.offloaded(moved)
 
@@ -1571,14 +1544,15 @@ class FeatureCache:
             return
         group = member.group
         state = group.state
+        ledger = self._ledger
         if state is State.GPU:
-            self._gpu_entries -= 1
+            ledger.gpu_left(1)
         elif state is State.HOST:
-            self._cpu_entries -= 1
+            ledger.host_left(1)
         elif state is State.D2H:  # counted in the host tier since queued, in the GPU one if charged
-            self._cpu_entries -= 1
+            ledger.host_left(1)
             if self._offloading.get(group):
-                self._gpu_entries -= 1
+                ledger.gpu_left(1)
         if group.count == 0:
             self._unlink(group)
 
@@ -1588,7 +1562,7 @@ class FeatureCache:
         state, entry.state = entry.state, State.GONE
         if state is State.GPU:
             self._gpu_lru.pop(entry.key, None)
-            self._gpu_entries -= entry.count
+            self._ledger.gpu_left(entry.count)
             tensor, entry.tensor = entry.tensor, None
             assert tensor is not None
             self._release_device(
@@ -1602,7 +1576,7 @@ class FeatureCache:
     def _free_block(self, entry: Entry) -> None:
         block, entry.block = entry.block, None
         if block is not None and self._pool is not None:
-            self._cpu_entries -= entry.count
+            self._ledger.host_left(entry.count)
             self._pool.free(block, after=entry.readers_pending())
 
     # --- reads --------------------------------------------------------------------------
@@ -1710,7 +1684,7 @@ class FeatureCache:
             (span is None or member is not None)
             and self._promote
             and not self._gpu_waiters
-            and self._gpu_free() >= (entry.nbytes if member is None else member.nbytes)
+            and self._ledger.free() >= (entry.nbytes if member is None else member.nbytes)
         )
         start, stop = span if span is not None else (0, entry.shape[0] if entry.shape else 1)
         src = entry.host_whole() if span is None else entry.host_view(start, stop)
@@ -1768,8 +1742,7 @@ class FeatureCache:
 
     def _promoted(self, entry: Entry) -> None:
         """Charge a promoted GPU-state entry to the GPU tier, most recently used."""
-        self._gpu_used += entry.nbytes
-        self._gpu_entries += 1
+        self._ledger.promote(entry.nbytes)
         self._gpu_lru[entry.key] = entry
         self._counters.promoted()
         self._tiers.request()
@@ -1804,9 +1777,10 @@ class FeatureCache:
 
     def _push_tier_gauges(self) -> None:
         """Tier sizes to the metrics (through self._tiers: once per loop iteration)."""
-        self._metrics.set_tier("gpu", self._gpu_used, self._gpu_entries)
+        ledger = self._ledger
+        self._metrics.set_tier("gpu", ledger.used, ledger.gpu_entries)
         pool = self._pool
-        self._metrics.set_tier("cpu", pool.used_bytes if pool else 0, self._cpu_entries)
+        self._metrics.set_tier("cpu", pool.used_bytes if pool else 0, ledger.cpu_entries)
 
     def _entry(self, key: Hashable) -> Entry:
         """The entry that holds key's feature (its group's, for a member); KeyError if none."""
@@ -1818,24 +1792,14 @@ class FeatureCache:
 
     def _audit(self) -> dict[str, int]:
         """Bytes in the ledgers that no entry, copy or pending release owns (should be 0)."""
-        gpu_owned = self._gpu_granted + self._gpu_released_pending
-        holders = {id(e): e for e in self._held_entries()}
-        for e, charged in self._offloading.items():
-            holders[id(e)] = e  # discarded while offloading: still holds both sides
-            if charged:
-                gpu_owned += e.nbytes
-        cpu_owned = 0
-        for e in holders.values():
-            if e.state is State.GPU:
-                gpu_owned += e.nbytes
-            if e.block is not None:
-                cpu_owned += e.block.nbytes
         pool = self._pool
-        cpu_used = pool.used_bytes - pool.freeing_bytes if pool else 0
-        leaked = {"gpu": self._gpu_used - gpu_owned, "cpu": cpu_used - cpu_owned}
-        # Owned, but maybe never back.
-        leaked["gpu"] += self._quarantined.device_bytes()
-        leaked["cpu"] += self._quarantined.host_bytes()
+        quarantined = self._quarantined
+        leaked = self._ledger.leaked(
+            self._entries.held(),
+            self._offloading,
+            pool.used_bytes - pool.freeing_bytes if pool else 0,
+            (quarantined.device_bytes(), quarantined.host_bytes()),
+        )
         for tier, nbytes in leaked.items():
             self._metrics.set_leaked(tier, nbytes)
         return leaked

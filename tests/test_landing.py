@@ -265,13 +265,13 @@ async def test_a_landed_offload_keeps_device_bytes_charged_while_a_download_read
         if not cache._offloading:
             break
     assert not cache._offloading and not put_x.done()
-    assert cache._gpu_releasing == 32 * KiB
+    assert cache._ledger.releasing == 32 * KiB
     assert cache._audit() == {"gpu": 0, "cpu": 0}
     for fence in readers.values():
         fence._complete()
     await asyncio.wait_for(put_x, 5)
     await cache.drain()
-    assert cache._gpu_releasing == 0
+    assert cache._ledger.releasing == 0
     s = cache.stats()
     assert (s.leaked_bytes, s.gpu_bytes, s.d2h_bytes) == (0, 64 * KiB, 56 * KiB)
     for key in "abc":

@@ -500,7 +500,7 @@ async def test_a_top_up_stops_at_a_large_victim_and_at_the_slack(
     batches = record_offload_batches(monkeypatch)
 
     def room_for(kib: int) -> int:  # bytes needed free or on their way for kib more
-        return cache._gpu_free() + cache._gpu_releasing + kib * KiB
+        return cache._ledger.free() + cache._ledger.releasing + kib * KiB
 
     cache._evict_gpu_for(room_for(16), slack=1024 * KiB)
     assert batches == [["s1", "s2"]]  # topped up with s2, not with the large one after it
