@@ -35,6 +35,7 @@ from mmcache.core.budget import FifoBudget
 from mmcache.core.counters import Counters
 from mmcache.core.index import KeyIndex, holder
 from mmcache.core.ledger import TierLedger
+from mmcache.core.packing import BATCH_BYTES, GROUP_BELOW, Packings, group_spans, runs
 from mmcache.core.policy import make_policy
 from mmcache.core.quarantine import Quarantine
 from mmcache.device import Device, Fence, Stream, resolve_device
@@ -66,12 +67,6 @@ __all__ = ["FeatureCache"]
 log = logging.getLogger("mmcache")
 
 MiB = 1024 * 1024
-_BATCH_BYTES = 8 * MiB  # ≈150 µs of copy at PCIe Gen5 speed per batched offload
-# put_many packs features below this size into groups. On the H200 hosts that made 64 KB
-# features through put_many 1.8x faster (median of alternating runs) but 1 MB ones about a
-# quarter slower than the per-feature batched offload, which they keep (BENCHMARKS.md).
-_GROUP_BELOW = 512 * 1024
-_PACKED_CHECK_S = 0.002  # how soon an idle loop lets go of the values of finished packings
 # How late the waiter thread is asked to report a landing while no put waits for room.
 _WATCH_DELAY_S = 0.001
 ComputeFn = Callable[[], "torch.Tensor | Awaitable[torch.Tensor]"]
@@ -85,16 +80,6 @@ class _Offload:
     fence: Fence
     batch: list[Entry]
     started: float
-
-
-@dataclass(slots=True, eq=False)
-class _Packing:
-    """A put_many group's packing copy and the values it reads (group None: a put gave up)."""
-
-    fence: Fence
-    values: list[torch.Tensor]
-    group: Entry | None
-    watched: bool = False  # a fence callback will look again (the loop went idle)
 
 
 @dataclass(slots=True, eq=False)
@@ -165,12 +150,7 @@ class FeatureCache:
         self._landing_watched = False  # the waiter thread watches the oldest of them
         self._watch_timer: asyncio.TimerHandle | None = None  # arms that watch a little late
         self._watchdog: asyncio.TimerHandle | None = None  # quarantines overdue offloads
-        # Packing copies of put_many groups not yet seen done. The loop looks at them itself
-        # (at the next put_many, or once 2 ms later): a fence callback for each would cost a
-        # hand-over of the GIL from the waiter thread per group. Only those still running
-        # then get a callback, so nothing polls.
-        self._packing: list[_Packing] = []
-        self._packing_timer: asyncio.TimerHandle | None = None
+        self._packings = Packings(self._when_done, self._check_ready)
         self._quarantined = Quarantine()
         self._copy_timeout = self.settings.copy_timeout_s
         self._tiers = DeferredPush(self._push_tier_gauges)
@@ -189,6 +169,7 @@ class FeatureCache:
         self._loop_thread = threading.get_ident()
         self._tiers.bind(loop)
         self._producers.bind(loop)
+        self._packings.bind(loop)
         self._watcher = FenceWatcher(loop)
         warm_host_copies()  # on the loop's thread, where host reads copy
         port = self.settings.metrics_port
@@ -214,6 +195,7 @@ class FeatureCache:
         if not self._closing.begun:
             self._check_loop()
             self._closed = True  # before any await: no put or get starts from here on
+            self._packings.close()
         await self._closing.run(functools.partial(self._close, timeout))
 
     async def _close(self, timeout: float | None) -> None:  # noqa: ASYNC109
@@ -240,10 +222,7 @@ class FeatureCache:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._all_landed(), timeout)
         with contextlib.suppress(CopyTimeoutError):
-            await self._packings_done(timeout)  # one that never ends keeps its values
-        if self._packing_timer is not None:
-            self._packing_timer.cancel()
-            self._packing_timer = None
+            await self._packings.wait_all(timeout)  # one that never ends keeps its values
         self._tiers.request()
         self._metrics.close()
         if self._owns_device:
@@ -275,8 +254,8 @@ class FeatureCache:
         """Wait until every queued copy and deferred release has completed."""
         await self._ready_to_serve()
         await self._all_landed()
-        while self._packing:  # a group lost to its packing copy may start more work
-            await self._packings_done(None)
+        while self._packings:  # a group lost to its packing copy may start more work
+            await self._packings.wait_all(None)
             await self._all_landed()
 
     async def _all_landed(self) -> None:
@@ -462,7 +441,7 @@ class FeatureCache:
         """put_split once its arguments are checked; holder is emptied once the cache owns it.
 
         The tensor is one unit when one host block can take it; otherwise runs of its
-        features up to _BATCH_BYTES each are copied into storage of their own.
+        features up to BATCH_BYTES each are copied into storage of their own.
         """
         if self._closed or self._loop is not asyncio.get_running_loop():
             await self._ready_to_serve()
@@ -479,7 +458,7 @@ class FeatureCache:
         if len(keys) == 1 or not host_limit or total <= host_limit:
             spans = [(0, len(keys))]
         else:
-            spans = _runs(sizes, None, min(_BATCH_BYTES, host_limit))
+            spans = runs(sizes, None, min(BATCH_BYTES, host_limit))
         produced = self._producers.fence(stream)
         owned: list[tuple[torch.Tensor, Fence]] = []
         try:
@@ -504,7 +483,7 @@ class FeatureCache:
         """put for one or more features: check all, take all, reserve once, insert all.
 
         Small features of one put_many that share dtype and row shape become groups
-        (_group_spans): each is packed into one device tensor and cached as one entry.
+        (packing.group_spans): each is packed into one device tensor and cached as one entry.
         items is emptied once the cache owns the values.
         """
         if self._closed or self._loop is not asyncio.get_running_loop():
@@ -535,10 +514,10 @@ class FeatureCache:
         if len(items) == 1:
             spans = [(0, 1)]
         else:
-            below = min(self._small_copy_bytes, _GROUP_BELOW)
-            spans = _group_spans(items, sizes, below, self._host_limit())
-            if self._packing:
-                self._reap_packed()  # the values of earlier groups, already read
+            below = min(self._small_copy_bytes, GROUP_BELOW)
+            spans = group_spans(items, sizes, below, self._host_limit())
+            if self._packings:
+                self._packings.reap()  # the values of earlier groups, already read
         # Rows of each feature, for the members' ranges.
         rows = [t.shape[0] if t.dim() else 1 for _, t in items] if len(spans) < len(items) else []
         produced: Fence | None = None  # recorded for single features only: groups have their own
@@ -625,7 +604,7 @@ class FeatureCache:
             if sources[u]:
                 # Its values stay referenced until the packing copy has read them, and a
                 # packing that failed drops the group then.
-                self._hold_values(ready, sources[u], entry)
+                self._packings.hold(ready, sources[u], entry)
             elif ready is not produced:
                 compacted.append(entry)
             if to_gpu:
@@ -973,7 +952,7 @@ class FeatureCache:
         for (own, ready), values in zip(owned, sources, strict=True):
             self._device.release(own, after=[ready])
             if values:  # a packing copy may still read them
-                self._hold_values(ready, values, None)
+                self._packings.hold(ready, values, None)
         for block in blocks:
             assert self._pool is not None
             self._pool.free(block)
@@ -1014,7 +993,7 @@ class FeatureCache:
     def _evict_gpu_for(self, needed: int, *, slack: int = 0) -> None:
         """Offload least recently used entries until needed bytes are free or on their way.
 
-        Features below small_copy_bytes go in batches of about _BATCH_BYTES behind one
+        Features below small_copy_bytes go in batches of about BATCH_BYTES behind one
         fence: per-copy work (an enqueue, an event, a wake-up on landing) would otherwise
         cap small features far below the copy engine's bandwidth. Up to slack bytes more
         may go to top up a last batch left part full with the next small victims: on its
@@ -1040,7 +1019,7 @@ class FeatureCache:
             if entry.nbytes < small_limit:
                 batch.append(entry)
                 batched += entry.nbytes
-                if batched >= _BATCH_BYTES:
+                if batched >= BATCH_BYTES:
                     # One fence frees a whole batch: bounded, so room comes back in steps.
                     self._offload_batch(batch)
                     batch, batched = [], 0
@@ -1466,54 +1445,6 @@ class FeatureCache:
         self._wake_gpu()
         self._tiers.request()
 
-    def _hold_values(self, fence: Fence, values: list[torch.Tensor], group: Entry | None) -> None:
-        """Keep a group's values until its packing copy (fence) has read them."""
-        self._packing.append(_Packing(fence, values, group))
-        self._arm_packing_timer()
-
-    def _arm_packing_timer(self) -> None:
-        if self._packing_timer is None and not self._closed:
-            assert self._loop is not None
-            self._packing_timer = self._loop.call_later(_PACKED_CHECK_S, self._packing_timeout)
-
-    def _packing_timeout(self) -> None:
-        """The loop's second look: packings still running get a fence callback each."""
-        self._packing_timer = None
-        self._reap_packed()
-        for packing in self._packing:
-            if not packing.watched:
-                packing.watched = True
-                self._when_done([packing.fence], self._reap_packed)
-
-    def _reap_packed(self) -> None:
-        """Let go of the values of finished packing copies; drop groups whose copy failed.
-
-        Every record is looked at: packings on different streams finish in any order.
-        (Each one still running is covered: by the timer its put armed, or by a callback.)
-        """
-        running = []
-        for packing in self._packing:
-            if not packing.fence.done():
-                running.append(packing)
-            elif packing.group is not None:
-                self._check_ready(packing.group, packing.fence)
-        self._packing = running
-
-    async def _packings_done(self, timeout: float | None) -> None:  # noqa: ASYNC109
-        """Wait for every packing copy queued so far, then let go of their values.
-
-        Raises CopyTimeoutError if one is not done within timeout (it keeps its values).
-        """
-        while self._packing:
-            fences = [packing.fence for packing in self._packing]
-            try:
-                await wait_fences(fences, timeout)
-            except CopyTimeoutError:
-                raise
-            except CopyFailedError:
-                pass  # its group is dropped below
-            self._reap_packed()
-
     def _check_ready(self, entry: Entry, ready: Fence) -> None:
         """A put whose producing copy failed (a compaction) must not serve poison: drop it."""
         if ready.exception() is None or entry.ready is not ready:
@@ -1823,47 +1754,3 @@ def _raise_if_failed(ready: Fence) -> None:
     """A feature whose producing copy already failed is an error to read, never poison."""
     if ready.done() and ready.exception() is not None:
         raise CopyFailedError(f"the copy that made this feature failed: {ready.exception()}")
-
-
-def _group_spans(
-    items: Sequence[tuple[Hashable, torch.Tensor]],
-    sizes: Sequence[int],
-    small_bytes: int,
-    host_limit: int,
-) -> list[tuple[int, int]]:
-    """put_many's units: runs of small features of one dtype and row shape, up to
-    _BATCH_BYTES a run (and what one host block can take); others alone.
-    """
-    cap = min(_BATCH_BYTES, host_limit) if host_limit else _BATCH_BYTES
-    # A scalar has no rows to stack: never in a group.
-    kinds = [
-        (t.dtype, t.shape[1:]) if n < small_bytes and t.dim() else None
-        for (_, t), n in zip(items, sizes, strict=True)
-    ]
-    return _runs(sizes, kinds, cap)
-
-
-def _runs(
-    sizes: Sequence[int], kinds: Sequence[object | None] | None, cap: int
-) -> list[tuple[int, int]]:
-    """Index ranges of features to cache together: runs of alike ones (the same kind, not
-    None; all alike when kinds is None) up to cap bytes a run; others alone.
-
-    A group is one tensor on the device, so its features need no copy of their own when
-    offloaded, nor entry, recency slot, host block or landing of their own.
-    """
-    spans = []
-    first = 0
-    run_bytes = 0
-    kind: object | None = None
-    for i, nbytes in enumerate(sizes):
-        mine = True if kinds is None else kinds[i]
-        if mine is None or mine != kind or run_bytes + nbytes > cap:
-            if i > first:
-                spans.append((first, i))
-            first = i
-            run_bytes = 0
-        kind = mine
-        run_bytes += nbytes
-    spans.append((first, len(sizes)))
-    return spans

@@ -19,7 +19,7 @@ from conftest import CacheFactory, Rig, assert_exact, feature, needs_hold, stall
 from prometheus_client import CollectorRegistry
 
 from mmcache import CacheSettings, CopyFailedError, DeviceOutOfMemoryError, FeatureCache
-from mmcache.cache import _BATCH_BYTES, _group_spans
+from mmcache.core.packing import BATCH_BYTES, group_spans
 from mmcache.device import Fence, SimDevice, Stream
 from mmcache.entry import Entry, Member, State
 
@@ -103,16 +103,16 @@ def test_runs_of_alike_small_features_are_grouped_and_the_rest_stand_alone() -> 
         (4, f32, ()),  # a scalar has no rows: alone
         (4 * KiB, f32, (4, 256)),
     )
-    spans = _group_spans(items, sizes, small_bytes=32 * KiB, host_limit=1 << 30)
+    spans = group_spans(items, sizes, small_bytes=32 * KiB, host_limit=1 << 30)
     assert spans == [(0, 2), (2, 4), (4, 5), (5, 6), (6, 7), (7, 8), (8, 9)]
 
 
 def test_a_group_is_cut_at_the_batch_size_and_at_what_one_host_block_takes() -> None:
     items, sizes = _items(*[(KiB, torch.float32, (1, 256))] * 10)
-    assert _group_spans(items, sizes, 1 << 20, host_limit=4 * KiB) == [(0, 4), (4, 8), (8, 10)]
-    big = _BATCH_BYTES // 4
+    assert group_spans(items, sizes, 1 << 20, host_limit=4 * KiB) == [(0, 4), (4, 8), (8, 10)]
+    big = BATCH_BYTES // 4
     items, sizes = _items(*[(big, torch.uint8, (big,))] * 6)
-    assert _group_spans(items, sizes, 1 << 30, host_limit=1 << 30) == [(0, 4), (4, 6)]
+    assert group_spans(items, sizes, 1 << 30, host_limit=1 << 30) == [(0, 4), (4, 6)]
 
 
 # --- a group on the GPU and on the host ----------------------------------------------
@@ -484,10 +484,10 @@ async def test_packings_finishing_out_of_order_let_go_of_their_values(
         await asyncio.sleep(0.005)
     assert all(ref() is None for ref in refs), "stream b's values kept behind stream a's"
     await asyncio.sleep(0.02)
-    assert cache._packing_timer is None and all(p.watched for p in cache._packing), "polling"
+    assert not cache._packings.polling, "a packing still running is polled"
     dev.unstick()
     await cache.drain()
-    assert not cache._packing
+    assert not cache._packings
     await assert_clean(rig, cache)
 
 
