@@ -13,7 +13,7 @@ import math
 import operator
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import (
     AsyncIterator,
     Awaitable,
@@ -35,6 +35,7 @@ from mmcache.core.budget import FifoBudget
 from mmcache.core.counters import Counters
 from mmcache.core.index import KeyIndex, holder
 from mmcache.core.ledger import TierLedger
+from mmcache.core.offload import OffloadPipeline
 from mmcache.core.packing import BATCH_BYTES, GROUP_BELOW, Packings, group_spans, runs
 from mmcache.core.policy import make_policy
 from mmcache.core.quarantine import Quarantine
@@ -67,19 +68,8 @@ __all__ = ["FeatureCache"]
 log = logging.getLogger("mmcache")
 
 MiB = 1024 * 1024
-# How late the waiter thread is asked to report a landing while no put waits for room.
-_WATCH_DELAY_S = 0.001
 ComputeFn = Callable[[], "torch.Tensor | Awaitable[torch.Tensor]"]
 _T = TypeVar("_T")
-
-
-@dataclass(slots=True, eq=False)
-class _Offload:
-    """One queued offload copy: its fence, the entries it moves, when it was queued."""
-
-    fence: Fence
-    batch: list[Entry]
-    started: float
 
 
 @dataclass(slots=True, eq=False)
@@ -119,6 +109,9 @@ class FeatureCache:
         self._metrics = CacheMetrics(name, registry)
         self._metrics.set_capacity("gpu", self._gpu_capacity)
         self._ledger = TierLedger(self._gpu_capacity)
+        self._counters = Counters(self._metrics)
+        self._tiers = DeferredPush(self._push_tier_gauges)
+        self._copy_timeout = self.settings.copy_timeout_s
 
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = 0
@@ -142,19 +135,22 @@ class FeatureCache:
         self._host_waiters: deque[_BudgetWaiter] = deque()
         self._inflight: SingleFlight[tuple[torch.Tensor, Fence]] = SingleFlight()
 
-        # Every offload in flight (linked or already discarded) -> whether it is GPU-charged.
-        self._offloading: dict[Entry, bool] = {}
-        # Offload batches not yet handled, in the order queued (and so, on one copy stream,
-        # the order they land) -> their landing callbacks.
-        self._landing: OrderedDict[_Offload, Callable[[], None]] = OrderedDict()
-        self._landing_watched = False  # the waiter thread watches the oldest of them
-        self._watch_timer: asyncio.TimerHandle | None = None  # arms that watch a little late
-        self._watchdog: asyncio.TimerHandle | None = None  # quarantines overdue offloads
         self._packings = Packings(self._when_done, self._check_ready)
         self._quarantined = Quarantine()
-        self._copy_timeout = self.settings.copy_timeout_s
-        self._tiers = DeferredPush(self._push_tier_gauges)
-        self._counters = Counters(self._metrics)
+        self._pipeline = OffloadPipeline(
+            device=self._device,
+            ledger=self._ledger,
+            counters=self._counters,
+            index=self._entries,
+            quarantine=self._quarantined,
+            host_insert=self._host_lru.__setitem__,
+            release_device=self._release_device,
+            lost=self._offload_lost,
+            after_landing=self._landed,
+            urgent=self._waiting_for_room,
+            changed=self._tiers.request,
+            copy_timeout=self._copy_timeout,
+        )
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -171,6 +167,7 @@ class FeatureCache:
         self._producers.bind(loop)
         self._packings.bind(loop)
         self._watcher = FenceWatcher(loop)
+        self._pipeline.bind(loop, self._watcher)
         warm_host_copies()  # on the loop's thread, where host reads copy
         port = self.settings.metrics_port
         if port is not None and self._registry is None:
@@ -202,9 +199,7 @@ class FeatureCache:
         """close()'s work, in a task of its own (see close)."""
         self._tiers.unbind()
         self._producers.unbind()
-        if self._watch_timer is not None:  # landings are watched at once from here on
-            self._watch_timer.cancel()
-            self._watch_timer = None
+        self._pipeline.close()  # landings are watched at once from here on
         if timeout is None:
             timeout = self._copy_timeout  # a stuck copy must not hang close() for ever
         self._gpu_waiters.fail_all(lambda: CacheClosedError("the cache closed while put waited"))
@@ -220,7 +215,7 @@ class FeatureCache:
             self._remove(found)
         if self._watcher is not None:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._all_landed(), timeout)
+                await asyncio.wait_for(self._pipeline.all_landed(), timeout)
         with contextlib.suppress(CopyTimeoutError):
             await self._packings.wait_all(timeout)  # one that never ends keeps its values
         self._tiers.request()
@@ -253,20 +248,10 @@ class FeatureCache:
     async def drain(self) -> None:
         """Wait until every queued copy and deferred release has completed."""
         await self._ready_to_serve()
-        await self._all_landed()
+        await self._pipeline.all_landed()
         while self._packings:  # a group lost to its packing copy may start more work
             await self._packings.wait_all(None)
-            await self._all_landed()
-
-    async def _all_landed(self) -> None:
-        """Wait until every queued offload has landed and been handled, and every other
-        callback waiting on fences has run. Watches landings at once, never late."""
-        assert self._watcher is not None
-        while True:
-            self._watch_landings(now=True)
-            await self._watcher.idle()
-            if not self._landing:
-                return
+            await self._pipeline.all_landed()
 
     @property
     def device(self) -> Device:
@@ -963,8 +948,8 @@ class FeatureCache:
         """Reserve nbytes of the GPU tier if it has room now and no put waits before us."""
         ahead = self._evict_ahead
         ledger = self._ledger
-        if self._landing and ledger.free() < nbytes + ahead:
-            self._reap_landed()
+        if self._pipeline and ledger.free() < nbytes + ahead:
+            self._pipeline.reap()
         if not self._gpu_waiters and ledger.free() + ledger.releasing < nbytes + ahead // 2:
             # Below the low-water mark: offload a batch now, so the copies of the next
             # batch overlap with the puts that use the room this one makes. Topping up a
@@ -980,7 +965,7 @@ class FeatureCache:
         """Wait in line until nbytes of the GPU tier are granted (after _take_gpu failed)."""
         waiter = self._gpu_waiters.join(nbytes)
         self._wake_gpu()  # offloads for us, and grants at once what drops freed
-        self._watch_landings()  # now, not late: we wait for the room they make
+        self._pipeline.watch()  # now, not late: we wait for the room they make
         try:
             await self._gpu_waiters.wait(waiter)
         except BaseException:
@@ -1135,7 +1120,7 @@ class FeatureCache:
         fragment the arena so that the rest never fit. Until the arena is pinned a put
         waits for it (or returns False with wait=False); if it cannot be allocated, False.
         """
-        self._reap_landed()
+        self._pipeline.reap()
         if not self._host_waiters:
             taken = self._host_alloc_all(sizes)
             if taken is not None:
@@ -1146,7 +1131,7 @@ class FeatureCache:
         assert self._loop is not None
         waiter = _BudgetWaiter(sum(sizes), self._loop.create_future())
         self._host_waiters.append(waiter)
-        self._watch_landings()  # now, not late: landings let us evict their entries
+        self._pipeline.watch()  # now, not late: landings let us evict their entries
         try:
             while True:
                 await waiter.future
@@ -1160,7 +1145,7 @@ class FeatureCache:
                     return True
                 waiter.future = self._loop.create_future()
                 self._host_waiters.appendleft(waiter)
-                self._watch_landings()  # a report just took us off the line: watch on
+                self._pipeline.watch()  # a report just took us off the line: watch on
         finally:
             with contextlib.suppress(ValueError):
                 self._host_waiters.remove(waiter)
@@ -1248,160 +1233,18 @@ class FeatureCache:
                     self._device.release(tensor, after=[entry.ready])
             return
         del srcs  # the entries keep the sources alive until the copy has landed
-        started = time.perf_counter()
-        offloading = self._offloading
-        features = 0
-        for entry, block in items:
-            entry.state = State.D2H
-            entry.block = block
-            entry.copy_fence = fence
-            offloading[entry] = charged_gpu
-            features += entry.count
-        batch = [entry for entry, _ in items]
-        nbytes = sum(entry.nbytes for entry in batch)
-        self._ledger.offloading(nbytes, features, charged_gpu)
-        self._counters.copy_started("d2h", features)
+        self._pipeline.queue(fence, items, charged_gpu=charged_gpu)
 
-        offload = _Offload(fence, batch, started)
-
-        def landed() -> None:
-            self._counters.copy_finished("d2h", nbytes, started, features)
-            # Asked once: a batch's fence may be many fences (simulator).
-            self._offloads_done(batch, fence.exception(), charged_gpu)
-            if charged_gpu:
-                self._wake_gpu()
-            elif self._host_waiters:  # a put straight to the host tier can evict them now
-                self._wake_host()
-            self._tiers.request()
-
-        self._landing[offload] = landed
-        self._watch_landings()
-        if self._watchdog is None:
-            self._arm_watchdog(started + self._copy_timeout)
-
-    def _arm_watchdog(self, deadline: float) -> None:
-        assert self._loop is not None
-        delay = max(0.0, deadline - time.perf_counter())
-        self._watchdog = self._loop.call_later(delay, self._check_overdue)
-
-    def _check_overdue(self) -> None:
-        """Quarantine offloads past copy_timeout_s: one timer for all, oldest first."""
-        self._watchdog = None
-        now = time.perf_counter()
-        for offload in list(self._landing):
-            deadline = offload.started + self._copy_timeout
-            if deadline > now:
-                self._arm_watchdog(deadline)
-                return
-            if not offload.fence.done():
-                for entry in offload.batch:
-                    self._quarantine(entry, offload.fence)
-
-    def _reap_landed(self) -> None:
-        """Handle offloads that have landed, oldest first, without waiting to be told.
-
-        A put short of room looks here first, and often finds its room already copied out.
-        A landing that raises goes to the loop's exception handler, as a raising callback
-        would: it must not fail the put that happened to reap it, nor stop the reaping.
-        """
-        landing = self._landing
-        while landing:
-            offload, landed = next(iter(landing.items()))
-            if not offload.fence.done():
-                return
-            del landing[offload]
-            try:
-                landed()
-            except Exception as exc:
-                assert self._loop is not None
-                self._loop.call_exception_handler(
-                    {"message": "mmcache: handling a landed offload failed", "exception": exc}
-                )
-
-    def _watch_landings(self, *, now: bool = False) -> None:
-        """Have the device's waiter thread report when the oldest queued offload lands.
-
-        One watch at a time, not one per offload: a report takes the GIL on the waiter
-        thread, and a busy loop pays for that hand-over in its next torch call (a 4-9 µs
-        copy enqueue took 17-24 µs on the H200 with a waiter reporting each copy). A
-        loop that keeps putting reaps landings itself; the watch serves an idle loop and
-        puts waiting for room. It is armed at once while a put waits for room (or with
-        now), else _WATCH_DELAY_S later and only if landings are still unhandled then:
-        a loop that yields between batches of puts would otherwise take a report per
-        landing (1 MB features put 8 MiB between yields on the H200: 34-38 GB/s with
-        them, 40-43 without, the median rounds of three alternating pairs).
-        """
-        if self._landing_watched or not self._landing:
-            return
-        if not (now or self._gpu_waiters or self._host_waiters):
-            if self._watch_timer is None and not self._closed:
-                assert self._loop is not None
-                self._watch_timer = self._loop.call_later(_WATCH_DELAY_S, self._watch_late)
-            return
-        self._landing_watched = True
-        oldest = next(iter(self._landing))
-        # Fresh: the oldest was queued just now, or was just seen still copying. Armed
-        # after waits for later copies, it is not held behind them (Fence.add_done_callback).
-        self._when_done([oldest.fence], self._landing_reported, fresh=True)
-
-    def _watch_late(self) -> None:
-        """The delayed watch: handle what has landed, then watch the rest at once."""
-        self._watch_timer = None
-        try:
-            self._reap_landed()
-        finally:
-            self._watch_landings(now=True)
-
-    def _landing_reported(self) -> None:
-        # Still marked watched while reaping: offloads the landings start need no watch
-        # of their own until the reap has found the oldest one still copying.
-        try:
-            self._reap_landed()
-        finally:  # a landing that raised must not leave the rest unwatched
-            self._landing_watched = False
-            self._watch_landings()
-
-    def _offloads_done(
-        self, batch: list[Entry], failed: BaseException | None, charged_gpu: bool
-    ) -> None:
-        """An offload copy has finished: its entries become host-resident, or are lost.
-
-        Runs once per landed copy for all its features; the ledger moves once per batch.
-        """
-        offloading = self._offloading
-        quarantined = self._quarantined
-        host_lru = self._host_lru
-        release = self._device.release
-        done_fence = self._done_fence
-        moved = released = features = 0
-        for entry in batch:
-            del offloading[entry]
-            features += entry.count
-            if quarantined:
-                quarantined.release(entry)  # a late fence: its bytes come back now
-            tensor, entry.tensor = entry.tensor, None
-            assert tensor is not None
-            nbytes = entry.nbytes
-            moved += nbytes
-            # A host get's download may still read the device tensor.
-            readers = entry.device_readers_pending() if entry.device_readers else None
-            if readers and charged_gpu:
-                self._release_device(tensor, nbytes, readers)
-            else:
-                release(tensor, readers or ())
-                released += nbytes
-            if entry.state is State.D2H and failed is None:
-                entry.state = State.HOST
-                # Both copies are done and good: a shared finished fence stands in for them,
-                # so a host entry keeps no CUDA event (nor the batch's fence) alive.
-                entry.copy_fence = entry.ready = done_fence
-                host_lru[entry.key] = entry
-            else:
-                self._offload_lost(entry, failed)
+    def _landed(self, charged_gpu: bool) -> None:
+        """An offload has landed: hand the room it made on."""
         if charged_gpu:
-            self._ledger.offloaded(moved, features, released)
-        if failed is None:
-            self._counters.offloaded(moved)
+            self._wake_gpu()
+        elif self._host_waiters:  # a put straight to the host tier can evict them now
+            self._wake_host()
+        self._tiers.request()
+
+    def _waiting_for_room(self) -> bool:
+        return bool(self._gpu_waiters or self._host_waiters)
 
     def _offload_lost(self, entry: Entry, failed: BaseException | None) -> None:
         """An offloaded entry that was discarded meanwhile, or whose copy failed."""
@@ -1410,34 +1253,6 @@ class FeatureCache:
             self._counters.lost(self._entries.forget(entry))
             entry.state = State.GONE
         self._free_block(entry)
-
-    def _quarantine(self, entry: Entry, fence: Fence) -> None:
-        """An offload past copy_timeout_s: drop its entry, keep its bytes reserved as leaked.
-
-        The copy may still run and read the tensor or write the block, so neither can be
-        reused; if its fence completes later, _offloads_done releases both.
-        """
-        if fence.done() or entry not in self._offloading or entry in self._quarantined:
-            return
-        block = entry.block
-        self._quarantined.hold(
-            entry,
-            entry.nbytes if self._offloading[entry] else 0,
-            block.nbytes if block is not None else 0,
-        )
-        log.error(
-            "offload of %r did not complete within %g s (MMCACHE_COPY_TIMEOUT_SEC): entry "
-            "dropped, its %d bytes quarantined",
-            entry.key,
-            self._copy_timeout,
-            entry.nbytes,
-        )
-        self._counters.quarantined()
-        lost = self._entries.forget(entry)
-        if lost:
-            self._counters.lost(lost)
-        entry.state = State.GONE
-        self._tiers.request()
 
     def _lose(self, entry: Entry) -> None:
         """Drop an entry whose data a failed copy destroyed, and hand its room on."""
@@ -1482,7 +1297,7 @@ class FeatureCache:
             ledger.host_left(1)
         elif state is State.D2H:  # counted in the host tier since queued, in the GPU one if charged
             ledger.host_left(1)
-            if self._offloading.get(group):
+            if self._pipeline.charged(group):
                 ledger.gpu_left(1)
         if group.count == 0:
             self._unlink(group)
@@ -1581,7 +1396,7 @@ class FeatureCache:
             try:
                 self._counters.waited(await self._wait([fence]))
             except CopyTimeoutError:
-                self._quarantine(entry, fence)
+                self._pipeline.quarantine(entry, fence)
                 raise
             view = entry.host_whole(block) if span is None else entry.host_view(*span, block)
             return await self._host_copy(view)
@@ -1727,7 +1542,7 @@ class FeatureCache:
         quarantined = self._quarantined
         leaked = self._ledger.leaked(
             self._entries.held(),
-            self._offloading,
+            self._pipeline.in_flight(),
             pool.used_bytes - pool.freeing_bytes if pool else 0,
             (quarantined.device_bytes(), quarantined.host_bytes()),
         )

@@ -13,8 +13,9 @@ import pytest
 from conftest import CacheFactory, KiB, Rig, assert_exact, feature, needs_hold, put_feature
 from prometheus_client import CollectorRegistry
 
-import mmcache.cache
+import mmcache.core.offload
 from mmcache import CacheSettings, FeatureCache
+from mmcache.core.offload import OffloadPipeline
 from mmcache.device import SimDevice
 from mmcache.device.base import Fence
 from mmcache.device.sim import SimFence
@@ -40,7 +41,7 @@ async def test_a_put_uses_room_whose_offload_landed_but_was_not_reported(
     monkeypatch.setattr(FenceWatcher, "_completed", lambda self, fn: late.append(fn))
     # No room now: this put starts offloads for it and gives up without waiting.
     assert await cache.put("first", feature(rig, 16, 100), wait=False) is False
-    cache._watch_landings(now=True)  # as the loop does a little later if nothing reaps
+    cache._pipeline.watch(now=True)  # as the loop does a little later if nothing reaps
     rig.settle()  # the offloads have landed; nobody has said so
     assert late, "the device reported completions (held back here)"
     # The next put finds the landed room itself, without any report.
@@ -60,16 +61,16 @@ def track_landing_watches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Follow the landing watches handed to the waiter thread from now on: the list holds
     those armed now, the most armed at once, and all armed so far."""
     watching = [0, 0, 0]
-    watched = FeatureCache._when_done
+    watched = FenceWatcher.when_done
 
     def when_done(
-        self: FeatureCache,
+        self: FenceWatcher,
         fences: Sequence[Fence],
         callback: Callable[[], None],
         *,
         fresh: bool = False,
     ) -> None:
-        if callback != self._landing_reported:
+        if getattr(callback, "__func__", None) is not OffloadPipeline._reported:
             return watched(self, fences, callback, fresh=fresh)
 
         def reported() -> None:
@@ -81,7 +82,7 @@ def track_landing_watches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         watching[2] += 1
         return watched(self, fences, reported, fresh=fresh)
 
-    monkeypatch.setattr(FeatureCache, "_when_done", when_done)
+    monkeypatch.setattr(FenceWatcher, "when_done", when_done)
     return watching
 
 
@@ -93,14 +94,18 @@ async def test_the_waiter_watches_one_offload_at_a_time_late_and_still_tells_an_
     watching = track_landing_watches(monkeypatch)
     queued = [0]
 
-    def start_offloads(
-        self: FeatureCache, items: Sequence[tuple[Entry, HostBlock]], charged_gpu: bool
+    def queue(
+        self: OffloadPipeline,
+        fence: Fence,
+        items: Sequence[tuple[Entry, HostBlock]],
+        *,
+        charged_gpu: bool,
     ) -> None:
         queued[0] += len(items)
-        started(self, items, charged_gpu=charged_gpu)
+        started(self, fence, items, charged_gpu=charged_gpu)
 
-    started = FeatureCache._start_offloads
-    monkeypatch.setattr(FeatureCache, "_start_offloads", start_offloads)
+    started = OffloadPipeline.queue
+    monkeypatch.setattr(OffloadPipeline, "queue", queue)
     kept = []
     with rig.hold():  # the offloads the last puts start stay queued together
         for i in range(62):  # the GPU tier holds 64, and offloads ahead from about 56
@@ -111,7 +116,7 @@ async def test_the_waiter_watches_one_offload_at_a_time_late_and_still_tells_an_
     rig.settle()
     # No put follows: the watch alone must bring every landing to the loop.
     await asyncio.sleep(0.2)  # every copy has landed: the report, then at most a late watch
-    assert not cache._landing and cache.stats().pending_copies == 0
+    assert not cache._pipeline and cache.stats().pending_copies == 0
     assert watching[1] == 1, f"{watching[1]} landing watches at once"
     for i, expected in enumerate(kept):
         assert_exact(await cache.get(i, device="cpu"), expected)
@@ -122,7 +127,7 @@ async def test_a_loop_that_yields_between_puts_reaps_landings_without_watches(
 ) -> None:
     """While no put waits, the watch comes late: puts reap what has landed, and drain
     watches at once."""
-    monkeypatch.setattr(mmcache.cache, "_WATCH_DELAY_S", 60.0)
+    monkeypatch.setattr(mmcache.core.offload, "WATCH_DELAY_S", 60.0)
     watching = track_landing_watches(monkeypatch)
     cache = make_cache(gpu_mb=0.25, cpu_mb=4, evict_ahead=0.5)  # 16 features of 16 KiB
     kept = []
@@ -134,9 +139,9 @@ async def test_a_loop_that_yields_between_puts_reaps_landings_without_watches(
     assert watching[2] == 0, "the waiter was asked to watch while puts went on"
     with rig.hold():
         cache._evict_gpu_for(cache._gpu_capacity)  # offloads with no put to reap them
-        assert cache._landing and watching[2] == 0
+        assert cache._pipeline and watching[2] == 0
     await asyncio.wait_for(cache.drain(), 5)  # does not wait for the late watch
-    assert not cache._landing and cache.stats().pending_copies == 0
+    assert not cache._pipeline and cache.stats().pending_copies == 0
     for i, expected in enumerate(kept):
         assert_exact(await cache.get(i, device="cpu"), expected)
 
@@ -146,11 +151,11 @@ async def test_a_put_waiting_for_room_in_flight_has_its_landing_watched_at_once(
 ) -> None:
     """The room a put waits for is already being copied out (offloaded ahead, its watch
     still to come late): the put must not wait for the late watch."""
-    monkeypatch.setattr(mmcache.cache, "_WATCH_DELAY_S", 60.0)
+    monkeypatch.setattr(mmcache.core.offload, "WATCH_DELAY_S", 60.0)
     cache = make_cache(gpu_mb=0.25, cpu_mb=4, evict_ahead=0.5)  # 16 features of 16 KiB
     with rig.hold():
         kept = [await put_feature(cache, rig, i, 16, seed=i) for i in range(16)]
-        assert cache._landing and not cache._landing_watched
+        assert cache._pipeline and not cache._pipeline.watched
         waiting = asyncio.create_task(cache.put("late", feature(rig, 16, 100)))
         await asyncio.sleep(0.01)
         assert not waiting.done(), "the put found room while every copy was held"
@@ -165,7 +170,7 @@ async def test_a_host_put_needing_several_landings_has_each_watched_at_once(
     """Host tier only: a put waits for three offloads in flight to land, one by one, so
     that it can evict their entries; each landing that does not yet make its room must
     leave the next one watched at once, not late."""
-    monkeypatch.setattr(mmcache.cache, "_WATCH_DELAY_S", 60.0)
+    monkeypatch.setattr(mmcache.core.offload, "WATCH_DELAY_S", 60.0)
     device = SimDevice(latency_s=0.02)  # copies land one by one, 20 ms apart
     rig = Rig(device, "sim")
     settings = CacheSettings(gpu_cache_mb=0, cpu_cache_mb=64 / 1024)  # four features
@@ -173,7 +178,7 @@ async def test_a_host_put_needing_several_landings_has_each_watched_at_once(
         async with FeatureCache(settings, device, registry=CollectorRegistry()) as cache:
             for i in range(4):
                 assert await cache.put(i, feature(rig, 16, seed=i))
-            assert cache._landing, "the offloads are still in flight"
+            assert cache._pipeline, "the offloads are still in flight"
             large = feature(rig, 48, seed=9)
             want = large.clone()
             assert await asyncio.wait_for(cache.put("large", large), 5)
@@ -182,21 +187,19 @@ async def test_a_host_put_needing_several_landings_has_each_watched_at_once(
         device.close()
 
 
-def fail_first_landing(monkeypatch: pytest.MonkeyPatch, *, wake_puts: bool = False) -> list[int]:
-    """Make the first landed offload's handling raise once it is done (after waking the
-    puts that wait for room, with wake_puts); the list holds 1 until it has raised."""
-    handled = FeatureCache._offloads_done
+def fail_first_landing(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Make the first landed offload's handling raise once it is done (and has woken the
+    puts that wait for room); the list holds 1 until it has raised."""
+    handled = OffloadPipeline._land
     failures = [1]
 
-    def fails_once(self: FeatureCache, *args: Any) -> None:
+    def fails_once(self: OffloadPipeline, *args: Any) -> None:
         handled(self, *args)
         if failures[0]:
             failures[0] = 0
-            if wake_puts:
-                self._wake_gpu()
             raise RuntimeError("a landing callback failed")
 
-    monkeypatch.setattr(FeatureCache, "_offloads_done", fails_once)
+    monkeypatch.setattr(OffloadPipeline, "_land", fails_once)
     return failures
 
 
@@ -206,13 +209,13 @@ async def test_a_landing_that_raises_leaves_later_landings_watched(
     cache = make_cache(gpu_mb=0.25, cpu_mb=4, small_copy_bytes=0)  # 16 features of 16 KiB
     kept = [await put_feature(cache, rig, i, 16, seed=i) for i in range(16)]
     # The waiting put gets its room, then the landing fails.
-    failures = fail_first_landing(monkeypatch, wake_puts=True)
+    failures = fail_first_landing(monkeypatch)
     assert await asyncio.wait_for(cache.put("a", feature(rig, 16, 100)), 5)
     assert not failures[0]
     # An idle loop, and a put that needs the next offload's landing to be reported.
     assert await asyncio.wait_for(cache.put("b", feature(rig, 16, 101)), 5)
     await asyncio.wait_for(cache.drain(), 5)
-    assert not cache._landing
+    assert not cache._pipeline
     for i in range(2, 16):
         assert_exact(await cache.get(i), kept[i])
 
@@ -223,12 +226,12 @@ async def test_a_landing_that_raises_fails_not_the_put_that_reaps_it(
     cache = make_cache(gpu_mb=0.25, cpu_mb=4, small_copy_bytes=0)  # 16 features of 16 KiB
     # Reports of landings reach the loop and do nothing (the watcher's own bookkeeping
     # goes on, so the cache still closes): only the put below reaps the landings.
-    monkeypatch.setattr(FeatureCache, "_landing_reported", lambda self: None)
+    monkeypatch.setattr(OffloadPipeline, "_reported", lambda self: None)
     kept = [await put_feature(cache, rig, i, 16, seed=i) for i in range(16)]
     cache._evict_gpu_for(4 * 16 * KiB)  # four offloads, one feature each
-    assert len(cache._landing) == 4
+    assert len(cache._pipeline) == 4
     rig.settle()
-    assert all(offload.fence.done() for offload in cache._landing)
+    assert all(fence.done() for fence in cache._pipeline.fences())
     fail_first_landing(monkeypatch)
     reported: list[dict[str, Any]] = []
     loop = asyncio.get_running_loop()
@@ -240,7 +243,7 @@ async def test_a_landing_that_raises_fails_not_the_put_that_reaps_it(
         loop.set_exception_handler(previous)
     ours = [c for c in reported if c.get("message", "").startswith("mmcache:")]
     assert [str(c["exception"]) for c in ours] == ["a landing callback failed"]
-    assert not cache._landing, "the landings after the one that raised were not handled"
+    assert not cache._pipeline, "the landings after the one that raised were not handled"
     assert cache.stats().pending_copies == 0
     for i, expected in enumerate(kept):
         assert_exact(await cache.get(i, device="cpu"), expected)
@@ -261,10 +264,10 @@ async def test_a_landed_offload_keeps_device_bytes_charged_while_a_download_read
     put_x = asyncio.create_task(put_feature(cache, rig, "x", 64, seed=9))
     for _ in range(100):  # a, b and c are offloaded; only c's device bytes come back now
         await asyncio.sleep(0.005)
-        cache._reap_landed()
-        if not cache._offloading:
+        cache._pipeline.reap()
+        if not cache._pipeline.in_flight():
             break
-    assert not cache._offloading and not put_x.done()
+    assert not cache._pipeline.in_flight() and not put_x.done()
     assert cache._ledger.releasing == 32 * KiB
     assert cache._audit() == {"gpu": 0, "cpu": 0}
     for fence in readers.values():

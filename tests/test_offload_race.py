@@ -116,13 +116,14 @@ async def test_broken_variant_source_released_before_copy_sees_poison(
     from prometheus_client import CollectorRegistry
 
     from mmcache import CacheSettings
+    from mmcache.core.offload import OffloadPipeline
 
-    def untracked(self: FeatureCache, *, now: bool = False) -> None:
+    def untracked(self: OffloadPipeline, *, now: bool = False) -> None:
         while self._landing:  # every queued offload counts as landed at once
-            _, landed = self._landing.popitem(last=False)
-            landed()
+            offload, _ = self._landing.popitem(last=False)
+            self._land(offload)
 
-    monkeypatch.setattr(FeatureCache, "_watch_landings", untracked)
+    monkeypatch.setattr(OffloadPipeline, "watch", untracked)
     settings = CacheSettings(gpu_cache_mb=FEATURE_MB, cpu_cache_mb=1)
     async with FeatureCache(settings, sim_rig.device, registry=CollectorRegistry()) as cache:
         got, want = await _evict_under_hold_then_read(sim_rig, cache, rows)

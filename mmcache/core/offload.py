@@ -1,0 +1,319 @@
+"""OffloadPipeline: offload copies queued and landing, in order, and the one watch on them."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Final, final
+
+import torch
+
+from mmcache.core.counters import Counters
+from mmcache.core.index import KeyIndex
+from mmcache.core.ledger import TierLedger
+from mmcache.core.quarantine import Quarantine
+from mmcache.device import Device, Fence
+from mmcache.entry import Entry, State
+from mmcache.host_pool import HostBlock
+from mmcache.waiting import FenceWatcher
+
+__all__ = ["WATCH_DELAY_S", "OffloadPipeline"]
+
+log = logging.getLogger("mmcache")
+
+#: how late the waiter thread is asked to report a landing while no put waits for room
+WATCH_DELAY_S: Final = 0.001
+
+WhenDone = Callable[..., None]  # FenceWatcher.when_done(fences, callback, *, fresh=False)
+
+
+@final
+@dataclass(slots=True, eq=False)
+class _Offload:
+    """One queued offload copy: its fence, the entries it moves, when it was queued."""
+
+    fence: Fence
+    batch: list[Entry]
+    started: float
+    charged_gpu: bool  # its device bytes are the GPU tier's (not a put straight to the host)
+    nbytes: int
+    features: int  # when queued
+
+
+@final
+class OffloadPipeline:
+    """Device -> host copies from queueing to landing; changes an entry from D2H to HOST.
+
+    Offloads land in the order they were queued (one copy stream), so the oldest is the
+    only one worth watching: a put short of room reaps what has landed itself, and one
+    watch at a time on the device's waiter thread serves an idle loop and waiting puts.
+    Offloads past copy_timeout_s are quarantined by one watchdog timer for all.
+    """
+
+    def __init__(
+        self,
+        *,
+        device: Device,
+        ledger: TierLedger,
+        counters: Counters,
+        index: KeyIndex,
+        quarantine: Quarantine,
+        host_insert: Callable[[Hashable, Entry], None],
+        release_device: Callable[[torch.Tensor, int, Sequence[Fence]], None],
+        lost: Callable[[Entry, BaseException | None], None],
+        after_landing: Callable[[bool], None],
+        urgent: Callable[[], bool],
+        changed: Callable[[], None],
+        copy_timeout: float,
+    ) -> None:
+        self._device = device
+        self._ledger = ledger
+        self._counters = counters
+        self._index = index
+        self._quarantine = quarantine
+        self._host_insert = host_insert
+        self._release_device = release_device
+        self._lost = lost  # an entry discarded meanwhile, or whose copy failed
+        self._after_landing = after_landing  # hands the room on (charged_gpu or not)
+        self._urgent = urgent  # a put waits for room: watch at once, not late
+        self._changed = changed  # the tiers' figures changed outside a landing
+        self._copy_timeout = copy_timeout
+        self._done_fence = device.completed_fence()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._watcher: FenceWatcher | None = None
+        # Every offload in flight (linked or already discarded) -> whether it is GPU-charged.
+        self._offloading: dict[Entry, bool] = {}
+        # Offloads not yet handled, in the order queued (and so the order they land).
+        self._landing: OrderedDict[_Offload, None] = OrderedDict()
+        self._watched = False  # the waiter thread watches the oldest of them
+        self._watch_timer: asyncio.TimerHandle | None = None  # arms that watch a little late
+        self._watchdog: asyncio.TimerHandle | None = None  # quarantines overdue offloads
+        self._closed = False
+
+    def bind(self, loop: asyncio.AbstractEventLoop, watcher: FenceWatcher) -> None:
+        """Arm timers on loop and watch fences through watcher from now on."""
+        self._loop = loop
+        self._watcher = watcher
+
+    def __bool__(self) -> bool:
+        """Whether an offload is queued and not yet handled."""
+        return bool(self._landing)
+
+    def __len__(self) -> int:
+        return len(self._landing)
+
+    def __contains__(self, entry: Entry) -> bool:
+        """Whether entry's offload is in flight (its entry may be discarded already)."""
+        return entry in self._offloading
+
+    @property
+    def watched(self) -> bool:
+        """Whether the waiter thread watches the oldest offload now."""
+        return self._watched
+
+    def charged(self, entry: Entry) -> bool:
+        """Whether entry's offload in flight is charged to the GPU tier."""
+        return self._offloading.get(entry, False)
+
+    def in_flight(self) -> Mapping[Entry, bool]:
+        """Every entry with an offload in flight -> whether it is GPU-charged (the audit's)."""
+        return self._offloading
+
+    def fences(self) -> list[Fence]:
+        """The fences of the offloads not yet handled, oldest first."""
+        return [offload.fence for offload in self._landing]
+
+    def queue(
+        self, fence: Fence, items: Sequence[tuple[Entry, HostBlock]], *, charged_gpu: bool
+    ) -> None:
+        """Entries whose copies into blocks were queued behind fence: D2H until it lands."""
+        started = time.perf_counter()
+        offloading = self._offloading
+        batch = []
+        features = nbytes = 0
+        for entry, block in items:
+            entry.state = State.D2H
+            entry.block = block
+            entry.copy_fence = fence
+            offloading[entry] = charged_gpu
+            features += entry.count
+            nbytes += entry.nbytes
+            batch.append(entry)
+        self._ledger.offloading(nbytes, features, charged_gpu)
+        self._counters.copy_started("d2h", features)
+        self._landing[_Offload(fence, batch, started, charged_gpu, nbytes, features)] = None
+        self.watch()
+        if self._watchdog is None:
+            self._arm_watchdog(started + self._copy_timeout)
+
+    def reap(self) -> None:
+        """Handle offloads that have landed, oldest first, without waiting to be told.
+
+        A put short of room looks here first, and often finds its room already copied out.
+        A landing that raises goes to the loop's exception handler, as a raising callback
+        would: it must not fail the put that happened to reap it, nor stop the reaping.
+        """
+        landing = self._landing
+        while landing:
+            offload = next(iter(landing))
+            if not offload.fence.done():
+                return
+            del landing[offload]
+            try:
+                self._land(offload)
+            except Exception as exc:
+                assert self._loop is not None
+                self._loop.call_exception_handler(
+                    {"message": "mmcache: handling a landed offload failed", "exception": exc}
+                )
+
+    def watch(self, *, now: bool = False) -> None:
+        """Have the device's waiter thread report when the oldest queued offload lands.
+
+        One watch at a time, not one per offload: a report takes the GIL on the waiter
+        thread, and a busy loop pays for that hand-over in its next torch call. A loop
+        that keeps putting reaps landings itself; the watch serves an idle loop and puts
+        waiting for room. It is armed at once while a put waits for room (or with now),
+        else WATCH_DELAY_S later and only if landings are still unhandled then: a loop
+        that yields between batches of puts would otherwise take a report per landing
+        (BENCHMARKS.md has the cost of each).
+        """
+        if self._watched or not self._landing:
+            return
+        if not (now or self._urgent()):
+            if self._watch_timer is None and not self._closed:
+                assert self._loop is not None
+                self._watch_timer = self._loop.call_later(WATCH_DELAY_S, self._watch_late)
+            return
+        self._watched = True
+        oldest = next(iter(self._landing))
+        assert self._watcher is not None
+        # Fresh: the oldest was queued just now, or was just seen still copying. Armed
+        # after waits for later copies, it is not held behind them (Fence.add_done_callback).
+        self._watcher.when_done([oldest.fence], self._reported, fresh=True)
+
+    async def all_landed(self) -> None:
+        """Wait until every queued offload has landed and been handled, and every other
+        callback waiting on fences has run. Watches landings at once, never late."""
+        assert self._watcher is not None
+        while True:
+            self.watch(now=True)
+            await self._watcher.idle()
+            if not self._landing:
+                return
+
+    def close(self) -> None:
+        """Watch landings at once from now on (the cache is closing)."""
+        self._closed = True
+        if self._watch_timer is not None:
+            self._watch_timer.cancel()
+            self._watch_timer = None
+
+    def quarantine(self, entry: Entry, fence: Fence) -> None:
+        """An offload past copy_timeout_s: drop its entry, keep its bytes reserved as leaked.
+
+        The copy may still run and read the tensor or write the block, so neither can be
+        reused; if its fence completes later, its landing releases both.
+        """
+        if fence.done() or entry not in self._offloading or entry in self._quarantine:
+            return
+        block = entry.block
+        self._quarantine.hold(
+            entry,
+            entry.nbytes if self._offloading[entry] else 0,
+            block.nbytes if block is not None else 0,
+        )
+        log.error(
+            "offload of %r did not complete within %g s (MMCACHE_COPY_TIMEOUT_SEC): entry "
+            "dropped, its %d bytes quarantined",
+            entry.key,
+            self._copy_timeout,
+            entry.nbytes,
+        )
+        self._counters.quarantined()
+        lost = self._index.forget(entry)
+        if lost:
+            self._counters.lost(lost)
+        entry.state = State.GONE
+        self._changed()
+
+    def _watch_late(self) -> None:
+        """The delayed watch: handle what has landed, then watch the rest at once."""
+        self._watch_timer = None
+        try:
+            self.reap()
+        finally:
+            self.watch(now=True)
+
+    def _reported(self) -> None:
+        # Still marked watched while reaping: offloads the landings start need no watch
+        # of their own until the reap has found the oldest one still copying.
+        try:
+            self.reap()
+        finally:  # a landing that raised must not leave the rest unwatched
+            self._watched = False
+            self.watch()
+
+    def _arm_watchdog(self, deadline: float) -> None:
+        assert self._loop is not None
+        delay = max(0.0, deadline - time.perf_counter())
+        self._watchdog = self._loop.call_later(delay, self._check_overdue)
+
+    def _check_overdue(self) -> None:
+        """Quarantine offloads past copy_timeout_s: one timer for all, oldest first."""
+        self._watchdog = None
+        now = time.perf_counter()
+        for offload in list(self._landing):
+            deadline = offload.started + self._copy_timeout
+            if deadline > now:
+                self._arm_watchdog(deadline)
+                return
+            if not offload.fence.done():
+                for entry in offload.batch:
+                    self.quarantine(entry, offload.fence)
+
+    def _land(self, offload: _Offload) -> None:
+        """An offload copy has finished: its entries become host-resident, or are lost.
+
+        Runs once per landed copy for all its features; the ledger moves once per batch.
+        """
+        charged_gpu = offload.charged_gpu
+        self._counters.copy_finished("d2h", offload.nbytes, offload.started, offload.features)
+        failed = offload.fence.exception()  # asked once: it may be many fences (simulator)
+        offloading = self._offloading
+        quarantined = self._quarantine
+        host_insert = self._host_insert
+        release = self._device.release
+        done_fence = self._done_fence
+        released = features = 0  # features still counted: members may have left since
+        for entry in offload.batch:
+            del offloading[entry]
+            features += entry.count
+            if quarantined:
+                quarantined.release(entry)  # a late fence: its bytes come back now
+            tensor, entry.tensor = entry.tensor, None
+            assert tensor is not None
+            # A host get's download may still read the device tensor.
+            readers = entry.device_readers_pending() if entry.device_readers else None
+            if readers and charged_gpu:
+                self._release_device(tensor, entry.nbytes, readers)
+            else:
+                release(tensor, readers or ())
+                released += entry.nbytes
+            if entry.state is State.D2H and failed is None:
+                entry.state = State.HOST
+                # Both copies are done and good: a shared finished fence stands in for them,
+                # so a host entry keeps no CUDA event (nor the batch's fence) alive.
+                entry.copy_fence = entry.ready = done_fence
+                host_insert(entry.key, entry)
+            else:
+                self._lost(entry, failed)
+        if charged_gpu:
+            self._ledger.offloaded(offload.nbytes, features, released)
+        if failed is None:
+            self._counters.offloaded(offload.nbytes)
+        self._after_landing(charged_gpu)
