@@ -13,7 +13,6 @@ import math
 import operator
 import threading
 import time
-from collections import deque
 from collections.abc import (
     AsyncIterator,
     Awaitable,
@@ -24,7 +23,6 @@ from collections.abc import (
     Iterator,
     Sequence,
 )
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -33,6 +31,7 @@ from prometheus_client import CollectorRegistry
 from mmcache.closing import CloseOnce, off_the_loop
 from mmcache.core.budget import FifoBudget
 from mmcache.core.counters import Counters
+from mmcache.core.host import HostTier
 from mmcache.core.index import KeyIndex, holder
 from mmcache.core.ledger import TierLedger
 from mmcache.core.offload import OffloadPipeline
@@ -55,7 +54,7 @@ from mmcache.errors import (
 )
 from mmcache.host_copy import copy_host_bytes_in_slices
 from mmcache.host_copy import warm_up as warm_host_copies
-from mmcache.host_pool import HostBlock, HostPool
+from mmcache.host_pool import HostBlock
 from mmcache.metrics import CacheMetrics, DeferredPush, ensure_metrics_server
 from mmcache.producer_fences import ProducerFences
 from mmcache.settings import CacheSettings
@@ -70,12 +69,6 @@ log = logging.getLogger("mmcache")
 MiB = 1024 * 1024
 ComputeFn = Callable[[], "torch.Tensor | Awaitable[torch.Tensor]"]
 _T = TypeVar("_T")
-
-
-@dataclass(slots=True, eq=False)
-class _BudgetWaiter:
-    nbytes: int
-    future: asyncio.Future[None]
 
 
 class FeatureCache:
@@ -99,7 +92,6 @@ class FeatureCache:
         self._owns_device = not isinstance(device, Device)
         self._device = resolve_device(device)
         self._gpu_capacity = self.settings.gpu_cache_bytes
-        self._cpu_capacity = self.settings.cpu_cache_bytes
         self._promote = self.settings.promote_on_hit
         self._small_copy_bytes = self.settings.small_copy_bytes
         # Offloading a little ahead keeps the copy engine busy while the next puts run,
@@ -115,9 +107,7 @@ class FeatureCache:
 
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = 0
-        self._host_ready: asyncio.Event | None = None
         self._watcher: FenceWatcher | None = None
-        self._pool: HostPool | None = None
         self._closed = False
         self._closing = CloseOnce()
         # key -> its entry, or its place in a put_many group's entry
@@ -127,12 +117,19 @@ class FeatureCache:
         # The order of victims per tier only; the byte ledger is ours. LRU, the default, is
         # an OrderedDict: every offloaded feature is inserted, evicted and re-inserted here.
         self._gpu_lru = make_policy(self.settings.eviction_policy)
-        self._host_lru = make_policy(self.settings.eviction_policy)
+        self._host = HostTier(
+            self._device,
+            self.settings.cpu_cache_bytes,
+            alignment=self.settings.host_alignment,
+            policy=self.settings.eviction_policy,
+            counters=self._counters,
+            ledger=self._ledger,
+            unlink=self._unlink,
+        )
         # Puts waiting for GPU room, granted from the ledger in arrival order.
         self._gpu_waiters: FifoBudget[int, int] = FifoBudget(
             self._ledger.take_if_free, self._ledger.give_back
         )
-        self._host_waiters: deque[_BudgetWaiter] = deque()
         self._inflight: SingleFlight[tuple[torch.Tensor, Fence]] = SingleFlight()
 
         self._packings = Packings(self._when_done, self._check_ready)
@@ -143,7 +140,7 @@ class FeatureCache:
             counters=self._counters,
             index=self._entries,
             quarantine=self._quarantined,
-            host_insert=self._host_lru.__setitem__,
+            host_insert=self._host.order.__setitem__,
             release_device=self._release_device,
             lost=self._offload_lost,
             after_landing=self._landed,
@@ -173,14 +170,9 @@ class FeatureCache:
         if port is not None and self._registry is None:
             # One server per process serves every cache on the default registry.
             ensure_metrics_server(port, self.settings.metrics_addr)
-        self._host_ready = asyncio.Event()
-        if self._cpu_capacity == 0:
-            self._host_ready.set()
-        else:
-            future = self._device.host_arena_async(self._cpu_capacity)
-            future.add_done_callback(lambda f: loop.call_soon_threadsafe(self._arena_ready, f))
-            if future.done():
-                await asyncio.sleep(0)  # let _arena_ready run: the simulator's arena is ready now
+        arena = self._host.start(loop, self._when_done, self._host_capacity)
+        if arena is not None and arena.done():
+            await asyncio.sleep(0)  # let the host tier take it: the simulator's is ready now
         self._tiers.request()
 
     async def close(self, timeout: float | None = None) -> None:  # noqa: ASYNC109
@@ -193,6 +185,7 @@ class FeatureCache:
             self._check_loop()
             self._closed = True  # before any await: no put or get starts from here on
             self._packings.close()
+            self._host.close()
         await self._closing.run(functools.partial(self._close, timeout))
 
     async def _close(self, timeout: float | None) -> None:  # noqa: ASYNC109
@@ -203,11 +196,7 @@ class FeatureCache:
         if timeout is None:
             timeout = self._copy_timeout  # a stuck copy must not hang close() for ever
         self._gpu_waiters.fail_all(lambda: CacheClosedError("the cache closed while put waited"))
-        for waiters in (self._host_waiters,):
-            while waiters:
-                w = waiters.popleft()
-                if not w.future.done():
-                    w.future.set_exception(CacheClosedError("the cache closed while put waited"))
+        self._host.fail_waiters()
         for task in self._inflight.running():
             with contextlib.suppress(BaseException):
                 await asyncio.wait_for(asyncio.shield(task), timeout)
@@ -233,10 +222,7 @@ class FeatureCache:
         arena could not be allocated (the error is logged).
         """
         await self._ready_to_serve()
-        assert self._host_ready is not None
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._host_ready.wait(), timeout)
-        return self._pool is not None or self._cpu_capacity == 0
+        return await self._host.wait_ready(timeout)
 
     async def __aenter__(self) -> FeatureCache:
         await self.start()
@@ -435,11 +421,11 @@ class FeatureCache:
         sizes = [n * row_bytes for n in rows]
         total = tensor.nbytes
         to_gpu = self._gpu_capacity > 0
-        if not to_gpu and self._cpu_capacity == 0:
+        if not to_gpu and self._host.capacity == 0:
             return False
         self._check_fits(max(sizes), to_gpu)  # one feature too large: names the setting
         self._check_group_fits(total, to_gpu)
-        host_limit = self._host_limit()
+        host_limit = self._host.limit()
         if len(keys) == 1 or not host_limit or total <= host_limit:
             spans = [(0, len(keys))]
         else:
@@ -481,7 +467,7 @@ class FeatureCache:
         if to_gpu:
             limit: float = self._gpu_capacity
         else:  # both tiers off: put returns False below, once every value is checked
-            limit = self._host_limit() if self._cpu_capacity else math.inf
+            limit = self._host.limit() if self._host.capacity else math.inf
         on_device = self._device.is_device_tensor
         for key, tensor in items:
             keys.append(key)
@@ -493,14 +479,14 @@ class FeatureCache:
                 self._check_fits(nbytes, to_gpu)  # raises, with the setting to change
             sizes.append(nbytes)
         total = sum(sizes)
-        if not to_gpu and self._cpu_capacity == 0:
+        if not to_gpu and self._host.capacity == 0:
             return False
         self._check_group_fits(total, to_gpu)
         if len(items) == 1:
             spans = [(0, 1)]
         else:
             below = min(self._small_copy_bytes, GROUP_BELOW)
-            spans = group_spans(items, sizes, below, self._host_limit())
+            spans = group_spans(items, sizes, below, self._host.limit())
             if self._packings:
                 self._packings.reap()  # the values of earlier groups, already read
         # Rows of each feature, for the members' ranges.
@@ -566,7 +552,7 @@ class FeatureCache:
                     ok = True
             else:
                 unit_sizes = [sum(sizes[i:j]) for i, j in spans]
-                ok = await self._reserve_host_blocks(unit_sizes, wait, blocks)
+                ok = await self._host.reserve(unit_sizes, wait, blocks, self._pipeline)
         except BaseException:
             self._give_back(owned, blocks, sources)
             raise
@@ -666,7 +652,7 @@ class FeatureCache:
                 return await self._download(entry.tensor, entry.ready, span, entry)
             return await self._serve_device(entry.tensor, entry.ready, span, stream)
         self._counters.hit_cpu()
-        self._host_lru.touch(entry.key)
+        self._host.order.touch(entry.key)
         if to_host:
             return await self._read_host(entry, span)
         return await self._upload(entry, span, stream, member if rows is None else None)
@@ -770,11 +756,11 @@ class FeatureCache:
         await self._ready_to_serve()
         found = self._entries.get(key)
         entry = None if found is None else holder(found)
-        if entry is None or entry.block is None or self._pool is None:
+        if entry is None or entry.block is None or self._host.pool is None:
             yield await self.get(key, device="cpu")
             return
         block = entry.block
-        self._pool.pin(block)
+        self._host.pool.pin(block)
         try:
             if entry.copy_fence is not None:
                 self._counters.waited(await self._wait([entry.copy_fence]))
@@ -789,7 +775,7 @@ class FeatureCache:
                 del view
                 yield out
         finally:
-            self._pool.unpin(block)
+            self._host.pool.unpin(block)
 
     def stats(self) -> CacheStats:
         """A snapshot of the ledger and counters; also audits it for leaked bytes."""
@@ -797,18 +783,18 @@ class FeatureCache:
         leaked = self._audit()
         ledger = self._ledger
         quarantined = self._quarantined
-        pool = self._pool
+        pool = self._host.pool
         return CacheStats(
             gpu_bytes=ledger.used,
             cpu_bytes=pool.used_bytes if pool else 0,
             gpu_capacity_bytes=self._gpu_capacity,
-            cpu_capacity_bytes=pool.capacity_bytes if pool else self._cpu_capacity,
+            cpu_capacity_bytes=pool.capacity_bytes if pool else self._host.capacity,
             gpu_entries=ledger.gpu_entries,
             cpu_entries=ledger.cpu_entries,
             pending_copies=self._counters.pending_copies,
             leaked_bytes=leaked["gpu"] + leaked["cpu"],
             quarantined_bytes=quarantined.device_bytes() + quarantined.host_bytes(),
-            host_ready=pool is not None or self._cpu_capacity == 0,
+            host_ready=self._host.ready,
             **self._counters.as_dict(),
         )
 
@@ -875,7 +861,7 @@ class FeatureCache:
                 f"({self._gpu_capacity / MiB:.1f} MB); raise "
                 f"{' or '.join(CacheSettings.env_names('gpu_cache_mb'))}"
             )
-        limit = self._host_limit()
+        limit = self._host.limit()
         if not to_gpu and nbytes > limit:
             raise ValueTooLargeError(
                 f"value of {nbytes / MiB:.1f} MB exceeds the host tier ({limit / MiB:.1f} MB), "
@@ -885,17 +871,13 @@ class FeatureCache:
 
     def _check_group_fits(self, total: int, to_gpu: bool) -> None:
         """Features put together must fit their tier together: none of them would go in."""
-        capacity = self._gpu_capacity if to_gpu else self._cpu_capacity
+        capacity = self._gpu_capacity if to_gpu else self._host.capacity
         if total > capacity:
             tier = "GPU" if to_gpu else "host"
             raise ValueTooLargeError(
                 f"features of {total / MiB:.1f} MB in all exceed the {tier} tier "
                 f"({capacity / MiB:.1f} MB); put them in smaller groups"
             )
-
-    def _host_limit(self) -> int:
-        """The largest feature the host tier can take."""
-        return self._cpu_capacity if self._pool is None else self._pool.max_block_bytes
 
     def _own(self, value: torch.Tensor, stream: Stream, ready: Fence) -> tuple[torch.Tensor, Fence]:
         """The cache's own alias of value; a view of a larger storage is compacted first."""
@@ -939,8 +921,7 @@ class FeatureCache:
             if values:  # a packing copy may still read them
                 self._packings.hold(ready, values, None)
         for block in blocks:
-            assert self._pool is not None
-            self._pool.free(block)
+            self._host.free(block)
 
     # --- GPU budget ---------------------------------------------------------------------
 
@@ -954,7 +935,7 @@ class FeatureCache:
             # Below the low-water mark: offload a batch now, so the copies of the next
             # batch overlap with the puts that use the room this one makes. Topping up a
             # batch saves a copy only where a host tier takes it (else it drops more).
-            slack = ahead // 2 if self._pool is not None else 0
+            slack = ahead // 2 if self._host.pool is not None else 0
             self._evict_gpu_for(nbytes + ahead, slack=slack)
         if not self._gpu_waiters and ledger.free() >= nbytes:
             ledger.grant(nbytes)
@@ -1020,7 +1001,7 @@ class FeatureCache:
 
     def _offload_batch(self, entries: list[Entry]) -> None:
         """Offload GPU entries through one fence, dropping those the host tier cannot take."""
-        pool = self._pool
+        pool = self._host.pool
         # One run of blocks for a batch: one search in the pool, not one per feature, and
         # one range for the device to fill. Holes smaller than the batch are left to
         # features placed one by one (large ones, and batches when no range takes them).
@@ -1032,7 +1013,7 @@ class FeatureCache:
         else:  # one feature, or no single free range takes them all: one by one
             items = []
             for entry in entries:
-                block = self._host_alloc(entry.nbytes)
+                block = self._host.allocate(entry.nbytes)
                 if block is None:
                     self._drop(entry)
                 else:
@@ -1072,131 +1053,13 @@ class FeatureCache:
 
     # --- host tier ----------------------------------------------------------------------
 
-    def _arena_ready(self, future: Any) -> None:
-        if self._closed or self._watcher is None:
-            return
-        assert self._host_ready is not None
-        self._host_ready.set()
-        try:
-            arena = future.result()
-        except Exception as e:
-            log.error("host arena of %d bytes could not be allocated: %s", self._cpu_capacity, e)
-            self._wake_host()  # puts waiting for host room (GPU tier off) give up
-            return
-        self._pool = HostPool(
-            self._device,
-            arena,
-            alignment=self.settings.host_alignment,
-            defer=self._when_done,
-            on_free=self._wake_host,
-            chunk_bytes=self._device.arena_chunk_bytes,
-        )
-        self._metrics.set_capacity("cpu", self._pool.capacity_bytes)
-        self._wake_host()
-
-    def _host_alloc(self, nbytes: int) -> HostBlock | None:
-        """A host block now, dropping least recently used host entries if needed; never waits."""
-        pool = self._pool
-        if pool is None or nbytes > pool.max_block_bytes:
-            return None
-        while True:
-            block = pool.allocate(nbytes)
-            if block is not None or not self._host_lru:
-                return block
-            self._evict_host_head()
-
-    def _evict_host_head(self) -> None:
-        """Drop the least recently used host entry (counted as a host-tier eviction)."""
-        victim = self._host_lru.evict()
-        self._counters.evicted_cpu(victim.count)
-        self._unlink(victim)
-
-    async def _reserve_host_blocks(
-        self, sizes: Sequence[int], wait: bool, blocks: list[HostBlock]
-    ) -> bool:
-        """Host blocks (appended to blocks) for a put that bypasses the GPU tier (budget 0).
-
-        All at once or none: a put holding some blocks while it waits for the rest could
-        fragment the arena so that the rest never fit. Until the arena is pinned a put
-        waits for it (or returns False with wait=False); if it cannot be allocated, False.
-        """
-        self._pipeline.reap()
-        if not self._host_waiters:
-            taken = self._host_alloc_all(sizes)
-            if taken is not None:
-                blocks.extend(taken)
-                return True
-        if not wait or self._host_tier_failed():
-            return False
-        assert self._loop is not None
-        waiter = _BudgetWaiter(sum(sizes), self._loop.create_future())
-        self._host_waiters.append(waiter)
-        self._pipeline.watch()  # now, not late: landings let us evict their entries
-        try:
-            while True:
-                await waiter.future
-                if self._closed:  # woken, then close() ran before we resumed
-                    raise CacheClosedError("the cache closed while put waited")
-                if self._host_tier_failed():
-                    return False
-                taken = self._host_alloc_all(sizes)
-                if taken is not None:
-                    blocks.extend(taken)
-                    return True
-                waiter.future = self._loop.create_future()
-                self._host_waiters.appendleft(waiter)
-                self._pipeline.watch()  # a report just took us off the line: watch on
-        finally:
-            with contextlib.suppress(ValueError):
-                self._host_waiters.remove(waiter)
-            self._wake_host()
-
-    def _host_alloc_all(self, sizes: Sequence[int]) -> list[HostBlock] | None:
-        """A host block for each size now, or none (dropping host entries as _host_alloc does).
-
-        One by one first; if that fails, as one run, which an emptied arena always takes.
-        None while the arena is not pinned yet.
-        """
-        if self._pool is None:
-            return None
-        taken: list[HostBlock] = []
-        for nbytes in sizes:
-            block = self._host_alloc(nbytes)
-            if block is None:
-                break
-            taken.append(block)
-        else:
-            return taken
-        for block in taken:
-            self._pool.free(block)
-        if len(sizes) == 1 or sum(sizes) > self._pool.max_block_bytes:
-            return None  # no run could take them: evicting more would be for nothing
-        while True:
-            run = self._pool.allocate_run(sizes)
-            if run is not None or not self._host_lru:
-                return run
-            self._evict_host_head()
-
-    def _host_tier_failed(self) -> bool:
-        """The host arena could not be allocated: the host tier will never take anything."""
-        ready = self._host_ready
-        return self._pool is None and ready is not None and ready.is_set()
-
-    def _wake_host(self) -> None:
-        # Host waiters retry their allocation in order; wake the first live one.
-        while self._host_waiters:
-            head = self._host_waiters.popleft()
-            if not head.future.done():
-                head.future.set_result(None)
-                return
-
     # --- offload, promotion, release ----------------------------------------------------
 
     def _start_offloads(
         self, items: Sequence[tuple[Entry, HostBlock]], *, charged_gpu: bool
     ) -> None:
         """Queue the device -> host copies of entries into blocks, after their producers."""
-        assert self._pool is not None
+        assert self._host.pool is not None
         srcs: list[torch.Tensor] = []
         offsets: list[int] = []
         # Producers long finished need no ordering; failed ones must fail the copy too.
@@ -1214,7 +1077,7 @@ class FeatureCache:
                     readies.append(ready)
         try:
             fence = self._device.copy_d2h_batch(
-                srcs, self._pool.arena, offsets, after=readies, owned=True
+                srcs, self._host.pool.arena, offsets, after=readies, owned=True
             )
         except MMCacheError as e:
             # Refused at enqueue (e.g. no memory for a gather buffer): nothing was queued,
@@ -1222,7 +1085,7 @@ class FeatureCache:
             del srcs
             self._counters.copy_failed("offload", None, e)
             for entry, block in items:
-                self._pool.free(block)
+                self._host.pool.free(block)
                 if charged_gpu:
                     self._drop(entry)
                 else:  # a put straight to the host tier: nothing was charged to the GPU tier
@@ -1235,16 +1098,20 @@ class FeatureCache:
         del srcs  # the entries keep the sources alive until the copy has landed
         self._pipeline.queue(fence, items, charged_gpu=charged_gpu)
 
+    def _host_capacity(self, nbytes: int) -> None:
+        """The host arena is pinned: report its capacity."""
+        self._metrics.set_capacity("cpu", nbytes)
+
     def _landed(self, charged_gpu: bool) -> None:
         """An offload has landed: hand the room it made on."""
         if charged_gpu:
             self._wake_gpu()
-        elif self._host_waiters:  # a put straight to the host tier can evict them now
-            self._wake_host()
+        elif self._host.waiting:  # a put straight to the host tier can evict them now
+            self._host.wake()
         self._tiers.request()
 
     def _waiting_for_room(self) -> bool:
-        return bool(self._gpu_waiters or self._host_waiters)
+        return bool(self._gpu_waiters) or self._host.waiting
 
     def _offload_lost(self, entry: Entry, failed: BaseException | None) -> None:
         """An offloaded entry that was discarded meanwhile, or whose copy failed."""
@@ -1252,7 +1119,7 @@ class FeatureCache:
             self._counters.copy_failed("offload", entry.key, failed)
             self._counters.lost(self._entries.forget(entry))
             entry.state = State.GONE
-        self._free_block(entry)
+        self._host.free_block(entry)
 
     def _lose(self, entry: Entry) -> None:
         """Drop an entry whose data a failed copy destroyed, and hand its room on."""
@@ -1315,15 +1182,9 @@ class FeatureCache:
                 tensor, entry.nbytes, [entry.ready, *entry.device_readers_pending()]
             )
         elif state is State.HOST:
-            self._host_lru.pop(entry.key, None)
-            self._free_block(entry)
+            self._host.order.pop(entry.key, None)
+            self._host.free_block(entry)
         # State.D2H: _offloads_done releases both sides once the copy has finished.
-
-    def _free_block(self, entry: Entry) -> None:
-        block, entry.block = entry.block, None
-        if block is not None and self._pool is not None:
-            self._ledger.host_left(entry.count)
-            self._pool.free(block, after=entry.readers_pending())
 
     # --- reads --------------------------------------------------------------------------
 
@@ -1389,7 +1250,7 @@ class FeatureCache:
         """A copy the caller owns of (rows of) the host copy, after the offload completes."""
         block = entry.block
         fence = entry.copy_fence
-        pool = self._pool
+        pool = self._host.pool
         assert block is not None and pool is not None and fence is not None
         pool.pin(block)  # a discard while we wait must not recycle the block under us
         try:
@@ -1478,8 +1339,8 @@ class FeatureCache:
 
     def _promote_entry(self, entry: Entry, tensor: torch.Tensor, fence: Fence) -> None:
         """Make entry GPU-resident again (exclusive tiers: its host block is freed)."""
-        self._host_lru.pop(entry.key, None)
-        self._free_block(entry)
+        self._host.order.pop(entry.key, None)
+        self._host.free_block(entry)
         entry.state = State.GPU
         entry.tensor = tensor
         entry.ready = fence
@@ -1525,7 +1386,7 @@ class FeatureCache:
         """Tier sizes to the metrics (through self._tiers: once per loop iteration)."""
         ledger = self._ledger
         self._metrics.set_tier("gpu", ledger.used, ledger.gpu_entries)
-        pool = self._pool
+        pool = self._host.pool
         self._metrics.set_tier("cpu", pool.used_bytes if pool else 0, ledger.cpu_entries)
 
     def _entry(self, key: Hashable) -> Entry:
@@ -1538,7 +1399,7 @@ class FeatureCache:
 
     def _audit(self) -> dict[str, int]:
         """Bytes in the ledgers that no entry, copy or pending release owns (should be 0)."""
-        pool = self._pool
+        pool = self._host.pool
         quarantined = self._quarantined
         leaked = self._ledger.leaked(
             self._entries.held(),

@@ -509,7 +509,7 @@ async def test_a_fragmented_host_tier_evicts_neighbours_to_fit(sim_rig: Rig) -> 
         await cache.drain()
         for i in (0, 2, 4, 6):
             cache.discard(i)
-        pool = cache._pool
+        pool = cache._host.pool
         assert pool is not None
         assert pool.free_bytes == 16 * KiB
         assert max(size for _, size in pool.free_ranges()) == 4 * KiB  # no 8 KiB hole
