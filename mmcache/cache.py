@@ -29,11 +29,12 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from mmcache.closing import CloseOnce, off_the_loop
-from mmcache.core.budget import FifoBudget
 from mmcache.core.counters import Counters
+from mmcache.core.evictor import Evictor
 from mmcache.core.host import HostTier
 from mmcache.core.index import KeyIndex, holder
 from mmcache.core.ledger import TierLedger
+from mmcache.core.lifecycle import Lifecycle
 from mmcache.core.offload import OffloadPipeline
 from mmcache.core.packing import BATCH_BYTES, GROUP_BELOW, Packings, group_spans, runs
 from mmcache.core.policy import make_policy
@@ -48,7 +49,6 @@ from mmcache.errors import (
     DeviceOutOfMemoryError,
     InvalidKeyError,
     InvalidValueError,
-    MMCacheError,
     ValueTooLargeError,
     WrongLoopError,
 )
@@ -94,9 +94,6 @@ class FeatureCache:
         self._gpu_capacity = self.settings.gpu_cache_bytes
         self._promote = self.settings.promote_on_hit
         self._small_copy_bytes = self.settings.small_copy_bytes
-        # Offloading a little ahead keeps the copy engine busy while the next puts run,
-        # instead of each put waiting for the one copy that makes its room.
-        self._evict_ahead = int(self._gpu_capacity * self.settings.evict_ahead)
         self._registry = registry
         self._metrics = CacheMetrics(name, registry)
         self._metrics.set_capacity("gpu", self._gpu_capacity)
@@ -114,9 +111,20 @@ class FeatureCache:
         self._entries = KeyIndex()
         self._done_fence = self._device.completed_fence()
         self._producers = ProducerFences(self._device)
-        # The order of victims per tier only; the byte ledger is ours. LRU, the default, is
-        # an OrderedDict: every offloaded feature is inserted, evicted and re-inserted here.
-        self._gpu_lru = make_policy(self.settings.eviction_policy)
+        # The order of GPU victims only; the byte ledger is ours. LRU, the default, is an
+        # OrderedDict: every offloaded feature is inserted, evicted and re-inserted there.
+        self._gpu_order = make_policy(self.settings.eviction_policy)
+        self._copy_timeout = self.settings.copy_timeout_s
+        self._life = Lifecycle(
+            device=self._device,
+            ledger=self._ledger,
+            counters=self._counters,
+            index=self._entries,
+            gpu_order=self._gpu_order,
+            when_done=self._when_done,
+            room_freed=self._room_freed,
+            changed=self._tiers.request,
+        )
         self._host = HostTier(
             self._device,
             self.settings.cpu_cache_bytes,
@@ -124,15 +132,8 @@ class FeatureCache:
             policy=self.settings.eviction_policy,
             counters=self._counters,
             ledger=self._ledger,
-            unlink=self._unlink,
+            unlink=self._life.unlink,
         )
-        # Puts waiting for GPU room, granted from the ledger in arrival order.
-        self._gpu_waiters: FifoBudget[int, int] = FifoBudget(
-            self._ledger.take_if_free, self._ledger.give_back
-        )
-        self._inflight: SingleFlight[tuple[torch.Tensor, Fence]] = SingleFlight()
-
-        self._packings = Packings(self._when_done, self._check_ready)
         self._quarantined = Quarantine()
         self._pipeline = OffloadPipeline(
             device=self._device,
@@ -141,13 +142,28 @@ class FeatureCache:
             index=self._entries,
             quarantine=self._quarantined,
             host_insert=self._host.order.__setitem__,
-            release_device=self._release_device,
-            lost=self._offload_lost,
+            release_device=self._life.release_device,
+            lost=self._life.offload_lost,
             after_landing=self._landed,
             urgent=self._waiting_for_room,
             changed=self._tiers.request,
             copy_timeout=self._copy_timeout,
         )
+        self._life.attach(self._host, self._pipeline.charged)
+        self._evictor = Evictor(
+            device=self._device,
+            ledger=self._ledger,
+            counters=self._counters,
+            index=self._entries,
+            order=self._gpu_order,
+            host=self._host,
+            pipeline=self._pipeline,
+            drop=self._life.drop,
+            evict_ahead=int(self._gpu_capacity * self.settings.evict_ahead),
+            small_copy_bytes=self.settings.small_copy_bytes,
+        )
+        self._packings = Packings(self._when_done, self._life.check_ready)
+        self._inflight: SingleFlight[tuple[torch.Tensor, Fence]] = SingleFlight()
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -186,6 +202,7 @@ class FeatureCache:
             self._closed = True  # before any await: no put or get starts from here on
             self._packings.close()
             self._host.close()
+            self._evictor.close()
         await self._closing.run(functools.partial(self._close, timeout))
 
     async def _close(self, timeout: float | None) -> None:  # noqa: ASYNC109
@@ -195,13 +212,13 @@ class FeatureCache:
         self._pipeline.close()  # landings are watched at once from here on
         if timeout is None:
             timeout = self._copy_timeout  # a stuck copy must not hang close() for ever
-        self._gpu_waiters.fail_all(lambda: CacheClosedError("the cache closed while put waited"))
+        self._evictor.fail_waiting()
         self._host.fail_waiters()
         for task in self._inflight.running():
             with contextlib.suppress(BaseException):
                 await asyncio.wait_for(asyncio.shield(task), timeout)
         for found in list(self._entries.values()):
-            self._remove(found)
+            self._life.remove(found)
         if self._watcher is not None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._pipeline.all_landed(), timeout)
@@ -303,7 +320,7 @@ class FeatureCache:
         own = self._device.adopt(tensor, stream)
         del tensor
         try:
-            taken = self._take_gpu(nbytes)
+            taken = self._evictor.take(nbytes)
         except BaseException:
             self._give_back([(own, ready)], [], [[]])
             raise
@@ -313,7 +330,7 @@ class FeatureCache:
             )
         entry = Entry(key, tuple(own.shape), own.dtype, nbytes, State.GPU, own, ready)
         self._entries[key] = entry
-        self._gpu_lru[key] = entry
+        self._gpu_order[key] = entry
         self._ledger.insert(nbytes, 1)
         # No put waits now (_take_gpu grants nothing ahead of one): none to wake.
         self._tiers.request()
@@ -544,11 +561,11 @@ class FeatureCache:
         waited = True
         try:
             if to_gpu:
-                ok = self._take_gpu(total)
+                ok = self._evictor.take(total)
                 if ok:
                     waited = False
                 elif wait:
-                    await self._wait_gpu(total)
+                    await self._evictor.wait(total)
                     ok = True
             else:
                 unit_sizes = [sum(sizes[i:j]) for i, j in spans]
@@ -579,19 +596,21 @@ class FeatureCache:
             elif ready is not produced:
                 compacted.append(entry)
             if to_gpu:
-                self._gpu_lru[entry.key] = entry
+                self._gpu_order[entry.key] = entry
             else:
                 offloads.append((entry, blocks[u]))
         if to_gpu:
             self._ledger.insert(total, len(keys))
-            if self._gpu_waiters:
-                self._wake_gpu()  # the next waiter may need these entries offloaded
+            if self._evictor.waiting:
+                self._evictor.wake()  # the next waiter may need these entries offloaded
         else:
-            self._start_offloads(offloads, charged_gpu=False)
+            self._evictor.offload(offloads, charged_gpu=False)
         # Our compaction copies may fail (or have failed while we waited for room): such
         # an entry is dropped, once it is in the tier's lists and counts like the others.
         for entry in compacted:
-            self._when_done([entry.ready], functools.partial(self._check_ready, entry, entry.ready))
+            self._when_done(
+                [entry.ready], functools.partial(self._life.check_ready, entry, entry.ready)
+            )
         self._tiers.request()
         return True
 
@@ -604,9 +623,9 @@ class FeatureCache:
         for key in keys:
             old = entries.get(key)
             if old is not None:
-                self._remove(old)
+                self._life.remove(old)
                 if wake:
-                    self._wake_gpu()
+                    self._evictor.wake()
 
     async def get(
         self,
@@ -644,7 +663,7 @@ class FeatureCache:
         if state is State.GPU or state is State.D2H:
             self._counters.hit_gpu()
             if state is State.GPU:
-                self._gpu_lru.touch(entry.key)
+                self._gpu_order.touch(entry.key)
             assert entry.tensor is not None
             if to_host:
                 if state is State.D2H:
@@ -739,8 +758,8 @@ class FeatureCache:
         found = self._entries.get(key)
         if found is None:
             return False
-        self._remove(found)
-        self._wake_gpu()
+        self._life.remove(found)
+        self._evictor.wake()
         self._tiers.request()
         return True
 
@@ -923,181 +942,6 @@ class FeatureCache:
         for block in blocks:
             self._host.free(block)
 
-    # --- GPU budget ---------------------------------------------------------------------
-
-    def _take_gpu(self, nbytes: int) -> bool:
-        """Reserve nbytes of the GPU tier if it has room now and no put waits before us."""
-        ahead = self._evict_ahead
-        ledger = self._ledger
-        if self._pipeline and ledger.free() < nbytes + ahead:
-            self._pipeline.reap()
-        if not self._gpu_waiters and ledger.free() + ledger.releasing < nbytes + ahead // 2:
-            # Below the low-water mark: offload a batch now, so the copies of the next
-            # batch overlap with the puts that use the room this one makes. Topping up a
-            # batch saves a copy only where a host tier takes it (else it drops more).
-            slack = ahead // 2 if self._host.pool is not None else 0
-            self._evict_gpu_for(nbytes + ahead, slack=slack)
-        if not self._gpu_waiters and ledger.free() >= nbytes:
-            ledger.grant(nbytes)
-            return True
-        return False
-
-    async def _wait_gpu(self, nbytes: int) -> None:
-        """Wait in line until nbytes of the GPU tier are granted (after _take_gpu failed)."""
-        waiter = self._gpu_waiters.join(nbytes)
-        self._wake_gpu()  # offloads for us, and grants at once what drops freed
-        self._pipeline.watch()  # now, not late: we wait for the room they make
-        try:
-            await self._gpu_waiters.wait(waiter)
-        except BaseException:
-            self._wake_gpu()  # what we were granted, or our place, goes to the next
-            raise
-        if self._closed:  # granted, then close() ran before we resumed: insert nothing
-            self._ledger.give_back(nbytes)
-            raise CacheClosedError("the cache closed while put waited")
-
-    def _evict_gpu_for(self, needed: int, *, slack: int = 0) -> None:
-        """Offload least recently used entries until needed bytes are free or on their way.
-
-        Features below small_copy_bytes go in batches of about BATCH_BYTES behind one
-        fence: per-copy work (an enqueue, an event, a wake-up on landing) would otherwise
-        cap small features far below the copy engine's bandwidth. Up to slack bytes more
-        may go to top up a last batch left part full with the next small victims: on its
-        own it would pay a copy, a fence and a landing for a few features (a lone 1 MB
-        feature's copy took 29 µs of the loop on the H200).
-        """
-        lru = self._gpu_lru
-        ledger = self._ledger
-        small_limit = self._small_copy_bytes
-        limit = needed + slack
-        batch: list[Entry] = []
-        batched = evicted = 0
-        while lru:
-            have = ledger.free() + ledger.releasing + batched
-            if have >= needed:
-                if not batch:
-                    break
-                oldest = lru.next_victim()
-                if oldest is None or oldest.nbytes >= small_limit or have + oldest.nbytes > limit:
-                    break
-            entry = lru.evict()
-            evicted += entry.count
-            if entry.nbytes < small_limit:
-                batch.append(entry)
-                batched += entry.nbytes
-                if batched >= BATCH_BYTES:
-                    # One fence frees a whole batch: bounded, so room comes back in steps.
-                    self._offload_batch(batch)
-                    batch, batched = [], 0
-            else:
-                if batch:  # older victims get their host room first, in LRU order
-                    self._offload_batch(batch)
-                    batch, batched = [], 0
-                self._offload_batch([entry])
-        if batch:
-            self._offload_batch(batch)
-        if evicted:
-            self._counters.evicted_gpu(evicted)
-
-    def _offload_batch(self, entries: list[Entry]) -> None:
-        """Offload GPU entries through one fence, dropping those the host tier cannot take."""
-        pool = self._host.pool
-        # One run of blocks for a batch: one search in the pool, not one per feature, and
-        # one range for the device to fill. Holes smaller than the batch are left to
-        # features placed one by one (large ones, and batches when no range takes them).
-        blocks = None
-        if pool is not None and len(entries) > 1:
-            blocks = pool.allocate_run([e.nbytes for e in entries])
-        if blocks is not None:
-            items = list(zip(entries, blocks, strict=True))
-        else:  # one feature, or no single free range takes them all: one by one
-            items = []
-            for entry in entries:
-                block = self._host.allocate(entry.nbytes)
-                if block is None:
-                    self._drop(entry)
-                else:
-                    items.append((entry, block))
-        if items:
-            self._start_offloads(items, charged_gpu=True)
-
-    def _wake_gpu(self) -> None:
-        """Grant waiting puts in arrival order while they fit; offload more for the rest."""
-        waiters = self._gpu_waiters
-        ledger = self._ledger
-        while True:
-            waiters.grant()
-            if not waiters:
-                return
-            free_before = ledger.free()
-            self._evict_gpu_for(sum(waiters.wanted()))
-            if ledger.free() == free_before:
-                return  # the rest is on its way (copies in flight)
-
-    def _release_device(self, tensor: torch.Tensor, nbytes: int, after: Sequence[Fence]) -> None:
-        """Release a device tensor charged to the GPU tier once after's fences are done."""
-        pending = [f for f in after if not f.done()]
-        self._device.release(tensor, after=pending)
-        ledger = self._ledger
-        if not pending:
-            ledger.release(nbytes)
-            return
-        ledger.release_later(nbytes)
-
-        def released() -> None:
-            ledger.released(nbytes)
-            self._wake_gpu()
-            self._tiers.request()
-
-        self._when_done(pending, released)
-
-    # --- host tier ----------------------------------------------------------------------
-
-    # --- offload, promotion, release ----------------------------------------------------
-
-    def _start_offloads(
-        self, items: Sequence[tuple[Entry, HostBlock]], *, charged_gpu: bool
-    ) -> None:
-        """Queue the device -> host copies of entries into blocks, after their producers."""
-        assert self._host.pool is not None
-        srcs: list[torch.Tensor] = []
-        offsets: list[int] = []
-        # Producers long finished need no ordering; failed ones must fail the copy too.
-        # A put_many group shares one producer fence: look at each fence once.
-        readies: list[Fence] = []
-        last: Fence | None = None
-        for entry, block in items:
-            assert entry.tensor is not None
-            srcs.append(entry.tensor)
-            offsets.append(block.offset)
-            ready = entry.ready
-            if ready is not last:
-                last = ready
-                if not ready.done() or ready.exception() is not None:
-                    readies.append(ready)
-        try:
-            fence = self._device.copy_d2h_batch(
-                srcs, self._host.pool.arena, offsets, after=readies, owned=True
-            )
-        except MMCacheError as e:
-            # Refused at enqueue (e.g. no memory for a gather buffer): nothing was queued,
-            # so the victims are dropped as if the host tier could not take them.
-            del srcs
-            self._counters.copy_failed("offload", None, e)
-            for entry, block in items:
-                self._host.pool.free(block)
-                if charged_gpu:
-                    self._drop(entry)
-                else:  # a put straight to the host tier: nothing was charged to the GPU tier
-                    self._counters.lost(self._entries.forget(entry))
-                    entry.state = State.GONE
-                    tensor, entry.tensor = entry.tensor, None
-                    assert tensor is not None
-                    self._device.release(tensor, after=[entry.ready])
-            return
-        del srcs  # the entries keep the sources alive until the copy has landed
-        self._pipeline.queue(fence, items, charged_gpu=charged_gpu)
-
     def _host_capacity(self, nbytes: int) -> None:
         """The host arena is pinned: report its capacity."""
         self._metrics.set_capacity("cpu", nbytes)
@@ -1105,86 +949,18 @@ class FeatureCache:
     def _landed(self, charged_gpu: bool) -> None:
         """An offload has landed: hand the room it made on."""
         if charged_gpu:
-            self._wake_gpu()
+            self._evictor.wake()
         elif self._host.waiting:  # a put straight to the host tier can evict them now
             self._host.wake()
         self._tiers.request()
 
     def _waiting_for_room(self) -> bool:
-        return bool(self._gpu_waiters) or self._host.waiting
+        return bool(self._evictor.waiting) or self._host.waiting
 
-    def _offload_lost(self, entry: Entry, failed: BaseException | None) -> None:
-        """An offloaded entry that was discarded meanwhile, or whose copy failed."""
-        if entry.state is State.D2H:  # the copy failed: the feature is lost
-            self._counters.copy_failed("offload", entry.key, failed)
-            self._counters.lost(self._entries.forget(entry))
-            entry.state = State.GONE
-        self._host.free_block(entry)
-
-    def _lose(self, entry: Entry) -> None:
-        """Drop an entry whose data a failed copy destroyed, and hand its room on."""
-        self._drop(entry)
-        self._wake_gpu()
+    def _room_freed(self) -> None:
+        """GPU room came back: hand it on to waiting puts."""
+        self._evictor.wake()
         self._tiers.request()
-
-    def _check_ready(self, entry: Entry, ready: Fence) -> None:
-        """A put whose producing copy failed (a compaction) must not serve poison: drop it."""
-        if ready.exception() is None or entry.ready is not ready:
-            return
-        self._counters.copy_failed("compaction", entry.key, ready.exception())
-        if entry.state is not State.GONE:
-            self._lose(entry)
-
-    def _drop(self, entry: Entry) -> None:
-        """Lose an entry (a GPU one the host tier cannot take now, or a destroyed one)."""
-        self._counters.lost(entry.count)
-        self._unlink(entry)
-
-    def _remove(self, found: Entry | Member) -> None:
-        """Remove a key's feature: its entry, or its place in a group."""
-        if isinstance(found, Member):
-            self._leave_group(found)
-        else:
-            self._unlink(found)
-
-    def _leave_group(self, member: Member) -> None:
-        """Remove a member from the index; its group goes with its last member.
-
-        Its rows stay charged to the group's tier until then: a group is one block of
-        memory on either side, and slicing it would cost the copies it saves.
-        """
-        if not self._entries.leave(member):
-            return
-        group = member.group
-        state = group.state
-        ledger = self._ledger
-        if state is State.GPU:
-            ledger.gpu_left(1)
-        elif state is State.HOST:
-            ledger.host_left(1)
-        elif state is State.D2H:  # counted in the host tier since queued, in the GPU one if charged
-            ledger.host_left(1)
-            if self._pipeline.charged(group):
-                ledger.gpu_left(1)
-        if group.count == 0:
-            self._unlink(group)
-
-    def _unlink(self, entry: Entry) -> None:
-        """Remove entry from the index and release what it holds after its fences."""
-        self._entries.forget(entry)
-        state, entry.state = entry.state, State.GONE
-        if state is State.GPU:
-            self._gpu_lru.pop(entry.key, None)
-            self._ledger.gpu_left(entry.count)
-            tensor, entry.tensor = entry.tensor, None
-            assert tensor is not None
-            self._release_device(
-                tensor, entry.nbytes, [entry.ready, *entry.device_readers_pending()]
-            )
-        elif state is State.HOST:
-            self._host.order.pop(entry.key, None)
-            self._host.free_block(entry)
-        # State.D2H: _offloads_done releases both sides once the copy has finished.
 
     # --- reads --------------------------------------------------------------------------
 
@@ -1290,7 +1066,7 @@ class FeatureCache:
         promote = (
             (span is None or member is not None)
             and self._promote
-            and not self._gpu_waiters
+            and not self._evictor.waiting
             and self._ledger.free() >= (entry.nbytes if member is None else member.nbytes)
         )
         start, stop = span if span is not None else (0, entry.shape[0] if entry.shape else 1)
@@ -1304,11 +1080,11 @@ class FeatureCache:
         nbytes = dst.nbytes
         if promote and member is not None:
             # The member leaves its group as an entry of its own, made from this copy.
-            entry = self._promote_member(member, dst, fence)
+            entry = self._life.promote_member(member, dst, fence)
         self._when_done([fence], lambda: self._upload_done(entry, fence, nbytes, started))
         if promote:
             if member is None:
-                self._promote_entry(entry, dst, fence)
+                self._life.promote_entry(entry, dst, fence)
             return await self._serve_device(dst, fence, None, stream)
         try:
             return await self._serve_device(dst, fence, None, stream)
@@ -1325,34 +1101,7 @@ class FeatureCache:
             return
         self._counters.copy_failed("upload", entry.key, fence.exception())
         if entry.state is State.GPU and entry.ready is fence:
-            self._lose(entry)  # promoted from a copy that failed: the data is gone
-
-    def _promote_member(self, member: Member, tensor: torch.Tensor, fence: Fence) -> Entry:
-        """A GPU-resident entry of its own for a group member, from its uploaded rows."""
-        group = member.group
-        shape, nbytes = member.shape, member.nbytes
-        entry = Entry(member.key, shape, group.dtype, nbytes, State.GPU, tensor, fence)
-        self._leave_group(member)
-        self._entries[entry.key] = entry
-        self._promoted(entry)
-        return entry
-
-    def _promote_entry(self, entry: Entry, tensor: torch.Tensor, fence: Fence) -> None:
-        """Make entry GPU-resident again (exclusive tiers: its host block is freed)."""
-        self._host.order.pop(entry.key, None)
-        self._host.free_block(entry)
-        entry.state = State.GPU
-        entry.tensor = tensor
-        entry.ready = fence
-        entry.copy_fence = None
-        self._promoted(entry)
-
-    def _promoted(self, entry: Entry) -> None:
-        """Charge a promoted GPU-state entry to the GPU tier, most recently used."""
-        self._ledger.promote(entry.nbytes)
-        self._gpu_lru[entry.key] = entry
-        self._counters.promoted()
-        self._tiers.request()
+            self._life.lose(entry)  # promoted from a copy that failed: the data is gone
 
     # --- single flight ------------------------------------------------------------------
 

@@ -72,13 +72,13 @@ async def assert_clean(rig: Rig, cache: FeatureCache) -> None:
 def count_offload_copies(cache: FeatureCache, monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
     """From now on, each offload copy the cache starts: the features of each unit in it."""
     copies: list[list[int]] = []
-    start_offloads = cache._start_offloads
+    start_offloads = cache._evictor.offload
 
     def counted(items: Any, *, charged_gpu: bool) -> None:
         copies.append([entry.count for entry, _ in items])
         start_offloads(items, charged_gpu=charged_gpu)
 
-    monkeypatch.setattr(cache, "_start_offloads", counted)
+    monkeypatch.setattr(cache._evictor, "offload", counted)
     return copies
 
 

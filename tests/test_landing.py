@@ -138,7 +138,9 @@ async def test_a_loop_that_yields_between_puts_reaps_landings_without_watches(
     assert cache.stats().evictions_gpu >= 32
     assert watching[2] == 0, "the waiter was asked to watch while puts went on"
     with rig.hold():
-        cache._evict_gpu_for(cache._gpu_capacity)  # offloads with no put to reap them
+        cache._evictor.evict_for(
+            cache.stats().gpu_capacity_bytes
+        )  # offloads with no put to reap them
         assert cache._pipeline and watching[2] == 0
     await asyncio.wait_for(cache.drain(), 5)  # does not wait for the late watch
     assert not cache._pipeline and cache.stats().pending_copies == 0
@@ -228,7 +230,7 @@ async def test_a_landing_that_raises_fails_not_the_put_that_reaps_it(
     # goes on, so the cache still closes): only the put below reaps the landings.
     monkeypatch.setattr(OffloadPipeline, "_reported", lambda self: None)
     kept = [await put_feature(cache, rig, i, 16, seed=i) for i in range(16)]
-    cache._evict_gpu_for(4 * 16 * KiB)  # four offloads, one feature each
+    cache._evictor.evict_for(4 * 16 * KiB)  # four offloads, one feature each
     assert len(cache._pipeline) == 4
     rig.settle()
     assert all(fence.done() for fence in cache._pipeline.fences())

@@ -326,14 +326,14 @@ async def test_a_compaction_that_failed_while_the_put_waited_loses_its_keys(
 ) -> None:
     sim = simulator(rig)
     cache = make_cache(gpu_mb=1, cpu_mb=1)
-    wait_gpu = cache._wait_gpu
+    wait_gpu = cache._evictor.wait
 
     async def slow(nbytes: int) -> None:
         await asyncio.sleep(0.05)  # as if waiting for an offload to make room
         await wait_gpu(nbytes)
 
-    monkeypatch.setattr(cache, "_take_gpu", lambda nbytes: False)  # no room at once
-    monkeypatch.setattr(cache, "_wait_gpu", slow)
+    monkeypatch.setattr(cache._evictor, "take", lambda nbytes: False)  # no room at once
+    monkeypatch.setattr(cache._evictor, "wait", slow)
     wide = rig.tensor(48, 512, dtype=torch.float32, seed=9)
     sim.inject("copy_fails", 1)  # the compaction of the strided value
     if how == "put":
@@ -364,7 +364,7 @@ async def test_a_compaction_failing_as_the_batch_is_indexed_leaves_the_ledger_ex
     sim.inject("copy_fails", 1)
     assert await cache.put_split(["x", "y"], wide[:, :256], [16, 32])
     monkeypatch.setattr(cache, "_when_done", when_done)
-    assert "x" not in cache and not cache._gpu_lru
+    assert "x" not in cache and not cache._gpu_order
     want = [await put_batch(cache, rig, f"next{i}", [150], seed=i) for i in range(3)]
     for i, expected in enumerate(want):  # room made by offloads, none of a lost entry
         assert_exact(await cache.get((f"next{i}", 0)), expected[0])

@@ -11,6 +11,7 @@ import torch
 from conftest import CacheFactory, KiB, Rig, assert_exact, feature, needs_hold, put_feature
 
 from mmcache import CacheStats, FeatureCache, ValueTooLargeError
+from mmcache.core.evictor import Evictor
 from mmcache.entry import Entry
 
 
@@ -434,13 +435,13 @@ async def test_evict_ahead_keeps_room_beyond_what_the_put_needs(
 def record_offload_batches(monkeypatch: pytest.MonkeyPatch) -> list[list[Hashable]]:
     """The keys of each offload batch the cache starts from now on."""
     batches: list[list[Hashable]] = []
-    offload = FeatureCache._offload_batch
+    offload = Evictor._offload_batch
 
-    def recorded(self: FeatureCache, entries: list[Entry]) -> None:
+    def recorded(self: Evictor, entries: list[Entry]) -> None:
         batches.append([entry.key for entry in entries])
         offload(self, entries)
 
-    monkeypatch.setattr(FeatureCache, "_offload_batch", recorded)
+    monkeypatch.setattr(Evictor, "_offload_batch", recorded)
     return batches
 
 
@@ -502,11 +503,11 @@ async def test_a_top_up_stops_at_a_large_victim_and_at_the_slack(
     def room_for(kib: int) -> int:  # bytes needed free or on their way for kib more
         return cache._ledger.free() + cache._ledger.releasing + kib * KiB
 
-    cache._evict_gpu_for(room_for(16), slack=1024 * KiB)
+    cache._evictor.evict_for(room_for(16), slack=1024 * KiB)
     assert batches == [["s1", "s2"]]  # topped up with s2, not with the large one after it
-    cache._evict_gpu_for(room_for(16), slack=1024 * KiB)
+    cache._evictor.evict_for(room_for(16), slack=1024 * KiB)
     assert batches[1:] == [["large"]]  # a large victim alone, nothing to top up
-    cache._evict_gpu_for(room_for(16), slack=16 * KiB)
+    cache._evictor.evict_for(room_for(16), slack=16 * KiB)
     assert batches[2:] == [["s3", "s4"]]  # s4 fills the slack exactly; s5 would exceed it
     await cache.drain()
     assert [await tier_of(cache, key) for key in ("s1", "s2", "large", "s3", "s4", "s5")] == [
