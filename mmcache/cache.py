@@ -12,7 +12,6 @@ import logging
 import math
 import operator
 import threading
-import time
 from collections.abc import (
     AsyncIterator,
     Awaitable,
@@ -20,7 +19,6 @@ from collections.abc import (
     Coroutine,
     Hashable,
     Iterable,
-    Iterator,
     Sequence,
 )
 from typing import Any, TypeVar
@@ -39,20 +37,18 @@ from mmcache.core.offload import OffloadPipeline
 from mmcache.core.packing import BATCH_BYTES, GROUP_BELOW, Packings, group_spans, runs
 from mmcache.core.policy import make_policy
 from mmcache.core.quarantine import Quarantine
+from mmcache.core.reads import Reads
 from mmcache.device import Device, Fence, Stream, resolve_device
 from mmcache.device.base import feature_bytes
 from mmcache.entry import Entry, Member, State, check_key, check_keys, row_range
 from mmcache.errors import (
     CacheClosedError,
-    CopyFailedError,
     CopyTimeoutError,
-    DeviceOutOfMemoryError,
     InvalidKeyError,
     InvalidValueError,
     ValueTooLargeError,
     WrongLoopError,
 )
-from mmcache.host_copy import copy_host_bytes_in_slices
 from mmcache.host_copy import warm_up as warm_host_copies
 from mmcache.host_pool import HostBlock
 from mmcache.metrics import CacheMetrics, DeferredPush, ensure_metrics_server
@@ -60,7 +56,7 @@ from mmcache.producer_fences import ProducerFences
 from mmcache.settings import CacheSettings
 from mmcache.single_flight import SingleFlight
 from mmcache.stats import CacheStats
-from mmcache.waiting import FenceWatcher, wait_fences
+from mmcache.waiting import FenceWatcher
 
 __all__ = ["FeatureCache"]
 
@@ -92,7 +88,6 @@ class FeatureCache:
         self._owns_device = not isinstance(device, Device)
         self._device = resolve_device(device)
         self._gpu_capacity = self.settings.gpu_cache_bytes
-        self._promote = self.settings.promote_on_hit
         self._small_copy_bytes = self.settings.small_copy_bytes
         self._registry = registry
         self._metrics = CacheMetrics(name, registry)
@@ -163,6 +158,18 @@ class FeatureCache:
             small_copy_bytes=self.settings.small_copy_bytes,
         )
         self._packings = Packings(self._when_done, self._life.check_ready)
+        self._reads = Reads(
+            device=self._device,
+            counters=self._counters,
+            ledger=self._ledger,
+            host=self._host,
+            pipeline=self._pipeline,
+            life=self._life,
+            gpu_waiting=self._evictor.waiting,
+            when_done=self._when_done,
+            promote=self.settings.promote_on_hit,
+            copy_timeout=self._copy_timeout,
+        )
         self._inflight: SingleFlight[tuple[torch.Tensor, Fence]] = SingleFlight()
 
     # --- lifecycle ----------------------------------------------------------------------
@@ -667,14 +674,14 @@ class FeatureCache:
             assert entry.tensor is not None
             if to_host:
                 if state is State.D2H:
-                    return await self._read_host(entry, span)
-                return await self._download(entry.tensor, entry.ready, span, entry)
-            return await self._serve_device(entry.tensor, entry.ready, span, stream)
+                    return await self._reads.read_host(entry, span)
+                return await self._reads.download(entry.tensor, entry.ready, span, entry)
+            return await self._reads.serve_device(entry.tensor, entry.ready, span, stream)
         self._counters.hit_cpu()
         self._host.order.touch(entry.key)
         if to_host:
-            return await self._read_host(entry, span)
-        return await self._upload(entry, span, stream, member if rows is None else None)
+            return await self._reads.read_host(entry, span)
+        return await self._reads.upload(entry, span, stream, member if rows is None else None)
 
     async def get_or_compute(
         self,
@@ -700,8 +707,8 @@ class FeatureCache:
         value, ready = await asyncio.shield(task)
         span = row_range(rows, tuple(value.shape))
         if self._wants_host(device):
-            return await self._download(value, ready, span)
-        return await self._serve_device(value, ready, span, stream)
+            return await self._reads.download(value, ready, span)
+        return await self._reads.serve_device(value, ready, span, stream)
 
     def put_threadsafe(
         self,
@@ -782,7 +789,7 @@ class FeatureCache:
         self._host.pool.pin(block)
         try:
             if entry.copy_fence is not None:
-                self._counters.waited(await self._wait([entry.copy_fence]))
+                self._counters.waited(await self._reads.wait([entry.copy_fence]))
             if isinstance(found, Member):
                 view = entry.host_view(*found.span(None), block)
             else:
@@ -790,7 +797,7 @@ class FeatureCache:
             if self._device.one_pinned_range(view):
                 yield view
             else:
-                out = await self._host_copy(view)
+                out = await self._reads.host_copy(view)
                 del view
                 yield out
         finally:
@@ -909,24 +916,15 @@ class FeatureCache:
 
     def _pack(self, values: list[torch.Tensor], stream: Stream) -> tuple[torch.Tensor, Fence]:
         """A group's values packed into one device tensor of the cache's own, on stream."""
-        with self._counting_oom():
+        with self._counters.counting_oom():
             return self._device.pack(values, stream)
 
     def _allocate(
         self, shape: tuple[int, ...], dtype: torch.dtype, stream: Stream | None = None
     ) -> torch.Tensor:
         """device.empty, counting an out-of-memory failure before it reaches the caller."""
-        with self._counting_oom():
+        with self._counters.counting_oom():
             return self._device.empty(shape, dtype, stream)
-
-    @contextlib.contextmanager
-    def _counting_oom(self) -> Iterator[None]:
-        """Count a device allocation that fails for lack of memory, then let it raise."""
-        try:
-            yield
-        except DeviceOutOfMemoryError:
-            self._counters.alloc_failed()
-            raise
 
     def _give_back(
         self,
@@ -964,145 +962,6 @@ class FeatureCache:
 
     # --- reads --------------------------------------------------------------------------
 
-    async def _serve_device(
-        self, tensor: torch.Tensor, ready: Fence, span: tuple[int, int] | None, stream: Stream
-    ) -> torch.Tensor:
-        """A fresh alias (or row view) of a device tensor, ordered after ready on stream."""
-        # The alias exists before any wait: a reader holds what it will read, so a release
-        # that lands meanwhile cannot recycle it.
-        out = tensor.detach() if span is None else tensor[span[0] : span[1]]
-        if ready.done():
-            # Checked here, not before the alias: a copy that failed in between must not
-            # slip through as done.
-            if ready.exception() is not None:
-                del out
-                _raise_if_failed(ready)
-        else:
-            if self._device.stream_ordered_reads:
-                self._device.wait_on(stream, ready)
-            else:
-                try:
-                    self._counters.waited(await self._wait([ready]))
-                except BaseException:
-                    del out  # a cancelled read must not keep it alive through its traceback
-                    raise
-        self._device.use_on(out, stream)
-        return out
-
-    async def _download(
-        self,
-        tensor: torch.Tensor,
-        ready: Fence,
-        span: tuple[int, int] | None,
-        entry: Entry | None = None,
-    ) -> torch.Tensor:
-        """A host copy the caller owns of a device tensor (or rows of it)."""
-        _raise_if_failed(ready)
-        src = tensor if span is None else tensor[span[0] : span[1]]
-        dst = self._device.host_empty(tuple(src.shape), src.dtype)
-        fence = self._device.copy_d2h(src, dst, after=[ready])
-        if entry is not None:
-            # A release of the tensor waits for this copy too.
-            entry.add_device_reader(fence)
-        del src
-        started = time.perf_counter()
-        self._counters.copy_started("d2h")
-        try:
-            self._counters.waited(await self._wait([fence]))
-        except CopyTimeoutError:
-            raise
-        except CopyFailedError as e:
-            self._counters.copy_failed("download", entry.key if entry else None, e)
-            raise
-        finally:
-            if fence.done():
-                self._counters.copy_finished("d2h", dst.nbytes, started)
-            else:  # cancelled: account for it when it lands
-                finished = self._counters.copy_finished
-                self._when_done([fence], lambda: finished("d2h", dst.nbytes, started))
-        return dst
-
-    async def _read_host(self, entry: Entry, span: tuple[int, int] | None) -> torch.Tensor:
-        """A copy the caller owns of (rows of) the host copy, after the offload completes."""
-        block = entry.block
-        fence = entry.copy_fence
-        pool = self._host.pool
-        assert block is not None and pool is not None and fence is not None
-        pool.pin(block)  # a discard while we wait must not recycle the block under us
-        try:
-            try:
-                self._counters.waited(await self._wait([fence]))
-            except CopyTimeoutError:
-                self._pipeline.quarantine(entry, fence)
-                raise
-            view = entry.host_whole(block) if span is None else entry.host_view(*span, block)
-            return await self._host_copy(view)
-        finally:
-            pool.unpin(block)
-
-    async def _host_copy(self, view: torch.Tensor) -> torch.Tensor:
-        """A copy the caller owns of a view of the arena (pinned before this is called).
-
-        Caller-owned, as a download's is: from torch's cache of pinned blocks on CUDA (no
-        page faults once warm; a later upload of it is asynchronous). Copied a slice per
-        loop turn (mmcache.host_copy), so a large one does not hold the loop: by memcpy,
-        1 MiB a turn, or, once a burst of reads repays waking them and unless they stalled
-        lately, on torch's intra-op threads, 1 MiB per thread a turn.
-        """
-        out = self._device.host_empty(tuple(view.shape), view.dtype)
-        await copy_host_bytes_in_slices(out, view)
-        return out
-
-    async def _upload(
-        self,
-        entry: Entry,
-        span: tuple[int, int] | None,
-        stream: Stream,
-        member: Member | None = None,
-    ) -> torch.Tensor:
-        """A device copy of a host-resident entry (or of rows of it, or of a whole group
-        member); promotes the entry or the member back to the GPU tier if it fits."""
-        assert entry.block is not None and entry.copy_fence is not None
-        promote = (
-            (span is None or member is not None)
-            and self._promote
-            and not self._evictor.waiting
-            and self._ledger.free() >= (entry.nbytes if member is None else member.nbytes)
-        )
-        start, stop = span if span is not None else (0, entry.shape[0] if entry.shape else 1)
-        src = entry.host_whole() if span is None else entry.host_view(start, stop)
-        dst = self._allocate(tuple(src.shape), entry.dtype)
-        fence = self._device.copy_h2d(src, dst, after=[entry.copy_fence])
-        del src
-        entry.add_host_reader(fence)
-        started = time.perf_counter()
-        self._counters.copy_started("h2d")
-        nbytes = dst.nbytes
-        if promote and member is not None:
-            # The member leaves its group as an entry of its own, made from this copy.
-            entry = self._life.promote_member(member, dst, fence)
-        self._when_done([fence], lambda: self._upload_done(entry, fence, nbytes, started))
-        if promote:
-            if member is None:
-                self._life.promote_entry(entry, dst, fence)
-            return await self._serve_device(dst, fence, None, stream)
-        try:
-            return await self._serve_device(dst, fence, None, stream)
-        except CopyTimeoutError:
-            self._counters.quarantined()  # dst and the host block stay pinned by it
-            raise
-        finally:
-            self._device.release(dst, after=[fence])  # the caller's alias keeps it alive
-
-    def _upload_done(self, entry: Entry, fence: Fence, nbytes: int, started: float) -> None:
-        self._counters.copy_finished("h2d", nbytes, started)
-        if fence.exception() is None:
-            self._counters.uploaded(nbytes)
-            return
-        self._counters.copy_failed("upload", entry.key, fence.exception())
-        if entry.state is State.GPU and entry.ready is fence:
-            self._life.lose(entry)  # promoted from a copy that failed: the data is gone
-
     # --- single flight ------------------------------------------------------------------
 
     async def _compute(
@@ -1120,10 +979,6 @@ class FeatureCache:
         return value, ready
 
     # --- bookkeeping --------------------------------------------------------------------
-
-    async def _wait(self, fences: Sequence[Fence]) -> float:
-        """wait_fences bounded by copy_timeout_s (a fence that never completes fails the read)."""
-        return await wait_fences(fences, self._copy_timeout)
 
     def _when_done(
         self, fences: Sequence[Fence], callback: Callable[[], None], *, fresh: bool = False
@@ -1173,9 +1028,3 @@ def _owns_storage(value: torch.Tensor) -> bool:
         and not value.is_conj()
         and not value.is_neg()
     )
-
-
-def _raise_if_failed(ready: Fence) -> None:
-    """A feature whose producing copy already failed is an error to read, never poison."""
-    if ready.done() and ready.exception() is not None:
-        raise CopyFailedError(f"the copy that made this feature failed: {ready.exception()}")

@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import CacheFactory, Rig, assert_exact, feature, stall
 
-import mmcache.cache
+import mmcache.core.reads
 from mmcache import FeatureCache
 from mmcache.device import SimDevice
 
@@ -73,7 +73,7 @@ async def test_broken_variant_reader_skips_fence_sees_poison(
 
     from mmcache import CacheSettings
 
-    monkeypatch.setattr(mmcache.cache, "wait_fences", _no_wait)
+    monkeypatch.setattr(mmcache.core.reads, "wait_fences", _no_wait)
     settings = CacheSettings(gpu_cache_mb=FEATURE_MB, cpu_cache_mb=1)
     async with FeatureCache(settings, sim_rig.device, registry=CollectorRegistry()) as cache:
         got, want = await _read_while_offload_is_held(sim_rig, cache, rows, expect_pending=False)

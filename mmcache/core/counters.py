@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 from typing import Any, final
 
+from mmcache.errors import DeviceOutOfMemoryError
 from mmcache.metrics import CacheMetrics
 
 __all__ = ["COUNTER_NAMES", "Counters"]
@@ -138,6 +140,15 @@ class Counters:
         """A device allocation that failed for lack of memory."""
         self.alloc_failures += 1
         self._metrics.fault("oom")
+
+    @contextlib.contextmanager
+    def counting_oom(self) -> Iterator[None]:
+        """Count a device allocation that fails for lack of memory, then let it raise."""
+        try:
+            yield
+        except DeviceOutOfMemoryError:
+            self.alloc_failed()
+            raise
 
     def quarantined(self) -> None:
         """A copy past copy_timeout_s whose bytes stay reserved."""

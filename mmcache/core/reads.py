@@ -1,0 +1,208 @@
+"""Reads: serving a feature on the device, downloading it, reading the host copy, uploading."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import final
+
+import torch
+
+from mmcache.core.budget import FifoBudget
+from mmcache.core.counters import Counters
+from mmcache.core.host import HostTier
+from mmcache.core.ledger import TierLedger
+from mmcache.core.lifecycle import Lifecycle
+from mmcache.core.offload import OffloadPipeline
+from mmcache.device import Device, Fence, Stream
+from mmcache.entry import Entry, Member, State
+from mmcache.errors import CopyFailedError, CopyTimeoutError
+from mmcache.host_copy import copy_host_bytes_in_slices
+from mmcache.waiting import wait_fences
+
+__all__ = ["Reads", "raise_if_failed"]
+
+
+def raise_if_failed(ready: Fence) -> None:
+    """A feature whose producing copy already failed is an error to read, never poison."""
+    if ready.done() and ready.exception() is not None:
+        raise CopyFailedError(f"the copy that made this feature failed: {ready.exception()}")
+
+
+@final
+class Reads:
+    """Every way a get gets its bytes, each resolved only after the copies it depends on.
+
+    On the device a get returns a fresh alias ordered after the data's fence on the
+    caller's stream; on the host, a copy the caller owns. A host hit that fits the GPU
+    tier without waiting is promoted back to it by the upload that serves it.
+    """
+
+    def __init__(
+        self,
+        *,
+        device: Device,
+        counters: Counters,
+        ledger: TierLedger,
+        host: HostTier,
+        pipeline: OffloadPipeline,
+        life: Lifecycle,
+        gpu_waiting: FifoBudget[int, int],
+        when_done: Callable[[Sequence[Fence], Callable[[], None]], None],
+        promote: bool,
+        copy_timeout: float,
+    ) -> None:
+        self._device = device
+        self._counters = counters
+        self._ledger = ledger
+        self._host = host
+        self._pipeline = pipeline
+        self._life = life
+        self._gpu_waiting = gpu_waiting  # a promotion never jumps the line of waiting puts
+        self._when_done = when_done
+        self._promote = promote
+        self._copy_timeout = copy_timeout
+
+    async def wait(self, fences: Sequence[Fence]) -> float:
+        """wait_fences bounded by copy_timeout_s (a fence that never completes fails the read)."""
+        return await wait_fences(fences, self._copy_timeout)
+
+    async def serve_device(
+        self, tensor: torch.Tensor, ready: Fence, span: tuple[int, int] | None, stream: Stream
+    ) -> torch.Tensor:
+        """A fresh alias (or row view) of a device tensor, ordered after ready on stream."""
+        # The alias exists before any wait: a reader holds what it will read, so a release
+        # that lands meanwhile cannot recycle it.
+        out = tensor.detach() if span is None else tensor[span[0] : span[1]]
+        if ready.done():
+            # Checked here, not before the alias: a copy that failed in between must not
+            # slip through as done.
+            if ready.exception() is not None:
+                del out
+                raise_if_failed(ready)
+        else:
+            if self._device.stream_ordered_reads:
+                self._device.wait_on(stream, ready)
+            else:
+                try:
+                    self._counters.waited(await self.wait([ready]))
+                except BaseException:
+                    del out  # a cancelled read must not keep it alive through its traceback
+                    raise
+        self._device.use_on(out, stream)
+        return out
+
+    async def download(
+        self,
+        tensor: torch.Tensor,
+        ready: Fence,
+        span: tuple[int, int] | None,
+        entry: Entry | None = None,
+    ) -> torch.Tensor:
+        """A host copy the caller owns of a device tensor (or rows of it)."""
+        raise_if_failed(ready)
+        src = tensor if span is None else tensor[span[0] : span[1]]
+        dst = self._device.host_empty(tuple(src.shape), src.dtype)
+        fence = self._device.copy_d2h(src, dst, after=[ready])
+        if entry is not None:
+            # A release of the tensor waits for this copy too.
+            entry.add_device_reader(fence)
+        del src
+        started = time.perf_counter()
+        self._counters.copy_started("d2h")
+        try:
+            self._counters.waited(await self.wait([fence]))
+        except CopyTimeoutError:
+            raise
+        except CopyFailedError as e:
+            self._counters.copy_failed("download", entry.key if entry else None, e)
+            raise
+        finally:
+            if fence.done():
+                self._counters.copy_finished("d2h", dst.nbytes, started)
+            else:  # cancelled: account for it when it lands
+                finished = self._counters.copy_finished
+                self._when_done([fence], lambda: finished("d2h", dst.nbytes, started))
+        return dst
+
+    async def read_host(self, entry: Entry, span: tuple[int, int] | None) -> torch.Tensor:
+        """A copy the caller owns of (rows of) the host copy, after the offload completes."""
+        block = entry.block
+        fence = entry.copy_fence
+        pool = self._host.pool
+        assert block is not None and pool is not None and fence is not None
+        pool.pin(block)  # a discard while we wait must not recycle the block under us
+        try:
+            try:
+                self._counters.waited(await self.wait([fence]))
+            except CopyTimeoutError:
+                self._pipeline.quarantine(entry, fence)
+                raise
+            view = entry.host_whole(block) if span is None else entry.host_view(*span, block)
+            return await self.host_copy(view)
+        finally:
+            pool.unpin(block)
+
+    async def host_copy(self, view: torch.Tensor) -> torch.Tensor:
+        """A copy the caller owns of a view of the arena (pinned before this is called).
+
+        Caller-owned, as a download's is: from torch's cache of pinned blocks on CUDA (no
+        page faults once warm; a later upload of it is asynchronous). Copied a slice per
+        loop turn (mmcache.host_copy), so a large one does not hold the loop: by memcpy,
+        1 MiB a turn, or, once a burst of reads repays waking them and unless they stalled
+        lately, on torch's intra-op threads, 1 MiB per thread a turn.
+        """
+        out = self._device.host_empty(tuple(view.shape), view.dtype)
+        await copy_host_bytes_in_slices(out, view)
+        return out
+
+    async def upload(
+        self,
+        entry: Entry,
+        span: tuple[int, int] | None,
+        stream: Stream,
+        member: Member | None = None,
+    ) -> torch.Tensor:
+        """A device copy of a host-resident entry (or of rows of it, or of a whole group
+        member); promotes the entry or the member back to the GPU tier if it fits."""
+        assert entry.block is not None and entry.copy_fence is not None
+        promote = (
+            (span is None or member is not None)
+            and self._promote
+            and not self._gpu_waiting
+            and self._ledger.free() >= (entry.nbytes if member is None else member.nbytes)
+        )
+        start, stop = span if span is not None else (0, entry.shape[0] if entry.shape else 1)
+        src = entry.host_whole() if span is None else entry.host_view(start, stop)
+        with self._counters.counting_oom():
+            dst = self._device.empty(tuple(src.shape), entry.dtype)
+        fence = self._device.copy_h2d(src, dst, after=[entry.copy_fence])
+        del src
+        entry.add_host_reader(fence)
+        started = time.perf_counter()
+        self._counters.copy_started("h2d")
+        nbytes = dst.nbytes
+        if promote and member is not None:
+            # The member leaves its group as an entry of its own, made from this copy.
+            entry = self._life.promote_member(member, dst, fence)
+        self._when_done([fence], lambda: self._upload_done(entry, fence, nbytes, started))
+        if promote:
+            if member is None:
+                self._life.promote_entry(entry, dst, fence)
+            return await self.serve_device(dst, fence, None, stream)
+        try:
+            return await self.serve_device(dst, fence, None, stream)
+        except CopyTimeoutError:
+            self._counters.quarantined()  # dst and the host block stay pinned by it
+            raise
+        finally:
+            self._device.release(dst, after=[fence])  # the caller's alias keeps it alive
+
+    def _upload_done(self, entry: Entry, fence: Fence, nbytes: int, started: float) -> None:
+        self._counters.copy_finished("h2d", nbytes, started)
+        if fence.exception() is None:
+            self._counters.uploaded(nbytes)
+            return
+        self._counters.copy_failed("upload", entry.key, fence.exception())
+        if entry.state is State.GPU and entry.ready is fence:
+            self._life.lose(entry)  # promoted from a copy that failed: the data is gone
