@@ -455,13 +455,13 @@ async def test_which_puts_take_the_short_path(
     cache = make_cache(gpu_mb=1, cpu_mb=1)
     await cache.start()
     general: list[object] = []
-    put_batch = cache._put_batch
+    put_batch = cache._puts.put_batch
 
     async def counted(items: Any, stream: Any, wait: bool) -> bool:
         general.append(items[0][0])
         return await put_batch(items, stream, wait)
 
-    monkeypatch.setattr(cache, "_put_batch", counted)
+    monkeypatch.setattr(cache._puts, "put_batch", counted)
     whole = make_data(rig, 16, 64, dtype=torch.float32, seed=1)
     assert await cache.put("new", whole)  # a new key, a tensor of its own storage
     assert await cache.put("new", make_data(rig, 16, 64, dtype=torch.float32, seed=2))

@@ -25,6 +25,7 @@ from test_groups import (
 from mmcache import FeatureCache, InvalidKeyError, InvalidValueError, ValueTooLargeError
 from mmcache.device import SimDevice
 from mmcache.entry import Entry, State
+from mmcache.waiting import FenceWatcher
 
 KiB = 1024
 
@@ -352,18 +353,18 @@ async def test_a_compaction_failing_as_the_batch_is_indexed_leaves_the_ledger_ex
 ) -> None:
     sim = simulator(rig)
     cache = make_cache(gpu_mb=0.25, cpu_mb=1)
-    when_done = cache._when_done
+    when_done = FenceWatcher.when_done
 
-    def finishing(fences: Any, callback: Any, **kwargs: Any) -> None:
+    def finishing(self: FenceWatcher, fences: Any, callback: Any, **kwargs: Any) -> None:
         for fence in fences:  # the copy ends (and fails) just as the cache asks
             fence.wait()
-        when_done(fences, callback, **kwargs)
+        when_done(self, fences, callback, **kwargs)
 
-    monkeypatch.setattr(cache, "_when_done", finishing)
+    monkeypatch.setattr(FenceWatcher, "when_done", finishing)
     wide = rig.tensor(48, 512, dtype=torch.float32, seed=9)
     sim.inject("copy_fails", 1)
     assert await cache.put_split(["x", "y"], wide[:, :256], [16, 32])
-    monkeypatch.setattr(cache, "_when_done", when_done)
+    monkeypatch.setattr(FenceWatcher, "when_done", when_done)
     assert "x" not in cache and not cache._gpu_order
     want = [await put_batch(cache, rig, f"next{i}", [150], seed=i) for i in range(3)]
     for i, expected in enumerate(want):  # room made by offloads, none of a lost entry

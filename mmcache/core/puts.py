@@ -1,0 +1,394 @@
+"""Puts: checking values, taking ownership of them, reserving room, indexing entries."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from collections.abc import Callable, Hashable, Sequence
+from typing import Final, final
+
+import torch
+
+from mmcache.core.counters import Counters
+from mmcache.core.evictor import Evictor
+from mmcache.core.host import HostTier
+from mmcache.core.index import KeyIndex
+from mmcache.core.ledger import TierLedger
+from mmcache.core.lifecycle import Lifecycle
+from mmcache.core.offload import OffloadPipeline
+from mmcache.core.packing import BATCH_BYTES, GROUP_BELOW, Packings, group_spans, runs
+from mmcache.core.policy import EvictionPolicy
+from mmcache.device import Device, Fence, Stream
+from mmcache.device.base import feature_bytes
+from mmcache.entry import Entry, State
+from mmcache.errors import InvalidValueError, ValueTooLargeError
+from mmcache.host_pool import HostBlock
+from mmcache.producer_fences import ProducerFences
+from mmcache.settings import CacheSettings
+
+__all__ = ["Puts", "owns_storage"]
+
+MiB: Final = 1024 * 1024
+
+
+@final
+class Puts:
+    """The put path behind put, put_many and put_split, once their arguments are checked.
+
+    Values are owned first (a view compacted into storage of its own, small features
+    packed into groups), then room is reserved for all of them at once (the GPU tier's,
+    or host blocks when the GPU tier is off), then they are indexed. A put that fails
+    or gives up releases what it took; one that replaces keys removes them first.
+    """
+
+    def __init__(
+        self,
+        *,
+        device: Device,
+        producers: ProducerFences,
+        counters: Counters,
+        ledger: TierLedger,
+        index: KeyIndex,
+        gpu_order: EvictionPolicy,
+        evictor: Evictor,
+        host: HostTier,
+        landings: OffloadPipeline,
+        life: Lifecycle,
+        packings: Packings,
+        when_done: Callable[[Sequence[Fence], Callable[[], None]], None],
+        changed: Callable[[], None],
+        gpu_capacity: int,
+        small_copy_bytes: int,
+    ) -> None:
+        self._device = device
+        self._producers = producers
+        self._counters = counters
+        self._ledger = ledger
+        self._index = index
+        self._gpu_order = gpu_order
+        self._evictor = evictor
+        self._host = host
+        self._landings = landings
+        self._remove = life.remove
+        self._check_ready = life.check_ready
+        self._packings = packings
+        self._when_done = when_done
+        self._changed = changed
+        self._gpu_capacity = gpu_capacity
+        self._small_copy_bytes = small_copy_bytes
+
+    async def put_new(
+        self, key: Hashable, holder: list[torch.Tensor], stream: Stream, wait: bool
+    ) -> bool:
+        """put of one new key's device tensor that owns its storage and fits the GPU tier.
+
+        What put_batch and _insert_units do for it, without their lists and loops, which
+        a put of one feature would pay for on every call (BENCHMARKS.md). A put that must
+        wait for room continues through _insert_units.
+        """
+        tensor = holder.pop()
+        nbytes = tensor.nbytes
+        ready = self._producers.fence(stream)
+        own = self._device.adopt(tensor, stream)
+        del tensor
+        try:
+            taken = self._evictor.take(nbytes)
+        except BaseException:
+            self._give_back([(own, ready)], [], [[]])
+            raise
+        if not taken:
+            return await self._insert_units(
+                [key], [], [(0, 1)], [nbytes], [(own, ready)], [[]], ready, wait
+            )
+        entry = Entry(key, tuple(own.shape), own.dtype, nbytes, State.GPU, own, ready)
+        self._index[key] = entry
+        self._gpu_order[key] = entry
+        self._ledger.insert(nbytes, 1)
+        # No put waits now (Evictor.take grants nothing ahead of one): none to wake.
+        self._changed()
+        return True
+
+    async def put_rows(
+        self,
+        keys: list[Hashable],
+        holder: list[torch.Tensor],
+        rows: list[int],
+        stream: Stream,
+        wait: bool,
+    ) -> bool:
+        """put_split once its arguments are checked; holder is emptied once the cache owns it.
+
+        The tensor is one unit when one host block can take it; otherwise runs of its
+        features up to BATCH_BYTES each are copied into storage of their own.
+        """
+        tensor = holder[0]
+        row_bytes = tensor.nbytes // tensor.shape[0]
+        sizes = [n * row_bytes for n in rows]
+        total = tensor.nbytes
+        to_gpu = self._gpu_capacity > 0
+        if not to_gpu and self._host.capacity == 0:
+            return False
+        self.check_fits(max(sizes), to_gpu)  # one feature too large: names the setting
+        self._check_group_fits(total, to_gpu)
+        host_limit = self._host.limit()
+        if len(keys) == 1 or not host_limit or total <= host_limit:
+            spans = [(0, len(keys))]
+        else:
+            spans = runs(sizes, None, min(BATCH_BYTES, host_limit))
+        produced = self._producers.fence(stream)
+        owned: list[tuple[torch.Tensor, Fence]] = []
+        try:
+            if len(spans) == 1:
+                owned.append(self._own(tensor, stream, produced))
+            else:
+                starts = [0, *itertools.accumulate(rows)]
+                for i, j in spans:
+                    owned.append(self._own(tensor[starts[i] : starts[j]], stream, produced))
+        except BaseException:
+            self._give_back(owned, [], [[] for _ in owned])
+            raise
+        holder.clear()
+        del tensor
+        return await self._insert_units(
+            keys, rows, spans, sizes, owned, [[] for _ in spans], produced, wait
+        )
+
+    async def put_batch(
+        self, items: list[tuple[Hashable, torch.Tensor]], stream: Stream, wait: bool
+    ) -> bool:
+        """put for one or more features: check all, take all, reserve once, insert all.
+
+        Small features of one put_many that share dtype and row shape become groups
+        (packing.group_spans): each is packed into one device tensor and cached as one entry.
+        items is emptied once the cache owns the values.
+        """
+        keys = []
+        sizes = []
+        to_gpu = self._gpu_capacity > 0
+        # Checked in one pass (keys are checked by put and put_many): per feature, every
+        # call here is paid thousands of times a second for small features.
+        if to_gpu:
+            limit: float = self._gpu_capacity
+        else:  # both tiers off: put returns False below, once every value is checked
+            limit = self._host.limit() if self._host.capacity else math.inf
+        on_device = self._device.is_device_tensor
+        for key, tensor in items:
+            keys.append(key)
+            if not isinstance(tensor, torch.Tensor) or not on_device(tensor):
+                self.check_value(tensor)  # raises, saying what is wrong
+            nbytes = tensor.nbytes
+            if nbytes == 0 or nbytes > limit:
+                self.check_value(tensor)  # raises for an empty tensor
+                self.check_fits(nbytes, to_gpu)  # raises, with the setting to change
+            sizes.append(nbytes)
+        total = sum(sizes)
+        if not to_gpu and self._host.capacity == 0:
+            return False
+        self._check_group_fits(total, to_gpu)
+        if len(items) == 1:
+            spans = [(0, 1)]
+        else:
+            below = min(self._small_copy_bytes, GROUP_BELOW)
+            spans = group_spans(items, sizes, below, self._host.limit())
+            if self._packings:
+                self._packings.reap()  # the values of earlier groups, already read
+        # Rows of each feature, for the members' ranges.
+        rows = [t.shape[0] if t.dim() else 1 for _, t in items] if len(spans) < len(items) else []
+        produced: Fence | None = None  # recorded for single features only: groups have their own
+        owned: list[tuple[torch.Tensor, Fence]] = []
+        # A group's values, held until its packing copy has read them (none for a single).
+        sources: list[list[torch.Tensor]] = []
+        try:
+            for i, j in spans:
+                if j - i == 1:
+                    if produced is None:
+                        produced = self._producers.fence(stream)
+                    owned.append(self._own(items[i][1], stream, produced))
+                    sources.append([])
+                else:
+                    values = [tensor for _, tensor in items[i:j]]
+                    owned.append(self._pack(values, stream))
+                    sources.append(values)
+                    del values
+        except BaseException:
+            self._give_back(owned, [], sources)
+            raise
+        # From here on the cache owns the values: no frame of ours (nor a traceback of a
+        # failed put) may keep the caller's tensors alive past their release.
+        items.clear()
+        del tensor
+        return await self._insert_units(keys, rows, spans, sizes, owned, sources, produced, wait)
+
+    async def _insert_units(
+        self,
+        keys: list[Hashable],
+        rows: list[int],
+        spans: list[tuple[int, int]],
+        sizes: list[int],
+        owned: list[tuple[torch.Tensor, Fence]],
+        sources: list[list[torch.Tensor]],
+        produced: Fence | None,
+        wait: bool,
+    ) -> bool:
+        """Second half of a put: reserve room for the owned units, then index them.
+
+        Unit u holds the features keys[i:j] of spans[u] (one entry, or a group whose
+        members have rows[i:j] rows each); sources[u] are the values its packing copy
+        reads, produced the fence of the producer's stream, if recorded.
+        """
+        to_gpu = self._gpu_capacity > 0
+        total = sum(sizes)
+        # Replace first, then reserve: the old values' bytes must not push others out
+        # (nor be offloaded for nothing). A put that then fails leaves them absent.
+        self._remove_keys(keys, wake=True)
+        blocks: list[HostBlock] = []
+        # Without room now, a put waits (yielding to the loop); a put that finds it, the
+        # common case, takes it without a coroutine of its own.
+        waited = True
+        try:
+            if to_gpu:
+                ok = self._evictor.take(total)
+                if ok:
+                    waited = False
+                elif wait:
+                    await self._evictor.wait(total)
+                    ok = True
+            else:
+                unit_sizes = [sum(sizes[i:j]) for i, j in spans]
+                ok = await self._host.reserve(unit_sizes, wait, blocks, self._landings)
+        except BaseException:
+            self._give_back(owned, blocks, sources)
+            raise
+        if not ok:
+            self._give_back(owned, blocks, sources)
+            self._counters.refused(len(keys))
+            return False
+        if waited:
+            self._remove_keys(keys, wake=False)  # other puts of these keys done meanwhile
+        offloads: list[tuple[Entry, HostBlock]] = []
+        compacted: list[Entry] = []
+        entries = self._index
+        for u, ((i, j), (own, ready)) in enumerate(zip(spans, owned, strict=True)):
+            if j - i == 1:
+                key = keys[i]
+                entry = Entry(key, tuple(own.shape), own.dtype, sizes[i], State.GPU, own, ready)
+                entries[key] = entry
+            else:
+                entry = entries.add_group(keys[i:j], rows[i:j], own, ready, sum(sizes[i:j]))
+            if sources[u]:
+                # Its values stay referenced until the packing copy has read them, and a
+                # packing that failed drops the group then.
+                self._packings.hold(ready, sources[u], entry)
+            elif ready is not produced:
+                compacted.append(entry)
+            if to_gpu:
+                self._gpu_order[entry.key] = entry
+            else:
+                offloads.append((entry, blocks[u]))
+        if to_gpu:
+            self._ledger.insert(total, len(keys))
+            if self._evictor.waiting:
+                self._evictor.wake()  # the next waiter may need these entries offloaded
+        else:
+            self._evictor.offload(offloads, charged_gpu=False)
+        # Our compaction copies may fail (or have failed while we waited for room): such
+        # an entry is dropped, once it is in the tier's lists and counts like the others.
+        for entry in compacted:
+            self._when_done([entry.ready], functools.partial(self._check_ready, entry, entry.ready))
+        self._changed()
+        return True
+
+    def _remove_keys(self, keys: list[Hashable], *, wake: bool) -> None:
+        """Remove what the index holds under keys (a put replacing them); wake: after each
+        removal, let waiting puts use the room it made."""
+        entries = self._index
+        if entries.keys().isdisjoint(keys):
+            return
+        for key in keys:
+            old = entries.get(key)
+            if old is not None:
+                self._remove(old)
+                if wake:
+                    self._evictor.wake()
+
+    def check_value(self, value: object, caller: str = "put()") -> int:
+        nbytes = feature_bytes(self._device, value, caller)
+        if nbytes == 0:
+            assert isinstance(value, torch.Tensor)
+            raise InvalidValueError(f"refusing an empty tensor of shape {tuple(value.shape)}")
+        return nbytes
+
+    def check_fits(self, nbytes: int, to_gpu: bool) -> None:
+        if to_gpu and nbytes > self._gpu_capacity:
+            raise ValueTooLargeError(
+                f"value of {nbytes / MiB:.1f} MB exceeds the GPU tier "
+                f"({self._gpu_capacity / MiB:.1f} MB); raise "
+                f"{' or '.join(CacheSettings.env_names('gpu_cache_mb'))}"
+            )
+        limit = self._host.limit()
+        if not to_gpu and nbytes > limit:
+            raise ValueTooLargeError(
+                f"value of {nbytes / MiB:.1f} MB exceeds the host tier ({limit / MiB:.1f} MB), "
+                f"and the GPU tier is off; raise "
+                f"{' or '.join(CacheSettings.env_names('cpu_cache_mb'))}"
+            )
+
+    def _check_group_fits(self, total: int, to_gpu: bool) -> None:
+        """Features put together must fit their tier together: none of them would go in."""
+        capacity = self._gpu_capacity if to_gpu else self._host.capacity
+        if total > capacity:
+            tier = "GPU" if to_gpu else "host"
+            raise ValueTooLargeError(
+                f"features of {total / MiB:.1f} MB in all exceed the {tier} tier "
+                f"({capacity / MiB:.1f} MB); put them in smaller groups"
+            )
+
+    def _own(self, value: torch.Tensor, stream: Stream, ready: Fence) -> tuple[torch.Tensor, Fence]:
+        """The cache's own alias of value; a view of a larger storage is compacted first."""
+        if owns_storage(value):
+            return self._device.adopt(value, stream), ready
+        # Charging the budget for a view would under-count what it keeps alive: copy it
+        # into storage of its own, ordered after the producer on the producer's stream.
+        own = self._allocate(tuple(value.shape), value.dtype, stream)
+        return own, self._device.copy_d2d(value, own, stream)
+
+    def _pack(self, values: list[torch.Tensor], stream: Stream) -> tuple[torch.Tensor, Fence]:
+        """A group's values packed into one device tensor of the cache's own, on stream."""
+        with self._counters.counting_oom():
+            return self._device.pack(values, stream)
+
+    def _allocate(
+        self, shape: tuple[int, ...], dtype: torch.dtype, stream: Stream | None = None
+    ) -> torch.Tensor:
+        """device.empty, counting an out-of-memory failure before it reaches the caller."""
+        with self._counters.counting_oom():
+            return self._device.empty(shape, dtype, stream)
+
+    def _give_back(
+        self,
+        owned: list[tuple[torch.Tensor, Fence]],
+        blocks: list[HostBlock],
+        sources: list[list[torch.Tensor]],
+    ) -> None:
+        """Undo a put that took its values but will not insert them."""
+        for (own, ready), values in zip(owned, sources, strict=True):
+            self._device.release(own, after=[ready])
+            if values:  # a packing copy may still read them
+                self._packings.hold(ready, values, None)
+        for block in blocks:
+            self._host.free(block)
+
+
+def owns_storage(value: torch.Tensor) -> bool:
+    """Whether the cache may hold value itself: it is its whole storage, contiguous.
+
+    Not a lazy conjugate (or negation) either: its bytes are not its values, and offloads
+    copy bytes. Anything else is compacted at put.
+    """
+    return (
+        value.is_contiguous()
+        and value.untyped_storage().nbytes() == value.nbytes
+        and not value.is_conj()
+        and not value.is_neg()
+    )
