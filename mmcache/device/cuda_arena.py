@@ -32,7 +32,7 @@ _MiB: Final = 1 << 20
 # waits for, and pinning a whole arena at once would hold a launch for as long as that
 # takes. In small chunks with a pause between them (a waiter gets the lock only if the
 # pinning thread lets go for a moment), a launch waits for one chunk at most
-# (BENCHMARKS.md, "Pinning the host arena while serving").
+# (BENCHMARKS.md).
 DEFAULT_PIN_CHUNK_BYTES: Final = 8 * _MiB
 _PIN_PAUSE_S: Final = 0.0005  # between chunks pinned in the background
 _HUGE_PAGE: Final = 2 * _MiB

@@ -24,7 +24,7 @@ _log = logging.getLogger(__name__)
 _MiB: Final = 1 << 20
 DEFAULT_PACK_MAX_BYTES: Final = 1 * _MiB  # copies through torch: one copy_ call per run
 # Through the driver's batched copies a range costs a little more host time and no kernel:
-# only many small sources are worth gathering first (BENCHMARKS.md, "Tenth session").
+# only many small sources are worth gathering first (BENCHMARKS.md).
 DEFAULT_BATCHED_PACK_MAX_BYTES: Final = 512 * 1024
 # A packed run of small copies needs a device staging buffer of its size: keep it modest.
 _PACK_RUN_MAX_BYTES: Final = 64 * _MiB
