@@ -11,7 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 from collections.abc import Sequence
-from typing import Any, Final
+from typing import Any, Final, final
 
 import torch
 
@@ -44,6 +44,27 @@ _log = logging.getLogger(__name__)
 
 #: Feature dtypes whose copy and cat kernels a new device loads before serving.
 _WARM_DTYPES: Final = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@final
+class _LazyDriver:
+    """The driver binding, loaded at first use: a device that neither pins an arena nor
+    batches copies never loads it.
+
+    Not a bound method of the device: the arena keeps this, and a reference back to the
+    device would keep both alive, and a registered arena pinned, until the cyclic
+    collector runs rather than when the device's last reference goes.
+    """
+
+    __slots__ = ("instance",)
+
+    def __init__(self) -> None:
+        self.instance: CudaDriver | None = None
+
+    def __call__(self) -> CudaDriver:
+        if self.instance is None:
+            self.instance = CudaDriver.get()
+        return self.instance
 
 
 class CudaDevice(Device):
@@ -82,7 +103,7 @@ class CudaDevice(Device):
         self._device = _resolve_device(index)
         self.name = str(self._device)
         self.index: int = self._device.index if self._device.index is not None else 0
-        self._driver_instance: CudaDriver | None = None
+        self._driver = _LazyDriver()
         copier: BatchCopier | None = None
         if batch_copies:
             try:
@@ -318,14 +339,9 @@ class CudaDevice(Device):
                 "torch copy_" if self._batches.copier is None else "cuMemcpyBatchAsync"
             ),
         }
-        if self._driver_instance is not None:
-            facts["driver_cuda"] = self._driver_instance.version
+        if self._driver.instance is not None:
+            facts["driver_cuda"] = self._driver.instance.version
         return facts
-
-    def _driver(self) -> CudaDriver:
-        if self._driver_instance is None:
-            self._driver_instance = CudaDriver.get()
-        return self._driver_instance
 
 
 def _resolve_device(index: int | str | torch.device) -> torch.device:
