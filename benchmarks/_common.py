@@ -304,38 +304,6 @@ class LoopLag:
             self.ticks += 1
 
 
-class SelectorWaits:
-    """Each wait of an event loop in its selector (blocked, nothing ready to run), in
-    seconds, between start() and stop()."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.waits: list[float] = []
-        self._selector: Any = getattr(loop, "_selector")  # noqa: B009 - private on purpose
-        self._select: Callable[..., Any] = self._selector.select
-
-    @property
-    def seconds(self) -> float:
-        """The waits' total."""
-        return sum(self.waits)
-
-    def start(self) -> None:
-        # What is there now: another timer's wrapper stays in the chain, and comes back at stop.
-        self._select = select = self._selector.select
-        waits = self.waits
-
-        def timed_select(timeout: float | None = None) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return select(timeout)
-            finally:
-                waits.append(time.perf_counter() - t0)
-
-        self._selector.select = timed_select
-
-    def stop(self) -> None:
-        self._selector.select = self._select
-
-
 def pinned_pool_bytes() -> int | None:
     """Bytes torch's caching host (pinned) allocator holds, if it reports them."""
     if not torch.cuda.is_available():

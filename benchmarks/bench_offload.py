@@ -257,15 +257,24 @@ class CopyTimingCudaDevice(CudaDevice):
 
     marks: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] | None = None
 
-    def _copy_bytes(self, dst: torch.Tensor, src: torch.Tensor, *, host: torch.Tensor) -> None:
-        with self._bracket(src.nbytes if src.is_cuda else None):
-            super()._copy_bytes(dst, src, host=host)
+    def __init__(self, index: int) -> None:
+        super().__init__(index)
+        # The device's copy parts call these through their instances: wrap them there.
+        copies, batches = self._copies, self._batches
+        copy_bytes, queue_batch = copies.copy_bytes, batches.queue_batch
 
-    def _queue_batch(
-        self, dsts: list[int], srcs: list[int], sizes: list[int], stream: torch.cuda.Stream
-    ) -> None:
-        with self._bracket(sum(sizes)):
-            super()._queue_batch(dsts, srcs, sizes, stream)
+        def timed_copy_bytes(dst: torch.Tensor, src: torch.Tensor, *, host: torch.Tensor) -> None:
+            with self._bracket(src.nbytes if src.is_cuda else None):
+                copy_bytes(dst, src, host=host)
+
+        def timed_queue_batch(
+            dsts: list[int], srcs: list[int], sizes: list[int], stream: torch.cuda.Stream
+        ) -> None:
+            with self._bracket(sum(sizes)):
+                queue_batch(dsts, srcs, sizes, stream)
+
+        copies.copy_bytes = timed_copy_bytes  # type: ignore[method-assign]
+        batches.queue_batch = timed_queue_batch  # type: ignore[method-assign]
 
     @contextlib.contextmanager
     def _bracket(self, nbytes: int | None) -> Iterator[None]:

@@ -43,10 +43,8 @@ if [ "$what" = ipc ] || [ "$what" = all ]; then
   fi
 fi
 if [ "$what" = soak ] || [ "$what" = all ]; then
-  if [ -f benchmarks/soak.py ]; then
-    timeout 200 python3 benchmarks/soak.py --device cuda --seconds "${SOAK_SECONDS:-120}" 2>&1 | tee "$out/soak.log" | tail -20
-    [ "${PIPESTATUS[0]}" = 0 ] || status=1
-  fi
+  timeout 200 python3 tests/soak.py --device cuda --seconds "${SOAK_SECONDS:-120}" 2>&1 | tee "$out/soak.log" | tail -20
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if [ "$what" = demo ] || [ "$what" = all ]; then
   timeout 150 python3 -m mmcache demo --device cuda 2>&1 | tee "$out/demo.log" | tail -25

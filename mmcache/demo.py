@@ -46,7 +46,7 @@ MiB: Final = 1024 * 1024
 
 @dataclass(frozen=True, slots=True)
 class DemoConfig:
-    """What `mmcache demo` runs; the defaults take 20-30 s on the simulator on two cores."""
+    """What `mmcache demo` runs; the defaults finish in under a minute on the simulator."""
 
     device: str = "auto"
     requests: int = 1500
@@ -64,7 +64,7 @@ class DemoConfig:
     metrics_port: int | None = None
     linger_s: float = 0.0
     quiet: bool = False
-    #: Simulated PCIe link of the sim device (H200 pinned copies run at ~55 GB/s).
+    #: Simulated PCIe link of the sim device (near what pinned copies reach on a real GPU).
     sim_bandwidth_gbps: float = 50.0
     sim_latency_s: float = 10e-6
 
@@ -198,8 +198,8 @@ class Verifier:
 
     def warm_up(self) -> None:
         """Launch the device comparison's kernels once, before the timed run: CUDA loads a
-        kernel on its first launch (60 ms for these on the H200), which would otherwise
-        show up as event-loop lag of the cache's."""
+        kernel on its first launch, which would otherwise show up as event-loop lag of
+        the cache's."""
         if self.device_is_host:
             return
         rows = self.catalogue.device_reference[:1].view(torch.int16)

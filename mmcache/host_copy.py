@@ -2,40 +2,37 @@
 or by memcpy.
 
 A host read copies a feature out of the pinned arena into a tensor the caller owns. One
-core copies only about 4.5-11 GB/s on the H200 hosts (an 8 MiB read: 1.2-1.9 ms); torch's
-copy_ splits the copy over its intra-op threads (BENCHMARKS.md, "Host reads to the
-CPU"). Large reads go a slice at a time, with the loop's other work running between
-slices, so none holds the event loop for long.
+core copies well below what memory can deliver; torch's copy_ splits the copy over its
+intra-op threads (BENCHMARKS.md, "Host reads to the CPU"). Large reads go a slice at a
+time, with the loop's other work running between slices, so none holds the event loop
+for long.
 
 torch sizes its thread pool by the machine's cores, not by the cores the process may
-run on: a process kept to 4 of 16 cores after torch started took 32 ms for any parallel
-copy, its threads spinning at barriers for cores they did not get. Where the process's
+run on: in a process kept to fewer cores than torch has threads, every parallel copy
+waits for threads spinning at barriers for cores they do not get. Where the process's
 CPU affinity or its cgroup's CPU quota gives it fewer cores than torch has threads, and
 where torch has fewer than MIN_PARALLEL_THREADS threads, the copy is one memcpy per slice
 on the loop's thread. Cores busy with other work are not seen beforehand: a parallel copy
-waits for its slowest thread (see the stall guard below). On a 2-core machine, with the
-other core busy, a 32 MiB read took 38 ms at p50 in one run (16 ms by memcpy); hence no
-parallel copies on so few threads.
+waits for its slowest thread (see the stall guard below). With few threads, one of them
+held up by other work slows the copy below a plain memcpy; hence no parallel copies on
+so few threads.
 
-torch's threads go to sleep soon after a parallel copy, and waking them is slow: in a
-probe on the H200, a parallel copy 20-100 ms after the last one took 2.4-3.6 ms for 1 or
-8 MiB, where a memcpy took 0.2-0.3 ms for 1 MiB and 1.7 ms for 8 MiB (back to back, the
-parallel copy took 0.02 and 0.14 ms). So copies go by memcpy slices until a burst of
-them (each starting within BURST_GAP_S of the last one's end, or while one is in flight)
-reaches BURST_PARALLEL_FROM_BYTES, enough to repay the wake; from there on, while the
-burst lasts, the threads copy, unless they stall.
+torch's threads go to sleep soon after a parallel copy, and waking them costs more than
+a memcpy of a few MiB (back to back, awake, they copy far faster than one core). So
+copies go by memcpy slices until a burst of them (each starting within BURST_GAP_S of
+the last one's end, or while one is in flight) reaches BURST_PARALLEL_FROM_BYTES,
+enough to repay the wake; from there on, while the burst lasts, the threads copy,
+unless they stall.
 
-Awake threads can still stall: on the H200 hosts, in one run of back-to-back 1 MiB reads
-(each followed by an upload and a compare on the GPU), thirteen parallel copies in a row
-took 2.2-11 ms each, where a memcpy took 0.13-0.23 ms; the eleven after them took
-0.03-0.12 ms. A parallel copy waits for its slowest thread, and a thread whose core
-the host gives to other work for a while holds up all of them. So a parallel turn slower
-than one core's memcpy (STALLED_BELOW_BYTES_PER_S, and STALL_FLOOR_S at least; a turn more
-than BURST_GAP_S after the thread's last parallel one may also take WAKE_ALLOWANCE_S to
-wake the threads) is a stall: the rest of its copy, and the thread's copies that start
-in the next STALL_BACKOFF_S, go by memcpy slices. A stall within one back-off's length of
-the end of the last back-off doubles the back-off, up to STALL_BACKOFF_MAX_S; a later one
-starts again at STALL_BACKOFF_S.
+Awake threads can still stall: a parallel copy waits for its slowest thread, and a
+thread whose core the host gives to other work for a while holds up all of them, for
+runs of copies in a row. So a parallel turn slower than one core's memcpy
+(STALLED_BELOW_BYTES_PER_S, and STALL_FLOOR_S at least; a turn more than BURST_GAP_S
+after the thread's last parallel one may also take WAKE_ALLOWANCE_S to wake the threads)
+is a stall: the rest of its copy, and the thread's copies that start in the next
+STALL_BACKOFF_S, go by memcpy slices. A stall within one back-off's length of the end of
+the last back-off doubles the back-off, up to STALL_BACKOFF_MAX_S; a later one starts
+again at STALL_BACKOFF_S.
 
 Not on worker threads of our own: a worker must take the GIL back to report, and a loop
 that never goes idle can keep it from the worker for seconds (see mmcache.waiting).
@@ -76,10 +73,10 @@ __all__ = [
     "warm_up",
 ]
 
-#: Bytes one thread copies between two turns of the event loop: 0.05-0.3 ms of memcpy.
+#: Bytes one thread copies between two turns of the event loop: a short hold of the loop.
 SLICE_BYTES = 1 << 20
 #: At most this many threads' slices per turn: memory bandwidth stops growing with more
-#: threads, so more would only hold the loop longer (16 MiB: about 0.15-0.3 ms on the H200).
+#: threads, so more would only hold the loop longer.
 MAX_THREADS_PER_TURN = 16
 #: Less to copy in one turn is one memcpy: waking torch's threads would cost more.
 PARALLEL_FROM_BYTES = 256 << 10
@@ -89,16 +86,16 @@ MIN_PARALLEL_THREADS = 4
 #: Copies this close (the end of one to the start of the next) form a burst, within
 #: which torch's threads, once woken, are still awake (module docstring).
 BURST_GAP_S = 0.002
-#: A burst wakes torch's threads once its copies add up to this: by memcpy slices, 8 MiB
-#: took 2.1 ms on an idle H200 loop, so 16 MiB about 4 ms, more than the wake's 2.4-3.6.
+#: A burst wakes torch's threads once its copies add up to this: by memcpy slices, this
+#: much takes longer than waking the threads (BENCHMARKS.md).
 BURST_PARALLEL_FROM_BYTES = 16 << 20
-#: A parallel turn slower than this has stalled: one core's memcpy moved 4.5-8 GB/s on
-#: the H200 hosts (1 MiB in 0.13-0.23 ms) as part of a read, awake threads 23-60 GB/s.
+#: A parallel turn slower than this has stalled: about the rate of one core's memcpy as
+#: part of a read, which awake threads beat several times over.
 STALLED_BELOW_BYTES_PER_S = 4e9
 #: ...and took this long at least: shorter holds are a preempted thread's, not a stall.
 STALL_FLOOR_S = 0.0005
 #: A turn more than BURST_GAP_S after the thread's last parallel one may take this much
-#: more: it wakes the threads (0.5-4.9 ms measured on the H200 hosts).
+#: more: it wakes the threads.
 WAKE_ALLOWANCE_S = 0.005
 #: After a stall, the thread's copies that start within this go by memcpy; a stall within
 #: one back-off's length of the last back-off's end doubles it, up to STALL_BACKOFF_MAX_S.
@@ -210,7 +207,7 @@ def copy_threads() -> int:
 
 def warm_up() -> None:
     """One parallel copy on the calling thread: OpenMP sets up a thread's team on its
-    first parallel region (3.4 ms measured), which a first read would pay on the loop."""
+    first parallel region, which a first read would otherwise pay on the loop."""
     if copy_threads() > 1:
         src = torch.zeros(PARALLEL_FROM_BYTES, dtype=torch.uint8)
         _parallel_copy(torch.empty_like(src), src)

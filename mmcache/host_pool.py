@@ -32,7 +32,7 @@ class HostBlock:
         """The block's bytes as a uint8 tensor, made on first use.
 
         An offload needs only the offset (copies address the arena); slicing a tensor
-        costs µs, which adds up over thousands of small features.
+        costs host time, which adds up over thousands of small features.
         """
         if self._view is None:
             self._view = self.arena[self.offset : self.offset + self.nbytes]
@@ -73,7 +73,7 @@ class HostPool:
         # Free ranges twice over: in arena order (offsets and sizes, parallel lists) to
         # coalesce neighbours, and as (size, offset) pairs in size order to find the best
         # fit by bisection. A fragmented arena has thousands of holes: scanning them all
-        # on every eviction cost hundreds of µs each.
+        # on every eviction would cost the loop time in proportion to the holes.
         self._free_offsets: list[int] = []
         self._free_sizes: list[int] = []
         self._by_size: list[tuple[int, int]] = []

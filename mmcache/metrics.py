@@ -78,8 +78,8 @@ IPC_POOL_STATES: Final = ("used", "free", "leased")
 IPC_FALLBACK_REASONS: Final = ("pool_full", "too_large", "disabled", "no_peer")
 FAULT_KINDS: Final = ("copy_failed", "oom", "quarantined")
 
-# Copies and waits run from ~10 µs (a small H2D) to ~100 ms (hundreds of MB at 55 GB/s);
-# a wait past 1 s is a stall and only needs to be counted, which +Inf does.
+# From a small H2D copy's wait to a copy of hundreds of MB over PCIe; a wait past 1 s is
+# a stall and only needs to be counted, which +Inf does.
 LATENCY_BUCKETS: Final = (
     1e-5,
     2.5e-5,

@@ -22,10 +22,10 @@ class ProducerFences:
     once. Later puts on that stream in the same iteration share one DeferredFence, recorded
     when something first orders after it (an offload, a read on another stream) or when the
     iteration ends, whichever comes first. A burst of puts, such as a video's frames or a
-    batch put one feature at a time, then records a few fences rather than one each: on
-    the H200 a record cost the loop 4.4-4.7 µs of the ≈20 µs a 1 MB feature may take at
-    copy speed, and the offload's query of it 2.7 µs more (BENCHMARKS.md, "Twelfth
-    session"). A shared fence is recorded after its puts, so it covers their producers'
+    batch put one feature at a time, then records a few fences rather than one each: a
+    record, and the offload's query of it, are a large share of the loop's time per
+    small feature at copy speed (BENCHMARKS.md). A shared fence is recorded after its
+    puts, so it covers their producers'
     work; it may also cover work queued on the stream later in that iteration, which a
     reader on another stream then waits for as well.
 

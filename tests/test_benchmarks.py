@@ -19,14 +19,7 @@ RUNS: dict[str, list[str]] = {
     "bench_ipc.py": ["--device", "sim", "--quick"],
     "bench_offload.py": ["--device", "sim"],
     "bench_ops.py": ["--quick"],
-    "gather_probe.py": [],  # CUDA only: says so and exits 0
     "gpu_probe.py": ["--quick"],  # CUDA only: says so and exits 0
-    "interference_probe.py": [],  # CUDA only: says so and exits 0
-    "loop_phases.py": [],  # CUDA only: says so and exits 0
-    "pipeline_model.py": ["--quick", "--repeats", "1"],
-    "profile_put.py": ["--device", "sim", "--mb", "0.01", "--count", "200", "--top", "3"],
-    "trace_offload.py": [],  # CUDA only: says so and exits 0
-    "waiter_gil_probe.py": [],  # CUDA only: says so and exits 0
 }
 
 

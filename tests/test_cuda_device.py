@@ -222,7 +222,7 @@ def test_out_of_order_callbacks_use_a_bounded_number_of_threads(device: CudaDevi
         fence.add_done_callback(done.release)
     for _ in early:
         assert done.acquire(timeout=30)
-    assert len(device._waiters._threads) <= 8
+    assert device._waiters.thread_count <= 8
 
 
 # --- copies ------------------------------------------------------------------------------
@@ -464,7 +464,7 @@ def test_queueing_driver_calls_keep_the_gil(device: CudaDevice) -> None:
     done = device.record(side_stream())
     assert done.wait(30)
     sleeper = CudaDriver.get().sleeper(0)
-    copier = device._copier
+    copier = device._batches.copier
     assert copier is not None
     stream = device.d2h_stream
     dsts = [arena.data_ptr() + offset for offset in offsets]
@@ -487,7 +487,7 @@ def test_queueing_driver_calls_keep_the_gil(device: CudaDevice) -> None:
 
 def test_a_batch_the_driver_refuses_raises_copy_failed(device: CudaDevice) -> None:
     needs_driver_batches(device)
-    copier = device._copier
+    copier = device._batches.copier
     assert copier is not None
     with pytest.raises(CopyFailedError, match="cuMemcpyBatchAsync of 0 copies failed"):
         copier.copy([], [], [], device.d2h_stream.cuda_stream)  # an empty batch is invalid
@@ -553,13 +553,13 @@ def test_batched_copies_across_arena_chunks_are_exact(
     offsets = [MiB * 5 // 2, 6 * MiB, 12 * MiB - 128 * 1024]
     offsets += [offsets[-1] + 64 * 1024 * i for i in range(1, 4)]
     pieces: list[tuple[int, int]] = []
-    queue_batch = device._queue_batch
+    queue_batch = device._batches.queue_batch
 
     def recorded(dsts: list[int], srcs: list[int], sizes: list[int], stream: Any) -> None:
         pieces.extend((dst - arena.data_ptr(), size) for dst, size in zip(dsts, sizes, strict=True))
         queue_batch(dsts, srcs, sizes, stream)
 
-    monkeypatch.setattr(device, "_queue_batch", recorded)
+    monkeypatch.setattr(device._batches, "queue_batch", recorded)
     assert device.copy_d2h_batch(srcs, arena, offsets, []).wait(30)
     # One call; with registrations of 4 MiB, no copy crosses one (a copy over two
     # registrations is not a copy into one pinned range).
@@ -586,7 +586,7 @@ def test_owned_batches_go_to_the_driver_as_they_are(
     offsets = [MiB * 5 // 2, 6 * MiB, 12 * MiB]
     checked: list[int] = []
     pieces: list[tuple[int, int]] = []
-    packed_runs, queue_batch = device._packed_runs, device._queue_batch
+    packed_runs, queue_batch = device._batches.packed_runs, device._batches.queue_batch
 
     def counted(ordered: list[tuple[int, torch.Tensor]]) -> Any:
         checked.append(len(ordered))
@@ -596,8 +596,8 @@ def test_owned_batches_go_to_the_driver_as_they_are(
         pieces.extend((dst - arena.data_ptr(), size) for dst, size in zip(dsts, sizes, strict=True))
         queue_batch(dsts, srcs, sizes, stream)
 
-    monkeypatch.setattr(device, "_packed_runs", counted)
-    monkeypatch.setattr(device, "_queue_batch", recorded)
+    monkeypatch.setattr(device._batches, "packed_runs", counted)
+    monkeypatch.setattr(device._batches, "queue_batch", recorded)
     gate, _ = rewritten_behind_a_hold(device, srcs, seed=10)
     fence = device.copy_d2h_batch(srcs, arena, offsets, [gate], owned=True)
     assert not fence.done()
@@ -626,7 +626,7 @@ async def test_the_cache_offloads_its_own_features_unchecked(
     needs_driver_batches(device)
     checked: list[int] = []
     unchecked: list[int] = []
-    packed_runs, owned_ranges = device._packed_runs, device._owned_ranges
+    packed_runs, owned_ranges = device._batches.packed_runs, device._batches.owned_ranges
 
     def counted(ordered: list[tuple[int, torch.Tensor]]) -> Any:
         checked.append(len(ordered))
@@ -638,8 +638,8 @@ async def test_the_cache_offloads_its_own_features_unchecked(
             unchecked.append(len(srcs))
         return ranges
 
-    monkeypatch.setattr(device, "_packed_runs", counted)
-    monkeypatch.setattr(device, "_owned_ranges", owned)
+    monkeypatch.setattr(device._batches, "packed_runs", counted)
+    monkeypatch.setattr(device._batches, "owned_ranges", owned)
     s = await offload_and_read_back(device, [128] * 40)  # 1 MiB features
     assert s.cpu_entries >= 30 and (s.copy_failures, s.dropped, s.leaked_bytes) == (0, 0, 0)
     assert unchecked, "no batch went to the driver unchecked"

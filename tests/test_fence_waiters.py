@@ -15,7 +15,8 @@ from typing import Any, cast
 import pytest
 import torch
 
-from mmcache.device.cuda import CudaFence, _FenceWaiters
+from mmcache.device.cuda_fence import CudaFence
+from mmcache.device.cuda_waiters import FenceWaiters
 
 
 class _Stream:
@@ -42,13 +43,13 @@ class _Fence:
 
 
 @pytest.fixture
-def waiters() -> Iterator[_FenceWaiters]:
-    pool = _FenceWaiters(torch.device("cpu"), "test-fences", max_threads=2)
+def waiters() -> Iterator[FenceWaiters]:
+    pool = FenceWaiters(torch.device("cpu"), "test-fences", max_threads=2)
     yield pool
     pool.close(timeout=10)
 
 
-def _submit(pool: _FenceWaiters, fence: _Fence, fn: Callable[[], Any]) -> None:
+def _submit(pool: FenceWaiters, fence: _Fence, fn: Callable[[], Any]) -> None:
     pool.submit(cast(CudaFence, fence), fn)
 
 
@@ -66,7 +67,7 @@ def _until(condition: Callable[[], bool], seconds: float = 5.0) -> bool:
 
 
 def test_a_callback_added_late_does_not_wait_behind_a_later_fence(
-    waiters: _FenceWaiters,
+    waiters: FenceWaiters,
 ) -> None:
     stream = _Stream(1)
     early, late = _Fence(stream), _Fence(stream)
@@ -79,7 +80,7 @@ def test_a_callback_added_late_does_not_wait_behind_a_later_fence(
     assert _until(lambda: log == ["early", "late"])
 
 
-def test_callbacks_of_one_stream_added_in_order_share_one_thread(waiters: _FenceWaiters) -> None:
+def test_callbacks_of_one_stream_added_in_order_share_one_thread(waiters: FenceWaiters) -> None:
     stream = _Stream(1)
     fences = [_Fence(stream) for _ in range(5)]
     threads: list[str] = []
@@ -89,11 +90,11 @@ def test_callbacks_of_one_stream_added_in_order_share_one_thread(waiters: _Fence
         fence.complete()
     assert _until(lambda: len(threads) == 5)
     assert len(set(threads)) == 1
-    assert len(waiters._threads) == 1
+    assert waiters.thread_count == 1
 
 
 def test_a_thread_given_a_job_out_of_order_takes_no_chained_jobs_until_idle(
-    waiters: _FenceWaiters,
+    waiters: FenceWaiters,
 ) -> None:
     slow, other = _Fence(_Stream(1)), _Fence(_Stream(2))
     log: list[str] = []
@@ -114,7 +115,7 @@ def test_a_thread_given_a_job_out_of_order_takes_no_chained_jobs_until_idle(
     assert _until(lambda: len(log) == 4)
 
 
-def test_a_callback_that_raises_does_not_stop_its_thread(waiters: _FenceWaiters) -> None:
+def test_a_callback_that_raises_does_not_stop_its_thread(waiters: FenceWaiters) -> None:
     stream = _Stream(1)
     first, second = _Fence(stream), _Fence(stream)
     log: list[str] = []
@@ -130,7 +131,7 @@ def test_a_callback_that_raises_does_not_stop_its_thread(waiters: _FenceWaiters)
 
 
 def test_close_runs_queued_callbacks_and_later_ones_run_inline() -> None:
-    pool = _FenceWaiters(torch.device("cpu"), "test-fences")
+    pool = FenceWaiters(torch.device("cpu"), "test-fences")
     fence = _Fence(_Stream(1))
     log: list[str] = []
     _submit(pool, fence, _ran(log, "queued"))

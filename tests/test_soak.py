@@ -1,18 +1,16 @@
 """A bounded soak on the simulator: thousands of concurrent operations with holds,
 cancellations and injected faults; every read exact, memory flat, nothing leaked.
 
-The soak itself is benchmarks/soak.py (run it longer, or on a GPU, from the command line).
+The soak itself is tests/soak.py (run it longer, or on a GPU, from the command line).
 """
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
 from soak import SoakConfig, SoakReport, run_soak
 
 MAX_RSS_GROWTH_MIB = 48.0  # values in flight reach ~15 MiB; a leak of every op would be GBs
@@ -69,3 +67,19 @@ async def test_soak_with_failed_copies_too() -> None:
     )
     assert_sound(report)
     assert report.expected_errors["CopyFailedError"] > 0, summary(report)
+
+
+def test_the_soak_runs_as_a_script_from_any_directory(tmp_path: Path) -> None:
+    """benchmarks/gpu_suite.sh runs it as `python3 tests/soak.py`: it finds mmcache and the
+    benchmarks' helpers by its own path."""
+    script = Path(__file__).resolve().parent / "soak.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--seconds", "1", "--warmup", "0.2", "--workers", "8"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
+    assert "| verdict | PASS |" in done.stdout

@@ -327,8 +327,8 @@ class BatchCopier:
     """cuMemcpyBatchAsync from one GPU's memory to pinned host memory.
 
     One driver call queues every range of a batch, where torch queues one copy per copy_
-    call, and needs no gather kernel in front of it (an 8 MB batch of 1 MB features:
-    22 µs against 30-45 through torch.cat and one copy_, on the H200; BENCHMARKS.md).
+    call, and needs no gather kernel in front of it: less host time per batch than
+    torch.cat and one copy_ (BENCHMARKS.md).
     """
 
     __slots__ = ("_attrs", "_call", "_context", "_driver", "_fail_index", "_index")

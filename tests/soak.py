@@ -14,8 +14,11 @@ read began), at the rows asked for. After a warm-up the resident set size is sam
 at the end the cache is drained and must own every byte it holds (leaked_bytes == 0,
 simulated device memory == the GPU entries' bytes).
 
-    python benchmarks/soak.py --device sim --seconds 30
-    python benchmarks/soak.py --device cuda --seconds 120 --json soak-h200.json
+    python tests/soak.py --device sim --seconds 30
+    python tests/soak.py --device cuda --seconds 120 --json soak-h200.json
+
+tests/test_soak.py runs it briefly on the simulator; the command line runs it longer,
+or on a GPU.
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ from typing import Any
 import torch
 from prometheus_client import CollectorRegistry
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# Runnable as a script from anywhere: the checkout's mmcache, and the benchmarks' tables.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _common import markdown_table, write_json

@@ -1,0 +1,216 @@
+"""Single copies on one GPU: checked, queued on a copy stream or the caller's, each fenced."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import final
+
+import torch
+
+from mmcache.device.base import Fence, Stream, packed_shape
+from mmcache.device.cuda_arena import PinnedArena
+from mmcache.device.cuda_fence import CudaFence, order_after, record_fence
+from mmcache.device.cuda_memory import DeviceMemory
+from mmcache.device.cuda_streams import OnStream, as_cuda_stream
+from mmcache.device.cuda_waiters import FenceWaiters
+from mmcache.errors import (
+    CacheClosedError,
+    CopyFailedError,
+    DeviceOutOfMemoryError,
+    InvalidValueError,
+    MMCacheError,
+)
+
+__all__ = ["CudaCopies", "enqueue_error", "flat_bytes"]
+
+
+def flat_bytes(tensor: torch.Tensor, role: str) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor (any dtype, 0-dim included)."""
+    if tensor.dtype == torch.uint8 and tensor.dim() == 1 and tensor.is_contiguous():
+        return tensor  # already flat bytes (host arena blocks): skip the view ops
+    if not tensor.is_contiguous():
+        raise InvalidValueError(
+            f"copy {role} must be contiguous (shape {tuple(tensor.shape)}, "
+            f"strides {tensor.stride()}); compact it with copy_d2d first"
+        )
+    flat = tensor.reshape(-1)
+    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+
+
+def enqueue_error(direction: str, nbytes: int, exc: RuntimeError) -> MMCacheError:
+    """The mmcache error for a copy that CUDA refused at enqueue."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return DeviceOutOfMemoryError(
+            f"no GPU memory to queue a {direction} copy of {nbytes} bytes; lower "
+            "MMCACHE_GPU_CACHE_MB (SGLANG_VLM_CACHE_SIZE_MB) or free GPU memory"
+        )
+    return CopyFailedError(f"queuing a {direction} copy of {nbytes} bytes failed: {exc}")
+
+
+@final
+class CudaCopies:
+    """The copy streams of one GPU and the copies queued one at a time, each with its fence.
+
+    Not slotted: a benchmark wraps copy_bytes on an instance to time each DMA copy.
+    """
+
+    def __init__(
+        self,
+        device: torch.device,
+        name: str,
+        memory: DeviceMemory,
+        arena: PinnedArena,
+        waiters: FenceWaiters,
+        d2h: torch.cuda.Stream,
+        h2d: torch.cuda.Stream,
+    ) -> None:
+        self._device = device
+        self._name = name
+        self._memory = memory
+        self._arena = arena
+        self._waiters = waiters
+        self._d2h = d2h
+        self._h2d = h2d
+        self._closed = False
+
+    @property
+    def d2h(self) -> torch.cuda.Stream:
+        """The dedicated device-to-host copy stream."""
+        return self._d2h
+
+    @property
+    def h2d(self) -> torch.cuda.Stream:
+        """The dedicated host-to-device copy stream."""
+        return self._h2d
+
+    def record(self, stream: Stream) -> CudaFence:
+        """A fence that completes after all work queued on stream so far."""
+        return self.record_on(as_cuda_stream(stream))
+
+    def record_on(self, stream: torch.cuda.Stream) -> CudaFence:
+        """record() for a stream known to be a torch.cuda.Stream."""
+        return record_fence(stream, self._waiters)
+
+    def check_open(self) -> None:
+        """Raise CacheClosedError once close() has been called."""
+        if self._closed:
+            raise CacheClosedError(f"{self._name}: the device was closed")
+
+    def close(self) -> None:
+        """Refuse new copies (those queued run on)."""
+        self._closed = True
+
+    def synchronize(self) -> None:
+        """Block until every copy queued on the copy streams has completed."""
+        self._d2h.synchronize()
+        self._h2d.synchronize()
+
+    def copy_d2h(self, src: torch.Tensor, dst: torch.Tensor, after: Sequence[Fence]) -> CudaFence:
+        """Queue src (this GPU) -> dst (pinned host) on the D2H stream after the fences."""
+        self.check_open()
+        src_bytes, dst_bytes = self._operands(src, dst, device_src=True)
+        stream = self._d2h
+        try:
+            with OnStream(stream):
+                order_after(stream, after)
+                self.copy_bytes(dst_bytes, src_bytes, host=dst_bytes)
+                # The caching allocator must not recycle src while the copy engine reads it.
+                src.record_stream(stream)
+                return self.record_on(stream)
+        except RuntimeError as exc:
+            raise enqueue_error("device-to-host", src_bytes.numel(), exc) from exc
+
+    def copy_h2d(self, src: torch.Tensor, dst: torch.Tensor, after: Sequence[Fence]) -> CudaFence:
+        """Queue src (pinned host) -> dst (this GPU) on the H2D stream after the fences."""
+        self.check_open()
+        dst_bytes, src_bytes = self._operands(dst, src, device_src=False)
+        stream = self._h2d
+        try:
+            with OnStream(stream):
+                order_after(stream, after)
+                self.copy_bytes(dst_bytes, src_bytes, host=src_bytes)
+                dst.record_stream(stream)
+                return self.record_on(stream)
+        except RuntimeError as exc:
+            raise enqueue_error("host-to-device", src_bytes.numel(), exc) from exc
+
+    def copy_d2d(self, src: torch.Tensor, dst: torch.Tensor, stream: Stream) -> CudaFence:
+        """Queue src -> dst (both on this GPU; src may be strided) on stream."""
+        self.check_open()
+        cuda_stream = as_cuda_stream(stream)
+        for tensor, role in ((src, "source"), (dst, "destination")):
+            if not self._memory.is_device_tensor(tensor):
+                raise InvalidValueError(f"copy {role} is on {tensor.device}, not {self._name}")
+        same_layout = src.shape == dst.shape and src.dtype == dst.dtype
+        if not same_layout and src.nbytes != dst.nbytes:
+            raise InvalidValueError(
+                f"copy of {src.nbytes} bytes into a {dst.nbytes}-byte destination"
+            )
+        try:
+            with OnStream(cuda_stream):
+                if same_layout:
+                    dst.copy_(src, non_blocking=True)
+                else:
+                    flat_bytes(dst, "destination").copy_(
+                        flat_bytes(src, "source"), non_blocking=True
+                    )
+                src.record_stream(cuda_stream)
+                dst.record_stream(cuda_stream)
+                return self.record(cuda_stream)
+        except RuntimeError as exc:
+            raise enqueue_error("device-to-device", src.nbytes, exc) from exc
+
+    def pack(self, srcs: Sequence[torch.Tensor], stream: Stream) -> tuple[torch.Tensor, CudaFence]:
+        """srcs' rows back to back in a new tensor: one torch.cat kernel on stream.
+
+        The result comes from stream's pool (the stream that writes it). As with
+        copy_d2h_batch, the caller keeps the sources referenced until the fence: they may
+        come from another stream's pool, and a record_stream for each would cost the loop
+        host time per feature.
+        """
+        self.check_open()
+        cuda_stream = as_cuda_stream(stream)
+        try:
+            # Contiguous whatever the sources' layout (torch.cat keeps channels_last), and
+            # outside autograd: the cache must not keep an encoder's graph alive.
+            with OnStream(cuda_stream), torch.no_grad():
+                packed = torch.empty(packed_shape(srcs), dtype=srcs[0].dtype, device=self._device)
+                torch.cat(list(srcs), out=packed)
+                return packed, self.record(cuda_stream)
+        except RuntimeError as exc:
+            raise enqueue_error("device-to-device", sum(s.nbytes for s in srcs), exc) from exc
+
+    def copy_bytes(self, dst: torch.Tensor, src: torch.Tensor, *, host: torch.Tensor) -> None:
+        """dst.copy_(src) on the current stream, split where host crosses an arena chunk."""
+        if dst.numel() == 0:
+            return
+        pieces = self._arena.chunk_pieces(host.data_ptr(), host.numel())
+        if pieces is None:
+            dst.copy_(src, non_blocking=True)
+            return
+        for start, stop in pieces:
+            dst[start:stop].copy_(src[start:stop], non_blocking=True)
+
+    def _operands(
+        self, device_side: torch.Tensor, host_side: torch.Tensor, *, device_src: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Validate a device/host pair; return (device bytes, host bytes) views."""
+        device_role, host_role = (
+            ("source", "destination") if device_src else ("destination", "source")
+        )
+        if not self._memory.is_device_tensor(device_side):
+            raise InvalidValueError(
+                f"copy {device_role} is on {device_side.device}, not {self._name}"
+            )
+        if host_side.device.type != "cpu":
+            raise InvalidValueError(f"copy {host_role} is on {host_side.device}, not host memory")
+        device_bytes = flat_bytes(device_side, device_role)
+        host_bytes = flat_bytes(host_side, host_role)
+        if device_bytes.numel() != host_bytes.numel():
+            src_n, dst_n = (
+                (device_bytes.numel(), host_bytes.numel())
+                if device_src
+                else (host_bytes.numel(), device_bytes.numel())
+            )
+            raise InvalidValueError(f"copy of {src_n} bytes into a {dst_n}-byte destination")
+        return device_bytes, host_bytes

@@ -1,0 +1,187 @@
+"""CudaDevice's parts whose logic needs no GPU: the arena's chunks, a batch's runs, and
+how the parts hold one another.
+
+The pinned arena runs here with a stand-in driver (pinning is its only GPU call); a
+batch's runs are planned from host tensors standing in for device ones. The same
+scenarios on a GPU are in test_cuda_device.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import weakref
+from typing import Any, cast
+
+import pytest
+import torch
+
+import mmcache.device.cuda as cuda
+from mmcache.device.base import batch_order
+from mmcache.device.cuda_arena import PinnedArena
+from mmcache.device.cuda_batch import BatchedCopies
+from mmcache.device.cuda_copies import CudaCopies
+from mmcache.device.cuda_driver import CudaDriver
+from mmcache.device.cuda_memory import DeviceMemory
+from mmcache.errors import CacheClosedError, InvalidValueError, MMCacheError
+
+KiB = 1 << 10
+MiB = 1 << 20
+
+
+class Driver:
+    """Records the pinning calls an arena makes."""
+
+    def __init__(self) -> None:
+        self.registered: dict[int, int] = {}
+        self.unregistered: list[int] = []
+
+    def host_register(self, ordinal: int, ptr: int, nbytes: int, setting: str) -> None:
+        self.registered[ptr] = nbytes
+
+    def host_unregister(self, ordinal: int, ptr: int) -> None:
+        self.unregistered.append(ptr)
+
+
+def an_arena(driver: Driver, chunk: int = MiB) -> PinnedArena:
+    return PinnedArena(
+        "cuda:0",
+        0,
+        lambda: cast(CudaDriver, driver),
+        method="register",
+        background_pinning=False,
+        pin_chunk_bytes=chunk,
+        huge_pages=False,
+    )
+
+
+def test_an_arena_is_pinned_in_chunks_and_copies_split_where_they_cross_one() -> None:
+    driver = Driver()
+    arena = an_arena(driver)
+    host = arena.host_arena(3 * MiB + 100)
+    base = host.data_ptr()
+    assert sorted(driver.registered.items()) == [
+        (base, MiB),
+        (base + MiB, MiB),
+        (base + 2 * MiB, MiB),
+        (base + 3 * MiB, 4096),  # whole pages
+    ]
+    assert (arena.ptr, arena.nbytes) == (base, 3 * MiB + 100)
+    assert arena.chunk_pieces(base + 10, MiB - 10) is None  # inside the first chunk
+    assert arena.chunk_pieces(base + MiB - 10, 30) == [(0, 10), (10, 30)]
+    assert arena.chunk_pieces(base + 10, 2 * MiB) == [
+        (0, MiB - 10),
+        (MiB - 10, 2 * MiB - 10),
+        (2 * MiB - 10, 2 * MiB),
+    ]
+    outside = torch.empty(64, dtype=torch.uint8)
+    assert arena.chunk_pieces(outside.data_ptr(), 64) is None
+    assert arena.contains(host[MiB : 2 * MiB]) and not arena.contains(outside)
+    with pytest.raises(MMCacheError, match="already allocated"):
+        arena.host_arena(MiB)
+    arena.stop_pinning()
+    arena.unpin()
+    assert sorted(driver.unregistered) == sorted(driver.registered)
+
+
+def test_an_arena_smaller_than_a_chunk_needs_no_split() -> None:
+    arena = an_arena(Driver())
+    host = arena.host_arena(MiB)
+    assert arena.chunk_pieces(host.data_ptr(), MiB) is None
+
+
+def test_an_arena_is_unpinned_with_its_last_reference() -> None:
+    driver = Driver()
+    arena = an_arena(driver)
+    arena.host_arena(2 * MiB)
+    gone = weakref.ref(arena)
+    gc.disable()  # by its reference count, not by the collector
+    try:
+        del arena
+        assert gone() is None
+        assert len(driver.unregistered) == 2
+    finally:
+        gc.enable()
+
+
+def test_a_stopped_arena_is_not_made() -> None:
+    arena = an_arena(Driver())
+    arena.stop_pinning()
+    with pytest.raises(CacheClosedError, match="closed"):
+        arena.host_arena(MiB)
+
+
+def a_batcher(pack_max_bytes: int = 64 * KiB) -> BatchedCopies:
+    """Batches of host tensors, standing in for a GPU's."""
+    memory = DeviceMemory(torch.device("cpu"), "cpu", cast(Any, None))
+    arena = an_arena(Driver())
+    copies = CudaCopies(
+        torch.device("cpu"), "cpu", memory, arena, cast(Any, None), cast(Any, None), cast(Any, None)
+    )
+    return BatchedCopies("cpu", memory, arena, copies, None, pack_max_bytes)
+
+
+def runs_of(batcher: BatchedCopies, srcs: list[torch.Tensor], offsets: list[int]) -> list[Any]:
+    host = torch.empty(4 * MiB, dtype=torch.uint8)
+    runs = batcher.packed_runs(batch_order(srcs, host, offsets))
+    return [([id(s) for s in run], start, nbytes) for run, start, nbytes in runs]
+
+
+def test_back_to_back_small_sources_of_one_kind_form_one_run() -> None:
+    batcher = a_batcher()
+    a, b, c = (torch.zeros(4, 32) for _ in range(3))  # 512 bytes each
+    other_dtype = torch.zeros(4, 64, dtype=torch.float16)  # 512 bytes
+    large = torch.zeros(128, 256)  # 128 KiB: over pack_max_bytes, alone
+    srcs = [c, a, b, other_dtype, large]
+    offsets = [1024, 0, 512, 1536, 4096]
+    assert runs_of(batcher, srcs, offsets) == [
+        ([id(a), id(b), id(c)], 0, 1536),  # in host order, whatever the order given
+        ([id(other_dtype)], 1536, 512),
+        ([id(large)], 4096, 128 * KiB),
+    ]
+    # A gap between two ranges starts a new run.
+    assert runs_of(batcher, [a, b], [0, 1024]) == [([id(a)], 0, 512), ([id(b)], 1024, 512)]
+
+
+def test_a_batch_source_whose_bytes_are_not_its_values_is_refused() -> None:
+    batcher = a_batcher()
+    with pytest.raises(InvalidValueError, match="contiguous"):
+        runs_of(batcher, [torch.zeros(8, 8).t()], [0])
+    with pytest.raises(InvalidValueError, match="contiguous"):
+        runs_of(batcher, [torch.zeros(8, dtype=torch.complex64).conj()], [0])
+
+
+def test_without_batched_copies_no_batch_goes_to_the_driver_unchecked() -> None:
+    batcher = a_batcher()
+    assert batcher.copier is None
+    srcs = [torch.zeros(256, 256), torch.zeros(256, 256)]
+    assert batcher.owned_ranges(srcs, torch.empty(MiB, dtype=torch.uint8), [0, 256 * KiB]) is None
+
+
+class BareDriver(Driver):
+    """A driver without batched copies."""
+
+    def batch_copier(self, ordinal: int) -> None:
+        return None
+
+
+def test_a_dropped_device_unpins_its_arena_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No reference cycle among a CudaDevice's parts: its registered arena is unpinned when
+    the device's last reference goes, not whenever the cyclic collector next runs."""
+    driver = BareDriver()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(cuda, "_resolve_device", lambda index: torch.device("cpu"))
+    monkeypatch.setattr(cuda, "new_stream", lambda device, priority: None)
+    monkeypatch.setattr(cuda.CudaDevice, "_warm_up", lambda self: None)
+    monkeypatch.setattr(CudaDriver, "get", classmethod(lambda cls: driver))
+    device = cuda.CudaDevice(0, pin_chunk_bytes=MiB, background_pinning=False)
+    arena = device.host_arena(2 * MiB)
+    assert len(driver.registered) == 2
+    gc.disable()
+    try:
+        del device
+        assert sorted(driver.unregistered) == sorted(driver.registered)
+    finally:
+        gc.enable()
+    assert arena.numel() == 2 * MiB  # its views stay valid (pageable) memory
