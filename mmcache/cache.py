@@ -25,20 +25,11 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from mmcache.closing import CloseOnce, off_the_loop
-from mmcache.core.counters import Counters
-from mmcache.core.evictor import Evictor
-from mmcache.core.host import HostTier
-from mmcache.core.index import KeyIndex, holder
-from mmcache.core.ledger import TierLedger
-from mmcache.core.lifecycle import Lifecycle
-from mmcache.core.offload import OffloadPipeline
-from mmcache.core.packing import Packings
-from mmcache.core.policy import make_policy
-from mmcache.core.puts import Puts, owns_storage
-from mmcache.core.quarantine import Quarantine
-from mmcache.core.reads import Reads
+from mmcache.core.index import holder
+from mmcache.core.puts import owns_storage
+from mmcache.core.tiers import Tiers
 from mmcache.device import Device, Fence, Stream, resolve_device
-from mmcache.entry import Entry, Member, State, check_key, check_keys, row_range
+from mmcache.entry import Member, State, check_key, check_keys, row_range
 from mmcache.errors import (
     CacheClosedError,
     CopyTimeoutError,
@@ -48,7 +39,6 @@ from mmcache.errors import (
 )
 from mmcache.host_copy import warm_up as warm_host_copies
 from mmcache.metrics import CacheMetrics, DeferredPush, ensure_metrics_server
-from mmcache.producer_fences import ProducerFences
 from mmcache.settings import CacheSettings
 from mmcache.single_flight import SingleFlight
 from mmcache.stats import CacheStats
@@ -87,101 +77,27 @@ class FeatureCache:
         self._registry = registry
         self._metrics = CacheMetrics(name, registry)
         self._metrics.set_capacity("gpu", self._gpu_capacity)
-        self._ledger = TierLedger(self._gpu_capacity)
-        self._counters = Counters(self._metrics)
         self._tiers = DeferredPush(self._push_tier_gauges)
         self._copy_timeout = self.settings.copy_timeout_s
-
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = 0
         self._watcher: FenceWatcher | None = None
         self._closed = False
         self._closing = CloseOnce()
-        # key -> its entry, or its place in a put_many group's entry
-        self._entries = KeyIndex()
-        self._done_fence = self._device.completed_fence()
-        self._producers = ProducerFences(self._device)
-        # The order of GPU victims only; the byte ledger is ours. LRU, the default, is an
-        # OrderedDict: every offloaded feature is inserted, evicted and re-inserted there.
-        self._gpu_order = make_policy(self.settings.eviction_policy)
-        self._copy_timeout = self.settings.copy_timeout_s
-        self._life = Lifecycle(
-            device=self._device,
-            ledger=self._ledger,
-            counters=self._counters,
-            index=self._entries,
-            gpu_order=self._gpu_order,
-            when_done=self._when_done,
-            room_freed=self._room_freed,
-            changed=self._tiers.request,
-        )
-        self._host = HostTier(
+        self._core = core = Tiers(
+            self.settings,
             self._device,
-            self.settings.cpu_cache_bytes,
-            alignment=self.settings.host_alignment,
-            policy=self.settings.eviction_policy,
-            counters=self._counters,
-            ledger=self._ledger,
-            unlink=self._life.unlink,
-        )
-        self._quarantined = Quarantine()
-        self._pipeline = OffloadPipeline(
-            device=self._device,
-            ledger=self._ledger,
-            counters=self._counters,
-            index=self._entries,
-            quarantine=self._quarantined,
-            host_insert=self._host.order.__setitem__,
-            release_device=self._life.release_device,
-            lost=self._life.offload_lost,
-            after_landing=self._landed,
-            urgent=self._waiting_for_room,
-            changed=self._tiers.request,
-            copy_timeout=self._copy_timeout,
-        )
-        self._life.attach(self._host, self._pipeline.charged)
-        self._evictor = Evictor(
-            device=self._device,
-            ledger=self._ledger,
-            counters=self._counters,
-            index=self._entries,
-            order=self._gpu_order,
-            host=self._host,
-            pipeline=self._pipeline,
-            drop=self._life.drop,
-            evict_ahead=int(self._gpu_capacity * self.settings.evict_ahead),
-            small_copy_bytes=self.settings.small_copy_bytes,
-        )
-        self._packings = Packings(self._when_done, self._life.check_ready)
-        self._puts = Puts(
-            device=self._device,
-            producers=self._producers,
-            counters=self._counters,
-            ledger=self._ledger,
-            index=self._entries,
-            gpu_order=self._gpu_order,
-            evictor=self._evictor,
-            host=self._host,
-            landings=self._pipeline,
-            life=self._life,
-            packings=self._packings,
+            self._metrics,
             when_done=self._when_done,
             changed=self._tiers.request,
-            gpu_capacity=self._gpu_capacity,
-            small_copy_bytes=self.settings.small_copy_bytes,
         )
-        self._reads = Reads(
-            device=self._device,
-            counters=self._counters,
-            ledger=self._ledger,
-            host=self._host,
-            pipeline=self._pipeline,
-            life=self._life,
-            gpu_waiting=self._evictor.waiting,
-            when_done=self._when_done,
-            promote=self.settings.promote_on_hit,
-            copy_timeout=self._copy_timeout,
-        )
+        # The parts a get or put reaches on every call, without a lookup through core.
+        self._entries = core.index  # key -> its entry, or its place in a group's entry
+        self._counters = core.counters
+        self._gpu_order = core.gpu_order
+        self._host_order = core.host.order
+        self._puts = core.puts
+        self._reads = core.reads
         self._inflight: SingleFlight[tuple[torch.Tensor, Fence]] = SingleFlight()
 
     # --- lifecycle ----------------------------------------------------------------------
@@ -196,16 +112,16 @@ class FeatureCache:
         self._loop = loop
         self._loop_thread = threading.get_ident()
         self._tiers.bind(loop)
-        self._producers.bind(loop)
-        self._packings.bind(loop)
+        self._core.producers.bind(loop)
+        self._core.packings.bind(loop)
         self._watcher = FenceWatcher(loop)
-        self._pipeline.bind(loop, self._watcher)
+        self._core.pipeline.bind(loop, self._watcher)
         warm_host_copies()  # on the loop's thread, where host reads copy
         port = self.settings.metrics_port
         if port is not None and self._registry is None:
             # One server per process serves every cache on the default registry.
             ensure_metrics_server(port, self.settings.metrics_addr)
-        arena = self._host.start(loop, self._when_done, self._host_capacity)
+        arena = self._core.host.start(loop, self._when_done, self._host_capacity)
         if arena is not None and arena.done():
             await asyncio.sleep(0)  # let the host tier take it: the simulator's is ready now
         self._tiers.request()
@@ -219,30 +135,27 @@ class FeatureCache:
         if not self._closing.begun:
             self._check_loop()
             self._closed = True  # before any await: no put or get starts from here on
-            self._packings.close()
-            self._host.close()
-            self._evictor.close()
+            self._core.closing()
         await self._closing.run(functools.partial(self._close, timeout))
 
     async def _close(self, timeout: float | None) -> None:  # noqa: ASYNC109
         """close()'s work, in a task of its own (see close)."""
         self._tiers.unbind()
-        self._producers.unbind()
-        self._pipeline.close()  # landings are watched at once from here on
+        self._core.producers.unbind()
         if timeout is None:
             timeout = self._copy_timeout  # a stuck copy must not hang close() for ever
-        self._evictor.fail_waiting()
-        self._host.fail_waiters()
+        self._core.fail_waiting()  # and watch landings at once from here on
         for task in self._inflight.running():
             with contextlib.suppress(BaseException):
                 await asyncio.wait_for(asyncio.shield(task), timeout)
+        remove = self._core.life.remove
         for found in list(self._entries.values()):
-            self._life.remove(found)
+            remove(found)
         if self._watcher is not None:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._pipeline.all_landed(), timeout)
+                await asyncio.wait_for(self._core.pipeline.all_landed(), timeout)
         with contextlib.suppress(CopyTimeoutError):
-            await self._packings.wait_all(timeout)  # one that never ends keeps its values
+            await self._core.packings.wait_all(timeout)  # one that never ends keeps its values
         self._tiers.request()
         self._metrics.close()
         if self._owns_device:
@@ -258,7 +171,7 @@ class FeatureCache:
         arena could not be allocated (the error is logged).
         """
         await self._ready_to_serve()
-        return await self._host.wait_ready(timeout)
+        return await self._core.host.wait_ready(timeout)
 
     async def __aenter__(self) -> FeatureCache:
         await self.start()
@@ -270,10 +183,11 @@ class FeatureCache:
     async def drain(self) -> None:
         """Wait until every queued copy and deferred release has completed."""
         await self._ready_to_serve()
-        await self._pipeline.all_landed()
-        while self._packings:  # a group lost to its packing copy may start more work
-            await self._packings.wait_all(None)
-            await self._pipeline.all_landed()
+        core = self._core
+        await core.pipeline.all_landed()
+        while core.packings:  # a group lost to its packing copy may start more work
+            await core.packings.wait_all(None)
+            await core.pipeline.all_landed()
 
     @property
     def device(self) -> Device:
@@ -456,7 +370,7 @@ class FeatureCache:
                 return await self._reads.download(entry.tensor, entry.ready, span, entry)
             return await self._reads.serve_device(entry.tensor, entry.ready, span, stream)
         self._counters.hit_cpu()
-        self._host.order.touch(entry.key)
+        self._host_order.touch(entry.key)
         if to_host:
             return await self._reads.read_host(entry, span)
         return await self._reads.upload(entry, span, stream, member if rows is None else None)
@@ -543,9 +457,8 @@ class FeatureCache:
         found = self._entries.get(key)
         if found is None:
             return False
-        self._life.remove(found)
-        self._evictor.wake()
-        self._tiers.request()
+        self._core.life.remove(found)
+        self._core.room_freed()
         return True
 
     @contextlib.asynccontextmanager
@@ -560,11 +473,12 @@ class FeatureCache:
         await self._ready_to_serve()
         found = self._entries.get(key)
         entry = None if found is None else holder(found)
-        if entry is None or entry.block is None or self._host.pool is None:
+        pool = self._core.host.pool
+        if entry is None or entry.block is None or pool is None:
             yield await self.get(key, device="cpu")
             return
         block = entry.block
-        self._host.pool.pin(block)
+        pool.pin(block)
         try:
             if entry.copy_fence is not None:
                 self._counters.waited(await self._reads.wait([entry.copy_fence]))
@@ -579,26 +493,27 @@ class FeatureCache:
                 del view
                 yield out
         finally:
-            self._host.pool.unpin(block)
+            pool.unpin(block)
 
     def stats(self) -> CacheStats:
         """A snapshot of the ledger and counters; also audits it for leaked bytes."""
         self._tiers.flush()
-        leaked = self._audit()
-        ledger = self._ledger
-        quarantined = self._quarantined
-        pool = self._host.pool
+        core = self._core
+        leaked = core.audit()
+        ledger = core.ledger
+        quarantined = core.quarantine
+        pool = core.host.pool
         return CacheStats(
             gpu_bytes=ledger.used,
             cpu_bytes=pool.used_bytes if pool else 0,
             gpu_capacity_bytes=self._gpu_capacity,
-            cpu_capacity_bytes=pool.capacity_bytes if pool else self._host.capacity,
+            cpu_capacity_bytes=pool.capacity_bytes if pool else core.host.capacity,
             gpu_entries=ledger.gpu_entries,
             cpu_entries=ledger.cpu_entries,
             pending_copies=self._counters.pending_copies,
             leaked_bytes=leaked["gpu"] + leaked["cpu"],
             quarantined_bytes=quarantined.device_bytes() + quarantined.host_bytes(),
-            host_ready=self._host.ready,
+            host_ready=core.host.ready,
             **self._counters.as_dict(),
         )
 
@@ -655,24 +570,6 @@ class FeatureCache:
         """The host arena is pinned: report its capacity."""
         self._metrics.set_capacity("cpu", nbytes)
 
-    def _landed(self, charged_gpu: bool) -> None:
-        """An offload has landed: hand the room it made on."""
-        if charged_gpu:
-            self._evictor.wake()
-        elif self._host.waiting:  # a put straight to the host tier can evict them now
-            self._host.wake()
-        self._tiers.request()
-
-    def _waiting_for_room(self) -> bool:
-        return bool(self._evictor.waiting) or self._host.waiting
-
-    def _room_freed(self) -> None:
-        """GPU room came back: hand it on to waiting puts."""
-        self._evictor.wake()
-        self._tiers.request()
-
-    # --- reads --------------------------------------------------------------------------
-
     # --- single flight ------------------------------------------------------------------
 
     async def _compute(
@@ -699,29 +596,4 @@ class FeatureCache:
 
     def _push_tier_gauges(self) -> None:
         """Tier sizes to the metrics (through self._tiers: once per loop iteration)."""
-        ledger = self._ledger
-        self._metrics.set_tier("gpu", ledger.used, ledger.gpu_entries)
-        pool = self._host.pool
-        self._metrics.set_tier("cpu", pool.used_bytes if pool else 0, ledger.cpu_entries)
-
-    def _entry(self, key: Hashable) -> Entry:
-        """The entry that holds key's feature (its group's, for a member); KeyError if none."""
-        return self._entries.holder(key)
-
-    def _held_entries(self) -> list[Entry]:
-        """Every entry the index reaches, once each (a group once for all its members)."""
-        return self._entries.held()
-
-    def _audit(self) -> dict[str, int]:
-        """Bytes in the ledgers that no entry, copy or pending release owns (should be 0)."""
-        pool = self._host.pool
-        quarantined = self._quarantined
-        leaked = self._ledger.leaked(
-            self._entries.held(),
-            self._pipeline.in_flight(),
-            pool.used_bytes - pool.freeing_bytes if pool else 0,
-            (quarantined.device_bytes(), quarantined.host_bytes()),
-        )
-        for tier, nbytes in leaked.items():
-            self._metrics.set_leaked(tier, nbytes)
-        return leaked
+        self._core.push_gauges()

@@ -625,7 +625,7 @@ class _Soak:
         self.report.leaked_bytes = s.leaked_bytes
         self.report.pending_copies_after_drain = s.pending_copies
         alive = sum(type(o) is Entry for o in gc.get_objects())
-        held = cache._held_entries()
+        held = cache._core.index.held()
         self.report.entries_retained = alive - len(held)
         gpu_entries = [e for e in held if e.state is State.GPU]
         if self.sim is not None:

@@ -83,7 +83,7 @@ async def test_a_forced_leak_shows_in_leaked_bytes(sim_rig: Rig) -> None:
     async with _cache(sim_rig, reg) as cache:
         await cache.put("a", sim_rig.tensor(64, 256))
         assert cache.stats().leaked_bytes == 0
-        pool = cache._host.pool
+        pool = cache._core.host.pool
         assert pool is not None
         stray = pool.allocate(4096)  # a block no entry owns: what a forgotten free looks like
         assert stray is not None

@@ -40,7 +40,7 @@ async def _settled(rig: Rig, cache: FeatureCache) -> None:
     stats = cache.stats()
     assert stats.pending_copies == 0
     assert stats.leaked_bytes == 0
-    owned = sum(e.nbytes for e in cache._held_entries() if e.state is State.GPU)
+    owned = sum(e.nbytes for e in cache._core.index.held() if e.state is State.GPU)
     device = rig.device
     assert isinstance(device, SimDevice)
     if device.allocated_bytes != owned:
@@ -88,7 +88,7 @@ async def test_cancelled_host_get_leaves_entry_and_pins_intact(sim_rig: Rig, ste
             await reader
         await newcomer
         await _settled(sim_rig, cache)
-        pool = cache._host.pool
+        pool = cache._core.host.pool
         assert pool is not None and pool.freeing_bytes == 0  # the reader's pin was dropped
         got = await cache.get("a", device="cpu")
         assert got is not None and torch.equal(got, want)

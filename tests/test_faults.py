@@ -81,7 +81,7 @@ async def settled(rig: Rig, cache: FeatureCache, *held: torch.Tensor) -> None:
     assert s.leaked_bytes == 0
     assert 0 <= s.gpu_bytes <= s.gpu_capacity_bytes
     assert 0 <= s.cpu_bytes <= s.cpu_capacity_bytes
-    entries = cache._held_entries()
+    entries = cache._core.index.held()
     assert s.gpu_bytes == sum(e.nbytes for e in entries if e.state is State.GPU)
     owned = s.gpu_bytes + sum(t.untyped_storage().nbytes() for t in held)
     if sim(rig).allocated_bytes != owned:
@@ -101,7 +101,7 @@ async def on_host(cache: FeatureCache, *keys: object) -> None:
     """Wait until keys have been offloaded (their copies finished)."""
     await cache.drain()
     for k in keys:
-        assert cache._entry(k).state is State.HOST, k
+        assert cache._core.index.holder(k).state is State.HOST, k
 
 
 async def host_resident(rig: Rig, cache: FeatureCache, key: str, seed: int) -> None:
@@ -171,7 +171,7 @@ async def test_a_host_get_awaiting_a_failed_offload_raises_copy_failed(sim_rig: 
         with sim_rig.hold():
             put_c = asyncio.create_task(cache.put("c", value(3)))
             await asyncio.sleep(0.005)
-            assert cache._entry("a").state is State.D2H
+            assert cache._core.index.holder("a").state is State.D2H
             host_read = asyncio.create_task(cache.get("a", device="cpu"))
             rows_read = asyncio.create_task(cache.get("a", device="cpu", rows=slice(2, 5)))
             device_read = await cache.get("a")  # the device copy is still valid: served now
@@ -235,7 +235,7 @@ async def test_a_failed_upload_raises_and_keeps_the_entry(sim_rig: Rig, how: str
         with pytest.raises(CopyFailedError):
             await read
         del read
-        assert cache._entry("a").state is State.HOST
+        assert cache._core.index.holder("a").state is State.HOST
         await assert_exact(cache, "a", value(1))
         await settled(sim_rig, cache)
 
@@ -313,7 +313,7 @@ async def test_a_fence_failing_while_a_device_read_checks_it_fails_the_read(
     async with make(sim_rig, 64, 64) as cache:
         await cache.put("a", value(1))
         await settled(sim_rig, cache)
-        entry = cache._entry("a")  # the fence under test is the entry's
+        entry = cache._core.index.holder("a")  # the fence under test is the entry's
         fence = _FailsWhileChecked()
         entry.ready = fence
         with pytest.raises(CopyFailedError):
@@ -403,7 +403,7 @@ async def test_oom_in_an_upload_raises_and_keeps_the_entry(sim_rig: Rig) -> None
             before.cpu_bytes,
             0,
         )
-        assert cache._entry("a").state is State.HOST
+        assert cache._core.index.holder("a").state is State.HOST
         await assert_exact(cache, "a", value(1))  # host read, then an upload that works
         await assert_exact(cache, "a1", value(2))
         await settled(sim_rig, cache)
@@ -509,7 +509,7 @@ async def test_a_fragmented_host_tier_evicts_neighbours_to_fit(sim_rig: Rig) -> 
         await cache.drain()
         for i in (0, 2, 4, 6):
             cache.discard(i)
-        pool = cache._host.pool
+        pool = cache._core.host.pool
         assert pool is not None
         assert pool.free_bytes == 16 * KiB
         assert max(size for _, size in pool.free_ranges()) == 4 * KiB  # no 8 KiB hole
@@ -597,7 +597,7 @@ async def _stick_an_offload(cache: FeatureCache, dev: SimDevice) -> None:
     dev.inject("fence_never_completes")
     put = asyncio.create_task(cache.put(5, value(5)))
     await asyncio.sleep(0.01)
-    assert cache._entry(1).state is State.D2H
+    assert cache._core.index.holder(1).state is State.D2H
     assert not put.done()
     cache.discard(2)
     assert await within(2, put)
@@ -684,7 +684,7 @@ async def test_completed_copies_leave_nothing_behind(sim_rig: Rig) -> None:
         await settled(sim_rig, cache)
         gc.collect()
         alive = sum(type(o) is Entry for o in gc.get_objects())
-        held = len(cache._held_entries())
+        held = len(cache._core.index.held())
         assert alive == held, f"{alive - held} entries retained"
         loop = asyncio.get_running_loop()
         timers = [h for h in getattr(loop, "_scheduled", []) if not h.cancelled()]

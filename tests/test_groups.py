@@ -72,13 +72,13 @@ async def assert_clean(rig: Rig, cache: FeatureCache) -> None:
 def count_offload_copies(cache: FeatureCache, monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
     """From now on, each offload copy the cache starts: the features of each unit in it."""
     copies: list[list[int]] = []
-    start_offloads = cache._evictor.offload
+    start_offloads = cache._core.evictor.offload
 
     def counted(items: Any, *, charged_gpu: bool) -> None:
         copies.append([entry.count for entry, _ in items])
         start_offloads(items, charged_gpu=charged_gpu)
 
-    monkeypatch.setattr(cache._evictor, "offload", counted)
+    monkeypatch.setattr(cache._core.evictor, "offload", counted)
     return copies
 
 
@@ -124,7 +124,7 @@ async def test_a_batch_of_alike_features_is_one_entry_and_every_key_reads_exactl
     cache = make_cache(gpu_mb=1, cpu_mb=4)
     want = await put_group(cache, rig, "img", 16)
     group = group_of(cache, ("img", 0))
-    assert cache._held_entries() == [group] and group.count == 16
+    assert cache._core.index.held() == [group] and group.count == 16
     s = cache.stats()
     assert (len(cache), s.gpu_entries, s.gpu_bytes) == (16, 16, 16 * 8 * KiB)
     for i, expected in enumerate(want):
@@ -275,7 +275,7 @@ async def test_replacing_and_discarding_members_while_their_group_is_offloading(
         for i in range(1, 16):
             cache.discard(("a", i))
         assert group.count == 0
-        assert cache._held_entries() and group not in cache._held_entries()
+        assert cache._core.index.held() and group not in cache._core.index.held()
         s = cache.stats()
         assert s.leaked_bytes == 0 and s.gpu_entries + s.cpu_entries == len(cache)
     await cache.drain()
@@ -388,7 +388,7 @@ async def test_a_scalar_beside_a_group_is_cached_alone(rig: Rig, make_cache: Cac
     del scalar, values
     assert_exact(await cache.get("s"), want_scalar)
     await assert_reads(cache, lambda i: i, want)
-    assert len(cache._held_entries()) == 2  # the scalar, and one group for the rest
+    assert len(cache._core.index.held()) == 2  # the scalar, and one group for the rest
     await assert_clean(rig, cache)
 
 
@@ -484,10 +484,10 @@ async def test_packings_finishing_out_of_order_let_go_of_their_values(
         await asyncio.sleep(0.005)
     assert all(ref() is None for ref in refs), "stream b's values kept behind stream a's"
     await asyncio.sleep(0.02)
-    assert not cache._packings.polling, "a packing still running is polled"
+    assert not cache._core.packings.polling, "a packing still running is polled"
     dev.unstick()
     await cache.drain()
-    assert not cache._packings
+    assert not cache._core.packings
     await assert_clean(rig, cache)
 
 

@@ -435,7 +435,7 @@ async def test_a_put_whose_reservation_raises_gives_its_value_back(
     def failing(nbytes: int) -> bool:
         raise RuntimeError("the eviction failed")
 
-    monkeypatch.setattr(cache._evictor, "take", failing)
+    monkeypatch.setattr(cache._core.evictor, "take", failing)
     t = make_data(rig, 16, 64, dtype=torch.float32, seed=2)
     with pytest.raises(RuntimeError, match="the eviction failed"):
         await cache.put("k", t)

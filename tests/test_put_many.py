@@ -46,13 +46,13 @@ async def test_a_batch_that_forces_eviction_offloads_small_features_in_few_copie
     del first
     await cache.drain()
     offloads: list[int] = []
-    start_offloads = cache._evictor.offload  # each call queues one copy behind one fence
+    start_offloads = cache._core.evictor.offload  # each call queues one copy behind one fence
 
     def counted(items: Any, *, charged_gpu: bool) -> None:
         offloads.append(sum(entry.count for entry, _ in items))  # features, grouped or not
         start_offloads(items, charged_gpu=charged_gpu)
 
-    monkeypatch.setattr(cache._evictor, "offload", counted)
+    monkeypatch.setattr(cache._core.evictor, "offload", counted)
     assert await cache.put_many((("b", i), v) for i, v in enumerate(features(rig, 64, 4, 99)))
     await cache.drain()
     s = cache.stats()

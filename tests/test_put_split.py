@@ -123,7 +123,7 @@ async def test_a_batch_larger_than_a_host_block_is_cut_into_runs_of_its_features
     keys = [("big", i) for i in range(len(rows))]
     assert await cache.put_split(keys, batch, rows)
     del batch
-    units = cache._held_entries()
+    units = cache._core.index.held()
     assert sorted(u.count for u in units) == [1, 1, 4, 16]  # ≤ 1 MB a run; the 1.5 MB alone
     assert sum(u.nbytes for u in units) == sum(rows) * KiB == cache.stats().gpu_bytes
     rig.settle()
@@ -327,14 +327,14 @@ async def test_a_compaction_that_failed_while_the_put_waited_loses_its_keys(
 ) -> None:
     sim = simulator(rig)
     cache = make_cache(gpu_mb=1, cpu_mb=1)
-    wait_gpu = cache._evictor.wait
+    wait_gpu = cache._core.evictor.wait
 
     async def slow(nbytes: int) -> None:
         await asyncio.sleep(0.05)  # as if waiting for an offload to make room
         await wait_gpu(nbytes)
 
-    monkeypatch.setattr(cache._evictor, "take", lambda nbytes: False)  # no room at once
-    monkeypatch.setattr(cache._evictor, "wait", slow)
+    monkeypatch.setattr(cache._core.evictor, "take", lambda nbytes: False)  # no room at once
+    monkeypatch.setattr(cache._core.evictor, "wait", slow)
     wide = rig.tensor(48, 512, dtype=torch.float32, seed=9)
     sim.inject("copy_fails", 1)  # the compaction of the strided value
     if how == "put":

@@ -501,13 +501,13 @@ async def test_a_top_up_stops_at_a_large_victim_and_at_the_slack(
     batches = record_offload_batches(monkeypatch)
 
     def room_for(kib: int) -> int:  # bytes needed free or on their way for kib more
-        return cache._ledger.free() + cache._ledger.releasing + kib * KiB
+        return cache._core.ledger.free() + cache._core.ledger.releasing + kib * KiB
 
-    cache._evictor.evict_for(room_for(16), slack=1024 * KiB)
+    cache._core.evictor.evict_for(room_for(16), slack=1024 * KiB)
     assert batches == [["s1", "s2"]]  # topped up with s2, not with the large one after it
-    cache._evictor.evict_for(room_for(16), slack=1024 * KiB)
+    cache._core.evictor.evict_for(room_for(16), slack=1024 * KiB)
     assert batches[1:] == [["large"]]  # a large victim alone, nothing to top up
-    cache._evictor.evict_for(room_for(16), slack=16 * KiB)
+    cache._core.evictor.evict_for(room_for(16), slack=16 * KiB)
     assert batches[2:] == [["s3", "s4"]]  # s4 fills the slack exactly; s5 would exceed it
     await cache.drain()
     assert [await tier_of(cache, key) for key in ("s1", "s2", "large", "s3", "s4", "s5")] == [

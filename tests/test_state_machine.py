@@ -176,7 +176,7 @@ class CacheMachine(RuleBasedStateMachine):
         s = self.cache.stats()
         assert s.pending_copies == 0
         assert s.leaked_bytes == 0
-        owned = sum(e.nbytes for e in self.cache._held_entries() if e.state is State.GPU)
+        owned = sum(e.nbytes for e in self.cache._core.index.held() if e.state is State.GPU)
         if self.device.allocated_bytes != owned:
             gc.collect()  # tracebacks of cancelled tasks hold tensors until collected
         assert self.device.allocated_bytes == owned, (self.device.allocated_bytes, owned)

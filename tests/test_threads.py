@@ -129,7 +129,7 @@ async def test_worker_threads_go_through_run_coroutine_threadsafe(sim_rig: Rig) 
     assert s.leaked_bytes == 0 and s.pending_copies == 0
     gc.collect()
     assert dev.allocated_bytes == sum(
-        e.nbytes for e in cache._held_entries() if e.state is State.GPU
+        e.nbytes for e in cache._core.index.held() if e.state is State.GPU
     )
     await cache.close()
 
