@@ -8,7 +8,6 @@ import contextlib
 import functools
 import inspect
 import logging
-import operator
 import threading
 from collections.abc import (
     AsyncIterator,
@@ -26,14 +25,13 @@ from prometheus_client import CollectorRegistry
 
 from mmcache.closing import CloseOnce, off_the_loop
 from mmcache.core.index import holder
-from mmcache.core.puts import owns_storage
+from mmcache.core.puts import check_items, owns_storage
 from mmcache.core.tiers import Tiers
 from mmcache.device import Device, Fence, Stream, resolve_device
-from mmcache.entry import Member, State, check_key, check_keys, row_range
+from mmcache.entry import Member, State, check_key, row_range
 from mmcache.errors import (
     CacheClosedError,
     CopyTimeoutError,
-    InvalidKeyError,
     InvalidValueError,
     WrongLoopError,
 )
@@ -257,16 +255,7 @@ class FeatureCache:
             stream = self._device.current_stream()
         batch = list(items)
         del items  # the caller's container must not outlive the values the cache now owns
-        keys = []
-        for item in batch:
-            if not isinstance(item, tuple) or len(item) != 2:
-                raise InvalidValueError(
-                    f"put_many takes (key, tensor) pairs, not {type(item).__name__}"
-                )
-            keys.append(item[0])
-        check_keys(keys)  # before hashing: an unhashable key gets a clear error
-        if len(set(keys)) != len(batch):
-            raise InvalidKeyError("put_many got the same key twice; keys must be distinct")
+        check_items(batch)
         if not batch:
             return True
         if self._closed or self._loop is not asyncio.get_running_loop():
@@ -292,34 +281,7 @@ class FeatureCache:
         """
         if stream is None:
             stream = self._device.current_stream()
-        if isinstance(keys, (str, bytes)):
-            raise InvalidKeyError(
-                f"put_split takes a sequence of keys, one per item, not one {type(keys).__name__}"
-            )
-        keys = list(keys)
-        sizes_given = list(split_sizes)
-        try:
-            rows = list(map(operator.index, sizes_given))
-        except TypeError:
-            raise InvalidValueError(
-                f"split sizes must be a sequence of ints, not {split_sizes!r}"
-            ) from None
-        check_keys(keys)
-        if len(set(keys)) != len(keys):
-            raise InvalidKeyError("put_split got the same key twice; keys must be distinct")
-        if len(rows) != len(keys):
-            raise InvalidValueError(
-                f"put_split got {len(keys)} keys and {len(rows)} split sizes; one size per key"
-            )
-        self._puts.check_value(value, "put_split()")
-        if value.dim() == 0:
-            raise InvalidValueError("put_split splits a tensor by rows; got a 0-dim tensor")
-        if rows and (min(rows) <= 0 or bool in set(map(type, sizes_given))):
-            raise InvalidValueError(f"split sizes must be positive ints, got {sizes_given}")
-        if sum(rows) != value.shape[0]:
-            raise InvalidValueError(
-                f"split sizes add up to {sum(rows)} rows; the tensor has {value.shape[0]}"
-            )
+        keys, rows = self._puts.check_split(keys, value, split_sizes)
         holder = [value]
         del value  # the cache owns it now: no frame of ours keeps it alive past its release
         if self._closed or self._loop is not asyncio.get_running_loop():
@@ -341,7 +303,7 @@ class FeatureCache:
         """
         if stream is None:
             stream = self._device.current_stream()
-        to_host = self._wants_host(device)
+        to_host = self._reads.wants_host(device)
         if self._closed or self._loop is not asyncio.get_running_loop():
             await self._ready_to_serve()
         check_key(key)
@@ -398,7 +360,7 @@ class FeatureCache:
         task = self._inflight.run(key, functools.partial(self._compute, key, fn, stream))
         value, ready = await asyncio.shield(task)
         span = row_range(rows, tuple(value.shape))
-        if self._wants_host(device):
+        if self._reads.wants_host(device):
             return await self._reads.download(value, ready, span)
         return await self._reads.serve_device(value, ready, span, stream)
 
@@ -518,21 +480,6 @@ class FeatureCache:
         )
 
     # --- checks -------------------------------------------------------------------------
-
-    def _wants_host(self, device: str | torch.device | None) -> bool:
-        """True for a host read ("cpu"); False for this cache's own device (None or its name)."""
-        if device is None:
-            return False
-        name = str(device)
-        if name == "cpu":
-            return True
-        own = self._device.name
-        if name == own or name == own.split(":")[0]:
-            return False
-        raise InvalidValueError(
-            f"get(device={device!r}): this cache returns tensors on {own!r} (device=None) "
-            f"or host copies (device='cpu'); move the result yourself for another device"
-        )
 
     def _on_loop_thread(self) -> bool:
         return threading.get_ident() == self._loop_thread

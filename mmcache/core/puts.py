@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import operator
 from collections.abc import Callable, Hashable, Sequence
 from typing import Final, final
 
@@ -21,13 +22,13 @@ from mmcache.core.packing import BATCH_BYTES, GROUP_BELOW, Packings, group_spans
 from mmcache.core.policy import EvictionPolicy
 from mmcache.device import Device, Fence, Stream
 from mmcache.device.base import feature_bytes
-from mmcache.entry import Entry, State
-from mmcache.errors import InvalidValueError, ValueTooLargeError
+from mmcache.entry import Entry, State, check_keys
+from mmcache.errors import InvalidKeyError, InvalidValueError, ValueTooLargeError
 from mmcache.host_pool import HostBlock
 from mmcache.producer_fences import ProducerFences
 from mmcache.settings import CacheSettings
 
-__all__ = ["Puts", "owns_storage"]
+__all__ = ["Puts", "check_items", "owns_storage"]
 
 MiB: Final = 1024 * 1024
 
@@ -77,6 +78,40 @@ class Puts:
         self._changed = changed
         self._gpu_capacity = gpu_capacity
         self._small_copy_bytes = small_copy_bytes
+
+    def check_split(
+        self, keys: Sequence[Hashable], value: torch.Tensor, split_sizes: Sequence[int]
+    ) -> tuple[list[Hashable], list[int]]:
+        """put_split's arguments checked: its keys as a list, and the rows of each feature."""
+        if isinstance(keys, (str, bytes)):
+            raise InvalidKeyError(
+                f"put_split takes a sequence of keys, one per item, not one {type(keys).__name__}"
+            )
+        keys = list(keys)
+        sizes_given = list(split_sizes)
+        try:
+            rows = list(map(operator.index, sizes_given))
+        except TypeError:
+            raise InvalidValueError(
+                f"split sizes must be a sequence of ints, not {split_sizes!r}"
+            ) from None
+        check_keys(keys)
+        if len(set(keys)) != len(keys):
+            raise InvalidKeyError("put_split got the same key twice; keys must be distinct")
+        if len(rows) != len(keys):
+            raise InvalidValueError(
+                f"put_split got {len(keys)} keys and {len(rows)} split sizes; one size per key"
+            )
+        self.check_value(value, "put_split()")
+        if value.dim() == 0:
+            raise InvalidValueError("put_split splits a tensor by rows; got a 0-dim tensor")
+        if rows and (min(rows) <= 0 or bool in set(map(type, sizes_given))):
+            raise InvalidValueError(f"split sizes must be positive ints, got {sizes_given}")
+        if sum(rows) != value.shape[0]:
+            raise InvalidValueError(
+                f"split sizes add up to {sum(rows)} rows; the tensor has {value.shape[0]}"
+            )
+        return keys, rows
 
     async def put_new(
         self, key: Hashable, holder: list[torch.Tensor], stream: Stream, wait: bool
@@ -378,6 +413,20 @@ class Puts:
                 self._packings.hold(ready, values, None)
         for block in blocks:
             self._host.free(block)
+
+
+def check_items(batch: list[tuple[Hashable, torch.Tensor]]) -> None:
+    """put_many's items checked: (key, tensor) pairs under distinct keys."""
+    keys = []
+    for item in batch:
+        if not isinstance(item, tuple) or len(item) != 2:
+            raise InvalidValueError(
+                f"put_many takes (key, tensor) pairs, not {type(item).__name__}"
+            )
+        keys.append(item[0])
+    check_keys(keys)  # before hashing: an unhashable key gets a clear error
+    if len(set(keys)) != len(batch):
+        raise InvalidKeyError("put_many got the same key twice; keys must be distinct")
 
 
 def owns_storage(value: torch.Tensor) -> bool:

@@ -16,7 +16,7 @@ from mmcache.core.lifecycle import Lifecycle
 from mmcache.core.offload import OffloadPipeline
 from mmcache.device import Device, Fence, Stream
 from mmcache.entry import Entry, Member, State
-from mmcache.errors import CopyFailedError, CopyTimeoutError
+from mmcache.errors import CopyFailedError, CopyTimeoutError, InvalidValueError
 from mmcache.host_copy import copy_host_bytes_in_slices
 from mmcache.waiting import wait_fences
 
@@ -62,6 +62,21 @@ class Reads:
         self._when_done = when_done
         self._promote = promote
         self._copy_timeout = copy_timeout
+
+    def wants_host(self, device: str | torch.device | None) -> bool:
+        """True for a host read ("cpu"); False for this cache's own device (None or its name)."""
+        if device is None:
+            return False
+        name = str(device)
+        if name == "cpu":
+            return True
+        own = self._device.name
+        if name == own or name == own.split(":")[0]:
+            return False
+        raise InvalidValueError(
+            f"get(device={device!r}): this cache returns tensors on {own!r} (device=None) "
+            f"or host copies (device='cpu'); move the result yourself for another device"
+        )
 
     async def wait(self, fences: Sequence[Fence]) -> float:
         """wait_fences bounded by copy_timeout_s (a fence that never completes fails the read)."""
