@@ -157,8 +157,8 @@ class FeatureCache:
         self._tiers.request()
         self._metrics.close()
         if self._owns_device:
-            # Off the loop: unpinning the default 4 GiB arena took the driver 105 ms on the
-            # H200 (0.2 ms per registered chunk), and the device also joins its threads.
+            # Off the loop: unpinning a large arena takes the driver long enough to stall
+            # it (BENCHMARKS.md), and the device also joins its threads.
             await off_the_loop(self._device.close)
 
     async def wait_host_ready(self, timeout: float | None = None) -> bool:  # noqa: ASYNC109

@@ -3,8 +3,9 @@
 Operations that would wait (puts needing budget, reads of held copies) start as
 tasks; holds keep copies from completing; settling releases them and drains.
 After every step: budgets (invariant 3), exact data of every completed read (5),
-and an exact ledger. After every settle: no leaked bytes and simulated device
-memory equal to what the cache owns (4).
+and an exact ledger: the TierLedger audited, its entry counts equal to the sum over
+the entries the index and the offload pipeline hold. After every settle: no leaked
+bytes and simulated device memory equal to what the cache owns (4).
 """
 
 from __future__ import annotations
@@ -227,6 +228,32 @@ class CacheMachine(RuleBasedStateMachine):
         assert 0 <= s.gpu_bytes <= s.gpu_capacity_bytes
         assert 0 <= s.cpu_bytes <= s.cpu_capacity_bytes
         assert s.leaked_bytes == 0
+
+    @invariant()
+    def tier_ledger_equals_the_sum_over_entries(self) -> None:
+        """The TierLedger's figures, audited after every step: each part of the GPU bytes
+        is within the whole, the audit finds no byte unowned, and each tier's entry count
+        is what the entries it holds (in the index or in flight) add up to."""
+        core = self.cache._core
+        ledger = core.ledger
+        assert core.audit() == {"gpu": 0, "cpu": 0}
+        assert 0 <= ledger.released_pending <= ledger.releasing
+        assert 0 <= ledger.granted and ledger.granted + ledger.releasing <= ledger.used
+        assert ledger.used <= ledger.capacity
+        in_flight = core.pipeline.in_flight()
+        holders = {id(e): e for e in [*core.index.held(), *in_flight]}
+        gpu = cpu = 0
+        for e in holders.values():
+            if e.state is State.GPU:
+                gpu += e.count
+            elif e.state is State.HOST:
+                cpu += e.count
+            if e in in_flight:  # counted in the host tier once queued; GPU tier if charged
+                cpu += e.count
+                gpu += e.count if in_flight[e] else 0
+        s = self.cache.stats()
+        assert (ledger.gpu_entries, ledger.cpu_entries) == (gpu, cpu)
+        assert (s.gpu_entries, s.cpu_entries, s.gpu_bytes) == (gpu, cpu, ledger.used)
 
     def teardown(self) -> None:
         if self.hold is not None:
