@@ -9,10 +9,10 @@ from __future__ import annotations
 from collections.abc import Hashable
 
 import pytest
-from conftest import CacheFactory, Rig, put_feature
+import torch
+from conftest import CacheFactory, Rig, TimedFence, put_feature
 
 from mmcache.core.policy import POLICY_NAMES, LruPolicy, make_policy
-from mmcache.device.base import Fence
 from mmcache.entry import Entry, State
 
 FIRST_VICTIM = {"lru": "c", "lfu": "b", "fifo": "a"}
@@ -20,22 +20,8 @@ VICTIM_ORDER = {"lru": ["c", "b", "a"], "lfu": ["b", "a", "c"], "fifo": ["a", "b
 HITS = ["c", "c", "c", "b", "a"]
 
 
-class _Done(Fence):
-    def done(self) -> bool:
-        return True
-
-    def exception(self) -> BaseException | None:
-        return None
-
-    def add_done_callback(self, fn: object) -> None:
-        raise AssertionError("not used")
-
-    def wait(self, timeout: float | None = None) -> bool:
-        return True
-
-
 def _entry(key: Hashable) -> Entry:
-    return Entry(key, (1,), None, 1, State.GPU, None, _Done())  # type: ignore[arg-type]
+    return Entry(key, (1,), torch.uint8, 1, State.GPU, None, TimedFence(0))
 
 
 def test_every_setting_value_has_a_policy() -> None:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import torch
+from conftest import TimedFence
+
 from mmcache.core.ledger import TierLedger
-from mmcache.device import SimDevice
 from mmcache.entry import Entry, State
 
 
 def _entry(nbytes: int, state: State = State.GPU) -> Entry:
-    return Entry("k", (nbytes,), None, nbytes, state, None, SimDevice().completed_fence())  # type: ignore[arg-type]
+    return Entry("k", (nbytes,), torch.uint8, nbytes, state, None, TimedFence(0))
 
 
 def test_a_put_is_granted_then_inserted() -> None:
