@@ -41,7 +41,7 @@ async def put_group(
 
 
 def group_of(cache: FeatureCache, key: Any) -> Entry:
-    found = cache._entries[key]
+    found = cache._core.index[key]
     assert isinstance(found, Member), f"{key!r} is not in a group"
     return found.group
 
@@ -247,7 +247,7 @@ async def test_a_host_hit_promotes_the_member_alone(rig: Rig, make_cache: CacheF
     got = await cache.get(("p", 4))
     assert_exact(got, want[4])
     del got
-    promoted = cache._entries[("p", 4)]
+    promoted = cache._core.index[("p", 4)]
     assert isinstance(promoted, Entry) and promoted.state is State.GPU
     assert cache.stats().promotions == 1 and group.count == 15
     await assert_reads(cache, lambda i: ("p", i), want, device="cpu")

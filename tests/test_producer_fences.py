@@ -40,7 +40,7 @@ def count_records(monkeypatch: pytest.MonkeyPatch, rig: Rig) -> collections.Coun
 
 def ready_of(cache: FeatureCache, key: Hashable) -> Fence:
     """The fence key's entry orders its readers after (its producer's, until offloaded)."""
-    entry = cache._entries[key]
+    entry = cache._core.index[key]
     assert isinstance(entry, Entry)
     return entry.ready
 
@@ -84,7 +84,7 @@ async def test_a_burst_of_puts_records_one_fence_and_shares_another(
     assert counts[id(stream)] == 3, "a new iteration's first put records again"
     assert await cache.put(17, feature(rig, KIB, seed=17), stream=stream)
     assert isinstance(ready_of(cache, 17), DeferredFence)
-    off_loop = await asyncio.to_thread(cache._producers.fence, stream)
+    off_loop = await asyncio.to_thread(cache._core.producers.fence, stream)
     assert not isinstance(off_loop, DeferredFence), "shared with a thread off the loop"
     for i in (0, 1, 15, 16):
         assert_exact(await cache.get(i, device="cpu"), feature(rig, KIB, seed=i))
@@ -123,7 +123,7 @@ async def test_each_put_of_a_burst_is_read_after_its_own_producer(
         for i in range(count):
             assert await put_one(cache, how, i, produce(rig, stream, sources[i]), stream)
         evicted = cache.stats().evictions_gpu
-        readies = [ready_of(cache, key) for key in cache._entries]
+        readies = [ready_of(cache, key) for key in cache._core.index]
         still_shared = [r for r in readies if isinstance(r, DeferredFence) and not r.recorded]
         reads = [asyncio.create_task(cache.get(i, device="cpu")) for i in range(count)]
         await asyncio.sleep(0.02)  # each read queues its copy, or waits for its offload

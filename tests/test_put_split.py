@@ -92,7 +92,7 @@ async def test_a_batch_reads_the_same_as_put_many_of_its_split(
 async def test_one_key_is_an_entry_of_its_own(rig: Rig, make_cache: CacheFactory) -> None:
     cache = make_cache(gpu_mb=1, cpu_mb=4)
     want = await put_batch(cache, rig, "one", [12])
-    assert isinstance(cache._entries[("one", 0)], Entry)
+    assert isinstance(cache._core.index[("one", 0)], Entry)
     await assert_reads(cache, lambda i: ("one", i), want)
     await assert_clean(rig, cache)
 
@@ -365,7 +365,7 @@ async def test_a_compaction_failing_as_the_batch_is_indexed_leaves_the_ledger_ex
     sim.inject("copy_fails", 1)
     assert await cache.put_split(["x", "y"], wide[:, :256], [16, 32])
     monkeypatch.setattr(FenceWatcher, "when_done", when_done)
-    assert "x" not in cache and not cache._gpu_order
+    assert "x" not in cache and not cache._core.gpu_order
     want = [await put_batch(cache, rig, f"next{i}", [150], seed=i) for i in range(3)]
     for i, expected in enumerate(want):  # room made by offloads, none of a lost entry
         assert_exact(await cache.get((f"next{i}", 0)), expected[0])
