@@ -68,15 +68,18 @@ class Evictor:
         """Reserve nbytes of the GPU tier if it has room now and no put waits before us."""
         ahead = self._ahead
         ledger = self._ledger
-        if self._pipeline and ledger.free() < nbytes + ahead:
+        if ledger.free() < nbytes + ahead and self._pipeline:
             self._pipeline.reap()
-        if not self.waiting and ledger.free() + ledger.releasing < nbytes + ahead // 2:
+        # Asked once: evicting adds no put to the line (only wait() does).
+        if self.waiting:
+            return False
+        if ledger.free() + ledger.releasing < nbytes + ahead // 2:
             # Below the low-water mark: offload a batch now, so the copies of the next
             # batch overlap with the puts that use the room this one makes. Topping up a
             # batch saves a copy only where a host tier takes it (else it drops more).
             slack = ahead // 2 if self._host.pool is not None else 0
             self.evict_for(nbytes + ahead, slack=slack)
-        if not self.waiting and ledger.free() >= nbytes:
+        if ledger.free() >= nbytes:
             ledger.grant(nbytes)
             return True
         return False

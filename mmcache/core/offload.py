@@ -285,7 +285,8 @@ class OffloadPipeline:
         self._counters.copy_finished("d2h", offload.nbytes, offload.started, offload.features)
         failed = offload.fence.exception()  # asked once: it may be many fences (simulator)
         offloading = self._offloading
-        quarantined = self._quarantine
+        # Looked at once, not per entry: landing releases quarantined entries, never adds.
+        quarantined = self._quarantine if self._quarantine else None
         host_insert = self._host_insert
         release = self._device.release
         done_fence = self._done_fence
@@ -293,7 +294,7 @@ class OffloadPipeline:
         for entry in offload.batch:
             del offloading[entry]
             features += entry.count
-            if quarantined:
+            if quarantined is not None:
                 quarantined.release(entry)  # a late fence: its bytes come back now
             tensor, entry.tensor = entry.tensor, None
             assert tensor is not None
