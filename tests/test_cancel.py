@@ -17,7 +17,6 @@ from prometheus_client import CollectorRegistry
 
 from mmcache import CacheSettings, FeatureCache
 from mmcache.device import SimDevice
-from mmcache.entry import State
 
 KiB32 = 32 / 1024  # MiB
 
@@ -40,7 +39,7 @@ async def _settled(rig: Rig, cache: FeatureCache) -> None:
     stats = cache.stats()
     assert stats.pending_copies == 0
     assert stats.leaked_bytes == 0
-    owned = sum(e.nbytes for e in cache._core.index.held() if e.state is State.GPU)
+    owned = stats.gpu_bytes  # settled: only what the cache's GPU entries hold
     device = rig.device
     assert isinstance(device, SimDevice)
     if device.allocated_bytes != owned:

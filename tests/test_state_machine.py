@@ -177,7 +177,7 @@ class CacheMachine(RuleBasedStateMachine):
         s = self.cache.stats()
         assert s.pending_copies == 0
         assert s.leaked_bytes == 0
-        owned = sum(e.nbytes for e in self.cache._core.index.held() if e.state is State.GPU)
+        owned = s.gpu_bytes  # settled: only what the cache's GPU entries hold
         if self.device.allocated_bytes != owned:
             gc.collect()  # tracebacks of cancelled tasks hold tensors until collected
         assert self.device.allocated_bytes == owned, (self.device.allocated_bytes, owned)

@@ -21,7 +21,6 @@ from prometheus_client import CollectorRegistry
 
 from mmcache import CacheSettings, FeatureCache, WrongLoopError
 from mmcache.device import SimDevice
-from mmcache.entry import State
 
 pytestmark = pytest.mark.usefixtures("no_collection_during_reports")
 
@@ -128,9 +127,7 @@ async def test_worker_threads_go_through_run_coroutine_threadsafe(sim_rig: Rig) 
     s = cache.stats()
     assert s.leaked_bytes == 0 and s.pending_copies == 0
     gc.collect()
-    assert dev.allocated_bytes == sum(
-        e.nbytes for e in cache._core.index.held() if e.state is State.GPU
-    )
+    assert dev.allocated_bytes == s.gpu_bytes  # settled: what the GPU entries hold
     await cache.close()
 
 
