@@ -389,6 +389,7 @@ class FeatureCache:
         except BaseException:
             self._return_grant(grant)
             self._give_back([(own, ready)], [], [[]])
+            del own  # nor may the traceback of a put that failed keep it alive
             raise
         finally:
             self._grants.close(grant)
@@ -1089,14 +1090,23 @@ class FeatureCache:
         blocks: list[HostBlock],
         sources: list[list[torch.Tensor]],
     ) -> None:
-        """Undo a put that took its values but will not insert them."""
-        for (own, ready), values in zip(owned, sources, strict=True):
+        """Undo a put that took its values but will not insert them (emptying the lists).
+
+        Emptied because the frames of a put that failed, which its traceback keeps, must
+        not keep the values alive past their release.
+        """
+        assert len(owned) == len(sources)
+        while owned:
+            own, ready = owned.pop()
+            values = sources.pop()
             self._device.release(own, after=[ready])
+            del own
             if values:  # a packing copy may still read them
                 self._hold_values(ready, values, None)
         for block in blocks:
             assert self._pool is not None
             self._pool.free(block)
+        blocks.clear()
 
     # --- GPU budget ---------------------------------------------------------------------
 
@@ -1946,8 +1956,10 @@ class FeatureCache:
         task = asyncio.current_task()
         assert task is not None
         _computing.set(_computing.get() | {task})  # this task's own context: fn's and its tasks'
+        del task  # a failure's traceback must not hold the task, and through it the value
         result = fn()
         value = await result if inspect.isawaitable(result) else result
+        del result
         if not isinstance(value, torch.Tensor):
             raise InvalidValueError(
                 f"get_or_compute's fn must return a torch.Tensor, not {type(value).__name__}"
@@ -1955,7 +1967,11 @@ class FeatureCache:
         check_strided(value, "get_or_compute()")
         ready = self._device.record(stream)
         # The caller's alias below keeps the tensor valid whatever the cache does next.
-        await self.put(key, value, stream=stream)
+        try:
+            await self.put(key, value, stream=stream)
+        except BaseException:
+            del value  # a failed put's traceback, kept by every caller, must not keep it
+            raise
         return value, ready
 
     def _computed(self, key: Hashable, task: asyncio.Task[tuple[torch.Tensor, Fence]]) -> None:
