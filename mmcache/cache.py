@@ -14,6 +14,7 @@ import operator
 import reprlib
 import threading
 import time
+import weakref
 from collections import OrderedDict, deque
 from collections.abc import (
     AsyncIterator,
@@ -75,7 +76,9 @@ ComputeFn = Callable[[], "torch.Tensor | Awaitable[torch.Tensor]"]
 _T = TypeVar("_T")
 # The get_or_compute computations this context runs inside: a task copies its creator's
 # context, so fn and the tasks it starts see their own computation here.
-_computing: ContextVar[frozenset[asyncio.Task[Any]]] = ContextVar(
+# Weakly: timers armed inside a computation keep its context, which must not keep the
+# task and its value alive.
+_computing: ContextVar[frozenset[weakref.ref[asyncio.Task[Any]]]] = ContextVar(
     "mmcache_computing", default=frozenset()
 )
 
@@ -842,7 +845,7 @@ class FeatureCache:
             task = asyncio.ensure_future(self._compute(key, fn, stream))
             self._inflight[key] = task
             task.add_done_callback(lambda t: self._computed(key, t))
-        elif task in _computing.get():
+        elif weakref.ref(task) in _computing.get():
             # Waiting would be waiting for ourselves: the computation awaits this call.
             raise ReentrantComputeError(
                 f"get_or_compute({reprlib.repr(key)}) was called from inside its own fn "
@@ -1955,7 +1958,8 @@ class FeatureCache:
     ) -> tuple[torch.Tensor, Fence]:
         task = asyncio.current_task()
         assert task is not None
-        _computing.set(_computing.get() | {task})  # this task's own context: fn's and its tasks'
+        # This task's own context, which fn and the tasks it starts share or copy.
+        _computing.set(_computing.get() | {weakref.ref(task)})
         del task  # a failure's traceback must not hold the task, and through it the value
         result = fn()
         value = await result if inspect.isawaitable(result) else result
