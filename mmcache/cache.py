@@ -36,6 +36,7 @@ from mmcache.errors import (
     WrongLoopError,
 )
 from mmcache.host_copy import warm_up as warm_host_copies
+from mmcache.layouts import check_strided
 from mmcache.metrics import CacheMetrics, DeferredPush, ensure_metrics_server
 from mmcache.settings import CacheSettings
 from mmcache.single_flight import SingleFlight
@@ -217,6 +218,7 @@ class FeatureCache:
         if stream is None:
             stream = self._device.current_stream()  # read before any await: it is per thread
         check_key(key)
+        check_strided(value, "put()")
         holder = [value]
         del value  # the cache owns it now: no frame of ours keeps it alive past its release
         if self._short_put_applies(key, holder[0]):
@@ -433,6 +435,7 @@ class FeatureCache:
         after the block.
         """
         await self._ready_to_serve()
+        check_key(key)
         found = self._entries.get(key)
         entry = None if found is None else holder(found)
         pool = self._core.host.pool
@@ -524,13 +527,19 @@ class FeatureCache:
     ) -> tuple[torch.Tensor, Fence]:
         result = fn()
         value = await result if inspect.isawaitable(result) else result
+        del result
         if not isinstance(value, torch.Tensor):
             raise InvalidValueError(
                 f"get_or_compute's fn must return a torch.Tensor, not {type(value).__name__}"
             )
+        check_strided(value, "get_or_compute()")
         ready = self._device.record(stream)
         # The caller's alias below keeps the tensor valid whatever the cache does next.
-        await self.put(key, value, stream=stream)
+        try:
+            await self.put(key, value, stream=stream)
+        except BaseException:
+            del value  # a failed put's traceback, kept by every caller, must not keep it
+            raise
         return value, ready
 
     # --- bookkeeping --------------------------------------------------------------------
@@ -544,3 +553,17 @@ class FeatureCache:
     def _push_tier_gauges(self) -> None:
         """Tier sizes to the metrics (through self._tiers: once per loop iteration)."""
         self._core.push_gauges()
+
+
+def _leak_gpu_grant_for_tests(cache: FeatureCache, nbytes: int) -> bool:
+    """Test-only: take nbytes of GPU budget as a put would, then end without inserting or
+    giving it back, as a put path that forgot to would; the audit must count it leaked.
+
+    Returns whether the budget was granted (False: no room now, nothing taken).
+    """
+    ledger = cache._core.ledger
+    grant = ledger.open_grant()
+    try:
+        return cache._core.evictor.take(nbytes, grant)
+    finally:
+        ledger.close_grant(grant)

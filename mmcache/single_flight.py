@@ -4,14 +4,27 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import reprlib
+import weakref
 from collections.abc import Callable, Coroutine, Hashable
+from contextvars import ContextVar
 from typing import Any, Generic, TypeVar, final
+
+from mmcache.errors import ReentrantComputeError
 
 __all__ = ["SingleFlight"]
 
 log = logging.getLogger("mmcache")
 
 _T = TypeVar("_T")
+
+# The computations this context runs inside: a task copies its creator's context, so a
+# computation and the tasks it starts see their own computation here. Weakly: timers
+# armed inside a computation keep its context, which must not keep the task and its
+# value alive.
+_computing: ContextVar[frozenset[weakref.ref[asyncio.Task[Any]]]] = ContextVar(
+    "mmcache_computing", default=frozenset()
+)
 
 
 @final
@@ -28,15 +41,28 @@ class SingleFlight(Generic[_T]):
     def __init__(self) -> None:
         self._running: dict[Hashable, asyncio.Task[_T]] = {}
 
+    def __len__(self) -> int:
+        return len(self._running)
+
     def run(
         self, key: Hashable, compute: Callable[[], Coroutine[Any, Any, _T]]
     ) -> asyncio.Task[_T]:
-        """The task computing key's value: the one running, else a new one of compute()."""
+        """The task computing key's value: the one running, else a new one of compute().
+
+        Raises ReentrantComputeError when called from inside key's own computation
+        (directly, or from a task it started and awaits): waiting would be for ever.
+        """
         task = self._running.get(key)
         if task is None:
-            task = asyncio.ensure_future(compute())
+            task = asyncio.ensure_future(_as_computation(compute))
             self._running[key] = task
             task.add_done_callback(lambda t: self._done(key, t))
+        elif weakref.ref(task) in _computing.get():
+            raise ReentrantComputeError(
+                f"get_or_compute({reprlib.repr(key)}) was called from inside its own fn "
+                "(directly or through a task that fn started and awaits), which would wait "
+                "for itself for ever; compute the value in fn instead of asking the cache"
+            )
         return task
 
     def running(self) -> list[asyncio.Task[_T]]:
@@ -48,3 +74,13 @@ class SingleFlight(Generic[_T]):
             del self._running[key]
         if not task.cancelled() and task.exception() is not None:
             log.debug("computing %r failed: %s", key, task.exception())
+
+
+async def _as_computation(compute: Callable[[], Coroutine[Any, Any, _T]]) -> _T:
+    """compute(), in a task that its own context names as a computation."""
+    task = asyncio.current_task()
+    assert task is not None
+    # This task's own context, which compute and the tasks it starts share or copy.
+    _computing.set(_computing.get() | {weakref.ref(task)})
+    del task  # a failure's traceback must not hold the task, and through it the value
+    return await compute()

@@ -89,8 +89,10 @@ class Rig:
         tensor = device.adopt(torch.zeros(256), device.current_stream())
         entry = Entry(key, (256,), torch.float32, 1024, State.GPU, tensor, device.completed_fence())
         self.index[key] = entry
-        self.ledger.grant(1024)
-        self.ledger.insert(1024, 1)
+        grant = self.ledger.open_grant()
+        self.ledger.grant(grant, 1024)
+        self.ledger.insert(grant, 1024, 1)
+        self.ledger.close_grant(grant)
         return entry
 
 

@@ -17,7 +17,8 @@ from mmcache.core.packing import BATCH_BYTES
 from mmcache.core.policy import EvictionPolicy
 from mmcache.device import Device, Fence
 from mmcache.entry import Entry, State
-from mmcache.errors import CacheClosedError, MMCacheError
+from mmcache.errors import CacheClosedError
+from mmcache.grants import Grant
 from mmcache.host_pool import HostBlock
 
 __all__ = ["Evictor"]
@@ -60,12 +61,15 @@ class Evictor:
         # instead of each put waiting for the one copy that makes its room.
         self._ahead = evict_ahead
         self._small = small_copy_bytes
-        #: puts waiting for GPU room, granted from the ledger in arrival order
-        self.waiting: FifoBudget[int, int] = FifoBudget(ledger.take_if_free, ledger.give_back)
+        #: puts waiting for GPU room, granted into their grants in arrival order
+        self.waiting: FifoBudget[tuple[int, Grant], Grant] = FifoBudget(
+            ledger.take_if_free, ledger.return_grant
+        )
         self._closed = False
 
-    def take(self, nbytes: int) -> bool:
-        """Reserve nbytes of the GPU tier if it has room now and no put waits before us."""
+    def take(self, nbytes: int, grant: Grant) -> bool:
+        """Reserve nbytes of the GPU tier into grant if it has room now and no put waits
+        before us."""
         ahead = self._ahead
         ledger = self._ledger
         if ledger.free() < nbytes + ahead and self._pipeline:
@@ -80,22 +84,30 @@ class Evictor:
             slack = ahead // 2 if self._host.pool is not None else 0
             self.evict_for(nbytes + ahead, slack=slack)
         if ledger.free() >= nbytes:
-            ledger.grant(nbytes)
+            ledger.grant(grant, nbytes)
             return True
         return False
 
-    async def wait(self, nbytes: int) -> None:
-        """Wait in line until nbytes of the GPU tier are granted (after take() failed)."""
-        waiter = self.waiting.join(nbytes)
+    def give_back(self, grant: Grant) -> None:
+        """Give back the GPU budget grant holds (its put will not insert), waking waiters."""
+        if grant.nbytes:
+            self._ledger.return_grant(grant)
+            self.wake()
+
+    async def wait(self, nbytes: int, grant: Grant) -> None:
+        """Wait in line until nbytes of the GPU tier are granted into grant (after take()
+        failed)."""
+        waiter = self.waiting.join((nbytes, grant))
         self.wake()  # offloads for us, and grants at once what drops freed
         self._pipeline.watch()  # now, not late: we wait for the room they make
         try:
             await self.waiting.wait(waiter)
         except BaseException:
-            self.wake()  # what we were granted, or our place, goes to the next
+            self.give_back(grant)  # granted just as we were cancelled: give it back
+            self.wake()  # and our place goes to the next
             raise
         if self._closed:  # granted, then close() ran before we resumed: insert nothing
-            self._ledger.give_back(nbytes)
+            self.give_back(grant)
             raise CacheClosedError("the cache closed while put waited")
 
     def wake(self) -> None:
@@ -107,7 +119,7 @@ class Evictor:
             if not waiters:
                 return
             free_before = ledger.free()
-            self.evict_for(sum(waiters.wanted()))
+            self.evict_for(sum(nbytes for nbytes, _ in waiters.wanted()))
             if ledger.free() == free_before:
                 return  # the rest is on its way (copies in flight)
 
@@ -184,9 +196,10 @@ class Evictor:
             fence = self._device.copy_d2h_batch(
                 srcs, pool.arena, offsets, after=readies, owned=True
             )
-        except MMCacheError as e:
-            # Refused at enqueue (e.g. no memory for a gather buffer): nothing was queued,
-            # so the victims are dropped as if the host tier could not take them.
+        except Exception as e:
+            # Refused at enqueue (e.g. no memory for a gather buffer, or a driver error):
+            # nothing was queued, so the victims are dropped as if the host tier could not
+            # take them, and the put that evicted or inserted them goes on.
             del srcs
             self._counters.copy_failed("offload", None, e)
             for entry, block in items:

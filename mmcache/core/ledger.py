@@ -6,6 +6,7 @@ from collections.abc import Iterable, Mapping
 from typing import final
 
 from mmcache.entry import Entry, State
+from mmcache.grants import Grant, Grants
 
 __all__ = ["TierLedger"]
 
@@ -15,17 +16,18 @@ class TierLedger:
     """The GPU tier's bytes and both tiers' entry counts, changed only by its methods.
 
     used = bytes of entries on the device + granted + releasing, and never exceeds
-    capacity. granted is reserved for puts that have not inserted yet; releasing is
-    device memory of entries being offloaded and of tensors released after fences,
-    of which released_pending is no entry's any more. The host tier's bytes are the
-    host pool's own ledger.
+    capacity. Granted bytes are reserved for puts that have not inserted yet, each
+    put's in a Grant of its own (mmcache.grants), so that the audit sees budget that no
+    running put holds; releasing is device memory of entries being offloaded and of
+    tensors released after fences, of which released_pending is no entry's any more.
+    The host tier's bytes are the host pool's own ledger.
     """
 
     __slots__ = (
         "capacity",
         "cpu_entries",
         "gpu_entries",
-        "granted",
+        "grants",
         "released_pending",
         "releasing",
         "used",
@@ -33,34 +35,52 @@ class TierLedger:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self.used = self.granted = self.releasing = self.released_pending = 0
+        self.used = self.releasing = self.released_pending = 0
         self.gpu_entries = self.cpu_entries = 0
+        #: the budget granted to puts that have not inserted yet, per put
+        self.grants = Grants()
+
+    @property
+    def granted(self) -> int:
+        """GPU bytes granted to puts that have not inserted them (nor given them back)."""
+        return self.grants.total
 
     def free(self) -> int:
         """GPU bytes neither resident, granted nor releasing."""
         return self.capacity - self.used
 
-    def grant(self, nbytes: int) -> None:
-        """Reserve nbytes for a put (the caller checked free())."""
+    def open_grant(self) -> Grant:
+        """A grant for a put starting now (close_grant() it when the put ends, however)."""
+        return self.grants.open()
+
+    def close_grant(self, grant: Grant) -> None:
+        """grant's put has ended: what it still holds is held by nobody (the audit's)."""
+        self.grants.close(grant)
+
+    def grant(self, grant: Grant, nbytes: int) -> None:
+        """Reserve nbytes for grant's put (the caller checked free())."""
         self.used += nbytes
-        self.granted += nbytes
+        self.grants.take(grant, nbytes)
 
-    def give_back(self, nbytes: int) -> None:
-        """A put will not insert what it was granted."""
-        self.used -= nbytes
-        self.granted -= nbytes
+    def return_grant(self, grant: Grant) -> None:
+        """grant's put will not insert what it holds: give it all back."""
+        nbytes = grant.nbytes
+        if nbytes:
+            self.used -= nbytes
+            self.grants.settle(grant, nbytes)
 
-    def take_if_free(self, nbytes: int) -> int | None:
-        """Grant nbytes if they are free now (a FifoBudget's take); None if not."""
+    def take_if_free(self, want: tuple[int, Grant]) -> Grant | None:
+        """Grant want's bytes into its grant if they are free now (a FifoBudget's take)."""
+        nbytes, grant = want
         if self.capacity - self.used < nbytes:
             return None
         self.used += nbytes
-        self.granted += nbytes
-        return nbytes
+        self.grants.take(grant, nbytes)
+        return grant
 
-    def insert(self, nbytes: int, features: int) -> None:
-        """A put's granted bytes became entries holding features on the device."""
-        self.granted -= nbytes
+    def insert(self, grant: Grant, nbytes: int, features: int) -> None:
+        """nbytes of grant's budget became entries holding features on the device."""
+        self.grants.settle(grant, nbytes)
         self.gpu_entries += features
 
     def promote(self, nbytes: int) -> None:
@@ -117,7 +137,8 @@ class TierLedger:
         not being freed; quarantined: the (device, host) bytes overdue copies still pin,
         which count as leaked since they may never come back.
         """
-        gpu_owned = self.granted + self.released_pending
+        # Granted bytes count as owned only while the put they were granted to runs.
+        gpu_owned = self.grants.held_bytes() + self.released_pending
         holders = {id(e): e for e in held}
         for e, charged in offloading.items():
             holders[id(e)] = e  # discarded while offloading: still holds both sides

@@ -25,6 +25,7 @@ from mmcache.device.base import feature_bytes
 from mmcache.entry import Entry, State, check_keys
 from mmcache.errors import InvalidKeyError, InvalidValueError, ValueTooLargeError
 from mmcache.host_pool import HostBlock
+from mmcache.layouts import check_strided
 from mmcache.producer_fences import ProducerFences
 from mmcache.settings import CacheSettings
 
@@ -102,6 +103,7 @@ class Puts:
             raise InvalidValueError(
                 f"put_split got {len(keys)} keys and {len(rows)} split sizes; one size per key"
             )
+        check_strided(value, "put_split()")
         self.check_value(value, "put_split()")
         if value.dim() == 0:
             raise InvalidValueError("put_split splits a tensor by rows; got a 0-dim tensor")
@@ -127,19 +129,29 @@ class Puts:
         ready = self._producers.fence(stream)
         own = self._device.adopt(tensor, stream)
         del tensor
+        ledger = self._ledger
+        grant = ledger.open_grant()
         try:
-            taken = self._evictor.take(nbytes)
+            if self._evictor.take(nbytes, grant):
+                entry: Entry | None = Entry(
+                    key, tuple(own.shape), own.dtype, nbytes, State.GPU, own, ready
+                )
+                ledger.insert(grant, nbytes, 1)
+            else:
+                entry = None
         except BaseException:
+            self._evictor.give_back(grant)
             self._give_back([(own, ready)], [], [[]])
+            del own  # nor may the traceback of a put that failed keep it alive
             raise
-        if not taken:
+        finally:
+            ledger.close_grant(grant)
+        if entry is None:
             return await self._insert_units(
                 [key], [], [(0, 1)], [nbytes], [(own, ready)], [[]], ready, wait
             )
-        entry = Entry(key, tuple(own.shape), own.dtype, nbytes, State.GPU, own, ready)
         self._index[key] = entry
         self._gpu_order[key] = entry
-        self._ledger.insert(nbytes, 1)
         # No put waits now (Evictor.take grants nothing ahead of one): none to wake.
         self._changed()
         return True
@@ -278,51 +290,48 @@ class Puts:
         # (nor be offloaded for nothing). A put that then fails leaves them absent.
         self._remove_keys(keys, wake=True)
         blocks: list[HostBlock] = []
-        # Without room now, a put waits (yielding to the loop); a put that finds it, the
-        # common case, takes it without a coroutine of its own.
-        waited = True
+        ledger = self._ledger
+        grant = ledger.open_grant()
         try:
+            # Without room now, a put waits (yielding to the loop); a put that finds it, the
+            # common case, takes it without a coroutine of its own.
+            waited = True
+            try:
+                if to_gpu:
+                    ok = self._evictor.take(total, grant)
+                    if ok:
+                        waited = False
+                    elif wait:
+                        await self._evictor.wait(total, grant)
+                        ok = True
+                else:
+                    unit_sizes = [sum(sizes[i:j]) for i, j in spans]
+                    ok = await self._host.reserve(unit_sizes, wait, blocks, self._landings)
+            except BaseException:
+                self._evictor.give_back(grant)
+                self._give_back(owned, blocks, sources)
+                raise
+            if not ok:
+                self._give_back(owned, blocks, sources)
+                self._counters.refused(len(keys))
+                return False
+            made: list[Entry] = []
+            try:
+                offloads, compacted = self._index_units(
+                    keys, rows, spans, sizes, owned, sources, produced, blocks, made, waited
+                )
+            except BaseException:
+                # Nothing of a put that fails here stays: its entries leave the index, and
+                # its budget and values go back.
+                self._unindex(made)
+                self._evictor.give_back(grant)
+                self._give_back(owned, blocks, sources)
+                raise
             if to_gpu:
-                ok = self._evictor.take(total)
-                if ok:
-                    waited = False
-                elif wait:
-                    await self._evictor.wait(total)
-                    ok = True
-            else:
-                unit_sizes = [sum(sizes[i:j]) for i, j in spans]
-                ok = await self._host.reserve(unit_sizes, wait, blocks, self._landings)
-        except BaseException:
-            self._give_back(owned, blocks, sources)
-            raise
-        if not ok:
-            self._give_back(owned, blocks, sources)
-            self._counters.refused(len(keys))
-            return False
-        if waited:
-            self._remove_keys(keys, wake=False)  # other puts of these keys done meanwhile
-        offloads: list[tuple[Entry, HostBlock]] = []
-        compacted: list[Entry] = []
-        entries = self._index
-        for u, ((i, j), (own, ready)) in enumerate(zip(spans, owned, strict=True)):
-            if j - i == 1:
-                key = keys[i]
-                entry = Entry(key, tuple(own.shape), own.dtype, sizes[i], State.GPU, own, ready)
-                entries[key] = entry
-            else:
-                entry = entries.add_group(keys[i:j], rows[i:j], own, ready, sum(sizes[i:j]))
-            if sources[u]:
-                # Its values stay referenced until the packing copy has read them, and a
-                # packing that failed drops the group then.
-                self._packings.hold(ready, sources[u], entry)
-            elif ready is not produced:
-                compacted.append(entry)
-            if to_gpu:
-                self._gpu_order[entry.key] = entry
-            else:
-                offloads.append((entry, blocks[u]))
+                ledger.insert(grant, total, len(keys))
+        finally:
+            ledger.close_grant(grant)
         if to_gpu:
-            self._ledger.insert(total, len(keys))
             if self._evictor.waiting:
                 self._evictor.wake()  # the next waiter may need these entries offloaded
         else:
@@ -333,6 +342,59 @@ class Puts:
             self._when_done([entry.ready], functools.partial(self._check_ready, entry, entry.ready))
         self._changed()
         return True
+
+    def _index_units(
+        self,
+        keys: list[Hashable],
+        rows: list[int],
+        spans: list[tuple[int, int]],
+        sizes: list[int],
+        owned: list[tuple[torch.Tensor, Fence]],
+        sources: list[list[torch.Tensor]],
+        produced: Fence | None,
+        blocks: list[HostBlock],
+        made: list[Entry],
+        waited: bool,
+    ) -> tuple[list[tuple[Entry, HostBlock]], list[Entry]]:
+        """Index a put's units once their room is reserved (appending each entry to made).
+
+        Returns the host-tier offloads to start (GPU tier off) and the entries whose
+        compaction copies to check.
+        """
+        if waited:
+            self._remove_keys(keys, wake=False)  # other puts of these keys done meanwhile
+        to_gpu = self._gpu_capacity > 0
+        offloads: list[tuple[Entry, HostBlock]] = []
+        compacted: list[Entry] = []
+        entries = self._index
+        for u, ((i, j), (own, ready)) in enumerate(zip(spans, owned, strict=True)):
+            if j - i == 1:
+                key = keys[i]
+                entry = Entry(key, tuple(own.shape), own.dtype, sizes[i], State.GPU, own, ready)
+                made.append(entry)
+                entries[key] = entry
+            else:
+                entry = entries.add_group(keys[i:j], rows[i:j], own, ready, sum(sizes[i:j]))
+                made.append(entry)
+            if sources[u]:
+                # Its values stay referenced until the packing copy has read them, and a
+                # packing that failed drops the group then.
+                self._packings.hold(ready, sources[u], entry)
+            elif ready is not produced:
+                compacted.append(entry)
+            if to_gpu:
+                self._gpu_order[entry.key] = entry
+            else:
+                offloads.append((entry, blocks[u]))
+        return offloads, compacted
+
+    def _unindex(self, made: list[Entry]) -> None:
+        """Take the entries of a failed put out of the index; its caller gives back the rest."""
+        for entry in made:
+            self._index.forget(entry)
+            self._gpu_order.pop(entry.key, None)
+            entry.state = State.GONE
+            entry.tensor = None
 
     def _remove_keys(self, keys: list[Hashable], *, wake: bool) -> None:
         """Remove what the index holds under keys (a put replacing them); wake: after each
@@ -406,13 +468,22 @@ class Puts:
         blocks: list[HostBlock],
         sources: list[list[torch.Tensor]],
     ) -> None:
-        """Undo a put that took its values but will not insert them."""
-        for (own, ready), values in zip(owned, sources, strict=True):
+        """Undo a put that took its values but will not insert them (emptying the lists).
+
+        Emptied because the frames of a put that failed, which its traceback keeps, must
+        not keep the values alive past their release.
+        """
+        assert len(owned) == len(sources)
+        while owned:
+            own, ready = owned.pop()
+            values = sources.pop()
             self._device.release(own, after=[ready])
+            del own
             if values:  # a packing copy may still read them
                 self._packings.hold(ready, values, None)
         for block in blocks:
             self._host.free(block)
+        blocks.clear()
 
 
 def check_items(batch: list[tuple[Hashable, torch.Tensor]]) -> None:
@@ -423,6 +494,7 @@ def check_items(batch: list[tuple[Hashable, torch.Tensor]]) -> None:
             raise InvalidValueError(
                 f"put_many takes (key, tensor) pairs, not {type(item).__name__}"
             )
+        check_strided(item[1], "put_many()")
         keys.append(item[0])
     check_keys(keys)  # before hashing: an unhashable key gets a clear error
     if len(set(keys)) != len(batch):

@@ -17,6 +17,7 @@ from mmcache.core.offload import OffloadPipeline
 from mmcache.device import Device, Fence, Stream
 from mmcache.entry import Entry, Member, State
 from mmcache.errors import CopyFailedError, CopyTimeoutError, InvalidValueError
+from mmcache.grants import Grant
 from mmcache.host_copy import copy_host_bytes_in_slices
 from mmcache.waiting import wait_fences
 
@@ -47,7 +48,7 @@ class Reads:
         host: HostTier,
         pipeline: OffloadPipeline,
         life: Lifecycle,
-        gpu_waiting: FifoBudget[int, int],
+        gpu_waiting: FifoBudget[tuple[int, Grant], Grant],
         when_done: Callable[[Sequence[Fence], Callable[[], None]], None],
         promote: bool,
         copy_timeout: float,
@@ -191,7 +192,11 @@ class Reads:
         src = entry.host_whole() if span is None else entry.host_view(start, stop)
         with self._counters.counting_oom():
             dst = self._device.empty(tuple(src.shape), entry.dtype)
-        fence = self._device.copy_h2d(src, dst, after=[entry.copy_fence])
+        try:
+            fence = self._device.copy_h2d(src, dst, after=[entry.copy_fence])
+        except BaseException:
+            self._device.release(dst, after=())  # nothing was queued: nothing reads it
+            raise
         del src
         entry.add_host_reader(fence)
         started = time.perf_counter()
