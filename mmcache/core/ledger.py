@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import final
 
 from mmcache.entry import Entry, State
@@ -25,9 +25,11 @@ class TierLedger:
 
     __slots__ = (
         "capacity",
+        "close_grant",
         "cpu_entries",
         "gpu_entries",
         "grants",
+        "open_grant",
         "released_pending",
         "releasing",
         "used",
@@ -38,7 +40,12 @@ class TierLedger:
         self.used = self.releasing = self.released_pending = 0
         self.gpu_entries = self.cpu_entries = 0
         #: the budget granted to puts that have not inserted yet, per put
-        self.grants = Grants()
+        self.grants = grants = Grants()
+        # Every put opens and closes one: bound here, they cost no call of ours.
+        #: a grant for a put starting now (close_grant() it when the put ends, however)
+        self.open_grant: Callable[[], Grant] = grants.open
+        #: a put has ended: what its grant still holds is held by nobody (the audit's)
+        self.close_grant: Callable[[Grant], None] = grants.close
 
     @property
     def granted(self) -> int:
@@ -48,14 +55,6 @@ class TierLedger:
     def free(self) -> int:
         """GPU bytes neither resident, granted nor releasing."""
         return self.capacity - self.used
-
-    def open_grant(self) -> Grant:
-        """A grant for a put starting now (close_grant() it when the put ends, however)."""
-        return self.grants.open()
-
-    def close_grant(self, grant: Grant) -> None:
-        """grant's put has ended: what it still holds is held by nobody (the audit's)."""
-        self.grants.close(grant)
 
     def grant(self, grant: Grant, nbytes: int) -> None:
         """Reserve nbytes for grant's put (the caller checked free())."""
