@@ -11,8 +11,10 @@ import itertools
 import logging
 import math
 import operator
+import reprlib
 import threading
 import time
+import weakref
 from collections import OrderedDict, deque
 from collections.abc import (
     AsyncIterator,
@@ -24,6 +26,7 @@ from collections.abc import (
     Iterator,
     Sequence,
 )
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -41,13 +44,15 @@ from mmcache.errors import (
     DeviceOutOfMemoryError,
     InvalidKeyError,
     InvalidValueError,
-    MMCacheError,
+    ReentrantComputeError,
     ValueTooLargeError,
     WrongLoopError,
 )
+from mmcache.grants import Grant, Grants
 from mmcache.host_copy import copy_host_bytes_in_slices
 from mmcache.host_copy import warm_up as warm_host_copies
 from mmcache.host_pool import HostBlock, HostPool
+from mmcache.layouts import check_strided
 from mmcache.metrics import CacheMetrics, DeferredPush, ensure_metrics_server
 from mmcache.producer_fences import ProducerFences
 from mmcache.settings import CacheSettings
@@ -69,6 +74,13 @@ _PACKED_CHECK_S = 0.002  # how soon an idle loop lets go of the values of finish
 _WATCH_DELAY_S = 0.001
 ComputeFn = Callable[[], "torch.Tensor | Awaitable[torch.Tensor]"]
 _T = TypeVar("_T")
+# The get_or_compute computations this context runs inside: a task copies its creator's
+# context, so fn and the tasks it starts see their own computation here.
+# Weakly: timers armed inside a computation keep its context, which must not keep the
+# task and its value alive.
+_computing: ContextVar[frozenset[weakref.ref[asyncio.Task[Any]]]] = ContextVar(
+    "mmcache_computing", default=frozenset()
+)
 
 
 @dataclass(slots=True, eq=False)
@@ -94,6 +106,7 @@ class _Packing:
 class _BudgetWaiter:
     nbytes: int
     future: asyncio.Future[None]
+    grant: Grant | None = None  # what a GPU waiter's room is granted into
 
 
 class FeatureCache:
@@ -149,7 +162,7 @@ class FeatureCache:
 
         # GPU ledger: _gpu_used = entries on the device + granted reservations + releasing.
         self._gpu_used = 0
-        self._gpu_granted = 0  # reserved for puts that have not inserted yet
+        self._grants = Grants()  # reserved for puts that have not inserted yet
         self._gpu_releasing = 0  # entries being offloaded and tensors released after fences
         self._gpu_released_pending = 0  # the part of _gpu_releasing not owned by an entry
         self._gpu_entries = 0
@@ -333,6 +346,7 @@ class FeatureCache:
         if stream is None:
             stream = self._device.current_stream()  # read before any await: it is per thread
         check_key(key)
+        check_strided(value, "put()")
         holder = [value]
         del value  # the cache owns it now: no frame of ours keeps it alive past its release
         if self._short_put_applies(key, holder[0]):
@@ -366,19 +380,28 @@ class FeatureCache:
         ready = self._producers.fence(stream)
         own = self._device.adopt(tensor, stream)
         del tensor
+        grant = self._grants.open()
         try:
-            taken = self._take_gpu(nbytes)
+            if self._take_gpu(nbytes, grant):
+                entry: Entry | None = Entry(
+                    key, tuple(own.shape), own.dtype, nbytes, State.GPU, own, ready
+                )
+                self._grants.settle(grant, nbytes)
+            else:
+                entry = None
         except BaseException:
+            self._return_grant(grant)
             self._give_back([(own, ready)], [], [[]])
+            del own  # nor may the traceback of a put that failed keep it alive
             raise
-        if not taken:
+        finally:
+            self._grants.close(grant)
+        if entry is None:
             return await self._insert_units(
                 [key], [], [(0, 1)], [nbytes], [(own, ready)], [[]], ready, wait
             )
-        entry = Entry(key, tuple(own.shape), own.dtype, nbytes, State.GPU, own, ready)
         self._entries[key] = entry
         self._gpu_lru[key] = entry
-        self._gpu_granted -= nbytes
         self._gpu_entries += 1
         # No put waits now (_take_gpu grants nothing ahead of one): none to wake.
         self._tiers.request()
@@ -407,6 +430,7 @@ class FeatureCache:
                 raise InvalidValueError(
                     f"put_many takes (key, tensor) pairs, not {type(item).__name__}"
                 )
+            check_strided(item[1], "put_many()")
             keys.append(item[0])
         check_keys(keys)  # before hashing: an unhashable key gets a clear error
         if len(set(keys)) != len(batch):
@@ -453,6 +477,7 @@ class FeatureCache:
             raise InvalidValueError(
                 f"put_split got {len(keys)} keys and {len(rows)} split sizes; one size per key"
             )
+        check_strided(value, "put_split()")
         self._check_value(value, "put_split()")
         if value.dim() == 0:
             raise InvalidValueError("put_split splits a tensor by rows; got a 0-dim tensor")
@@ -604,51 +629,47 @@ class FeatureCache:
         # (nor be offloaded for nothing). A put that then fails leaves them absent.
         self._remove_keys(keys, wake=True)
         blocks: list[HostBlock] = []
-        # Without room now, a put waits (yielding to the loop); a put that finds it, the
-        # common case, takes it without a coroutine of its own.
-        waited = True
+        grant = self._grants.open()
         try:
+            # Without room now, a put waits (yielding to the loop); a put that finds it, the
+            # common case, takes it without a coroutine of its own.
+            waited = True
+            try:
+                if to_gpu:
+                    ok = self._take_gpu(total, grant)
+                    if ok:
+                        waited = False
+                    elif wait:
+                        await self._wait_gpu(total, grant)
+                        ok = True
+                else:
+                    unit_sizes = [sum(sizes[i:j]) for i, j in spans]
+                    ok = await self._reserve_host_blocks(unit_sizes, wait, blocks)
+            except BaseException:
+                self._return_grant(grant)
+                self._give_back(owned, blocks, sources)
+                raise
+            if not ok:
+                self._give_back(owned, blocks, sources)
+                self._c["rejected"] += len(keys)
+                return False
+            made: list[Entry] = []
+            try:
+                offloads, compacted = self._index_units(
+                    keys, rows, spans, sizes, owned, sources, produced, blocks, made, waited
+                )
+            except BaseException:
+                # Nothing of a put that fails here stays: its entries leave the index, and
+                # its budget and values go back.
+                self._unindex(made)
+                self._return_grant(grant)
+                self._give_back(owned, blocks, sources)
+                raise
             if to_gpu:
-                ok = self._take_gpu(total)
-                if ok:
-                    waited = False
-                elif wait:
-                    await self._wait_gpu(total)
-                    ok = True
-            else:
-                unit_sizes = [sum(sizes[i:j]) for i, j in spans]
-                ok = await self._reserve_host_blocks(unit_sizes, wait, blocks)
-        except BaseException:
-            self._give_back(owned, blocks, sources)
-            raise
-        if not ok:
-            self._give_back(owned, blocks, sources)
-            self._c["rejected"] += len(keys)
-            return False
-        if waited:
-            self._remove_keys(keys, wake=False)  # other puts of these keys done meanwhile
-        offloads: list[tuple[Entry, HostBlock]] = []
-        compacted: list[Entry] = []
-        entries = self._entries
-        for u, ((i, j), (own, ready)) in enumerate(zip(spans, owned, strict=True)):
-            if j - i == 1:
-                key = keys[i]
-                entry = Entry(key, tuple(own.shape), own.dtype, sizes[i], State.GPU, own, ready)
-                entries[key] = entry
-            else:
-                entry = self._insert_group(keys[i:j], rows[i:j], own, ready, sum(sizes[i:j]))
-            if sources[u]:
-                # Its values stay referenced until the packing copy has read them, and a
-                # packing that failed drops the group then.
-                self._hold_values(ready, sources[u], entry)
-            elif ready is not produced:
-                compacted.append(entry)
-            if to_gpu:
-                self._gpu_lru[entry.key] = entry
-            else:
-                offloads.append((entry, blocks[u]))
+                self._grants.settle(grant, total)
+        finally:
+            self._grants.close(grant)
         if to_gpu:
-            self._gpu_granted -= total
             self._gpu_entries += len(keys)
             if self._gpu_waiters:
                 self._wake_gpu()  # the next waiter may need these entries offloaded
@@ -660,6 +681,59 @@ class FeatureCache:
             self._when_done([entry.ready], functools.partial(self._check_ready, entry, entry.ready))
         self._tiers.request()
         return True
+
+    def _index_units(
+        self,
+        keys: list[Hashable],
+        rows: list[int],
+        spans: list[tuple[int, int]],
+        sizes: list[int],
+        owned: list[tuple[torch.Tensor, Fence]],
+        sources: list[list[torch.Tensor]],
+        produced: Fence | None,
+        blocks: list[HostBlock],
+        made: list[Entry],
+        waited: bool,
+    ) -> tuple[list[tuple[Entry, HostBlock]], list[Entry]]:
+        """Index a put's units once their room is reserved (appending each entry to made).
+
+        Returns the host-tier offloads to start (GPU tier off) and the entries whose
+        compaction copies to check.
+        """
+        if waited:
+            self._remove_keys(keys, wake=False)  # other puts of these keys done meanwhile
+        to_gpu = self._gpu_capacity > 0
+        offloads: list[tuple[Entry, HostBlock]] = []
+        compacted: list[Entry] = []
+        entries = self._entries
+        for u, ((i, j), (own, ready)) in enumerate(zip(spans, owned, strict=True)):
+            if j - i == 1:
+                key = keys[i]
+                entry = Entry(key, tuple(own.shape), own.dtype, sizes[i], State.GPU, own, ready)
+                made.append(entry)
+                entries[key] = entry
+            else:
+                entry = self._insert_group(keys[i:j], rows[i:j], own, ready, sum(sizes[i:j]))
+                made.append(entry)
+            if sources[u]:
+                # Its values stay referenced until the packing copy has read them, and a
+                # packing that failed drops the group then.
+                self._hold_values(ready, sources[u], entry)
+            elif ready is not produced:
+                compacted.append(entry)
+            if to_gpu:
+                self._gpu_lru[entry.key] = entry
+            else:
+                offloads.append((entry, blocks[u]))
+        return offloads, compacted
+
+    def _unindex(self, made: list[Entry]) -> None:
+        """Take the entries of a failed put out of the index; its caller gives back the rest."""
+        for entry in made:
+            self._forget(entry)
+            self._gpu_lru.pop(entry.key, None)
+            entry.state = State.GONE
+            entry.tensor = None
 
     def _remove_keys(self, keys: list[Hashable], *, wake: bool) -> None:
         """Remove what the index holds under keys (a put replacing them); wake: after each
@@ -771,6 +845,13 @@ class FeatureCache:
             task = asyncio.ensure_future(self._compute(key, fn, stream))
             self._inflight[key] = task
             task.add_done_callback(lambda t: self._computed(key, t))
+        elif weakref.ref(task) in _computing.get():
+            # Waiting would be waiting for ourselves: the computation awaits this call.
+            raise ReentrantComputeError(
+                f"get_or_compute({reprlib.repr(key)}) was called from inside its own fn "
+                "(directly or through a task that fn started and awaits), which would wait "
+                "for itself for ever; compute the value in fn instead of asking the cache"
+            )
         value, ready = await asyncio.shield(task)
         span = row_range(rows, tuple(value.shape))
         if self._wants_host(device):
@@ -847,6 +928,7 @@ class FeatureCache:
         after the block.
         """
         await self._ready_to_serve()
+        check_key(key)
         found = self._entries.get(key)
         entry = None if found is None else _holder(found)
         if entry is None or entry.block is None or self._pool is None:
@@ -1011,22 +1093,32 @@ class FeatureCache:
         blocks: list[HostBlock],
         sources: list[list[torch.Tensor]],
     ) -> None:
-        """Undo a put that took its values but will not insert them."""
-        for (own, ready), values in zip(owned, sources, strict=True):
+        """Undo a put that took its values but will not insert them (emptying the lists).
+
+        Emptied because the frames of a put that failed, which its traceback keeps, must
+        not keep the values alive past their release.
+        """
+        assert len(owned) == len(sources)
+        while owned:
+            own, ready = owned.pop()
+            values = sources.pop()
             self._device.release(own, after=[ready])
+            del own
             if values:  # a packing copy may still read them
                 self._hold_values(ready, values, None)
         for block in blocks:
             assert self._pool is not None
             self._pool.free(block)
+        blocks.clear()
 
     # --- GPU budget ---------------------------------------------------------------------
 
     def _gpu_free(self) -> int:
         return self._gpu_capacity - self._gpu_used
 
-    def _take_gpu(self, nbytes: int) -> bool:
-        """Reserve nbytes of the GPU tier if it has room now and no put waits before us."""
+    def _take_gpu(self, nbytes: int, grant: Grant) -> bool:
+        """Reserve nbytes of the GPU tier into grant if it has room now and no put waits
+        before us."""
         ahead = self._evict_ahead
         if self._landing and self._gpu_free() < nbytes + ahead:
             self._reap_landed()
@@ -1038,31 +1130,36 @@ class FeatureCache:
             self._evict_gpu_for(nbytes + ahead, slack=slack)
         if not self._gpu_waiters and self._gpu_free() >= nbytes:
             self._gpu_used += nbytes
-            self._gpu_granted += nbytes
+            self._grants.take(grant, nbytes)
             return True
         return False
 
-    async def _wait_gpu(self, nbytes: int) -> None:
-        """Wait in line until nbytes of the GPU tier are granted (after _take_gpu failed)."""
+    def _return_grant(self, grant: Grant) -> None:
+        """Give back the GPU budget grant holds (its put will not insert), waking waiters."""
+        nbytes = grant.nbytes
+        if nbytes:
+            self._gpu_used -= nbytes
+            self._grants.settle(grant, nbytes)
+            self._wake_gpu()
+
+    async def _wait_gpu(self, nbytes: int, grant: Grant) -> None:
+        """Wait in line until nbytes of the GPU tier are granted into grant (after _take_gpu
+        failed)."""
         assert self._loop is not None
-        waiter = _BudgetWaiter(nbytes, self._loop.create_future())
+        waiter = _BudgetWaiter(nbytes, self._loop.create_future(), grant)
         self._gpu_waiters.append(waiter)
         self._wake_gpu()  # offloads for us, and grants at once what drops freed
         self._watch_landings()  # now, not late: we wait for the room they make
         try:
             await waiter.future
         except BaseException:
-            future = waiter.future
-            if future.done() and not future.cancelled() and future.exception() is None:
-                self._gpu_used -= nbytes  # granted just as we were cancelled: give it back
-                self._gpu_granted -= nbytes
             with contextlib.suppress(ValueError):
                 self._gpu_waiters.remove(waiter)
+            self._return_grant(grant)  # granted just as we were cancelled: give it back
             self._wake_gpu()
             raise
         if self._closed:  # granted, then close() ran before we resumed: insert nothing
-            self._gpu_used -= nbytes
-            self._gpu_granted -= nbytes
+            self._return_grant(grant)
             raise CacheClosedError("the cache closed while put waited")
 
     def _evict_gpu_for(self, needed: int, *, slack: int = 0) -> None:
@@ -1143,7 +1240,8 @@ class FeatureCache:
                     break
                 waiters.popleft()
                 self._gpu_used += head.nbytes
-                self._gpu_granted += head.nbytes
+                assert head.grant is not None
+                self._grants.take(head.grant, head.nbytes)
                 head.future.set_result(None)
             if not waiters:
                 return
@@ -1318,9 +1416,10 @@ class FeatureCache:
             fence = self._device.copy_d2h_batch(
                 srcs, self._pool.arena, offsets, after=readies, owned=True
             )
-        except MMCacheError as e:
-            # Refused at enqueue (e.g. no memory for a gather buffer): nothing was queued,
-            # so the victims are dropped as if the host tier could not take them.
+        except Exception as e:
+            # Refused at enqueue (e.g. no memory for a gather buffer, or a driver error):
+            # nothing was queued, so the victims are dropped as if the host tier could not
+            # take them, and the put that evicted or inserted them goes on.
             del srcs
             self._copy_failed("offload", None, e)
             for entry, block in items:
@@ -1789,7 +1888,11 @@ class FeatureCache:
         start, stop = span if span is not None else (0, entry.shape[0] if entry.shape else 1)
         src = entry.host_whole() if span is None else entry.host_view(start, stop)
         dst = self._allocate(tuple(src.shape), entry.dtype)
-        fence = self._device.copy_h2d(src, dst, after=[entry.copy_fence])
+        try:
+            fence = self._device.copy_h2d(src, dst, after=[entry.copy_fence])
+        except BaseException:
+            self._device.release(dst, after=())  # nothing was queued: nothing reads it
+            raise
         del src
         entry.add_host_reader(fence)
         started = time.perf_counter()
@@ -1853,15 +1956,26 @@ class FeatureCache:
     async def _compute(
         self, key: Hashable, fn: ComputeFn, stream: Stream
     ) -> tuple[torch.Tensor, Fence]:
+        task = asyncio.current_task()
+        assert task is not None
+        # This task's own context, which fn and the tasks it starts share or copy.
+        _computing.set(_computing.get() | {weakref.ref(task)})
+        del task  # a failure's traceback must not hold the task, and through it the value
         result = fn()
         value = await result if inspect.isawaitable(result) else result
+        del result
         if not isinstance(value, torch.Tensor):
             raise InvalidValueError(
                 f"get_or_compute's fn must return a torch.Tensor, not {type(value).__name__}"
             )
+        check_strided(value, "get_or_compute()")
         ready = self._device.record(stream)
         # The caller's alias below keeps the tensor valid whatever the cache does next.
-        await self.put(key, value, stream=stream)
+        try:
+            await self.put(key, value, stream=stream)
+        except BaseException:
+            del value  # a failed put's traceback, kept by every caller, must not keep it
+            raise
         return value, ready
 
     def _computed(self, key: Hashable, task: asyncio.Task[tuple[torch.Tensor, Fence]]) -> None:
@@ -1915,7 +2029,8 @@ class FeatureCache:
 
     def _audit(self) -> dict[str, int]:
         """Bytes in the ledgers that no entry, copy or pending release owns (should be 0)."""
-        gpu_owned = self._gpu_granted + self._gpu_released_pending
+        # Granted bytes count as owned only while the put they were granted to runs.
+        gpu_owned = self._grants.held_bytes() + self._gpu_released_pending
         holders = {id(e): e for e in self._held_entries()}
         for e, charged in self._offloading.items():
             holders[id(e)] = e  # discarded while offloading: still holds both sides
@@ -2005,3 +2120,16 @@ def _runs(
         run_bytes += nbytes
     spans.append((first, len(sizes)))
     return spans
+
+
+def _leak_gpu_grant_for_tests(cache: FeatureCache, nbytes: int) -> bool:
+    """Test-only: take nbytes of GPU budget as a put would, then end without inserting or
+    giving it back, as a put path that forgot to would; the audit must count it leaked.
+
+    Returns whether the budget was granted (False: no room now, nothing taken).
+    """
+    grant = cache._grants.open()
+    try:
+        return cache._take_gpu(nbytes, grant)
+    finally:
+        cache._grants.close(grant)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import reprlib
 from collections.abc import Hashable
 from dataclasses import dataclass
 
@@ -145,37 +146,94 @@ _PLAIN_KEY_TYPES = frozenset(_KEY_TYPES)
 _PLAIN_OR_TUPLE = _PLAIN_KEY_TYPES | {tuple}
 _TUPLE_ONLY = {tuple}
 
+#: Deepest nesting of tuples in a key (a flat tuple is depth 1).
+MAX_KEY_DEPTH = 32
+#: Largest key: the characters, bytes and int bytes of its parts, plus one per tuple item.
+MAX_KEY_SIZE = 1024 * 1024
+
 
 def check_key(key: object) -> None:
-    """Accept str, bytes, int and (nested) tuples of these; refuse anything else clearly."""
+    """Accept str, bytes, int and (nested) tuples of these within the size and depth bounds;
+    refuse anything else clearly."""
     # Exact types first: put_many checks every key of a batch, thousands a second.
     cls = key.__class__
-    if cls in _PLAIN_KEY_TYPES:
+    if cls in _PLAIN_KEY_TYPES or isinstance(key, _KEY_TYPES):
+        if _plain_size(key) > MAX_KEY_SIZE:  # type: ignore[arg-type]
+            raise _too_large(key)
         return
-    if isinstance(key, _KEY_TYPES):
-        return
-    if isinstance(key, tuple):
-        for part in key:
-            if part.__class__ not in _PLAIN_KEY_TYPES:
-                check_key(part)
-        return
-    raise InvalidKeyError(
-        f"cache keys must be str, bytes, int or tuples of these, not {type(key).__name__} "
-        f"({key!r:.60}); hash the source with mmcache.keys.feature_key(...) for content keys"
+    if not isinstance(key, tuple):
+        raise _bad_part(key)
+    # Iterative, not recursive: a key nested thousands deep is refused, not a RecursionError
+    # (hashing it would recurse in C first).
+    size = 0
+    stack: list[tuple[tuple[object, ...], int]] = [(key, 1)]
+    while stack:
+        parts, depth = stack.pop()
+        if depth > MAX_KEY_DEPTH:
+            raise InvalidKeyError(
+                f"cache keys nest tuples at most {MAX_KEY_DEPTH} deep; this one nests deeper: "
+                "flatten it, or hash it with mmcache.keys.feature_key(...)"
+            )
+        size += len(parts)
+        for part in parts:
+            if part.__class__ in _PLAIN_KEY_TYPES or isinstance(part, _KEY_TYPES):
+                size += _plain_size(part)  # type: ignore[arg-type]
+            elif isinstance(part, tuple):
+                stack.append((part, depth + 1))
+            else:
+                raise _bad_part(part)
+        if size > MAX_KEY_SIZE:
+            raise _too_large(key)
+
+
+def _plain_size(key: str | bytes | int) -> int:
+    """A plain key's size: its characters or bytes, or an int's bytes."""
+    if isinstance(key, int):
+        return key.bit_length() // 8 + 1
+    return len(key)
+
+
+def _too_large(key: object) -> InvalidKeyError:
+    return InvalidKeyError(
+        f"a {type(key).__name__} key larger than {MAX_KEY_SIZE} characters or bytes (parts "
+        "and tuple items counted) is refused; hash it with mmcache.keys.feature_key(...)"
+    )
+
+
+def _bad_part(part: object) -> InvalidKeyError:
+    return InvalidKeyError(
+        f"cache keys must be str, bytes, int or tuples of these, not {type(part).__name__} "
+        f"({reprlib.repr(part)}); hash the source with mmcache.keys.feature_key(...) for "
+        "content keys"
     )
 
 
 def check_keys(keys: list[object]) -> None:
     """check_key for each of keys: a batch of plain or flat tuple keys costs no Python per key."""
     classes = set(map(type, keys))
-    if classes <= _PLAIN_KEY_TYPES:
-        return
     if classes <= _PLAIN_OR_TUPLE:
-        tuples = keys if classes == _TUPLE_ONLY else [k for k in keys if type(k) is tuple]
-        if set(map(type, itertools.chain.from_iterable(tuples))) <= _PLAIN_KEY_TYPES:  # type: ignore[arg-type]
+        tuples: list[tuple[object, ...]] = (
+            [k for k in keys if type(k) is tuple] if tuple in classes else []
+        )
+        plain = [k for k in keys if type(k) is not tuple] if classes != _TUPLE_ONLY else []
+        parts = list(itertools.chain.from_iterable(tuples))
+        if (
+            set(map(type, parts)) <= _PLAIN_KEY_TYPES
+            and _largest(plain) <= MAX_KEY_SIZE
+            # A flat tuple's size is at most its length times one more than its largest part.
+            and (not tuples or max(map(len, tuples)) * (1 + _largest(parts)) <= MAX_KEY_SIZE)
+        ):
             return
-    for key in keys:  # nested tuples, subclasses, or a bad key (which raises, named)
+    for key in keys:  # nested tuples, subclasses, large keys, or a bad key (which raises, named)
         check_key(key)
+
+
+def _largest(values: list[object]) -> int:
+    """The largest _plain_size among values, all of exact type str, bytes or int."""
+    sized = [len(v) for v in values if type(v) is not int]  # type: ignore[arg-type]
+    ints = [v for v in values if type(v) is int]
+    bits = max(map(int.bit_length, ints), default=-8)
+    return max(max(sized, default=0), bits // 8 + 1)
 
 
 def row_range(rows: slice | None, shape: tuple[int, ...]) -> tuple[int, int] | None:

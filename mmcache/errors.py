@@ -49,3 +49,7 @@ class CopyTimeoutError(CopyFailedError):
 
 class FeatureMismatchError(MMCacheError, ValueError):
     """A cached feature's shape or dtype is not what the caller expects."""
+
+
+class ReentrantComputeError(MMCacheError, RuntimeError):
+    """A get_or_compute fn waited, directly or through a task it started, for its own key."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import math
+import reprlib
 import struct
 from collections.abc import Mapping, Sequence
 from typing import Final, NamedTuple, TypeAlias, overload
@@ -99,7 +100,7 @@ def feature_key(
     for name, text in (("kind", kind), ("model", model), ("revision", revision)):
         if not isinstance(text, str) or not text:
             raise InvalidKeyError(
-                f"feature_key({name}=...) must be a non-empty str, not {text!r:.60}: a key "
+                f"feature_key({name}=...) must be a non-empty str, not {reprlib.repr(text)}: a key "
                 "that omits it would be shared by features it does not describe"
             )
     payload, shape, dtype, owner = _source(data, shape, dtype)
@@ -166,7 +167,7 @@ def check_feature(
             shown = "(" + ", ".join("*" if w is None else str(w) for w in want) + ")"
             problems.append(f"shape {got_shape} (expected {shown})")
     if problems:
-        where = f"cached feature for {key!r:.80}" if key is not None else "cached feature"
+        where = f"cached feature for {reprlib.repr(key)}" if key is not None else "cached feature"
         raise FeatureMismatchError(
             f"{where} has {' and '.join(problems)}; its key does not cover a setting that "
             "changes the feature (model revision, preprocessing): discard it, recompute, "
@@ -184,8 +185,17 @@ def _field(h: hashlib.blake2b, tag: bytes, data: bytes | memoryview) -> None:
     h.update(data)
 
 
-def _value(h: hashlib.blake2b, value: object) -> None:
+#: Deepest nesting of lists and dicts in a preprocessing value (a cycle nests for ever).
+MAX_PREPROCESS_DEPTH: Final = 32
+
+
+def _value(h: hashlib.blake2b, value: object, depth: int = 0) -> None:
     """Encode one preprocessing value with a type tag (bool before int: True is not 1)."""
+    if depth > MAX_PREPROCESS_DEPTH:
+        raise InvalidKeyError(
+            f"preprocess values nest lists and dicts at most {MAX_PREPROCESS_DEPTH} deep (or "
+            "contain themselves); flatten the setting"
+        )
     if isinstance(value, bool):
         h.update(b"B1" if value else b"B0")
     elif value is None:
@@ -206,20 +216,20 @@ def _value(h: hashlib.blake2b, value: object) -> None:
             if not isinstance(name, str):
                 raise InvalidKeyError(
                     "preprocess setting names must be str, not "
-                    f"{type(name).__name__} ({name!r:.40})"
+                    f"{type(name).__name__} ({reprlib.repr(name)})"
                 )
         h.update(b"M" + struct.pack("<Q", len(value)))
         for name in sorted(value):
             _field(h, b"S", name.encode())
-            _value(h, value[name])
+            _value(h, value[name], depth + 1)
     elif isinstance(value, list | tuple):
         h.update(b"L" + struct.pack("<Q", len(value)))
         for item in value:
-            _value(h, item)
+            _value(h, item, depth + 1)
     else:
         raise InvalidKeyError(
-            f"preprocess value of type {type(value).__name__} ({value!r:.40}) has no canonical "
-            "encoding; use str, bytes, int, float, bool, None, torch.dtype, or lists and "
+            f"preprocess value of type {type(value).__name__} ({reprlib.repr(value)}) has no "
+            "canonical encoding; use str, bytes, int, float, bool, None, torch.dtype, or lists and "
             "str-keyed dicts of these"
         )
 

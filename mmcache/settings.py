@@ -111,9 +111,10 @@ class CacheSettings(BaseSettings):
     )
     host_alignment: Annotated[int, _Env(("MMCACHE_HOST_ALIGNMENT",))] = Field(
         default=512,
-        ge=1,
+        ge=16,
         le=_MiB,
-        description="alignment in bytes of host tier blocks; a power of two up to 1 MiB",
+        description="alignment in bytes of host tier blocks; a power of two from 16 (the "
+        "largest item size of a dtype, so every block can be read as its dtype) up to 1 MiB",
     )
     evict_ahead: Annotated[float, _Env(("MMCACHE_EVICT_AHEAD",))] = Field(
         default=0.125,

@@ -152,7 +152,7 @@ async def test_a_put_granted_room_then_cancelled_as_close_begins_gives_it_back(
     await closing
     stats = cache.stats()
     assert (stats.gpu_bytes, stats.leaked_bytes) == (0, 0)
-    assert cache._gpu_granted == 0  # the grant went back, not only out of sight
+    assert cache._grants.total == 0  # the grant went back, not only out of sight
 
 
 async def test_a_put_woken_for_host_room_just_before_close_inserts_nothing(

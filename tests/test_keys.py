@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import pytest
@@ -14,7 +15,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mmcache import InvalidKeyError, InvalidValueError, MMCacheError
+from mmcache.entry import MAX_KEY_DEPTH, MAX_KEY_SIZE, check_key, check_keys
 from mmcache.keys import (
+    MAX_PREPROCESS_DEPTH,
     FeatureKey,
     FeatureMismatchError,
     PreprocessValue,
@@ -321,3 +324,147 @@ def test_a_gpu_tensor_hashes_like_its_host_copy() -> None:
     t = torch.randn(64, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     assert key(t.cuda()) == key(t)
     assert key(t.cuda().t()) == key(t.t())
+
+
+# --- cache keys: bounded depth and size -----------------------------------------------
+
+
+def nested(depth: int, leaf: object = "leaf") -> object:
+    """A key of depth tuples, one inside the other (depth 1: a flat tuple)."""
+    k: object = leaf
+    for _ in range(depth):
+        k = (k,)
+    return k
+
+
+def key_calls(cache: Any, k: object, rig: Rig) -> dict[str, Callable[[], Awaitable[object]]]:
+    """Every cache call that takes a key, with k."""
+
+    async def borrowing() -> None:
+        async with cache.borrow(k):
+            pass
+
+    async def sync(fn: Callable[[], object]) -> object:
+        return fn()
+
+    return {
+        "put": lambda: cache.put(k, rig.tensor(4, 64)),
+        "put_many": lambda: cache.put_many([("ok", rig.tensor(4, 64)), (k, rig.tensor(4, 64))]),
+        "put_split": lambda: cache.put_split(["ok", k], rig.tensor(4, 64), [2, 2]),
+        "get": lambda: cache.get(k),
+        "get-cpu": lambda: cache.get(k, device="cpu"),
+        "get_or_compute": lambda: cache.get_or_compute(k, lambda: rig.tensor(4, 64)),
+        "borrow": borrowing,
+        "discard": lambda: sync(lambda: cache.discard(k)),
+        "contains": lambda: sync(lambda: k in cache),
+    }
+
+
+TOO_LARGE: dict[str, object] = {
+    "nested-33": nested(MAX_KEY_DEPTH + 1),
+    "nested-5000": nested(5000),
+    "nested-200000": nested(200_000),  # deeper than the C stack would take to hash it
+    "nested-in-a-wide-tuple": ("a", 1, ("b", nested(MAX_KEY_DEPTH))),
+    "flat-tuple": tuple(range(MAX_KEY_SIZE)),
+    "bytes": b"x" * (MAX_KEY_SIZE + 1),
+    "str": "x" * (MAX_KEY_SIZE + 1),
+    "int": 1 << (8 * MAX_KEY_SIZE + 8),
+    "tuple-of-large-parts": ("x" * (MAX_KEY_SIZE // 2), b"y" * (MAX_KEY_SIZE // 2)),
+}
+
+
+@pytest.mark.parametrize("name", list(TOO_LARGE))
+async def test_a_key_too_deep_or_too_large_is_refused_by_every_call(
+    rig: Rig, make_cache: CacheFactory, name: str
+) -> None:
+    cache = make_cache()
+    await cache.start()
+    for call, run in key_calls(cache, TOO_LARGE[name], rig).items():
+        with pytest.raises(InvalidKeyError, match=r"nest tuples at most|larger than") as info:
+            await run()
+        assert not isinstance(info.value, RecursionError), call
+        assert len(str(info.value)) < 300  # the message does not print the key
+    assert len(cache) == 0
+    s = cache.stats()
+    assert (s.gpu_bytes, s.leaked_bytes, s.misses) == (0, 0, 0)
+
+
+@pytest.mark.parametrize(
+    "k",
+    [
+        nested(MAX_KEY_DEPTH),
+        b"x" * MAX_KEY_SIZE,
+        "x" * MAX_KEY_SIZE,
+        tuple(range(MAX_KEY_SIZE // 16)),
+        (1 << (8 * 1024), "a", (b"b", (2, nested(MAX_KEY_DEPTH - 3)))),
+    ],
+    ids=["deepest", "largest-bytes", "largest-str", "wide-tuple", "mixed"],
+)
+async def test_keys_within_the_bounds_round_trip(
+    rig: Rig, make_cache: CacheFactory, k: object
+) -> None:
+    cache = make_cache()
+    t = rig.tensor(4, 64, seed=3)
+    expected = t.cpu().clone()
+    assert await cache.put(k, t)
+    del t
+    got = await cache.get(k)
+    assert got is not None and torch.equal(got.cpu(), expected)
+    assert k in cache
+    assert await cache.put_many([(k, rig.tensor(4, 64, seed=4))])
+    assert cache.discard(k)
+
+
+def test_a_bad_part_deep_inside_a_key_is_named_without_recursing() -> None:
+    deep_list: object = []
+    for _ in range(100_000):
+        deep_list = [deep_list]
+    for k in [("a", deep_list), nested(10, 1.5), nested(MAX_KEY_DEPTH, None)]:
+        with pytest.raises(InvalidKeyError, match="keys must be str, bytes, int or tuples"):
+            check_key(k)
+        with pytest.raises(InvalidKeyError, match="keys must be str, bytes, int or tuples"):
+            check_keys(["ok", k])
+
+
+_leaves = st.one_of(
+    st.text(max_size=4),
+    st.binary(max_size=4),
+    st.integers(),
+    st.integers(min_value=1 << 60, max_value=1 << 200),
+    st.just(None),
+    st.floats(allow_nan=False),
+    st.builds(lambda n: "s" * n, st.sampled_from([0, 1, MAX_KEY_SIZE // 3, MAX_KEY_SIZE + 1])),
+)
+_keys = st.recursive(_leaves, lambda inner: st.lists(inner, max_size=4).map(tuple), max_leaves=20)
+
+
+@given(st.lists(st.one_of(_keys, st.builds(nested, st.integers(0, 40))), max_size=6))
+def test_a_batch_of_keys_is_refused_exactly_when_one_of_its_keys_is(keys: list[object]) -> None:
+    def refused(fn: Callable[[], None]) -> bool:
+        try:
+            fn()
+        except InvalidKeyError:
+            return True
+        return False
+
+    one_by_one = any(refused(functools.partial(check_key, k)) for k in keys)
+    assert refused(functools.partial(check_keys, keys)) == one_by_one
+
+
+def test_preprocess_values_nested_too_deep_or_containing_themselves_are_refused() -> None:
+    cyclic: list[object] = []
+    cyclic.append(cyclic)
+    deep: object = 1
+    for _ in range(5000):
+        deep = [deep]
+    loop: dict[str, object] = {}
+    loop["self"] = loop
+    for value in (cyclic, deep, loop):
+        with pytest.raises(InvalidKeyError, match="at most 32 deep"):
+            key(preprocess={"crop": value})
+    shallow: object = 1
+    for _ in range(MAX_PREPROCESS_DEPTH - 1):
+        shallow = [shallow]
+    assert key(preprocess={"crop": shallow}) != key(preprocess={"crop": 1})
+    with pytest.raises(InvalidKeyError, match="at most 32 deep"):
+        key(preprocess={"crop": [shallow]})

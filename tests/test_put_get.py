@@ -11,6 +11,7 @@ import torch
 from conftest import CacheFactory, Rig, assert_exact, needs_hold
 
 from mmcache import FeatureCache, InvalidRowsError, InvalidValueError
+from mmcache.grants import Grant
 
 DTYPES = [torch.bfloat16, torch.float32, torch.int8, torch.int64]
 SHAPES = [(4096,), (64, 128), (8, 16, 32)]
@@ -432,7 +433,7 @@ async def test_a_put_whose_reservation_raises_gives_its_value_back(
         assert await cache.put("k", make_data(rig, 16, 64, dtype=torch.float32, seed=1))
     before = rig.allocated_bytes()
 
-    def failing(nbytes: int) -> bool:
+    def failing(nbytes: int, grant: Grant) -> bool:
         raise RuntimeError("the eviction failed")
 
     monkeypatch.setattr(cache, "_take_gpu", failing)

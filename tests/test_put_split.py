@@ -25,6 +25,7 @@ from test_groups import (
 from mmcache import FeatureCache, InvalidKeyError, InvalidValueError, ValueTooLargeError
 from mmcache.device import SimDevice
 from mmcache.entry import Entry, State
+from mmcache.grants import Grant
 
 KiB = 1024
 
@@ -328,11 +329,11 @@ async def test_a_compaction_that_failed_while_the_put_waited_loses_its_keys(
     cache = make_cache(gpu_mb=1, cpu_mb=1)
     wait_gpu = cache._wait_gpu
 
-    async def slow(nbytes: int) -> None:
+    async def slow(nbytes: int, grant: Grant) -> None:
         await asyncio.sleep(0.05)  # as if waiting for an offload to make room
-        await wait_gpu(nbytes)
+        await wait_gpu(nbytes, grant)
 
-    monkeypatch.setattr(cache, "_take_gpu", lambda nbytes: False)  # no room at once
+    monkeypatch.setattr(cache, "_take_gpu", lambda nbytes, grant: False)  # no room at once
     monkeypatch.setattr(cache, "_wait_gpu", slow)
     wide = rig.tensor(48, 512, dtype=torch.float32, seed=9)
     sim.inject("copy_fails", 1)  # the compaction of the strided value

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import pytest
 import torch
 from conftest import CacheFactory, Rig, assert_exact
 
-from mmcache import FeatureCache, ValueTooLargeError
+from mmcache import FeatureCache, MMCacheError, ReentrantComputeError, ValueTooLargeError
 
 N = 8
 
@@ -228,3 +228,117 @@ async def test_rows_and_host_copies_from_a_shared_computation(
     await cache.drain()
     assert_exact(await cache.get("k"), enc.expected)
     assert_exact(await cache.get("k", device="cpu"), enc.expected)
+
+
+# --- a computation that asks for its own key ------------------------------------------
+
+
+async def assert_left_nothing(rig: Rig, cache: FeatureCache, *keys: str) -> None:
+    """The failed computations cached nothing, hold nothing, and the keys compute again."""
+    for k in keys:
+        assert k not in cache
+    assert not cache._inflight
+    await cache.drain()
+    s = cache.stats()
+    assert (s.gpu_bytes, s.leaked_bytes) == (0, 0)
+    enc = Encoder(rig, seed=5)
+    for k in keys:
+        assert_exact(await asyncio.wait_for(cache.get_or_compute(k, enc.sync), 5), enc.expected)
+
+
+def reentrant(cache: FeatureCache, rig: Rig, how: str) -> Callable[[], Awaitable[torch.Tensor]]:
+    """An fn for key "k" that waits for "k" itself, in one of several ways."""
+
+    async def fn() -> torch.Tensor:
+        again = cache.get_or_compute("k", fn)
+        if how == "direct":
+            return await again
+        if how == "task":
+            return await asyncio.create_task(again)
+        if how == "gather":
+            return (await asyncio.gather(again, asyncio.sleep(0)))[0]
+        if how == "task-in-task":
+
+            async def outer() -> torch.Tensor:
+                return await asyncio.create_task(again)
+
+            return await asyncio.create_task(outer())
+        raise AssertionError(how)
+
+    return fn
+
+
+@pytest.mark.parametrize("how", ["direct", "task", "gather", "task-in-task"])
+async def test_a_computation_that_waits_for_its_own_key_raises_instead_of_hanging(
+    rig: Rig, make_cache: CacheFactory, how: str
+) -> None:
+    cache = make_cache(copy_timeout_s=30)
+    others = Encoder(rig, seed=2)
+    with pytest.raises(ReentrantComputeError, match=r"get_or_compute\('k'\).*its own fn"):
+        await asyncio.wait_for(cache.get_or_compute("k", reentrant(cache, rig, how)), 5)
+    assert isinstance(ReentrantComputeError("x"), MMCacheError)
+    # Unrelated work goes on meanwhile and afterwards.
+    assert_exact(await cache.get_or_compute("other", others.sync), others.expected)
+    assert cache.discard("other")
+    await assert_left_nothing(rig, cache, "k")
+
+
+async def test_callers_outside_the_computation_share_its_error(
+    rig: Rig, make_cache: CacheFactory
+) -> None:
+    cache = make_cache()
+    fn = reentrant(cache, rig, "direct")
+    results = await asyncio.wait_for(
+        asyncio.gather(*(cache.get_or_compute("k", fn) for _ in range(N)), return_exceptions=True),
+        5,
+    )
+    assert all(isinstance(r, ReentrantComputeError) for r in results)
+    await assert_left_nothing(rig, cache, "k")
+
+
+async def test_two_computations_that_wait_for_each_other_raise(
+    rig: Rig, make_cache: CacheFactory
+) -> None:
+    cache = make_cache()
+
+    async def fn_a() -> torch.Tensor:
+        return await cache.get_or_compute("b", fn_b)
+
+    async def fn_b() -> torch.Tensor:
+        return await cache.get_or_compute("a", fn_a)
+
+    with pytest.raises(ReentrantComputeError, match=r"get_or_compute\('a'\)"):
+        await asyncio.wait_for(cache.get_or_compute("a", fn_a), 5)
+    await assert_left_nothing(rig, cache, "a", "b")
+
+
+async def test_a_computation_may_ask_for_other_keys_and_read_its_own_miss(
+    rig: Rig, make_cache: CacheFactory
+) -> None:
+    cache = make_cache()
+    inner = Encoder(rig, seed=3)
+    outer = Encoder(rig, seed=4)
+
+    async def fn() -> torch.Tensor:
+        assert await cache.get("k") is None  # a plain get of its own key is a miss, not a wait
+        await cache.get_or_compute("inner", inner.run)  # nested single flight of another key
+        return await outer.run()
+
+    assert_exact(await asyncio.wait_for(cache.get_or_compute("k", fn), 5), outer.expected)
+    assert_exact(await cache.get("inner"), inner.expected)
+    # Once computed, the same fn's key is a hit from anywhere, also from a later computation.
+    assert_exact(await cache.get_or_compute("k", fn), outer.expected)
+
+
+async def test_close_after_a_reentrant_computation_does_not_wait_for_the_copy_timeout(
+    rig: Rig, make_cache: CacheFactory
+) -> None:
+    cache = make_cache(copy_timeout_s=30)
+    task = asyncio.create_task(cache.get_or_compute("k", reentrant(cache, rig, "task")))
+    await asyncio.sleep(0.05)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    await asyncio.wait_for(cache.close(), 5)
+    assert loop.time() - started < 2
+    with pytest.raises(ReentrantComputeError):
+        await task
