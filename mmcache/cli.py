@@ -6,7 +6,7 @@ import argparse
 import subprocess
 import sys
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import mmcache
@@ -73,24 +73,17 @@ def _parser() -> argparse.ArgumentParser:
         default=defaults.device,
         help="auto (default): cuda when a GPU is present, else the CPU simulator",
     )
-    demo.add_argument(
-        "--requests",
-        type=_positive_int,
-        default=defaults.requests,
-        help=f"requests to serve (default: {defaults.requests})",
+    counts: tuple[tuple[str, Callable[[str], int], str], ...] = (
+        ("requests", _positive_int, "requests to serve"),
+        ("concurrency", _positive_int, "requests served at once"),
+        ("seed", _integer, "seed of the workload and the features"),
+        ("hidden", _positive_int, "feature width in bf16 values"),
+        ("images", _positive_int, "images in the catalogue, drawn with Zipf popularity"),
     )
-    demo.add_argument(
-        "--concurrency",
-        type=_positive_int,
-        default=defaults.concurrency,
-        help=f"requests served at once (default: {defaults.concurrency})",
-    )
-    demo.add_argument(
-        "--seed",
-        type=_integer,
-        default=defaults.seed,
-        help=f"seed of the workload and the features (default: {defaults.seed})",
-    )
+    for name, kind, what in counts:
+        default = getattr(defaults, name)
+        help_text = f"{what} (default: {default})"
+        demo.add_argument(f"--{name}", type=kind, default=default, help=help_text)
     for flag, field, tier, fallback in (
         ("--gpu-mb", "gpu_cache_mb", "GPU", DEMO_GPU_MB),
         ("--cpu-mb", "cpu_cache_mb", "host", DEMO_CPU_MB),
@@ -103,18 +96,6 @@ def _parser() -> argparse.ArgumentParser:
             metavar="MIB",
             help=f"{tier} tier budget in MiB (default: {variables} if set, else {fallback})",
         )
-    demo.add_argument(
-        "--hidden",
-        type=_positive_int,
-        default=defaults.hidden,
-        help=f"feature width in bf16 values (default: {defaults.hidden})",
-    )
-    demo.add_argument(
-        "--images",
-        type=_positive_int,
-        default=defaults.images,
-        help=f"images in the catalogue, drawn with Zipf popularity (default: {defaults.images})",
-    )
     demo.add_argument(
         "--metrics-port",
         type=_port,
