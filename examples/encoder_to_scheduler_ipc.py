@@ -1,6 +1,6 @@
 """An encoder process hands image features to two scheduler processes through the IPC transport.
 
-    python examples/encoder_to_scheduler_ipc.py [--device sim|cuda] [--images N]
+    .venv/bin/python examples/encoder_to_scheduler_ipc.py [--device sim|cuda] [--images N]
 
 This process is the vision encoder: it owns a FeatureSender whose pool is
 deliberately small, so some features take the shared host fallback. Each
@@ -24,7 +24,7 @@ from multiprocessing.queues import Queue
 
 import torch
 
-from mmcache import CacheSettings
+from mmcache import CacheSettings, MMCacheError
 from mmcache.device import Device, SimDevice
 from mmcache.ipc import FeatureHandle, FeatureReceiver, FeatureSender, SenderEndpoint
 
@@ -46,6 +46,8 @@ def make_device(kind: str, gpu: int) -> Device:
         return SimDevice()
     from mmcache.device.cuda import CudaDevice
 
+    if not torch.cuda.is_available():  # before set_device, which fails obscurely without one
+        raise MMCacheError("--device cuda: CUDA is not available here; use --device sim")
     torch.cuda.set_device(gpu)
     return CudaDevice(gpu, background_pinning=False)
 
@@ -139,4 +141,7 @@ if __name__ == "__main__":
     parser.add_argument("--device", choices=("sim", "cuda"), default="sim")
     parser.add_argument("--images", type=int, default=200)
     args = parser.parse_args()
-    sys.exit(asyncio.run(main(args.device, args.images)))
+    try:
+        sys.exit(asyncio.run(main(args.device, args.images)))
+    except MMCacheError as e:  # a bad setting, no GPU for --device cuda: say so, no traceback
+        sys.exit(f"error: {e}")

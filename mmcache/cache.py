@@ -984,8 +984,9 @@ class FeatureCache:
         if name == own or name == own.split(":")[0]:
             return False
         raise InvalidValueError(
-            f"get(device={device!r}): this cache returns tensors on {own!r} (device=None) "
-            f"or host copies (device='cpu'); move the result yourself for another device"
+            f"get(device={device!r}): this cache returns tensors on {own!r}"
+            f"{self._device.tensor_note} (device=None) or host copies (device='cpu'); move the "
+            f"result yourself for another device"
         )
 
     def _on_loop_thread(self) -> bool:
@@ -1032,14 +1033,14 @@ class FeatureCache:
             raise ValueTooLargeError(
                 f"value of {nbytes / MiB:.1f} MB exceeds the GPU tier "
                 f"({self._gpu_capacity / MiB:.1f} MB); raise "
-                f"{' or '.join(CacheSettings.env_names('gpu_cache_mb'))}"
+                f"{self.settings.how_to_change('gpu_cache_mb')}"
             )
         limit = self._host_limit()
         if not to_gpu and nbytes > limit:
             raise ValueTooLargeError(
                 f"value of {nbytes / MiB:.1f} MB exceeds the host tier ({limit / MiB:.1f} MB), "
                 f"and the GPU tier is off; raise "
-                f"{' or '.join(CacheSettings.env_names('cpu_cache_mb'))}"
+                f"{self.settings.how_to_change('cpu_cache_mb')}"
             )
 
     def _check_group_fits(self, total: int, to_gpu: bool) -> None:
