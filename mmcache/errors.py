@@ -49,3 +49,11 @@ class CopyTimeoutError(CopyFailedError):
 
 class FeatureMismatchError(MMCacheError, ValueError):
     """A cached feature's shape or dtype is not what the caller expects."""
+
+
+class IPCError(MMCacheError):
+    """Base class of the errors of the IPC transport (mmcache.ipc)."""
+
+
+class InvalidHandleError(IPCError, ValueError):
+    """An IPC handle is malformed, altered, or names memory its sender did not publish."""
