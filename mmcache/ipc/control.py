@@ -22,6 +22,7 @@ waits on is the slot's IPC event, ordered by the GPU, not this cell.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from typing import Final, final
@@ -110,6 +111,8 @@ class ControlBlock:
                     "run the same mmcache version in the sender and the receiver"
                 )
         except BaseException:
+            with contextlib.suppress(NameError):
+                c.release()  # so that close() unmaps it now
             segment.close()
             raise
         self._c = c

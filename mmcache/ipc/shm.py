@@ -234,6 +234,10 @@ class SharedSegment:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
-        # mmap.close() would fail while tensors view the mapping: let the last one unmap it.
+        # mmap.close() fails while tensors or cells view the mapping: then the last of
+        # them unmaps it (and closes the descriptor the mapping holds of its own).
+        mapping, self._mapping = self._mapping, None
         self._tensor = None
-        self._mapping = None
+        if mapping is not None:
+            with contextlib.suppress(BufferError):
+                mapping.close()
