@@ -112,7 +112,7 @@ class ControlBlock:
                 )
         except BaseException:
             with contextlib.suppress(NameError):
-                c.release()  # so that close() unmaps it now
+                c.release()  # the mapping, and the descriptor it holds, go with the segment
             segment.close()
             raise
         self._c = c

@@ -234,10 +234,6 @@ class SharedSegment:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
-        # mmap.close() fails while tensors or cells view the mapping: then the last of
-        # them unmaps it (and closes the descriptor the mapping holds of its own).
-        mapping, self._mapping = self._mapping, None
+        # mmap.close() would fail while tensors view the mapping: let the last one unmap it.
         self._tensor = None
-        if mapping is not None:
-            with contextlib.suppress(BufferError):
-                mapping.close()
+        self._mapping = None
