@@ -633,6 +633,7 @@ def test_a_kept_sender_is_left_after_the_event_loop_has_ended() -> None:
         for path in segment_paths(endpoint):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
+        os.rmdir(os.path.dirname(endpoint.control_path))  # the sender's own directory
         device.close()
 
 

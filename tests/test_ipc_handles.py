@@ -303,6 +303,20 @@ async def test_the_segments_of_a_sender_are_private(sim_rig: Rig) -> None:
     assert not any(map(os.path.exists, [directory]))  # close() removed it
 
 
+async def test_a_new_sender_removes_directories_no_live_sender_holds(sim_rig: Rig) -> None:
+    async with transport(sim_rig, consumers=1) as live:
+        kept = _assert_private(live.sender.endpoint)
+        with _fake_sender_directory(0o700) as making:  # no control block yet: being made
+            with _fake_sender_directory(0o700) as abandoned:
+                _write(os.path.join(abandoned, "control"), b"\x00" * 64)
+                _write(os.path.join(abandoned, "fallback"), b"\x00" * 64)
+                async with transport(sim_rig, consumers=1):
+                    gone = not any(map(os.path.exists, [abandoned]))
+                    assert gone, "the directory of a dead sender was left"
+                    assert all(map(os.path.exists, [kept, making]))
+                os.mkdir(abandoned)  # for the context manager's own clean-up
+
+
 # --- the fuzzer ------------------------------------------------------------------------------
 
 

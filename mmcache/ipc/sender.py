@@ -37,13 +37,13 @@ from mmcache.errors import (
     WrongLoopError,
 )
 from mmcache.host_pool import HostBlock
-from mmcache.ipc.control import LIVE, ControlBlock, LaneInfo, process_alive
+from mmcache.ipc.control import LIVE, ControlBlock, LaneInfo
 from mmcache.ipc.cuda_ipc import CudaPool, pin_off_the_loop, unpin_after
 from mmcache.ipc.errors import NoPeerAccessError, TransportFullError
 from mmcache.ipc.handle import FeatureHandle, SenderEndpoint, dtype_name
 from mmcache.ipc.leases import Lease, LeaseLedger
 from mmcache.ipc.pool import SliceArena, SlotAllocator
-from mmcache.ipc.shm import SharedSegment, make_private_directory, remove_directory
+from mmcache.ipc.shm import PrivateDirectory, SharedSegment
 from mmcache.ipc.stats import TransportStats
 from mmcache.layouts import check_strided
 from mmcache.metrics import CacheMetrics, DeferredPush
@@ -194,7 +194,7 @@ class FeatureSender:
         self._seq = 0
         self._inflight = {"pool": 0, "host": 0}  # bytes placed for sends still copying
         self._granted: set[_Placement] = set()  # room granted, not yet a lease or given back
-        self._dir = ""  # the private directory of the shared segments
+        self._dir: PrivateDirectory | None = None  # where the shared segments are
         self._host_copies: set[Fence] = set()  # copies into the fallback not yet landed
         self._closing = CloseOnce(cleans_up_when_cancelled=True)  # see _close
         self._starting: asyncio.Event | None = None  # set once start() has finished
@@ -226,8 +226,8 @@ class FeatureSender:
 
     async def _start(self, loop: asyncio.AbstractEventLoop) -> None:
         try:
-            self._dir = make_private_directory(process_alive)
-            control = ControlBlock.create(self._dir, self._n_lanes, self._slots.capacity)
+            self._dir = PrivateDirectory()
+            control = ControlBlock.create(self._dir.path, self._n_lanes, self._slots.capacity)
             self._control = control
             self._ledger = LeaseLedger(control, self.consumers, self.settings.ipc_lease_timeout_s)
             if self._pool_bytes:
@@ -880,7 +880,8 @@ class FeatureSender:
     async def _make_pool(self, control_path: str) -> SliceArena:
         hint = f"lower {self.settings.env_name('ipc_pool_mb')}"
         if self._kind == "sim":
-            segment = SharedSegment.create(self._dir, "pool", self._pool_bytes)
+            assert self._dir is not None
+            segment = SharedSegment.create(self._dir.path, "pool", self._pool_bytes)
             self._segments.append(segment)
             self._pool_path = segment.path
             segment.commit(0, self._pool_bytes, hint)
@@ -898,7 +899,8 @@ class FeatureSender:
 
     async def _make_fallback(self) -> SliceArena:
         hint = f"lower {self.settings.env_name('ipc_fallback_mb')}"
-        segment = SharedSegment.create(self._dir, "fallback", self._fallback_bytes)
+        assert self._dir is not None
+        segment = SharedSegment.create(self._dir.path, "fallback", self._fallback_bytes)
         self._segments.append(segment)
         self._fallback_path = segment.path
         if self._kind == "sim":
@@ -943,7 +945,7 @@ class FeatureSender:
         if unpin is not None:
             steps.append(unpin)  # before the mapping goes
         steps += [segment.close for segment in segments]
-        if self._dir:
-            steps.append(functools.partial(remove_directory, self._dir))
+        if self._dir is not None:
+            steps.append(self._dir.remove)
         steps.append(arenas.clear)
         return functools.partial(run_each, steps)

@@ -24,14 +24,14 @@ import shutil
 import stat
 import tempfile
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Final, final
 
 import torch
 
 from mmcache.ipc.errors import InvalidHandleError, SharedMemoryFullError
 
-__all__ = ["SHM_DIR", "SharedSegment", "make_private_directory", "remove_directory"]
+__all__ = ["SHM_DIR", "PrivateDirectory", "SharedSegment"]
 
 _MiB: Final = 1 << 20
 #: POSIX shared memory lives here on Linux; elsewhere a temporary file maps the same way.
@@ -42,21 +42,43 @@ _TAGS: Final = ("control", "pool", "fallback")
 _DIR_NAME: Final = re.compile(r"mmcache-([0-9]{1,10})-[0-9a-f]{32}")
 
 
-def make_private_directory(alive: Callable[[int], bool]) -> str:
-    """Create this sender's private directory; first remove those of senders that died.
+@final
+class PrivateDirectory:
+    """A sender's private directory of segments, locked (shared) while the sender lives.
 
-    A sender killed before close() leaves its directory behind: the next sender
-    of the same user (alive tells it which pids still run) removes it.
+    A sender killed before close() leaves its directory behind; the next sender of
+    the same user removes each one it can lock exclusively (the kernel dropped the
+    dead sender's lock), also across PID namespaces that share /dev/shm.
     """
-    _remove_dead_directories(alive)
-    path = os.path.join(SHM_DIR, f"mmcache-{os.getpid()}-{secrets.token_hex(16)}")
-    os.mkdir(path, _DIR_MODE)
-    os.chmod(path, _DIR_MODE)  # whatever the umask took away, the mode a receiver checks for
-    return path
+
+    __slots__ = ("_fd", "path")
+
+    def __init__(self) -> None:
+        _remove_abandoned_directories()
+        path = os.path.join(SHM_DIR, f"mmcache-{os.getpid()}-{secrets.token_hex(16)}")
+        os.mkdir(path, _DIR_MODE)
+        try:
+            os.chmod(path, _DIR_MODE)  # whatever the umask took away: the mode receivers check
+            self._fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except BaseException:
+            os.rmdir(path)
+            raise
+        # Before any segment exists in it: a sweeper that locks it first finds it empty.
+        fcntl.flock(self._fd, fcntl.LOCK_SH)
+        self.path = path
+
+    def remove(self) -> None:
+        """Remove the directory and whatever is left in it, then drop the lock."""
+        if self._fd < 0:
+            return
+        try:
+            _remove_contents(self.path)
+        finally:
+            os.close(self._fd)
+            self._fd = -1
 
 
-def remove_directory(path: str) -> None:
-    """Remove a sender's directory and whatever is left in it."""
+def _remove_contents(path: str) -> None:
     for tag in _TAGS:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(path, tag))
@@ -64,16 +86,27 @@ def remove_directory(path: str) -> None:
         os.rmdir(path)
 
 
-def _remove_dead_directories(alive: Callable[[int], bool]) -> None:
+def _remove_abandoned_directories() -> None:
+    """Remove this user's sender directories that no live sender holds."""
     uid = os.getuid()
     with contextlib.suppress(OSError), os.scandir(SHM_DIR) as entries:
         for entry in entries:
-            match = _DIR_NAME.fullmatch(entry.name)
-            if match is None or alive(int(match.group(1))):
+            if _DIR_NAME.fullmatch(entry.name) is None:
                 continue
             with contextlib.suppress(OSError):
                 if entry.is_dir(follow_symlinks=False) and entry.stat().st_uid == uid:
-                    remove_directory(entry.path)
+                    _remove_if_abandoned(entry.path)
+
+
+def _remove_if_abandoned(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: its sender lives
+        # A directory without a control block is one a sender is just making.
+        if os.path.exists(os.path.join(path, "control")):
+            _remove_contents(path)
+    finally:
+        os.close(fd)
 
 
 def _check_path(path: object, tag: str) -> str:
