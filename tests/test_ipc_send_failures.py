@@ -1,5 +1,6 @@
 """A send that fails or is refused gives back every byte and slot it reserved; the audit sees
-room that no live send holds."""
+room that no live send holds. (A send cancelled while it copies or waits for room:
+test_ipc_fallback.py::test_a_cancelled_send_leaves_nothing_behind.)"""
 
 from __future__ import annotations
 
@@ -113,20 +114,6 @@ async def test_a_send_that_fails_after_reserving_gives_everything_back(
             for seed in range(3):  # repeatedly: each failure gives back all it took
                 with pytest.raises(RuntimeError, match="injected failure"):
                     await tr.sender.send(rig.tensor(128, 64, seed=seed))
-        await _assert_all_given_back(tr, baseline)
-
-
-async def test_a_send_cancelled_while_copying_to_the_fallback_gives_everything_back(
-    rig: Rig,
-) -> None:
-    async with transport(rig, consumers=1, use_cuda_ipc=False) as tr:
-        baseline = rig.allocated_bytes()
-        with rig.hold():
-            sending = asyncio.create_task(tr.sender.send(rig.tensor(256, 64)))
-            await asyncio.sleep(0.05)
-            sending.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await sending
         await _assert_all_given_back(tr, baseline)
 
 

@@ -161,8 +161,10 @@ class SharedSegment:
 
     @classmethod
     def create(cls, directory: str, tag: str, nbytes: int) -> SharedSegment:
-        """Create segment tag of nbytes in a sender's private directory (pages are
-        reserved later, by commit())."""
+        """Create segment tag of nbytes in a sender's private directory.
+
+        Its pages are reserved later, by commit().
+        """
         path = os.path.join(directory, tag)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, _FILE_MODE)
         try:
