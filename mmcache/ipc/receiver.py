@@ -226,7 +226,9 @@ class FeatureReceiver:
 
         On CUDA the tensor is ordered on stream (the current one if None) after the
         copy; the slice is released once the copy has run. On the simulator it is
-        returned once the copy has run.
+        returned once the copy has run. A handle that does not match what its sender
+        published raises InvalidHandleError (HandleExpiredError for one already
+        recycled) before anything is read.
         """
         if stream is None:
             stream = self._device.current_stream()  # read before any await: it is per thread
@@ -272,8 +274,9 @@ class FeatureReceiver:
         """Zero-copy: the feature's bytes where they are, held for us until the block exits.
 
         A pool slice on CUDA is a tensor of this receiver's device (ordered on
-        stream); a host fallback block is a host tensor. Do not keep it past the
-        block: the slice is reused once the work queued on stream meanwhile is done.
+        stream); a host fallback block (and the simulator's pool) is a host tensor
+        over read-only memory: writing to it faults. Do not keep it past the block:
+        the slice is reused once the work queued on stream meanwhile is done.
         """
         if stream is None:
             stream = self._device.current_stream()
