@@ -10,7 +10,8 @@ copy each onto their device. "pool" sends through the IPC pool (device to
 device, stream-ordered); "fallback" turns the pool off (MMCACHE_USE_CUDA_IPC=0)
 so every feature goes device -> shared pinned host memory -> device. The time
 runs from the first send to the last receiver's last copy completing; handles
-travel over multiprocessing queues, as they would over a scheduler's socket.
+travel over multiprocessing queues as plain bytes (handle.to_bytes(), parsed
+back with FeatureHandle.from_bytes()), as they would over a scheduler's socket.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from mmcache.ipc import FeatureHandle, FeatureReceiver, FeatureSender, SenderEnd
 #: name -> bytes of one feature (bf16 rows of 4096: 8 MB is a 1000-token image).
 SIZES = {"64KB": 64 << 10, "1MB": 1 << 20, "8MB": 8 << 20}
 VERIFY = 3  # features per run checked byte for byte by every receiver
-#: ("connect", endpoint) | ("size", nbytes) | ("item", i, handle) | ("end",) | ("stop",)
+#: ("connect", endpoint bytes) | ("size", nbytes) | ("item", i, handle bytes) | ("end",) | ("stop",)
 Command = tuple[Any, ...]
 
 
@@ -82,18 +83,16 @@ async def _serve(
         if command[0] == "stop":
             break
         if command[0] == "connect":
-            endpoint = command[1]
-            assert isinstance(endpoint, SenderEndpoint)
-            await receiver.connect(endpoint)
+            await receiver.connect(SenderEndpoint.from_bytes(command[1]))
             outbox.put(("connected",))
         elif command[0] == "size":
             size = command[1]
             assert isinstance(size, int)
             nbytes = size
         elif command[0] == "item":
-            i, handle = command[1], command[2]
-            assert isinstance(i, int) and isinstance(handle, FeatureHandle)
-            got = await receiver.receive(handle)
+            i = command[1]
+            assert isinstance(i, int)
+            got = await receiver.receive(FeatureHandle.from_bytes(command[2]))
             if i < VERIFY and not torch.equal(got, source(nbytes, i, where)):
                 wrong += 1
         elif command[0] == "end":
@@ -138,14 +137,14 @@ async def _run_one(
     )
     async with sender:
         for inbox in inboxes:
-            inbox.put(("connect", sender.endpoint))
+            inbox.put(("connect", sender.endpoint.to_bytes()))
             inbox.put(("size", nbytes))
         for _ in inboxes:
             await reply()
         for warm in range(8):  # first touches: mappings, pinning, IPC events
-            handle = await sender.send(sources[warm % 8].clone())
+            data = (await sender.send(sources[warm % 8].clone())).to_bytes()
             for inbox in inboxes:
-                inbox.put(("item", VERIFY + warm, handle))
+                inbox.put(("item", VERIFY + warm, data))
         for inbox in inboxes:
             inbox.put(("end",))
         for _ in inboxes:
@@ -154,9 +153,9 @@ async def _run_one(
             torch.cuda.synchronize()
         started = time.perf_counter()
         for i in range(count):
-            handle = await sender.send(sources[i % 8].clone())
+            data = (await sender.send(sources[i % 8].clone())).to_bytes()
             for inbox in inboxes:
-                inbox.put(("item", i, handle))
+                inbox.put(("item", i, data))
         sent = time.perf_counter()
         for inbox in inboxes:
             inbox.put(("end",))

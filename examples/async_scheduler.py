@@ -1,6 +1,6 @@
 """A scheduler loop that caches image features and reads them back in chunked prefill.
 
-    python examples/async_scheduler.py [--device sim|cuda] [--requests N]
+    .venv/bin/python examples/async_scheduler.py [--device sim|cuda] [--requests N]
 
 Each request shows a few images. Admission fetches each image's feature, running
 the encoder only on a miss (concurrent requests for one image share a single
@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from mmcache import CacheSettings, FeatureCache
+from mmcache import CacheSettings, FeatureCache, MMCacheError
 from mmcache.device import SimDevice
 
 HIDDEN = 3584  # Qwen2-VL-7B
@@ -117,4 +117,7 @@ if __name__ == "__main__":
     parser.add_argument("--requests", type=int, default=40)
     parser.add_argument("--concurrency", type=int, default=4)
     args = parser.parse_args()
-    sys.exit(asyncio.run(main(args.device, args.requests, args.concurrency)))
+    try:
+        sys.exit(asyncio.run(main(args.device, args.requests, args.concurrency)))
+    except MMCacheError as e:  # a bad setting, no GPU for --device cuda: say so, no traceback
+        sys.exit(f"error: {e}")

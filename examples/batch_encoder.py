@@ -1,6 +1,6 @@
 """A vision encoder that runs once per request batch and caches each image's rows by key.
 
-    python examples/batch_encoder.py [--device sim|cuda] [--requests N]
+    .venv/bin/python examples/batch_encoder.py [--device sim|cuda] [--requests N]
 
 Serving engines encode a request's uncached images in one forward pass: the output is
 one tensor whose rows are the images' tokens, one image after another. `put_split`
@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from mmcache import CacheSettings, FeatureCache
+from mmcache import CacheSettings, FeatureCache, MMCacheError
 from mmcache.device import SimDevice
 
 HIDDEN = 1280
@@ -101,4 +101,7 @@ if __name__ == "__main__":
     parser.add_argument("--device", choices=("sim", "cuda"), default="sim")
     parser.add_argument("--requests", type=int, default=60)
     args = parser.parse_args()
-    sys.exit(asyncio.run(main(args.device, args.requests)))
+    try:
+        sys.exit(asyncio.run(main(args.device, args.requests)))
+    except MMCacheError as e:  # a bad setting, no GPU for --device cuda: say so, no traceback
+        sys.exit(f"error: {e}")

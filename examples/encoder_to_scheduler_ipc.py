@@ -1,15 +1,18 @@
 """An encoder process hands image features to two scheduler processes through the IPC transport.
 
-    python examples/encoder_to_scheduler_ipc.py [--device sim|cuda] [--images N]
+    .venv/bin/python examples/encoder_to_scheduler_ipc.py [--device sim|cuda] [--images N]
 
 This process is the vision encoder: it owns a FeatureSender whose pool is
 deliberately small, so some features take the shared host fallback. Each
 feature goes to both schedulers (one per tensor-parallel rank, consumers=2);
 the handles travel over a multiprocessing queue (a ZMQ socket in a real
-engine). Each scheduler receives every handle onto its own device and checks
-it against the encoder's output. The exit status is 0 when both schedulers
-verified every feature and the transport ended with nothing held or leaked.
-With --device cuda the schedulers run on GPU 0 and GPU 1 (when there are two).
+engine) as plain bytes (handle.to_bytes()): a scheduler parses them with
+FeatureHandle.from_bytes() and never unpickles what arrives on its socket, and
+its receiver serves only what the encoder published. Each scheduler receives
+every handle onto its own device and checks it against the encoder's output.
+The exit status is 0 when both schedulers verified every feature and the
+transport ended with nothing held or leaked. With --device cuda the schedulers
+run on GPU 0 and GPU 1 (when there are two).
 """
 
 from __future__ import annotations
@@ -24,12 +27,12 @@ from multiprocessing.queues import Queue
 
 import torch
 
-from mmcache import CacheSettings
+from mmcache import CacheSettings, MMCacheError
 from mmcache.device import Device, SimDevice
 from mmcache.ipc import FeatureHandle, FeatureReceiver, FeatureSender, SenderEndpoint
 
 HIDDEN = 1024
-Item = tuple[int, FeatureHandle] | None
+Item = tuple[int, bytes] | None
 
 
 def encoder_output(image_id: int, device: str) -> torch.Tensor:
@@ -46,15 +49,17 @@ def make_device(kind: str, gpu: int) -> Device:
         return SimDevice()
     from mmcache.device.cuda import CudaDevice
 
+    if not torch.cuda.is_available():  # before set_device, which fails obscurely without one
+        raise MMCacheError("--device cuda: CUDA is not available here; use --device sim")
     torch.cuda.set_device(gpu)
     return CudaDevice(gpu, background_pinning=False)
 
 
 def scheduler(
-    rank: int, kind: str, gpu: int, endpoint: SenderEndpoint, inbox: Queue[Item], outbox: Queue[str]
+    rank: int, kind: str, gpu: int, endpoint: bytes, inbox: Queue[Item], outbox: Queue[str]
 ) -> None:
     """One scheduler process: receive every feature, check it, report."""
-    outbox.put(asyncio.run(schedule(rank, kind, gpu, endpoint, inbox)))
+    outbox.put(asyncio.run(schedule(rank, kind, gpu, SenderEndpoint.from_bytes(endpoint), inbox)))
 
 
 async def schedule(
@@ -67,8 +72,8 @@ async def schedule(
     async with FeatureReceiver(device=device) as receiver:
         await receiver.connect(endpoint)  # before the first handle: the sender sees our GPU
         while (item := await loop.run_in_executor(None, inbox.get)) is not None:
-            image_id, handle = item
-            feature = await receiver.receive(handle)
+            image_id, data = item
+            feature = await receiver.receive(FeatureHandle.from_bytes(data))
             if torch.equal(feature, encoder_output(image_id, where)):
                 verified += 1
             else:
@@ -93,7 +98,7 @@ async def main(kind: str, images: int) -> int:
         ranks = [
             ctx.Process(
                 target=scheduler,
-                args=(rank, kind, gpu, sender.endpoint, inboxes[rank], outbox),
+                args=(rank, kind, gpu, sender.endpoint.to_bytes(), inboxes[rank], outbox),
                 daemon=True,
             )
             for rank, gpu in enumerate(gpus)
@@ -104,8 +109,9 @@ async def main(kind: str, images: int) -> int:
         where = "cpu" if kind == "sim" else "cuda:0"
         for image_id in range(images):
             handle = await sender.send(encoder_output(image_id, where))
+            data = handle.to_bytes()  # plain data: what goes on the wire
             for inbox in inboxes:
-                inbox.put((image_id, handle))
+                inbox.put((image_id, data))
         for inbox in inboxes:
             inbox.put(None)
         loop = asyncio.get_running_loop()
@@ -139,4 +145,7 @@ if __name__ == "__main__":
     parser.add_argument("--device", choices=("sim", "cuda"), default="sim")
     parser.add_argument("--images", type=int, default=200)
     args = parser.parse_args()
-    sys.exit(asyncio.run(main(args.device, args.images)))
+    try:
+        sys.exit(asyncio.run(main(args.device, args.images)))
+    except MMCacheError as e:  # a bad setting, no GPU for --device cuda: say so, no traceback
+        sys.exit(f"error: {e}")

@@ -5,33 +5,49 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
-from collections.abc import Sequence
+import textwrap
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import mmcache
-from mmcache.demo import DemoConfig, DemoError, format_table, run_demo
+from mmcache.demo import DEMO_CPU_MB, DEMO_GPU_MB, DemoConfig, DemoError, run_demo
 from mmcache.errors import MMCacheError
 from mmcache.settings import SETTINGS_TABLE, CacheSettings
 
 __all__ = ["find_benchmarks", "main"]
 
+#: Width that `mmcache settings` wraps its descriptions to (a terminal's usual 80).
+SETTINGS_WIDTH = 80
+
+
+def _number(text: str, kind: type[int] | type[float], what: str) -> float:
+    """text as kind, or an argparse error that says what was expected."""
+    try:
+        return kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+
 
 def _positive_int(text: str) -> int:
-    value = int(text)
+    value = int(_number(text, int, "a whole number >= 1"))
     if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {value}")
     return value
 
 
+def _integer(text: str) -> int:
+    return int(_number(text, int, "a whole number"))
+
+
 def _non_negative(text: str) -> float:
-    value = float(text)
+    value = _number(text, float, "a number >= 0")
     if not value >= 0:  # also refuses NaN
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}")
     return value
 
 
 def _port(text: str) -> int:
-    value = int(text)
+    value = int(_number(text, int, "a port 0..65535 (0: any free one)"))
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be a port 0..65535 (0: any free one), got {value}")
     return value
@@ -57,33 +73,43 @@ def _parser() -> argparse.ArgumentParser:
         default=defaults.device,
         help="auto (default): cuda when a GPU is present, else the CPU simulator",
     )
-    demo.add_argument("--requests", type=_positive_int, default=defaults.requests)
-    demo.add_argument("--concurrency", type=_positive_int, default=defaults.concurrency)
-    demo.add_argument("--seed", type=int, default=defaults.seed)
-    demo.add_argument("--gpu-mb", type=_non_negative, default=defaults.gpu_mb, help="GPU tier MiB")
-    demo.add_argument("--cpu-mb", type=_non_negative, default=defaults.cpu_mb, help="host tier MiB")
-    demo.add_argument(
-        "--hidden", type=_positive_int, default=defaults.hidden, help="feature width (bf16 values)"
+    counts: tuple[tuple[str, Callable[[str], int], str], ...] = (
+        ("requests", _positive_int, "requests to serve"),
+        ("concurrency", _positive_int, "requests served at once"),
+        ("seed", _integer, "seed of the workload and the features"),
+        ("hidden", _positive_int, "feature width in bf16 values"),
+        ("images", _positive_int, "images in the catalogue, drawn with Zipf popularity"),
     )
-    demo.add_argument(
-        "--images",
-        type=_positive_int,
-        default=defaults.images,
-        help="catalogue size (Zipf popularity)",
-    )
+    for name, kind, what in counts:
+        default = getattr(defaults, name)
+        help_text = f"{what} (default: {default})"
+        demo.add_argument(f"--{name}", type=kind, default=default, help=help_text)
+    for flag, field, tier, fallback in (
+        ("--gpu-mb", "gpu_cache_mb", "GPU", DEMO_GPU_MB),
+        ("--cpu-mb", "cpu_cache_mb", "host", DEMO_CPU_MB),
+    ):
+        variables = " or ".join(CacheSettings.env_names(field))
+        demo.add_argument(
+            flag,
+            type=_non_negative,
+            default=None,
+            metavar="MIB",
+            help=f"{tier} tier budget in MiB (default: {variables} if set, else {fallback})",
+        )
     demo.add_argument(
         "--metrics-port",
         type=_port,
         default=None,
-        help="serve Prometheus metrics on this port while running (0: any free port); "
-        "default: MMCACHE_METRICS_PORT if set",
+        help="serve Prometheus metrics on this port while running (0: any free port; "
+        "default: MMCACHE_METRICS_PORT if set, else none)",
     )
     demo.add_argument(
         "--linger",
         type=_non_negative,
         default=0.0,
         metavar="S",
-        help="keep the metrics server up S seconds after the run, with the final values",
+        help="keep the metrics server up S seconds after the run, with the final values, so "
+        "that Prometheus scrapes them (it scrapes every 15 s by default; default: 0)",
     )
     demo.add_argument("--quiet", action="store_true", help="no progress lines")
 
@@ -157,21 +183,19 @@ def _settings() -> int:
     except MMCacheError as e:
         print(f"invalid settings in the environment:\n{e}", file=sys.stderr)
         return 1
-    rows = []
+    blocks = []
     for row in SETTINGS_TABLE:
         value = getattr(current, row.field)
-        source = current.env_name(row.field)
-        changed = value != row.default
-        rows.append(
-            (
-                row.field,
-                " / ".join(row.env_names),
-                str(row.default),
-                f"{value} (from {source})" if changed else str(value),
-                row.description,
-            )
+        shown = f"{value} (from {current.env_name(row.field)})" if value != row.default else value
+        lines = [f"{row.field} = {shown}   (default {row.default})"]
+        lines += textwrap.wrap(
+            f"{' / '.join(row.env_names)}: {row.description}",
+            width=SETTINGS_WIDTH,
+            initial_indent="    ",
+            subsequent_indent="    ",
         )
-    print(format_table(("setting", "environment", "default", "current", "meaning"), rows))
+        blocks.append("\n".join(lines))
+    print("\n".join(blocks))
     return 0
 
 

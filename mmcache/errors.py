@@ -53,3 +53,11 @@ class FeatureMismatchError(MMCacheError, ValueError):
 
 class ReentrantComputeError(MMCacheError, RuntimeError):
     """A get_or_compute fn waited, directly or through a task it started, for its own key."""
+
+
+class IPCError(MMCacheError):
+    """Base class of the errors of the IPC transport (mmcache.ipc)."""
+
+
+class InvalidHandleError(IPCError, ValueError):
+    """An IPC handle is malformed, altered, or names memory its sender did not publish."""

@@ -186,6 +186,8 @@ class HostPool:
             if end < off + free:
                 self._add_range(i, end, off + free - end)
         self.used_bytes += size
+        if self._device.poisons_host:
+            self._device.hand_out_host(self.arena, start, start + size)
         return start
 
     def _fit(self, off: int, free: int, size: int) -> int | None:

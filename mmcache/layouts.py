@@ -21,7 +21,7 @@ def check_strided(value: object, caller: str) -> None:
     layout = value.layout
     if layout is torch.strided and not value.is_nested:
         return
-    name = str(layout).removeprefix("torch.")
+    name = str(layout).removeprefix("torch.").lstrip("_")
     if value.is_nested:
         name = f"nested ({name})"
     raise InvalidValueError(

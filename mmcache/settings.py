@@ -209,6 +209,16 @@ class CacheSettings(BaseSettings):
         read = self._env_reads.get(field)
         return read.name if read is not None else type(self).env_names(field)[0]
 
+    def how_to_change(self, field: str) -> str:
+        """How a user changes field: the variable it was read from, the keyword it was given
+        as, or (a default) both ways."""
+        read = self._env_reads.get(field)
+        if read is not None:
+            return read.name
+        if field in self.model_fields_set:
+            return f"CacheSettings({field}=...)"
+        return f"{' or '.join(type(self).env_names(field))} (or CacheSettings({field}=...))"
+
     @property
     def gpu_cache_bytes(self) -> int:
         """GPU tier budget in bytes (rounded down)."""

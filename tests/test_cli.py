@@ -51,7 +51,7 @@ def test_demo_verifies_and_prints_the_table(capsys: pytest.CaptureFixture[str]) 
     out = capsys.readouterr().out
     for row in TABLE_ROWS:
         assert row in out
-    assert _table_value(out, "requests").startswith("12 in ")
+    assert _table_value(out, "requests").startswith("12, ")
     assert _table_value(out, "mismatches") == "0"
     assert _table_value(out, "leaked bytes") == "0"
     # The workload must exercise both tiers, or the verification proves little.
@@ -80,7 +80,10 @@ def test_demo_fails_on_a_corrupted_read(
     captured = capsys.readouterr()
     assert corrupted == 3
     assert _table_value(captured.out, "mismatches") == "3"
-    assert "FAILED: 3 reads differ" in captured.err
+    reads = int(_table_value(captured.out, "verified").split()[0])
+    assert _last_line(captured.out) == (
+        f"FAIL: {reads - 3} of {reads} reads exact, 3 differ from what was encoded, 0 bytes leaked"
+    )
     assert "1 of " in captured.err  # the report names how many values differ
 
 
@@ -94,7 +97,9 @@ def test_demo_fails_when_bytes_leak(
         lambda self: dataclasses.replace(real_stats(self), leaked_bytes=4096),
     )
     assert main(SMALL_DEMO) == 1
-    assert "4096 bytes leaked" in capsys.readouterr().err
+    assert _last_line(capsys.readouterr().out).endswith(
+        ", 0 differ from what was encoded, 4096 bytes leaked"
+    )
 
 
 def test_demo_refuses_a_gpu_tier_smaller_than_a_feature(
@@ -102,6 +107,86 @@ def test_demo_refuses_a_gpu_tier_smaller_than_a_feature(
 ) -> None:
     assert main([*SMALL_DEMO, "--gpu-mb", "4"]) == 2
     assert "--gpu-mb 4 is smaller than the largest feature" in capsys.readouterr().err
+
+
+def _last_line(output: str) -> str:
+    return output.rstrip("\n").rsplit("\n", 1)[-1]
+
+
+def test_demo_ends_with_a_verdict_and_marks_simulated_figures(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(SMALL_DEMO) == 0
+    out = capsys.readouterr().out
+    reads = int(_table_value(out, "verified").split()[0])
+    assert _last_line(out) == (
+        f"PASS: {reads} of {reads} reads exact, 0 differ from what was encoded, 0 bytes leaked"
+    )
+    for row in ("run time", "copy rate", "get p50 / p99 device", "event loop max lag"):
+        assert re.search(rf"^{re.escape(row)} \*\s", out, re.MULTILINE), row
+    assert "* simulated: on `sim`" in out
+    assert not re.search(r"^(hit ratio gpu|mismatches|leaked bytes) \*", out, re.MULTILINE)
+
+
+# SMALL_DEMO without its budget flags: the budgets come from the environment.
+NO_BUDGET_FLAGS = [
+    a
+    for i, a in enumerate(SMALL_DEMO)
+    if a not in ("--gpu-mb", "--cpu-mb") and SMALL_DEMO[i - 1] not in ("--gpu-mb", "--cpu-mb")
+]
+
+
+def test_demo_takes_its_budgets_from_the_settings(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("MMCACHE_GPU_CACHE_MB", "64")
+    monkeypatch.setenv("MMCACHE_CPU_CACHE_MB", "96")
+    assert main(NO_BUDGET_FLAGS) == 0
+    assert _table_value(capsys.readouterr().out, "GPU / CPU tier") == "64 MiB / 96 MiB"
+    assert main([*NO_BUDGET_FLAGS, "--cpu-mb", "128"]) == 0  # a flag wins
+    assert _table_value(capsys.readouterr().out, "GPU / CPU tier") == "64 MiB / 128 MiB"
+    monkeypatch.setenv("MMCACHE_GPU_CACHE_MB", "4")
+    assert main(NO_BUDGET_FLAGS) == 2
+    assert "MMCACHE_GPU_CACHE_MB 4 is smaller than the largest feature" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [
+        ("MMCACHE_GPU_CACHE_MB", "-5"),
+        ("MMCACHE_CPU_CACHE_MB", "lots"),
+        ("MMCACHE_COPY_TIMEOUT_SEC", "-1"),
+    ],
+)
+def test_demo_refuses_invalid_settings(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], variable: str, value: str
+) -> None:
+    monkeypatch.setenv(variable, value)
+    assert main(NO_BUDGET_FLAGS) == 2
+    err = capsys.readouterr().err
+    assert variable in err and "invalid" in err
+
+
+def test_demo_help_shows_defaults_and_bad_numbers_say_what_was_expected(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for text in (
+        "requests to serve (default: 500)",
+        "requests served at once (default: 8)",
+        "(default: 0)",
+        "MMCACHE_GPU_CACHE_MB or SGLANG_VLM_CACHE_SIZE_MB if set, else 256",
+        "MMCACHE_CPU_CACHE_MB if set, else 512",
+    ):
+        assert text in out
+    with pytest.raises(SystemExit) as exited:
+        main(["demo", "--requests", "abc"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "--requests: must be a whole number >= 1, got 'abc'" in err
+    assert "_positive_int" not in err
 
 
 def test_demo_as_a_module_subprocess() -> None:
@@ -153,6 +238,7 @@ def test_settings_lists_every_environment_variable(
         for name in row.env_names:
             assert name in out
     assert "321.0 (from SGLANG_VLM_CACHE_SIZE_MB)" in out
+    assert max(len(line) for line in out.splitlines()) <= 100, "fits a terminal"
 
 
 def test_settings_names_an_invalid_variable(

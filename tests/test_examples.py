@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -35,3 +36,19 @@ def test_example_runs_on_the_simulator(name: str) -> None:
         cwd=EXAMPLES.parent,
     )
     assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given without a GPU")
+@pytest.mark.parametrize("name", sorted(p.name for p in EXAMPLES.glob("*.py")))
+def test_example_without_a_gpu_says_so_in_one_line(name: str) -> None:
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / name), "--device", "cuda"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        cwd=EXAMPLES.parent,
+    )
+    assert done.returncode != 0
+    assert done.stderr.startswith("error: ") and "CUDA is not available" in done.stderr
+    assert "Traceback" not in done.stderr, done.stderr

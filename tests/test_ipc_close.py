@@ -256,7 +256,8 @@ async def test_a_release_step_that_fails_leaves_the_others_done_and_reaches_clos
             await sender.close()  # every close() gets the error
     finally:
         monkeypatch.setattr(ControlBlock, "close", real_close)
-        os.unlink(endpoint.control_path)
+        with contextlib.suppress(FileNotFoundError):  # the directory went, with what it held
+            os.unlink(endpoint.control_path)
 
 
 def slow_starting_sender(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> FeatureSender:
@@ -389,17 +390,19 @@ class Pins:
         self,
         pin_s: float,
         error: Exception | None = None,
-        real: Callable[[int, torch.Tensor], Callable[[], None]] | None = None,
+        real: Callable[[int, torch.Tensor, bool], Callable[[], None]] | None = None,
     ) -> None:
         self.pin_s, self.error, self.real = pin_s, error, real
         self.pinned: list[int] = []
         self.unpinned: list[int] = []
 
-    def __call__(self, ordinal: int, tensor: torch.Tensor) -> Callable[[], None]:
+    def __call__(
+        self, ordinal: int, tensor: torch.Tensor, read_only: bool = False
+    ) -> Callable[[], None]:
         time.sleep(self.pin_s)
         if self.error is not None:
             raise self.error
-        unpin = self.real(ordinal, tensor) if self.real is not None else None
+        unpin = self.real(ordinal, tensor, read_only) if self.real is not None else None
         self.pinned.append(tensor.data_ptr())
 
         def recorded() -> None:
@@ -630,6 +633,7 @@ def test_a_kept_sender_is_left_after_the_event_loop_has_ended() -> None:
         for path in segment_paths(endpoint):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
+        os.rmdir(os.path.dirname(endpoint.control_path))  # the sender's own directory
         device.close()
 
 

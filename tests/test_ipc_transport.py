@@ -48,7 +48,7 @@ async def test_every_consumer_receives_exactly_what_was_sent(rig: Rig) -> None:
             want = value.clone()
             handle = await tr.sender.send(tr.on_device(value))
             del value
-            handle = pickle.loads(pickle.dumps(handle))  # it crosses a process boundary
+            handle = FeatureHandle.from_bytes(handle.to_bytes())  # it crosses a process boundary
             for receiver in tr.receivers:
                 got = await receiver.receive(handle)
                 assert same_bytes(got, want), f"{handle.describe()}: wrong data"

@@ -25,7 +25,7 @@ LAYOUTS: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], str]] = {
     "sparse_csc": (lambda d: d.to_sparse_csc(), "sparse_csc"),
     "sparse_bsr": (lambda d: d.to_sparse_bsr((2, 2)), "sparse_bsr"),
     "sparse_bsc": (lambda d: d.to_sparse_bsc((2, 2)), "sparse_bsc"),
-    "mkldnn": (lambda d: d.to_mkldnn(), "_mkldnn"),
+    "mkldnn": (lambda d: d.to_mkldnn(), "mkldnn"),
     "nested": (lambda d: torch.nested.nested_tensor([d[:3], d[3:]]), r"nested \(strided\)"),
     "jagged": (
         lambda d: torch.nested.nested_tensor([d[:3], d[3:]], layout=torch.jagged),

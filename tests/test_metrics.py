@@ -397,16 +397,27 @@ def test_dashboard_rows() -> None:
         assert grid["x"] + grid["w"] <= 24, panel["title"]
 
 
-def test_dashboard_datasource_is_a_variable_everywhere() -> None:
-    variables = {v["name"]: v for v in DASHBOARD["templating"]["list"]}
-    assert variables["datasource"]["type"] == "datasource"
-    assert variables["datasource"]["query"] == "prometheus"
+def test_dashboard_asks_for_its_data_source_on_import() -> None:
+    # Grafana's import form asks for each __inputs entry and substitutes ${NAME} with it.
+    assert DASHBOARD["__inputs"] == [
+        {
+            "name": "DS_PROMETHEUS",
+            "label": "Prometheus",
+            "description": "The Prometheus that scrapes the mmcache processes",
+            "type": "datasource",
+            "pluginId": "prometheus",
+            "pluginName": "Prometheus",
+        }
+    ]
+    required = {(r["type"], r["id"]) for r in DASHBOARD["__requires"]}
+    panel_types = {("panel", p["type"]) for p in PANELS}
+    assert {("grafana", "grafana"), ("datasource", "prometheus"), *panel_types} <= required
     datasources = [value for key, value in _walk(DASHBOARD) if key == "datasource"]
     assert len(datasources) >= len(PANELS)
     for datasource in datasources:
-        assert datasource == {"type": "prometheus", "uid": "${datasource}"}
+        assert datasource == {"type": "prometheus", "uid": "${DS_PROMETHEUS}"}
     for panel in PANELS:
-        assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
+        assert panel["datasource"]["uid"] == "${DS_PROMETHEUS}", panel["title"]
         assert panel["targets"], panel["title"]
 
 

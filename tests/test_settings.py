@@ -347,3 +347,15 @@ def test_settings_table() -> None:
         assert row.env_names == CacheSettings.env_names(row.field)
         assert row.default == getattr(defaults, row.field)
         assert row.description and "\n" not in row.description
+
+
+def test_how_to_change_names_the_source_of_a_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in (*CacheSettings.env_names("gpu_cache_mb"), "MMCACHE_CPU_CACHE_MB"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SGLANG_VLM_CACHE_SIZE_MB", "64")
+    settings = CacheSettings(cpu_cache_mb=8)
+    assert settings.how_to_change("gpu_cache_mb") == "SGLANG_VLM_CACHE_SIZE_MB"
+    assert settings.how_to_change("cpu_cache_mb") == "CacheSettings(cpu_cache_mb=...)"
+    assert settings.how_to_change("ipc_pool_mb") == (
+        "MMCACHE_IPC_POOL_MB or SGLANG_MM_FEATURE_CACHE_MB (or CacheSettings(ipc_pool_mb=...))"
+    )

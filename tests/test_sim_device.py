@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from mmcache.device import SimDevice, storage_use_count
-from mmcache.device.sim import POISON_BYTE
+from mmcache.device.sim import ARENA_PAGE, POISON_BYTE
+from mmcache.host_pool import HostPool
 
 
 def _poisoned(t: torch.Tensor) -> bool:
@@ -123,9 +124,19 @@ def test_dependencies_order_copies_across_streams() -> None:
     dev.close()
 
 
-def test_fresh_arena_and_fresh_device_memory_are_poisoned() -> None:
+def test_fresh_arena_blocks_and_fresh_device_memory_are_poisoned() -> None:
     dev = SimDevice()
-    assert _poisoned(dev.host_arena(4096))
+    arena = dev.host_arena(3 * ARENA_PAGE)
+    arena.zero_()  # what untouched pages read as
+    pool = HostPool(dev, arena, alignment=512, defer=lambda fences, fn: fn())
+    first = pool.allocate(4096)
+    straddling = pool.allocate_run([ARENA_PAGE, ARENA_PAGE])
+    assert first is not None and straddling is not None
+    assert _poisoned(first.view) and all(_poisoned(b.view) for b in straddling)
+    first.view.fill_(7)  # a live block's bytes are not poisoned by a later hand-out nearby
+    second = pool.allocate(4096)
+    assert second is not None and _poisoned(second.view)
+    assert bool((first.view == 7).all())
     t = dev.empty((8, 8), torch.bfloat16)
     assert torch.isnan(t.float()).all()
     dev.close()

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 from collections.abc import Callable, Hashable
 
 import pytest
 import torch
 from conftest import CacheFactory, KiB, Rig, assert_exact, feature, needs_hold, put_feature
 
-from mmcache import CacheStats, FeatureCache, ValueTooLargeError
+from mmcache import CacheSettings, CacheStats, FeatureCache, ValueTooLargeError
 from mmcache.core.evictor import Evictor
 from mmcache.entry import Entry
 
@@ -143,12 +144,13 @@ async def test_host_room_goes_to_gpu_victims_in_lru_order_whatever_their_size(
 async def test_a_value_larger_than_its_tier_is_refused_and_nothing_is_lost(
     rig: Rig, make_cache: CacheFactory, tier: str
 ) -> None:
+    # The budgets are keyword arguments here: the error says to raise those.
     if tier == "gpu":
         cache = make_cache(gpu_mb=0.25, cpu_mb=1)
-        names = ["MMCACHE_GPU_CACHE_MB", "SGLANG_VLM_CACHE_SIZE_MB"]
+        names = ["CacheSettings(gpu_cache_mb=...)"]
     else:
         cache = make_cache(gpu_mb=0, cpu_mb=0.25)
-        names = ["MMCACHE_CPU_CACHE_MB"]
+        names = ["CacheSettings(cpu_cache_mb=...)"]
     expected = {k: await put_feature(cache, rig, k, 96, seed=i) for i, k in enumerate("ab")}
     await cache.drain()
     before = cache.stats()
@@ -159,6 +161,7 @@ async def test_a_value_larger_than_its_tier_is_refused_and_nothing_is_lost(
             await cache.put(key, big)
         for name in names:
             assert name in str(info.value)
+        assert "MMCACHE_" not in str(info.value)
     await cache.drain()
     assert cache.stats() == before
     assert len(cache) == 2 and "big" not in cache
@@ -518,3 +521,22 @@ async def test_a_top_up_stops_at_a_large_victim_and_at_the_slack(
         "host",
         "gpu",
     ]
+
+
+@pytest.mark.parametrize(
+    ("variable", "raise_what"),
+    [
+        ("MMCACHE_GPU_CACHE_MB", "raise MMCACHE_GPU_CACHE_MB"),
+        ("SGLANG_VLM_CACHE_SIZE_MB", "raise SGLANG_VLM_CACHE_SIZE_MB"),
+    ],
+)
+async def test_too_large_names_the_variable_the_budget_came_from(
+    monkeypatch: pytest.MonkeyPatch, rig: Rig, variable: str, raise_what: str
+) -> None:
+    for name in CacheSettings.env_names("gpu_cache_mb"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(variable, "1")
+    settings = CacheSettings(cpu_cache_mb=0)
+    async with FeatureCache(settings, rig.device) as cache:
+        with pytest.raises(ValueTooLargeError, match=re.escape(raise_what)):
+            await cache.put("big", feature(rig, 1025))

@@ -27,7 +27,6 @@ from mmcache.errors import InvalidKeyError, InvalidValueError, ValueTooLargeErro
 from mmcache.host_pool import HostBlock
 from mmcache.layouts import check_strided
 from mmcache.producer_fences import ProducerFences
-from mmcache.settings import CacheSettings
 
 __all__ = ["Puts", "check_items", "owns_storage"]
 
@@ -62,6 +61,7 @@ class Puts:
         changed: Callable[[], None],
         gpu_capacity: int,
         small_copy_bytes: int,
+        how_to_change: Callable[[str], str],
     ) -> None:
         self._device = device
         self._producers = producers
@@ -78,6 +78,7 @@ class Puts:
         self._when_done = when_done
         self._changed = changed
         self._gpu_capacity = gpu_capacity
+        self._how_to_change = how_to_change  # names the variable or keyword a budget came from
         self._small_copy_bytes = small_copy_bytes
 
     def check_split(
@@ -421,14 +422,14 @@ class Puts:
             raise ValueTooLargeError(
                 f"value of {nbytes / MiB:.1f} MB exceeds the GPU tier "
                 f"({self._gpu_capacity / MiB:.1f} MB); raise "
-                f"{' or '.join(CacheSettings.env_names('gpu_cache_mb'))}"
+                f"{self._how_to_change('gpu_cache_mb')}"
             )
         limit = self._host.limit()
         if not to_gpu and nbytes > limit:
             raise ValueTooLargeError(
                 f"value of {nbytes / MiB:.1f} MB exceeds the host tier ({limit / MiB:.1f} MB), "
                 f"and the GPU tier is off; raise "
-                f"{' or '.join(CacheSettings.env_names('cpu_cache_mb'))}"
+                f"{self._how_to_change('cpu_cache_mb')}"
             )
 
     def _check_group_fits(self, total: int, to_gpu: bool) -> None:

@@ -75,8 +75,9 @@ class Reads:
         if name == own or name == own.split(":")[0]:
             return False
         raise InvalidValueError(
-            f"get(device={device!r}): this cache returns tensors on {own!r} (device=None) "
-            f"or host copies (device='cpu'); move the result yourself for another device"
+            f"get(device={device!r}): this cache returns tensors on {own!r}"
+            f"{self._device.tensor_note} (device=None) or host copies (device='cpu'); move the "
+            f"result yourself for another device"
         )
 
     async def wait(self, fences: Sequence[Fence]) -> float:

@@ -119,6 +119,7 @@ class Tiers:
             changed=changed,
             gpu_capacity=gpu_capacity,
             small_copy_bytes=settings.small_copy_bytes,
+            how_to_change=settings.how_to_change,
         )
         self.reads = Reads(
             device=device,

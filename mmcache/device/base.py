@@ -149,12 +149,22 @@ class Device(abc.ABC):
     def use_on(self, tensor: torch.Tensor, stream: Stream) -> None:  # noqa: B027 - optional hook
         """Tell the allocator that stream uses tensor (CUDA record_stream); default: nothing."""
 
+    #: Said after the device's name in errors, where its tensors report another device.
+    tensor_note: str = ""
+
     #: True if poison_host overwrites freed host blocks (the simulator), so that callers
     #: skip building a view for nothing on devices that do not.
     poisons_host: bool = False
 
     def poison_host(self, view: torch.Tensor) -> None:  # noqa: B027 - optional hook
         """Overwrite a freed host block (the simulator poisons it; CUDA does nothing)."""
+
+    def hand_out_host(self, arena: torch.Tensor, start: int, stop: int) -> None:  # noqa: B027
+        """Bytes start..stop of a host arena are about to be handed out (with poisons_host).
+
+        The simulator poisons arena pages here, on first use, rather than all at once when
+        the arena is made: a production-sized arena then costs memory only as it is used.
+        """
 
     # --- copies (queued on the device's copy streams) -------------------------
 

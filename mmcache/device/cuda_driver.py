@@ -22,6 +22,7 @@ __all__ = ["BatchCopier", "CudaDriver"]
 
 _CU_MEMHOSTALLOC_PORTABLE: Final = 0x1
 _CU_MEMHOSTREGISTER_PORTABLE: Final = 0x1
+_CU_MEMHOSTREGISTER_READ_ONLY: Final = 0x8  # the range is mapped read-only (CUDA 11.1+)
 _CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS: Final = 0x1
 _CUDA_ERROR_OUT_OF_MEMORY: Final = 2
 _CUDA_ERROR_NOT_READY: Final = 600
@@ -154,15 +155,25 @@ class CudaDriver:
             self._check(self._lib.cuMemFreeHost(pointer), "cuMemFreeHost")
 
     def host_register(
-        self, ordinal: int, pointer: int, nbytes: int, setting: str | None = None
+        self,
+        ordinal: int,
+        pointer: int,
+        nbytes: int,
+        setting: str | None = None,
+        *,
+        read_only: bool = False,
     ) -> None:
         """cuMemHostRegister: pin an existing range for every context (portable).
 
-        Out of memory names setting (the one to lower) when given, else it is a plain
+        read_only pins a range mapped read-only (the device only reads it). Out of
+        memory names setting (the one to lower) when given, else it is a plain
         MMCacheError like any other failure.
         """
+        flags = _CU_MEMHOSTREGISTER_PORTABLE
+        if read_only:
+            flags |= _CU_MEMHOSTREGISTER_READ_ONLY
         with self._current(ordinal):
-            code = self._lib.cuMemHostRegister_v2(pointer, nbytes, _CU_MEMHOSTREGISTER_PORTABLE)
+            code = self._lib.cuMemHostRegister_v2(pointer, nbytes, flags)
         self._check_pin(code, "cuMemHostRegister", nbytes, setting)
 
     def host_unregister(self, ordinal: int, pointer: int) -> None:

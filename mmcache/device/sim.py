@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import mmap
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -26,6 +28,8 @@ from mmcache.errors import CopyFailedError, DeviceOutOfMemoryError, InvalidValue
 __all__ = ["SimDevice", "SimFence", "SimStream"]
 
 POISON_BYTE = 0xFF
+#: Host arenas are poisoned in pages of this many bytes, each on its first hand-out.
+ARENA_PAGE = 2 << 20
 FaultKind = Literal["copy_fails", "alloc_fails", "fence_never_completes"]
 
 
@@ -124,6 +128,7 @@ class SimDevice(Device):
 
     stream_ordered_reads = False
     poisons_host = True
+    tensor_note = " (the simulator's device memory: CPU tensors, whose .device says cpu)"
 
     def __init__(self, bandwidth_gbps: float = 0.0, latency_s: float = 0.0) -> None:
         if bandwidth_gbps < 0 or latency_s < 0:
@@ -139,6 +144,8 @@ class SimDevice(Device):
         self.d2h_stream = self.stream("d2h")
         self.h2d_stream = self.stream("h2d")
         self._allocs: dict[int, _Allocation] = {}
+        # Arenas by address: a weak reference (identity) and which pages were poisoned.
+        self._fresh_arenas: dict[int, tuple[weakref.ref[torch.Tensor], bytearray]] = {}
         self._allocated_bytes = 0
         self._released_outside: set[int] = set()
         self._hold_depth = 0
@@ -307,9 +314,35 @@ class SimDevice(Device):
                 self._try_recycle(key, alloc)
 
     def host_arena(self, nbytes: int) -> torch.Tensor:
-        arena = torch.empty(nbytes, dtype=torch.uint8)
-        arena.fill_(POISON_BYTE)  # an early read shows poison, never plausible zeros
+        # Untouched pages cost no memory: each is poisoned when a block over it is first
+        # handed out (hand_out_host), so an early read still shows poison, never zeros.
+        # Huge pages where the kernel offers them: first touches are most of the cost.
+        buffer = mmap.mmap(-1, nbytes)
+        huge = getattr(mmap, "MADV_HUGEPAGE", None)
+        if huge is not None:
+            with contextlib.suppress(OSError):
+                buffer.madvise(huge)
+        arena = torch.frombuffer(buffer, dtype=torch.uint8)
+        with self._cond:
+            pages = bytearray(-(-nbytes // ARENA_PAGE))
+            self._fresh_arenas[arena.data_ptr()] = (weakref.ref(arena), pages)
         return arena
+
+    def hand_out_host(self, arena: torch.Tensor, start: int, stop: int) -> None:
+        key = arena.data_ptr()
+        with self._cond:
+            fresh = self._fresh_arenas.get(key)
+            if fresh is not None and fresh[0]() is None:
+                del self._fresh_arenas[key]  # an arena gone; its address was reused
+                fresh = None
+        if fresh is None or fresh[0]() is not arena:
+            return  # not an arena of this device's making (an IPC pool is poisoned whole)
+        touched = fresh[1]
+        for page in range(start // ARENA_PAGE, (stop - 1) // ARENA_PAGE + 1):
+            if not touched[page]:
+                # No block was ever handed out over this page: nothing live lies in it.
+                arena[page * ARENA_PAGE : (page + 1) * ARENA_PAGE].fill_(POISON_BYTE)
+                touched[page] = 1
 
     def poison_host(self, view: torch.Tensor) -> None:
         view.fill_(POISON_BYTE)

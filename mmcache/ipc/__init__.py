@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from mmcache.ipc.errors import (
     HandleExpiredError,
+    InvalidHandleError,
     IPCError,
     NoPeerAccessError,
     SenderGoneError,
     SharedMemoryFullError,
     TooManyReceiversError,
     TransportFullError,
+    UnknownSenderError,
 )
 from mmcache.ipc.handle import FeatureHandle, SenderEndpoint
 from mmcache.ipc.receiver import FeatureReceiver
@@ -22,6 +24,7 @@ __all__ = [
     "FeatureSender",
     "HandleExpiredError",
     "IPCError",
+    "InvalidHandleError",
     "NoPeerAccessError",
     "SenderEndpoint",
     "SenderGoneError",
@@ -29,4 +32,5 @@ __all__ = [
     "TooManyReceiversError",
     "TransportFullError",
     "TransportStats",
+    "UnknownSenderError",
 ]

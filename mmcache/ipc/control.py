@@ -1,10 +1,13 @@
 """The control block: a small shared table of receiver lanes and slot cells, one writer per cell.
 
-Layout (int64 cells): a header, then one row per receiver lane (state, pid,
-epoch, peer), then one row per slot: the sequence number of the send that
-holds it (sender), its ready mark (sender's copy fence: seq, or -seq if the
-copy failed), and per lane the seq the receiver leased and the seq it
-released (that receiver only). Sequence numbers are never reused, so a stale
+Layout (int64 cells): a header (with a digest of the sender's endpoint), then
+one row per receiver lane (state, pid, epoch, peer), then one row per slot:
+the sequence number of the send that holds it (sender), its ready mark
+(sender's copy fence: seq, or -seq if the copy failed), the slice it
+published (where, offset, length, and a digest of its dtype, shape and CUDA
+event), and per lane the seq the receiver leased and the seq it released
+(that receiver only). A receiver serves a handle only if every field matches
+what the slot publishes for that seq. Sequence numbers are never reused, so a stale
 cell never matches a live send, and a writer never needs a lock; only lane
 registration takes one (flock on the segment: the kernel drops it if the
 holder dies).
@@ -19,27 +22,31 @@ waits on is the slot's IPC event, ordered by the GPU, not this cell.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from typing import Final, final
 
-from mmcache.ipc.errors import TooManyReceiversError
+from mmcache.ipc.errors import InvalidHandleError, TooManyReceiversError
 from mmcache.ipc.shm import SharedSegment
 
-__all__ = ["FREE", "GONE", "LIVE", "ControlBlock", "LaneInfo", "process_alive"]
+__all__ = ["FREE", "GONE", "LIVE", "WHERE_CODES", "ControlBlock", "LaneInfo", "process_alive"]
 
 MAGIC: Final = 0x6D6D636163686531  # "mmcache1"
-VERSION: Final = 1
+VERSION: Final = 2
 FREE: Final = 0
 LIVE: Final = 1
 GONE: Final = 2  # the receiver closed: the sender reclaims what it owed, then frees the lane
 
 _HEADER: Final = 8
-_H_MAGIC, _H_VERSION, _H_PID, _H_LANES, _H_SLOTS, _H_CLOSED = range(6)
+_H_MAGIC, _H_VERSION, _H_PID, _H_LANES, _H_SLOTS, _H_CLOSED, _H_ENDPOINT = range(7)
 _LANE: Final = 4
 _L_STATE, _L_PID, _L_EPOCH, _L_PEER = range(4)
-_SLOT_FIXED: Final = 2
-_S_SEQ, _S_READY = range(2)
+_SLOT_FIXED: Final = 6
+_S_SEQ, _S_READY, _S_WHERE, _S_OFFSET, _S_NBYTES, _S_DIGEST = range(6)
+_MAX_ROWS: Final = 1 << 20  # far above any real sender's lanes or slots
+#: How a slot records where its slice is.
+WHERE_CODES: Final = {"pool": 1, "host": 2}
 
 
 @final
@@ -87,10 +94,27 @@ class ControlBlock:
     __slots__ = ("_c", "_lanes0", "_segment", "_slot_cells", "_slots0", "n_lanes", "n_slots")
 
     def __init__(self, segment: SharedSegment) -> None:
+        """Take over segment (closed here if it is not a control block of this version)."""
         self._segment = segment
-        c = segment.cells()
-        if c[_H_MAGIC] != MAGIC or c[_H_VERSION] != VERSION:
-            raise ValueError(f"{segment.path} is not an mmcache IPC control block of this version")
+        try:
+            c = segment.cells()
+            if (
+                len(c) < _HEADER
+                or c[_H_MAGIC] != MAGIC
+                or c[_H_VERSION] != VERSION
+                or not 0 <= c[_H_LANES] <= _MAX_ROWS
+                or not 0 <= c[_H_SLOTS] <= _MAX_ROWS
+                or len(c) < _cells(c[_H_LANES], c[_H_SLOTS])
+            ):
+                raise InvalidHandleError(
+                    f"{segment.path} is not an mmcache IPC control block of version {VERSION}: "
+                    "run the same mmcache version in the sender and the receiver"
+                )
+        except BaseException:
+            with contextlib.suppress(NameError):
+                c.release()  # the mapping, and the descriptor it holds, go with the segment
+            segment.close()
+            raise
         self._c = c
         self.n_lanes = c[_H_LANES]
         self.n_slots = c[_H_SLOTS]
@@ -99,10 +123,10 @@ class ControlBlock:
         self._slot_cells = _SLOT_FIXED + 2 * self.n_lanes
 
     @classmethod
-    def create(cls, n_lanes: int, n_slots: int) -> ControlBlock:
-        """A new control block owned by this process (the sender)."""
-        cells = _HEADER + _LANE * n_lanes + (_SLOT_FIXED + 2 * n_lanes) * n_slots
-        segment = SharedSegment.create("control", cells * 8)
+    def create(cls, directory: str, n_lanes: int, n_slots: int) -> ControlBlock:
+        """A new control block owned by this process (the sender), in its private directory."""
+        cells = _cells(n_lanes, n_slots)
+        segment = SharedSegment.create(directory, "control", cells * 8)
         segment.commit(0, cells * 8, "lower the number of IPC slots or receivers")
         c = segment.cells()
         c[_H_PID] = os.getpid()
@@ -114,8 +138,12 @@ class ControlBlock:
 
     @classmethod
     def attach(cls, path: str) -> ControlBlock:
-        """Map the control block of a sender (a receiver does this once per sender)."""
-        return cls(SharedSegment.attach(path))
+        """Map the control block of a sender (a receiver does this once per sender).
+
+        InvalidHandleError if path is not one (nothing stays open); FileNotFoundError
+        if it is gone.
+        """
+        return cls(SharedSegment.attach(path, "control", writable=True))
 
     @property
     def path(self) -> str:
@@ -129,6 +157,15 @@ class ControlBlock:
     def closed(self) -> bool:
         """True once the sender closed: nothing will become ready any more."""
         return self._c[_H_CLOSED] != 0
+
+    @property
+    def endpoint_digest(self) -> int:
+        """The digest of the endpoint the sender published (0 before it has)."""
+        return self._c[_H_ENDPOINT]
+
+    def publish_endpoint(self, digest: int) -> None:
+        """Publish the digest of the sender's endpoint (sender only, once)."""
+        self._c[_H_ENDPOINT] = digest
 
     def sender_alive(self) -> bool:
         """True while the sender is open and its process runs."""
@@ -204,11 +241,17 @@ class ControlBlock:
 
     # --- slots: the sender's cells ---------------------------------------------------------
 
-    def arm(self, slot: int, seq: int) -> None:
-        """Give slot to send seq (not ready yet)."""
+    def arm(self, slot: int, seq: int, where: str, offset: int, nbytes: int, digest: int) -> None:
+        """Give slot to send seq (not ready yet) and publish its slice."""
         base = self._slot(slot)
-        self._c[base + _S_READY] = 0
-        self._c[base + _S_SEQ] = seq
+        c = self._c
+        c[base + _S_SEQ] = 0  # first: a reader never pairs the old seq with the new slice
+        c[base + _S_READY] = 0
+        c[base + _S_WHERE] = WHERE_CODES[where]
+        c[base + _S_OFFSET] = offset
+        c[base + _S_NBYTES] = nbytes
+        c[base + _S_DIGEST] = digest
+        c[base + _S_SEQ] = seq
 
     def mark_ready(self, slot: int, seq: int, ok: bool) -> None:
         """Publish that send seq's bytes are written (or that the copy failed); any thread."""
@@ -224,6 +267,16 @@ class ControlBlock:
 
     def slot_seq(self, slot: int) -> int:
         return self._c[self._slot(slot) + _S_SEQ]
+
+    def published(self, slot: int) -> tuple[int, int, int, int]:
+        """What slot publishes of its slice: (where code, offset, length, digest).
+
+        Consistent with the send it belongs to when slot_seq() reads that send's seq
+        both before and after.
+        """
+        base = self._slot(slot)
+        c = self._c
+        return c[base + _S_WHERE], c[base + _S_OFFSET], c[base + _S_NBYTES], c[base + _S_DIGEST]
 
     def ready(self, slot: int) -> int:
         return self._c[self._slot(slot) + _S_READY]
@@ -248,3 +301,8 @@ class ControlBlock:
         if not 0 <= slot < self.n_slots:
             raise IndexError(f"slot {slot} out of range (0..{self.n_slots - 1})")
         return self._slots0 + self._slot_cells * slot
+
+
+def _cells(n_lanes: int, n_slots: int) -> int:
+    """Cells of a control block with n_lanes lanes and n_slots slots."""
+    return _HEADER + _LANE * n_lanes + (_SLOT_FIXED + 2 * n_lanes) * n_slots

@@ -67,11 +67,15 @@ def ordinal_of(uuid: str) -> int | None:
     return None
 
 
-def pin_host(ordinal: int, tensor: torch.Tensor) -> Callable[[], None]:
-    """Pin a host tensor's pages (slow: ~0.5 ms/MiB); return a callable that unpins them."""
+def pin_host(ordinal: int, tensor: torch.Tensor, read_only: bool = False) -> Callable[[], None]:
+    """Pin a host tensor's pages (slow: ~0.5 ms/MiB); return a callable that unpins them.
+
+    read_only for memory mapped read-only (a receiver's view of a sender's fallback).
+    """
     driver = CudaDriver.get()
     pointer, nbytes = tensor.data_ptr(), tensor.numel()
-    driver.host_register(ordinal, pointer, nbytes)  # out of memory: a plain MMCacheError
+    # Out of memory: a plain MMCacheError.
+    driver.host_register(ordinal, pointer, nbytes, read_only=read_only)
 
     def unpin() -> None:
         try:
@@ -82,11 +86,13 @@ def pin_host(ordinal: int, tensor: torch.Tensor) -> Callable[[], None]:
     return unpin
 
 
-async def pin_off_the_loop(ordinal: int, tensor: torch.Tensor) -> Callable[[], None]:
+async def pin_off_the_loop(
+    ordinal: int, tensor: torch.Tensor, read_only: bool = False
+) -> Callable[[], None]:
     """pin_host on a thread of its own. A pin its caller no longer takes (cancelled, or
     the loop closed) is undone once done; the mapping stays alive until then."""
     return await off_the_loop(
-        functools.partial(pin_host, ordinal, tensor),
+        functools.partial(pin_host, ordinal, tensor, read_only),
         abandoned=lambda unpin: unpin_later(unpin, tensor),
         name="mmcache-pin",
     )

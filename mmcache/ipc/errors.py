@@ -2,21 +2,19 @@
 
 from __future__ import annotations
 
-from mmcache.errors import MMCacheError
+from mmcache.errors import InvalidHandleError, IPCError
 
 __all__ = [
     "HandleExpiredError",
     "IPCError",
+    "InvalidHandleError",
     "NoPeerAccessError",
     "SenderGoneError",
     "SharedMemoryFullError",
     "TooManyReceiversError",
     "TransportFullError",
+    "UnknownSenderError",
 ]
-
-
-class IPCError(MMCacheError):
-    """Base class of the errors of the IPC transport."""
 
 
 class TransportFullError(IPCError, RuntimeError):
@@ -27,7 +25,7 @@ class SharedMemoryFullError(IPCError, MemoryError):
     """The shared-memory filesystem (/dev/shm) has no room for the transport's memory."""
 
 
-class HandleExpiredError(IPCError, LookupError):
+class HandleExpiredError(InvalidHandleError, LookupError):
     """A handle names a slice that was already recycled (received twice, or after a reclaim)."""
 
 
@@ -41,3 +39,8 @@ class NoPeerAccessError(IPCError, RuntimeError):
 
 class TooManyReceiversError(IPCError, RuntimeError):
     """Every receiver lane of a sender is taken."""
+
+
+class UnknownSenderError(SenderGoneError, InvalidHandleError):
+    """A handle names a sender whose control block does not exist: it closed or exited,
+    or the handle was altered."""

@@ -2,9 +2,12 @@
 
 A receiver registers once per sender (a lane in the sender's control block,
 with its pid, so the sender can tell when it has died) and maps the sender's
-memory once. Each receive leases the slot, checks that the slot still holds
-this send, waits for the sender's ready signal, copies the bytes to the
-receiver's device and releases the slot once that copy has read them.
+memory once, read-only. Each receive checks the handle against what its
+sender published (the endpoint's digest, and the slot's seq and slice), leases
+the slot, waits for the sender's ready signal, copies the bytes to the
+receiver's device and releases the slot once that copy has read them. A handle
+that does not match raises InvalidHandleError before anything is leased or
+read; the receiver stays usable.
 """
 
 from __future__ import annotations
@@ -26,9 +29,15 @@ from mmcache.closing import CloseOnce, off_the_loop, run_each
 from mmcache.device import Device, Fence, SimDevice, Stream, resolve_device
 from mmcache.device.cuda import as_cuda_stream
 from mmcache.errors import CacheClosedError, CopyFailedError, InvalidValueError
-from mmcache.ipc.control import ControlBlock
+from mmcache.ipc.control import WHERE_CODES, ControlBlock
 from mmcache.ipc.cuda_ipc import PeerPool, ordinal_of, pin_off_the_loop
-from mmcache.ipc.errors import HandleExpiredError, NoPeerAccessError, SenderGoneError
+from mmcache.ipc.errors import (
+    HandleExpiredError,
+    InvalidHandleError,
+    NoPeerAccessError,
+    SenderGoneError,
+    UnknownSenderError,
+)
 from mmcache.ipc.handle import FeatureHandle, SenderEndpoint, dtype_from_name
 from mmcache.ipc.shm import SharedSegment
 from mmcache.waiting import wait_fences
@@ -104,7 +113,7 @@ class _Channel:
 
     def sim_pool_tensor(self) -> torch.Tensor:
         if self.sim_pool is None:
-            self.sim_pool = self._map(self.endpoint.pool_path, "pool")
+            self.sim_pool = self._map(self.endpoint.pool_path, "pool", self.endpoint.pool_nbytes)
         return self.sim_pool
 
     async def fallback_tensor(self, device: Device) -> torch.Tensor:
@@ -120,12 +129,13 @@ class _Channel:
 
     async def _map_fallback(self, device: Device) -> None:
         try:
-            tensor = self._map(self.endpoint.fallback_path, "host fallback")
+            e = self.endpoint
+            tensor = self._map(e.fallback_path, "fallback", e.fallback_nbytes)
             index = getattr(device, "index", None)
             if index is not None:
                 # Pinned in this process too, the copy to the GPU is asynchronous and fast.
                 try:
-                    self._unpin = await pin_off_the_loop(index, tensor)
+                    self._unpin = await pin_off_the_loop(index, tensor, read_only=True)
                 except Exception as exc:
                     log.warning("cannot pin the IPC host fallback (%s); copies are slower", exc)
             self.fallback = tensor
@@ -162,17 +172,23 @@ class _Channel:
         steps.append(functools.partial(self.control.close, unlink=False))
         run_each(steps)
 
-    def _map(self, path: str, what: str) -> torch.Tensor:
+    def _map(self, path: str, tag: str, nbytes: int) -> torch.Tensor:
+        """The first nbytes of the sender's segment tag ("pool", "fallback"), read-only."""
         if not path:
-            raise SenderGoneError(f"the sender of this handle has no {what}")
+            raise InvalidHandleError(f"the sender of this handle has no {tag} segment")
         try:
-            segment = SharedSegment.attach(path)
+            segment = SharedSegment.attach(path, tag)
         except FileNotFoundError:
             raise SenderGoneError(
-                f"the sender's {what} ({path}) is gone: the sender closed or exited"
+                f"the sender's {tag} segment ({path}) is gone: the sender closed or exited"
             ) from None
+        if segment.nbytes < nbytes:
+            segment.close()
+            raise InvalidHandleError(
+                f"the sender's {tag} segment ({path}) is smaller than the sender published"
+            )
         self._segments.append(segment)
-        return segment.tensor()
+        return segment.tensor()[:nbytes]
 
 
 class FeatureReceiver:
@@ -210,12 +226,14 @@ class FeatureReceiver:
 
         On CUDA the tensor is ordered on stream (the current one if None) after the
         copy; the slice is released once the copy has run. On the simulator it is
-        returned once the copy has run.
+        returned once the copy has run. A handle that does not match what its sender
+        published raises InvalidHandleError (HandleExpiredError for one already
+        recycled) before anything is read.
         """
         if stream is None:
             stream = self._device.current_stream()  # read before any await: it is per thread
         self._check_open()
-        channel = self._channel(handle.sender)
+        channel = self._verified_channel(handle)
         self._open(channel, handle)
         with self._reading(channel):
             try:
@@ -256,13 +274,14 @@ class FeatureReceiver:
         """Zero-copy: the feature's bytes where they are, held for us until the block exits.
 
         A pool slice on CUDA is a tensor of this receiver's device (ordered on
-        stream); a host fallback block is a host tensor. Do not keep it past the
-        block: the slice is reused once the work queued on stream meanwhile is done.
+        stream); a host fallback block (and the simulator's pool) is a host tensor
+        over read-only memory: writing to it faults. Do not keep it past the block:
+        the slice is reused once the work queued on stream meanwhile is done.
         """
         if stream is None:
             stream = self._device.current_stream()
         self._check_open()
-        channel = self._channel(handle.sender)
+        channel = self._verified_channel(handle)
         self._open(channel, handle)
         with self._reading(channel):
             try:
@@ -397,20 +416,44 @@ class FeatureReceiver:
         if self._closed:
             raise CacheClosedError("this FeatureReceiver is closed")
 
+    def _verified_channel(self, handle: FeatureHandle) -> _Channel:
+        """The channel to handle's sender, once the handle is well formed and its
+        endpoint is the one the sender published (InvalidHandleError otherwise)."""
+        if not isinstance(handle, FeatureHandle):
+            raise InvalidHandleError(f"expected a FeatureHandle, got {type(handle).__name__}")
+        handle.check()
+        return self._channel(handle.sender)
+
     def _channel(self, endpoint: SenderEndpoint) -> _Channel:
-        channel = self._channels.get(endpoint.control_path)
-        if channel is not None:
-            return channel
         if not isinstance(endpoint, SenderEndpoint):
             raise InvalidValueError(f"expected a SenderEndpoint, got {type(endpoint).__name__}")
+        endpoint.check()
+        channel = self._channels.get(endpoint.control_path)
+        if channel is not None:
+            if channel.endpoint != endpoint:
+                raise InvalidHandleError(
+                    f"this endpoint of sender pid {endpoint.pid} differs from the one its "
+                    "control block publishes; the handle was altered"
+                )
+            return channel
         try:
             control = ControlBlock.attach(endpoint.control_path)
         except FileNotFoundError:
-            raise SenderGoneError(
+            raise UnknownSenderError(
                 f"the IPC sender (pid {endpoint.pid}) is gone: its control block "
-                f"{endpoint.control_path} no longer exists"
+                f"{endpoint.control_path} does not exist (it closed or exited, or the "
+                "handle was altered)"
             ) from None
-        lane, epoch = control.register(os.getpid(), self._peer_ok(endpoint))
+        try:
+            if control.endpoint_digest != endpoint.digest() or control.sender_pid != endpoint.pid:
+                raise InvalidHandleError(
+                    f"this endpoint of sender pid {endpoint.pid} differs from the one its "
+                    f"control block {endpoint.control_path} publishes; the handle was altered"
+                )
+            lane, epoch = control.register(os.getpid(), self._peer_ok(endpoint))
+        except BaseException:
+            control.close(unlink=False)
+            raise
         channel = _Channel(endpoint, control, lane, epoch, self._close_kept)
         self._channels[endpoint.control_path] = channel
         return channel
@@ -428,9 +471,32 @@ class FeatureReceiver:
         return sender == index or bool(torch.cuda.can_device_access_peer(index, sender))
 
     def _open(self, channel: _Channel, handle: FeatureHandle) -> None:
-        """Lease handle's slot, then check the slot still holds this send."""
-        channel.control.lease(handle.slot, channel.lane, handle.seq)
-        if channel.control.slot_seq(handle.slot) != handle.seq:
+        """Check handle against the slice its sender published, lease its slot, then check
+        the slot still holds this send."""
+        control, slot = channel.control, handle.slot
+        if slot >= control.n_slots:
+            raise InvalidHandleError(
+                f"{handle.describe()} names slot {slot}; its sender has {control.n_slots}"
+            )
+        # Read between two reads of the seq: the sender rewrites a slot's record only
+        # after it cleared the seq (ControlBlock.arm).
+        before = control.slot_seq(slot)
+        published = control.published(slot)
+        if before != handle.seq or control.slot_seq(slot) != handle.seq:
+            raise HandleExpiredError(
+                f"{handle.describe()} is not held by its sender: it was received twice by this "
+                "receiver, or arrived after the sender reclaimed it or closed, or its seq was "
+                "altered"
+            )
+        claimed = (WHERE_CODES[handle.where], handle.offset, handle.nbytes, handle.slice_digest())
+        if published != claimed:
+            raise InvalidHandleError(
+                f"{handle.describe()} does not match the slice its sender published for that "
+                "send (where, offset, size, dtype, shape or event differ); the handle was "
+                "altered. Nothing was read"
+            )
+        control.lease(slot, channel.lane, handle.seq)
+        if control.slot_seq(slot) != handle.seq:
             raise HandleExpiredError(
                 f"{handle.describe()} is no longer held by its sender: it was received twice "
                 "by this receiver, or arrived after the sender reclaimed it (it credits a "
@@ -476,7 +542,10 @@ class FeatureReceiver:
             pool = channel.cuda_pool(self._device)
             arena = pool.tensor
         dtype = dtype_from_name(handle.dtype)
-        flat = arena[handle.offset : handle.offset + handle.nbytes]
+        end = handle.offset + handle.nbytes
+        if end > arena.numel():  # the published record says otherwise: never read past it
+            raise InvalidHandleError(f"{handle.describe()} reaches past its sender's memory")
+        flat = arena[handle.offset : end]
         return flat.view(dtype).view(handle.shape)
 
     def _copy_out(self, src: torch.Tensor, stream: Stream) -> tuple[torch.Tensor, Fence]:

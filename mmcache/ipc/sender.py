@@ -18,7 +18,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final, Literal
 
 import torch
@@ -43,8 +43,9 @@ from mmcache.ipc.errors import NoPeerAccessError, TransportFullError
 from mmcache.ipc.handle import FeatureHandle, SenderEndpoint, dtype_name
 from mmcache.ipc.leases import Lease, LeaseLedger
 from mmcache.ipc.pool import SliceArena, SlotAllocator
-from mmcache.ipc.shm import SharedSegment
+from mmcache.ipc.shm import PrivateDirectory, SharedSegment
 from mmcache.ipc.stats import TransportStats
+from mmcache.layouts import check_strided
 from mmcache.metrics import CacheMetrics, DeferredPush
 from mmcache.settings import CacheSettings
 from mmcache.waiting import FenceWatcher, wait_fences
@@ -69,12 +70,22 @@ _Owed = tuple[frozenset[tuple[int, int]], int]
 
 @dataclass(slots=True, eq=False)
 class _Placement:
-    """Room granted to one send: a slice of an arena and a control-block slot."""
+    """Room granted to one send: a slice of an arena and a control-block slot.
+
+    owner is the task of the send it was granted to: room still granted once
+    that task has ended is leaked. after holds the copies queued into the slice
+    (it is reused only after them), seq the send the slot was armed for (0: not
+    yet), settled whether it became a lease or was given back.
+    """
 
     where: Where
     arena: SliceArena
     block: HostBlock
     slot: int
+    owner: asyncio.Task[object] | None
+    after: list[Fence] = field(default_factory=list)
+    seq: int = 0
+    settled: bool = False
 
 
 @dataclass(slots=True, eq=False)
@@ -84,6 +95,30 @@ class _Waiter:
     nbytes: int
     pool_ok: bool
     future: asyncio.Future[_Placement]
+    owner: asyncio.Task[object] | None
+
+
+class _Source:
+    """The sender's alias of a sent tensor, given back to the device exactly once."""
+
+    __slots__ = ("_give_back", "tensor")
+
+    def __init__(
+        self, tensor: torch.Tensor, give_back: Callable[[torch.Tensor, Sequence[Fence]], None]
+    ) -> None:
+        self._give_back = give_back
+        self.tensor: torch.Tensor | None = tensor
+
+    def release(self, after: Sequence[Fence]) -> None:
+        """Give the alias back after the fences (again: nothing)."""
+        tensor, self.tensor = self.tensor, None
+        if tensor is not None:
+            self._give_back(tensor, after)
+
+    def replace(self, tensor: torch.Tensor, after: Sequence[Fence]) -> None:
+        """Release the alias held after the fences, and hold tensor instead."""
+        self.release(after)
+        self.tensor = tensor
 
 
 def _device_kind(device: Device) -> Literal["sim", "cuda"]:
@@ -158,6 +193,8 @@ class FeatureSender:
         self._last_sweep = 0.0
         self._seq = 0
         self._inflight = {"pool": 0, "host": 0}  # bytes placed for sends still copying
+        self._granted: set[_Placement] = set()  # room granted, not yet a lease or given back
+        self._dir: PrivateDirectory | None = None  # where the shared segments are
         self._host_copies: set[Fence] = set()  # copies into the fallback not yet landed
         self._closing = CloseOnce(cleans_up_when_cancelled=True)  # see _close
         self._starting: asyncio.Event | None = None  # set once start() has finished
@@ -189,7 +226,8 @@ class FeatureSender:
 
     async def _start(self, loop: asyncio.AbstractEventLoop) -> None:
         try:
-            control = ControlBlock.create(self._n_lanes, self._slots.capacity)
+            self._dir = PrivateDirectory()
+            control = ControlBlock.create(self._dir.path, self._n_lanes, self._slots.capacity)
             self._control = control
             self._ledger = LeaseLedger(control, self.consumers, self.settings.ipc_lease_timeout_s)
             if self._pool_bytes:
@@ -217,6 +255,7 @@ class FeatureSender:
             fallback_path=self._fallback_path,
             fallback_nbytes=self._fallback.tensor.numel() if self._fallback is not None else 0,
         )
+        control.publish_endpoint(self._endpoint.digest())
         self._recycler = loop.create_task(self._recycle_forever(), name=f"mmcache-ipc-{self.name}")
         self._gauges.bind(loop)
         self._gauges.request()
@@ -312,7 +351,7 @@ class FeatureSender:
 
     @property
     def endpoint(self) -> SenderEndpoint:
-        """What a receiver needs to connect before the first handle (picklable)."""
+        """What a receiver needs to connect before the first handle (plain data: to_bytes())."""
         if self._endpoint is None:
             raise MMCacheError("start() the FeatureSender before asking for its endpoint")
         return self._endpoint
@@ -322,7 +361,11 @@ class FeatureSender:
     async def send(
         self, tensor: torch.Tensor, *, stream: Stream | None = None, wait: bool = True
     ) -> FeatureHandle:
-        """Hand tensor to the consumers, taking ownership of it; return its picklable handle.
+        """Hand tensor to the consumers, taking ownership of it; return its handle.
+
+        The handle is plain data: handle.to_bytes() is what to ship to the receivers'
+        processes (FeatureHandle.from_bytes() reads it there). Sparse, mkldnn and
+        nested tensors are refused (InvalidValueError) before anything is reserved.
 
         The pool is used when it can take the tensor now; otherwise the host
         fallback, counted in mmcache_ipc_fallbacks_total{reason}. When neither has
@@ -331,30 +374,35 @@ class FeatureSender:
         """
         if stream is None:
             stream = self._device.current_stream()  # read before any await: it is per thread
+        check_strided(tensor, "send()")
         await self._ready_to_serve()
         nbytes = feature_bytes(self._device, tensor, "send()")
         ready = self._device.record(stream)
-        own = self._device.adopt(tensor, stream)
+        own = _Source(self._device.adopt(tensor, stream), self._release_source)
         del tensor
-        assert self._control is not None
-        assert self._ledger is not None
-        lanes = self._control.lanes()
-        owed = frozenset((i.lane, i.epoch) for i in lanes if i.state == LIVE)
-        needed = self._ledger.needed(len(owed))
         try:
+            assert self._control is not None
+            assert self._ledger is not None
+            lanes = self._control.lanes()
+            owed = frozenset((i.lane, i.epoch) for i in lanes if i.state == LIVE)
+            needed = self._ledger.needed(len(owed))
             placement, reason = await self._place(nbytes, lanes, wait)
         except BaseException:
-            self._release_source(own, [ready])
+            own.release([ready])
             raise
-        if self._closed:  # room granted, then close() began before this send resumed
-            self._abort(placement, ())
-            self._release_source(own, [ready])
-            raise CacheClosedError("the IPC sender closed while send waited for room")
-        if placement.where == "pool":
-            handle = self._write_pool(own, placement, ready, stream, (owed, needed))
-        else:
-            self._count_fallback(reason)
-            handle = await self._write_host(own, placement, ready, stream, (owed, needed))
+        # From here on every way out either leases the room or gives it back.
+        try:
+            if self._closed:  # room granted, then close() began before this send resumed
+                raise CacheClosedError("the IPC sender closed while send waited for room")
+            if placement.where == "pool":
+                handle = self._write_pool(own, placement, ready, stream, (owed, needed))
+            else:
+                self._count_fallback(reason)
+                handle = await self._write_host(own, placement, ready, stream, (owed, needed))
+        except BaseException:
+            self._abort(placement, ())  # nothing once it is a lease
+            own.release(placement.after or [ready])
+            raise
         self._sends += 1
         return handle
 
@@ -432,10 +480,11 @@ class FeatureSender:
         self._check_fits(nbytes, refusal)
         reason = refusal or "pool_full"
         if not self._waiters:
-            placement = self._try_place(nbytes, pool_ok)
+            owner = asyncio.current_task()
+            placement = self._try_place(nbytes, pool_ok, owner)
             if placement is None and time.monotonic() - self._last_sweep >= _MIN_SWEEP_GAP_S:
                 self._sweep()
-                placement = self._try_place(nbytes, pool_ok)
+                placement = self._try_place(nbytes, pool_ok, owner)
             if placement is not None:
                 return placement, reason
         if not wait:
@@ -474,8 +523,11 @@ class FeatureSender:
             f"({fallback_mb:.1f} MiB, {env('ipc_fallback_mb')}); raise one of them"
         )
 
-    def _try_place(self, nbytes: int, pool_ok: bool) -> _Placement | None:
-        """Room for nbytes now: a pool slice if allowed, else a fallback block; None if full."""
+    def _try_place(
+        self, nbytes: int, pool_ok: bool, owner: asyncio.Task[object] | None
+    ) -> _Placement | None:
+        """Room for nbytes now, for the send running as task owner: a pool slice if
+        allowed, else a fallback block; None if full."""
         slot = self._slots.take()
         if slot is None:
             return None
@@ -489,13 +541,15 @@ class FeatureSender:
             block = arena.allocate(nbytes)
             if block is not None:
                 self._inflight[where] += block.nbytes
-                return _Placement(where, arena, block, slot)
+                placement = _Placement(where, arena, block, slot, owner)
+                self._granted.add(placement)
+                return placement
         self._slots.give(slot)
         return None
 
     async def _wait_for_room(self, nbytes: int, pool_ok: bool) -> _Placement:
         assert self._loop is not None and self._poke is not None
-        waiter = _Waiter(nbytes, pool_ok, self._loop.create_future())
+        waiter = _Waiter(nbytes, pool_ok, self._loop.create_future(), asyncio.current_task())
         self._waiters.append(waiter)
         self._poke.set()  # the recycler sweeps often while sends wait
         timeout = self.settings.ipc_lease_timeout_s
@@ -525,17 +579,28 @@ class FeatureSender:
             if waiter.future.done():
                 self._waiters.popleft()
                 continue
-            placement = self._try_place(waiter.nbytes, waiter.pool_ok)
+            placement = self._try_place(waiter.nbytes, waiter.pool_ok, waiter.owner)
             if placement is None:
                 return
             self._waiters.popleft()
             waiter.future.set_result(placement)
 
     def _abort(self, placement: _Placement, after: Sequence[Fence]) -> None:
-        """Give back room a send will not use (after the fences of copies into it)."""
-        self._inflight[placement.where] -= placement.block.nbytes
-        placement.arena.free(placement.block, after)
+        """Give back room a send will not use, after the fences and the copies queued
+        into it; nothing if it was given back already or became a lease."""
+        if placement.settled:
+            return
+        self._settle(placement)
+        if placement.seq and self._control is not None:
+            self._control.invalidate(placement.slot, placement.seq)
+        placement.arena.free(placement.block, [*placement.after, *after])
         self._slots.give(placement.slot)
+
+    def _settle(self, placement: _Placement) -> None:
+        """Room granted to a send stops being in flight: a lease holds it, or it went back."""
+        placement.settled = True
+        self._granted.discard(placement)
+        self._inflight[placement.where] -= placement.block.nbytes
 
     def _full_message(self, nbytes: int, waited: float | None) -> str:
         env = self.settings.env_name
@@ -553,58 +618,59 @@ class FeatureSender:
 
     def _write_pool(
         self,
-        own: torch.Tensor,
+        own: _Source,
         placement: _Placement,
         ready: Fence,
         stream: Stream,
         owed: _Owed,
     ) -> FeatureHandle:
         """Queue own -> pool slice on the producer's stream; the handle goes out at once."""
-        assert self._control is not None
-        shape, dtype = tuple(own.shape), own.dtype
-        seq = self._next_seq()
-        self._control.arm(placement.slot, seq)
+        assert own.tensor is not None
+        shape, dtype = tuple(own.tensor.shape), own.tensor.dtype
         try:
             dst = placement.arena.view(placement.block, shape, dtype)
             # On the producer's stream: ordered after the work that made the tensor.
-            written = self._device.copy_d2d(own, dst, stream)
+            written = self._device.copy_d2d(own.tensor, dst, stream)
             del dst
+            placement.after.append(written)
             event = self._record_event(placement.slot, stream)
+            handle = self._publish(placement, shape, dtype, event)
         except BaseException:
-            self._control.invalidate(placement.slot, seq)
             self._abort(placement, ())
-            self._release_source(own, [ready])
+            own.release(placement.after or [ready])
             raise
+        seq = handle.seq
         written.add_done_callback(functools.partial(self._mark_ready, placement.slot, seq, written))
-        self._release_source(own, [written])
-        return self._lease(placement, seq, shape, dtype, written, event, owed)
+        own.release([written])
+        return self._lease(placement, handle, written, owed)
 
     async def _write_host(
         self,
-        own: torch.Tensor,
+        own: _Source,
         placement: _Placement,
         ready: Fence,
         stream: Stream,
         owed: _Owed,
     ) -> FeatureHandle:
         """Copy own into a shared host block, release it, and only then hand out the handle."""
-        assert self._control is not None
-        shape, dtype = tuple(own.shape), own.dtype
+        assert self._control is not None and own.tensor is not None
+        shape, dtype = tuple(own.tensor.shape), own.tensor.dtype
         after: list[Fence] = [ready]
         try:
             placement.arena.commit(placement.block)
-            if not own.is_contiguous():
+            if not own.tensor.is_contiguous():
                 # A device-to-host copy needs one dense range: pack the view on the device.
                 packed = self._device.empty(shape, dtype, stream)
-                compacted = self._device.copy_d2d(own, packed, stream)
-                self._release_source(own, [compacted])
-                own, after = packed, [compacted]
+                compacted = self._device.copy_d2d(own.tensor, packed, stream)
+                own.replace(packed, [compacted])
+                after = [compacted]
             dst = placement.arena.view(placement.block, shape, dtype)
-            copied = self._device.copy_d2h(own, dst, after)
+            copied = self._device.copy_d2h(own.tensor, dst, after)
             del dst
+            placement.after.append(copied)
         except BaseException:
             self._abort(placement, ())
-            self._release_source(own, after)
+            own.release(after)
             raise
         self._host_copies.add(copied)  # close() waits for it before freeing the fallback
         try:
@@ -614,20 +680,18 @@ class FeatureSender:
         except BaseException as exc:
             if isinstance(exc, CopyFailedError):
                 self._metrics.fault("copy_failed")
-            self._abort(placement, [copied])
-            self._release_source(own, [copied])
+            self._abort(placement, ())
+            own.release([copied])
             raise
         finally:
             # Forgotten once landed, also when this send was cancelled while it copied.
             assert self._watcher is not None
             self._watcher.when_done([copied], functools.partial(self._host_copies.discard, copied))
         # The device memory goes back before the handle exists: the seed bug kept it.
-        self._release_source(own, [copied])
-        del own
-        seq = self._next_seq()
-        self._control.arm(placement.slot, seq)
-        self._control.mark_ready(placement.slot, seq, True)
-        return self._lease(placement, seq, shape, dtype, copied, b"", owed)
+        own.release([copied])
+        handle = self._publish(placement, shape, dtype, b"")
+        self._control.mark_ready(placement.slot, handle.seq, True)
+        return self._lease(placement, handle, copied, owed)
 
     def _release_source(self, own: torch.Tensor, after: Sequence[Fence]) -> None:
         """Give the sender's alias of a sent tensor back to the device after the fences."""
@@ -644,20 +708,14 @@ class FeatureSender:
         if self._control is not None:
             self._control.mark_ready(slot, seq, written.exception() is None)
 
-    def _lease(
-        self,
-        placement: _Placement,
-        seq: int,
-        shape: tuple[int, ...],
-        dtype: torch.dtype,
-        written: Fence,
-        event: bytes,
-        owed: _Owed,
+    def _publish(
+        self, placement: _Placement, shape: tuple[int, ...], dtype: torch.dtype, event: bytes
     ) -> FeatureHandle:
-        assert self._endpoint is not None and self._ledger is not None
+        """The handle of a new send into placement, its slice published in the slot."""
+        assert self._endpoint is not None and self._control is not None
         handle = FeatureHandle(
             sender=self._endpoint,
-            seq=seq,
+            seq=self._next_seq(),
             slot=placement.slot,
             where=placement.where,
             offset=placement.block.offset,
@@ -665,8 +723,24 @@ class FeatureSender:
             dtype=dtype_name(dtype),
             cuda_event=event,
         )
+        placement.seq = handle.seq  # set first: a failure in arm() still invalidates the slot
+        self._control.arm(
+            placement.slot,
+            handle.seq,
+            placement.where,
+            handle.offset,
+            handle.nbytes,
+            handle.slice_digest(),
+        )
+        return handle
+
+    def _lease(
+        self, placement: _Placement, handle: FeatureHandle, written: Fence, owed: _Owed
+    ) -> FeatureHandle:
+        """Hold placement for handle's receivers (the send's room becomes a lease)."""
+        assert self._ledger is not None
         self._ledger.add(Lease(handle, placement.arena, placement.block, written, *owed))
-        self._inflight[placement.where] -= placement.block.nbytes
+        self._settle(placement)
         self._gauges.request()
         return handle
 
@@ -744,11 +818,17 @@ class FeatureSender:
     # --- accounting ---------------------------------------------------------------------------
 
     def _leaked_bytes(self) -> int:
-        """Late leases, plus arena bytes that no lease, send in progress or pending free owns."""
+        """Late leases, room still granted to sends that have ended, plus arena bytes that
+        no lease, send in progress or pending free owns."""
         ledger = self._ledger
         if ledger is None:
             return 0
         leaked = ledger.leaked_bytes()
+        leaked += sum(
+            placement.block.nbytes
+            for placement in self._granted
+            if placement.owner is None or placement.owner.done()
+        )
         leases = list(ledger)
         for where, arena in (("pool", self._pool), ("host", self._fallback)):
             if arena is None:
@@ -800,7 +880,8 @@ class FeatureSender:
     async def _make_pool(self, control_path: str) -> SliceArena:
         hint = f"lower {self.settings.env_name('ipc_pool_mb')}"
         if self._kind == "sim":
-            segment = SharedSegment.create("pool", self._pool_bytes)
+            assert self._dir is not None
+            segment = SharedSegment.create(self._dir.path, "pool", self._pool_bytes)
             self._segments.append(segment)
             self._pool_path = segment.path
             segment.commit(0, self._pool_bytes, hint)
@@ -818,7 +899,8 @@ class FeatureSender:
 
     async def _make_fallback(self) -> SliceArena:
         hint = f"lower {self.settings.env_name('ipc_fallback_mb')}"
-        segment = SharedSegment.create("fallback", self._fallback_bytes)
+        assert self._dir is not None
+        segment = SharedSegment.create(self._dir.path, "fallback", self._fallback_bytes)
         self._segments.append(segment)
         self._fallback_path = segment.path
         if self._kind == "sim":
@@ -863,5 +945,7 @@ class FeatureSender:
         if unpin is not None:
             steps.append(unpin)  # before the mapping goes
         steps += [segment.close for segment in segments]
+        if self._dir is not None:
+            steps.append(self._dir.remove)
         steps.append(arenas.clear)
         return functools.partial(run_each, steps)
