@@ -7,7 +7,6 @@ import concurrent.futures
 import contextlib
 import functools
 import inspect
-import logging
 import threading
 from collections.abc import (
     AsyncIterator,
@@ -44,9 +43,6 @@ from mmcache.waiting import FenceWatcher
 
 __all__ = ["FeatureCache"]
 
-log = logging.getLogger("mmcache")
-
-MiB = 1024 * 1024
 ComputeFn = Callable[[], "torch.Tensor | Awaitable[torch.Tensor]"]
 _T = TypeVar("_T")
 
