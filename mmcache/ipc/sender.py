@@ -16,7 +16,6 @@ import contextlib
 import functools
 import logging
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Final, Literal
@@ -25,6 +24,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from mmcache.closing import CloseOnce, off_the_loop, run_each
+from mmcache.core.budget import FifoBudget
 from mmcache.device import Device, Fence, SimDevice, Stream, resolve_device
 from mmcache.device.base import feature_bytes
 from mmcache.errors import (
@@ -88,16 +88,6 @@ class _Placement:
     settled: bool = False
 
 
-@dataclass(slots=True, eq=False)
-class _Waiter:
-    """A send waiting for room (first come, first served)."""
-
-    nbytes: int
-    pool_ok: bool
-    future: asyncio.Future[_Placement]
-    owner: asyncio.Task[object] | None
-
-
 class _Source:
     """The sender's alias of a sent tensor, given back to the device exactly once."""
 
@@ -131,6 +121,10 @@ def _device_kind(device: Device) -> Literal["sim", "cuda"]:
     raise InvalidValueError(
         f"the IPC transport runs on a SimDevice or a CudaDevice, not {type(device).__name__}"
     )
+
+
+# What a send waits for: its bytes, whether the pool may take them, the task sending.
+_Want = tuple[int, bool, "asyncio.Task[object] | None"]
 
 
 class FeatureSender:
@@ -187,7 +181,11 @@ class FeatureSender:
         self._cuda_pool: CudaPool | None = None
         self._unpin: Callable[[], None] | None = None
         self._slots = SlotAllocator(max_slices)
-        self._waiters: deque[_Waiter] = deque()
+        # Sends waiting for room, granted a placement in arrival order (the cache's FIFO
+        # budget): what a send that gave up was granted goes back through _abort.
+        self._waiters: FifoBudget[_Want, _Placement] = FifoBudget(
+            self._place_wanted, lambda placement: self._abort(placement, ())
+        )
         self._poke: asyncio.Event | None = None
         self._recycler: asyncio.Task[None] | None = None
         self._last_sweep = 0.0
@@ -304,12 +302,9 @@ class FeatureSender:
         """Refuse waiting sends; wait up to timeout s for receivers to release what they
         hold and for copies to land. Whether the pool must be kept."""
         self._gauges.unbind()
-        while self._waiters:
-            waiter = self._waiters.popleft()
-            if not waiter.future.done():
-                waiter.future.set_exception(
-                    CacheClosedError("the IPC sender closed while send waited for room")
-                )
+        self._waiters.fail_all(
+            lambda: CacheClosedError("the IPC sender closed while send waited for room")
+        )
         leftover: list[Lease] = []
         if self._loop is not None and self._ledger is not None:
             deadline = None if timeout is None else time.monotonic() + timeout
@@ -549,41 +544,18 @@ class FeatureSender:
 
     async def _wait_for_room(self, nbytes: int, pool_ok: bool) -> _Placement:
         assert self._loop is not None and self._poke is not None
-        waiter = _Waiter(nbytes, pool_ok, self._loop.create_future(), asyncio.current_task())
-        self._waiters.append(waiter)
+        waiter = self._waiters.join((nbytes, pool_ok, asyncio.current_task()))
         self._poke.set()  # the recycler sweeps often while sends wait
         timeout = self.settings.ipc_lease_timeout_s
         try:
             async with asyncio.timeout(timeout):
-                return await asyncio.shield(waiter.future)
-        except BaseException as exc:
-            self._abandon(waiter)
-            if isinstance(exc, TimeoutError):
-                raise TransportFullError(self._full_message(nbytes, timeout)) from None
-            raise
+                return await self._waiters.wait(waiter)  # gives back a grant come too late
+        except TimeoutError:
+            raise TransportFullError(self._full_message(nbytes, timeout)) from None
 
-    def _abandon(self, waiter: _Waiter) -> None:
-        """A waiting send gave up: forget it, and give back room granted meanwhile."""
-        with contextlib.suppress(ValueError):
-            self._waiters.remove(waiter)
-        future = waiter.future
-        if future.done() and not future.cancelled() and future.exception() is None:
-            self._abort(future.result(), ())
-        else:
-            future.cancel()
-
-    def _grant_waiters(self) -> None:
-        """Give room to waiting sends in arrival order, while the first one fits."""
-        while self._waiters:
-            waiter = self._waiters[0]
-            if waiter.future.done():
-                self._waiters.popleft()
-                continue
-            placement = self._try_place(waiter.nbytes, waiter.pool_ok, waiter.owner)
-            if placement is None:
-                return
-            self._waiters.popleft()
-            waiter.future.set_result(placement)
+    def _place_wanted(self, want: _Want) -> _Placement | None:
+        """Room for a waiting send now (its FifoBudget's take), or None."""
+        return self._try_place(*want)
 
     def _abort(self, placement: _Placement, after: Sequence[Fence]) -> None:
         """Give back room a send will not use, after the fences and the copies queued
@@ -806,13 +778,13 @@ class FeatureSender:
                 "closed" if closed else "exited",
                 credited,
             )
-        self._grant_waiters()
+        self._waiters.grant()
         self._gauges.flush()  # a sweep's outcome shows at once (tests and operators read it)
 
     def _on_space(self) -> None:
         """A slice went back to an arena (maybe after its fences): room for waiting sends."""
         if not self._closed:
-            self._grant_waiters()
+            self._waiters.grant()
             self._gauges.request()
 
     # --- accounting ---------------------------------------------------------------------------
