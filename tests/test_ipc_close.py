@@ -263,13 +263,13 @@ async def test_a_release_step_that_fails_leaves_the_others_done_and_reaches_clos
 def slow_starting_sender(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> FeatureSender:
     """A sender whose start() takes 0.1 s making its fallback (as pinning it on a GPU does)."""
     sender = a_sender(rig)
-    real_make_fallback = sender._make_fallback
+    real_make_fallback = sender._memory.make_fallback
 
     async def slow_make_fallback() -> Any:
         await asyncio.sleep(0.1)
         return await real_make_fallback()
 
-    monkeypatch.setattr(sender, "_make_fallback", slow_make_fallback)
+    monkeypatch.setattr(sender._memory, "make_fallback", slow_make_fallback)
     return sender
 
 
@@ -722,15 +722,17 @@ async def test_close_keeps_the_fallback_a_cancelled_sends_copy_still_writes(sim_
     async with transport(sim_rig, consumers=1, pool_mb=1, fallback_mb=16) as tr:
         sender = tr.sender
         kept: list[tuple[bool, int]] = []
-        teardown = sender._teardown
+        teardown = sender._memory.teardown
 
-        def spy(keep_pool: bool, copying: Sequence[Fence]) -> Callable[[], None]:
+        def spy(
+            control: ControlBlock | None, keep_pool: bool, copying: Sequence[Fence]
+        ) -> Callable[[], None]:
             kept.append((keep_pool, sum(not f.done() for f in copying)))
-            return teardown(keep_pool, copying)
+            return teardown(control, keep_pool, copying)
 
-        sender._teardown = spy  # type: ignore[method-assign]
+        sender._memory.teardown = spy  # type: ignore[method-assign]
         unpinned: list[bool] = []
-        sender._unpin = functools.partial(unpinned.append, True)  # as on a GPU
+        sender._memory.unpin = functools.partial(unpinned.append, True)  # as on a GPU
         with sim_rig.hold():
             sending = asyncio.create_task(sender.send(torch.full(FEATURE_8MB, 3.0)))
             await asyncio.sleep(0.01)
@@ -749,7 +751,7 @@ async def test_a_sender_closed_with_leases_still_held_unpins_its_fallback(sim_ri
     the timeout keeps the pool, not the sender's pin."""
     async with transport(sim_rig, consumers=1, pool_mb=1, fallback_mb=4) as tr:
         unpinned: list[bool] = []
-        tr.sender._unpin = functools.partial(unpinned.append, True)  # as on a GPU
+        tr.sender._memory.unpin = functools.partial(unpinned.append, True)  # as on a GPU
         await tr.sender.send(torch.ones(64, 256))  # never released
         await tr.sender.close(timeout=0.05)
         assert unpinned == [True]

@@ -38,12 +38,11 @@ from mmcache.errors import (
 )
 from mmcache.host_pool import HostBlock
 from mmcache.ipc.control import LIVE, ControlBlock, LaneInfo
-from mmcache.ipc.cuda_ipc import CudaPool, pin_off_the_loop, unpin_after
 from mmcache.ipc.errors import NoPeerAccessError, TransportFullError
 from mmcache.ipc.handle import FeatureHandle, SenderEndpoint, dtype_name
 from mmcache.ipc.leases import Lease, LeaseLedger
+from mmcache.ipc.memory import SenderMemory
 from mmcache.ipc.pool import SliceArena, SlotAllocator
-from mmcache.ipc.shm import PrivateDirectory, SharedSegment
 from mmcache.ipc.stats import TransportStats
 from mmcache.layouts import check_strided
 from mmcache.metrics import CacheMetrics, DeferredPush
@@ -158,9 +157,7 @@ class FeatureSender:
         self._device = resolve_device(device)
         self._kind = _device_kind(self._device)
         self._n_lanes = lanes
-        self._alignment = alignment
-        self._pool_bytes = self.settings.ipc_pool_bytes if self.settings.use_cuda_ipc else 0
-        self._fallback_bytes = self.settings.ipc_fallback_bytes
+        self._memory = SenderMemory(self._device, self._kind, self.settings, alignment)
         self._interval = self.settings.ipc_recycle_interval_s
         self._metrics = CacheMetrics(name, registry)
         # Pushed once per loop iteration: every send and every freed slice changes them.
@@ -172,14 +169,6 @@ class FeatureSender:
         self._control: ControlBlock | None = None
         self._ledger: LeaseLedger | None = None
         self._endpoint: SenderEndpoint | None = None
-        self._pool: SliceArena | None = None
-        self._fallback: SliceArena | None = None
-        self._segments: list[SharedSegment] = []
-        self._pool_path = ""  # the simulator's pool segment
-        self._fallback_path = ""
-        self._sim_pool: torch.Tensor | None = None  # the simulator's adopted alias of the pool
-        self._cuda_pool: CudaPool | None = None
-        self._unpin: Callable[[], None] | None = None
         self._slots = SlotAllocator(max_slices)
         # Sends waiting for room, granted a placement in arrival order (the cache's FIFO
         # budget): what a send that gave up was granted goes back through _abort.
@@ -192,7 +181,6 @@ class FeatureSender:
         self._seq = 0
         self._inflight = {"pool": 0, "host": 0}  # bytes placed for sends still copying
         self._granted: set[_Placement] = set()  # room granted, not yet a lease or given back
-        self._dir: PrivateDirectory | None = None  # where the shared segments are
         self._host_copies: set[Fence] = set()  # copies into the fallback not yet landed
         self._closing = CloseOnce(cleans_up_when_cancelled=True)  # see _close
         self._starting: asyncio.Event | None = None  # set once start() has finished
@@ -224,14 +212,15 @@ class FeatureSender:
 
     async def _start(self, loop: asyncio.AbstractEventLoop) -> None:
         try:
-            self._dir = PrivateDirectory()
-            control = ControlBlock.create(self._dir.path, self._n_lanes, self._slots.capacity)
+            assert self._watcher is not None
+            path = self._memory.open(self._watcher.when_done, self._on_space)
+            control = ControlBlock.create(path, self._n_lanes, self._slots.capacity)
             self._control = control
             self._ledger = LeaseLedger(control, self.consumers, self.settings.ipc_lease_timeout_s)
-            if self._pool_bytes:
-                self._pool = await self._make_pool(control.path)
-            if self._fallback_bytes:
-                self._fallback = await self._make_fallback()
+            if self._memory.pool_bytes:
+                await self._memory.make_pool(control.path)
+            if self._memory.fallback_bytes:
+                await self._memory.make_fallback()
         except BaseException:
             self._closed = self._start_failed = True
             try:
@@ -241,17 +230,18 @@ class FeatureSender:
                     "IPC sender %r: releasing what a failed start() made failed", self.name
                 )
             raise
-        cuda_pool = self._cuda_pool
+        memory = self._memory
+        cuda_pool, pool, fallback = memory.cuda_pool, memory.pool, memory.fallback
         self._endpoint = SenderEndpoint(
             control_path=control.path,
             pid=control.sender_pid,
             device_kind=self._kind,
             device_uuid=cuda_pool.uuid if cuda_pool is not None else "",
-            pool_path=self._pool_path,
-            pool_nbytes=self._pool.tensor.numel() if self._pool is not None else 0,
+            pool_path=memory.pool_path,
+            pool_nbytes=pool.tensor.numel() if pool is not None else 0,
             cuda_pool=cuda_pool.ipc_handle if cuda_pool is not None else b"",
-            fallback_path=self._fallback_path,
-            fallback_nbytes=self._fallback.tensor.numel() if self._fallback is not None else 0,
+            fallback_path=memory.fallback_path,
+            fallback_nbytes=fallback.tensor.numel() if fallback is not None else 0,
         )
         control.publish_endpoint(self._endpoint.digest())
         self._recycler = loop.create_task(self._recycle_forever(), name=f"mmcache-ipc-{self.name}")
@@ -288,7 +278,7 @@ class FeatureSender:
 
     async def _free(self, keep_pool: bool, copying: Sequence[Fence]) -> None:
         """_teardown's releases and the device we made, then our metrics."""
-        steps = [self._teardown(keep_pool, copying)]
+        steps = [self._memory.teardown(self._control, keep_pool, copying)]
         if self._owns_device:
             steps.append(self._device.close)
         try:
@@ -404,17 +394,16 @@ class FeatureSender:
     def stats(self) -> TransportStats:
         """A snapshot of the pool, the fallback, the leases and the receivers."""
         ledger, control = self._ledger, self._control
+        pool, fallback = self._memory.pool, self._memory.fallback
         leases = list(ledger) if ledger is not None else []
         live = 0
         if control is not None and not self._closed:
             live = sum(1 for i in control.lanes() if i.live)
         return TransportStats(
-            pool_used_bytes=self._pool.used_bytes if self._pool is not None else 0,
-            pool_capacity_bytes=self._pool.capacity_bytes if self._pool is not None else 0,
-            fallback_used_bytes=self._fallback.used_bytes if self._fallback is not None else 0,
-            fallback_capacity_bytes=(
-                self._fallback.capacity_bytes if self._fallback is not None else 0
-            ),
+            pool_used_bytes=pool.used_bytes if pool is not None else 0,
+            pool_capacity_bytes=pool.capacity_bytes if pool is not None else 0,
+            fallback_used_bytes=fallback.used_bytes if fallback is not None else 0,
+            fallback_capacity_bytes=fallback.capacity_bytes if fallback is not None else 0,
             sends=self._sends,
             fallbacks=sum(self._fallbacks.values()),
             live_leases=len(leases),
@@ -488,9 +477,9 @@ class FeatureSender:
 
     def _pool_refusal(self, nbytes: int, lanes: Sequence[LaneInfo]) -> str | None:
         """Why nbytes may not go through the pool at all (None: it may)."""
-        if self._pool is None:
+        if self._memory.pool is None:
             return "disabled"
-        if nbytes > self._pool.max_slice_bytes:
+        if nbytes > self._memory.pool.max_slice_bytes:
             return "too_large"
         if any(not i.peer_ok for i in lanes if i.state == LIVE):
             return "no_peer"
@@ -498,7 +487,7 @@ class FeatureSender:
 
     def _check_fits(self, nbytes: int, refusal: str | None) -> None:
         """Refuse at once what could never be placed, saying which setting to change."""
-        pool, fallback = self._pool, self._fallback
+        pool, fallback = self._memory.pool, self._memory.fallback
         if refusal is None:  # _pool_refusal found the pool able to take it
             return
         if fallback is not None and nbytes <= fallback.max_slice_bytes:
@@ -527,8 +516,8 @@ class FeatureSender:
         if slot is None:
             return None
         choices: tuple[tuple[Where, SliceArena | None], ...] = (
-            ("pool", self._pool if pool_ok else None),
-            ("host", self._fallback),
+            ("pool", self._memory.pool if pool_ok else None),
+            ("host", self._memory.fallback),
         )
         for where, arena in choices:
             if arena is None:
@@ -577,7 +566,9 @@ class FeatureSender:
     def _full_message(self, nbytes: int, waited: float | None) -> str:
         env = self.settings.env_name
         held = len(self._ledger) if self._ledger is not None else 0
-        used = sum(a.used_bytes for a in (self._pool, self._fallback) if a is not None)
+        used = sum(
+            a.used_bytes for a in (self._memory.pool, self._memory.fallback) if a is not None
+        )
         how = "now" if waited is None else f"within {waited:.1f} s ({env('ipc_lease_timeout_s')})"
         return (
             f"no room for a {nbytes / _MiB:.2f} MiB feature in the IPC pool or the host "
@@ -671,9 +662,10 @@ class FeatureSender:
 
     def _record_event(self, slot: int, stream: Stream) -> bytes:
         """Record the slot's CUDA IPC event after the copy (b"" on the simulator)."""
-        if self._cuda_pool is None:
+        cuda_pool = self._memory.cuda_pool
+        if cuda_pool is None:
             return b""
-        return self._cuda_pool.record_ready(slot, stream)
+        return cuda_pool.record_ready(slot, stream)
 
     def _mark_ready(self, slot: int, seq: int, written: Fence) -> None:
         """Fence callback (any thread): publish that a pool slice is written, or that it failed."""
@@ -802,7 +794,7 @@ class FeatureSender:
             if placement.owner is None or placement.owner.done()
         )
         leases = list(ledger)
-        for where, arena in (("pool", self._pool), ("host", self._fallback)):
+        for where, arena in (("pool", self._memory.pool), ("host", self._memory.fallback)):
             if arena is None:
                 continue
             owned = sum(lease.nbytes for lease in leases if lease.arena is arena)
@@ -811,7 +803,7 @@ class FeatureSender:
         return leaked
 
     def _push_gauges(self) -> None:
-        pool, ledger = self._pool, self._ledger
+        pool, ledger = self._memory.pool, self._ledger
         if pool is not None and ledger is not None:
             held_open = ledger.open_bytes(pool)
             self._metrics.set_ipc_pool("used", pool.used_bytes - held_open)
@@ -831,93 +823,3 @@ class FeatureSender:
             )
         if self._starting is None or not self._starting.is_set():
             await self.start()  # the first send starts it, or waits for a start under way
-
-    def _arena(
-        self,
-        tensor: torch.Tensor,
-        segment: SharedSegment | None = None,
-        lazy_commit_hint: str | None = None,
-    ) -> SliceArena:
-        assert self._watcher is not None
-        return SliceArena(
-            tensor,
-            self._device,
-            alignment=self._alignment,
-            defer=self._watcher.when_done,
-            on_free=self._on_space,
-            segment=segment,
-            lazy_commit_hint=lazy_commit_hint,
-        )
-
-    async def _make_pool(self, control_path: str) -> SliceArena:
-        hint = f"lower {self.settings.env_name('ipc_pool_mb')}"
-        if self._kind == "sim":
-            assert self._dir is not None
-            segment = SharedSegment.create(self._dir.path, "pool", self._pool_bytes)
-            self._segments.append(segment)
-            self._pool_path = segment.path
-            segment.commit(0, self._pool_bytes, hint)
-            alias = self._device.adopt(segment.tensor(), self._device.current_stream())
-            self._sim_pool = alias
-            self._device.poison_host(alias)  # fresh device memory holds garbage, never zeros
-            return self._arena(alias)
-        from mmcache.device.cuda import CudaDevice
-
-        assert isinstance(self._device, CudaDevice)
-        pool = CudaPool(self._device.index, self._pool_bytes, control_path)
-        self._cuda_pool = pool
-        assert pool.tensor is not None
-        return self._arena(pool.tensor)
-
-    async def _make_fallback(self) -> SliceArena:
-        hint = f"lower {self.settings.env_name('ipc_fallback_mb')}"
-        assert self._dir is not None
-        segment = SharedSegment.create(self._dir.path, "fallback", self._fallback_bytes)
-        self._segments.append(segment)
-        self._fallback_path = segment.path
-        if self._kind == "sim":
-            return self._arena(segment.tensor(), segment=segment, lazy_commit_hint=hint)
-        from mmcache.device.cuda import CudaDevice
-
-        assert isinstance(self._device, CudaDevice) and self._loop is not None
-        # Pinned, the copies into it are asynchronous and run at full speed; pinning
-        # touches every page, so reserve them all first (a clean error if /dev/shm is full).
-        segment.commit(0, self._fallback_bytes, hint)
-        tensor = segment.tensor()
-        self._unpin = await pin_off_the_loop(self._device.index, tensor)
-        return self._arena(tensor)
-
-    def _teardown(self, keep_pool: bool, copying: Sequence[Fence]) -> Callable[[], None]:
-        """Let go of the shared segments, the pool unless keep_pool (a receiver may still
-        read it), and the fallback's pinning once copying (copies into it) have landed;
-        return the blocking part of that (unlinking, freeing, unpinning), which close()
-        runs on a thread of its own."""
-        control, segments = self._control, list(self._segments)
-        fallback = self._fallback.tensor if self._fallback is not None else None
-        arenas = [self._pool, self._fallback]  # views of the segments: unmapped with the last
-        self._pool = self._fallback = None
-        sim_pool = cuda_pool = None
-        if not keep_pool:
-            sim_pool, self._sim_pool = self._sim_pool, None
-            cuda_pool, self._cuda_pool = self._cuda_pool, None
-        unpin, self._unpin = self._unpin, None
-        in_flight = [f for f in copying if not f.done()]
-        if unpin is not None and in_flight:
-            assert fallback is not None
-            unpin_after(in_flight, unpin, fallback)  # one never landing keeps it pinned
-            unpin = None
-        steps: list[Callable[[], object]] = []
-        if control is not None:
-            steps.append(functools.partial(control.close, unlink=True))  # marks it closed
-        steps += [segment.unlink for segment in segments]
-        if sim_pool is not None:
-            steps.append(functools.partial(self._device.release, sim_pool, ()))
-        if cuda_pool is not None:
-            steps.append(cuda_pool.close)  # waits for the device, then frees
-        if unpin is not None:
-            steps.append(unpin)  # before the mapping goes
-        steps += [segment.close for segment in segments]
-        if self._dir is not None:
-            steps.append(self._dir.remove)
-        steps.append(arenas.clear)
-        return functools.partial(run_each, steps)
