@@ -123,7 +123,7 @@ async def test_the_audit_counts_room_granted_to_a_send_that_ended(sim_rig: Rig) 
 
         async def leaky_send() -> int:
             # A send path that takes room and ends without a lease or giving it back.
-            placement = sender._try_place(4096, True, asyncio.current_task())
+            placement = sender._room.try_place(4096, True, asyncio.current_task())
             assert placement is not None
             return placement.block.nbytes
 

@@ -17,14 +17,12 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Final, Literal
 
 import torch
 from prometheus_client import CollectorRegistry
 
 from mmcache.closing import CloseOnce, off_the_loop, run_each
-from mmcache.core.budget import FifoBudget
 from mmcache.device import Device, Fence, SimDevice, Stream, resolve_device
 from mmcache.device.base import feature_bytes
 from mmcache.errors import (
@@ -33,16 +31,14 @@ from mmcache.errors import (
     InvalidValueError,
     MMCacheError,
     SettingsError,
-    ValueTooLargeError,
     WrongLoopError,
 )
-from mmcache.host_pool import HostBlock
 from mmcache.ipc.control import LIVE, ControlBlock, LaneInfo
-from mmcache.ipc.errors import NoPeerAccessError, TransportFullError
+from mmcache.ipc.errors import TransportFullError
 from mmcache.ipc.handle import FeatureHandle, SenderEndpoint, dtype_name
 from mmcache.ipc.leases import Lease, LeaseLedger
 from mmcache.ipc.memory import SenderMemory
-from mmcache.ipc.pool import SliceArena, SlotAllocator
+from mmcache.ipc.room import Placement, SendRoom
 from mmcache.ipc.stats import TransportStats
 from mmcache.layouts import check_strided
 from mmcache.metrics import CacheMetrics, DeferredPush
@@ -62,29 +58,8 @@ _BACKPRESSURE_POLL_S: Final = 0.002
 # A send that finds no room sweeps first, at most this often (a sweep reads every lease).
 _MIN_SWEEP_GAP_S: Final = 0.001
 
-Where = Literal["pool", "host"]
 #: The receivers registered at send, and how many releases the send is owed.
 _Owed = tuple[frozenset[tuple[int, int]], int]
-
-
-@dataclass(slots=True, eq=False)
-class _Placement:
-    """Room granted to one send: a slice of an arena and a control-block slot.
-
-    owner is the task of the send it was granted to: room still granted once
-    that task has ended is leaked. after holds the copies queued into the slice
-    (it is reused only after them), seq the send the slot was armed for (0: not
-    yet), settled whether it became a lease or was given back.
-    """
-
-    where: Where
-    arena: SliceArena
-    block: HostBlock
-    slot: int
-    owner: asyncio.Task[object] | None
-    after: list[Fence] = field(default_factory=list)
-    seq: int = 0
-    settled: bool = False
 
 
 class _Source:
@@ -120,10 +95,6 @@ def _device_kind(device: Device) -> Literal["sim", "cuda"]:
     raise InvalidValueError(
         f"the IPC transport runs on a SimDevice or a CudaDevice, not {type(device).__name__}"
     )
-
-
-# What a send waits for: its bytes, whether the pool may take them, the task sending.
-_Want = tuple[int, bool, "asyncio.Task[object] | None"]
 
 
 class FeatureSender:
@@ -169,18 +140,11 @@ class FeatureSender:
         self._control: ControlBlock | None = None
         self._ledger: LeaseLedger | None = None
         self._endpoint: SenderEndpoint | None = None
-        self._slots = SlotAllocator(max_slices)
-        # Sends waiting for room, granted a placement in arrival order (the cache's FIFO
-        # budget): what a send that gave up was granted goes back through _abort.
-        self._waiters: FifoBudget[_Want, _Placement] = FifoBudget(
-            self._place_wanted, lambda placement: self._abort(placement, ())
-        )
+        self._room = SendRoom(self._memory, self.settings, max_slices)
         self._poke: asyncio.Event | None = None
         self._recycler: asyncio.Task[None] | None = None
         self._last_sweep = 0.0
         self._seq = 0
-        self._inflight = {"pool": 0, "host": 0}  # bytes placed for sends still copying
-        self._granted: set[_Placement] = set()  # room granted, not yet a lease or given back
         self._host_copies: set[Fence] = set()  # copies into the fallback not yet landed
         self._closing = CloseOnce(cleans_up_when_cancelled=True)  # see _close
         self._starting: asyncio.Event | None = None  # set once start() has finished
@@ -214,9 +178,10 @@ class FeatureSender:
         try:
             assert self._watcher is not None
             path = self._memory.open(self._watcher.when_done, self._on_space)
-            control = ControlBlock.create(path, self._n_lanes, self._slots.capacity)
+            control = ControlBlock.create(path, self._n_lanes, self._room.slot_count)
             self._control = control
             self._ledger = LeaseLedger(control, self.consumers, self.settings.ipc_lease_timeout_s)
+            self._room.bind(control, self._ledger)
             if self._memory.pool_bytes:
                 await self._memory.make_pool(control.path)
             if self._memory.fallback_bytes:
@@ -292,7 +257,7 @@ class FeatureSender:
         """Refuse waiting sends; wait up to timeout s for receivers to release what they
         hold and for copies to land. Whether the pool must be kept."""
         self._gauges.unbind()
-        self._waiters.fail_all(
+        self._room.waiters.fail_all(
             lambda: CacheClosedError("the IPC sender closed while send waited for room")
         )
         leftover: list[Lease] = []
@@ -385,7 +350,7 @@ class FeatureSender:
                 self._count_fallback(reason)
                 handle = await self._write_host(own, placement, ready, stream, (owed, needed))
         except BaseException:
-            self._abort(placement, ())  # nothing once it is a lease
+            self._room.abort(placement, ())  # nothing once it is a lease
             own.release(placement.after or [ready])
             raise
         self._sends += 1
@@ -408,10 +373,10 @@ class FeatureSender:
             fallbacks=sum(self._fallbacks.values()),
             live_leases=len(leases),
             open_leases=sum(1 for lease in leases if lease.open_by),
-            leaked_bytes=self._leaked_bytes(),
+            leaked_bytes=self._room.leaked_bytes(),
             receivers=live,
             receivers_lost=ledger.lost_receivers if ledger is not None else 0,
-            waiting_sends=len(self._waiters),
+            waiting_sends=len(self._room.waiters),
             fallbacks_by_reason=dict(self._fallbacks),
         )
 
@@ -429,9 +394,9 @@ class FeatureSender:
             assert self._ledger is not None and self._watcher is not None
             busy = (
                 len(self._ledger)
-                or self._waiters
+                or self._room.waiters
                 or self._watcher.outstanding
-                or any(self._inflight.values())
+                or self._room.in_flight()
             )
             if not busy:
                 return True
@@ -457,132 +422,41 @@ class FeatureSender:
 
     async def _place(
         self, nbytes: int, lanes: Sequence[LaneInfo], wait: bool
-    ) -> tuple[_Placement, str]:
+    ) -> tuple[Placement, str]:
         """Room for nbytes, and why it is not in the pool if it is not."""
-        refusal = self._pool_refusal(nbytes, lanes)
+        refusal = self._room.pool_refusal(nbytes, lanes)
         pool_ok = refusal is None
-        self._check_fits(nbytes, refusal)
+        self._room.check_fits(nbytes, refusal)
         reason = refusal or "pool_full"
-        if not self._waiters:
+        if not self._room.waiters:
             owner = asyncio.current_task()
-            placement = self._try_place(nbytes, pool_ok, owner)
+            placement = self._room.try_place(nbytes, pool_ok, owner)
             if placement is None and time.monotonic() - self._last_sweep >= _MIN_SWEEP_GAP_S:
                 self._sweep()
-                placement = self._try_place(nbytes, pool_ok, owner)
+                placement = self._room.try_place(nbytes, pool_ok, owner)
             if placement is not None:
                 return placement, reason
         if not wait:
-            raise TransportFullError(self._full_message(nbytes, None))
+            raise TransportFullError(self._room.full_message(nbytes, None))
         return await self._wait_for_room(nbytes, pool_ok), reason
 
-    def _pool_refusal(self, nbytes: int, lanes: Sequence[LaneInfo]) -> str | None:
-        """Why nbytes may not go through the pool at all (None: it may)."""
-        if self._memory.pool is None:
-            return "disabled"
-        if nbytes > self._memory.pool.max_slice_bytes:
-            return "too_large"
-        if any(not i.peer_ok for i in lanes if i.state == LIVE):
-            return "no_peer"
-        return None
-
-    def _check_fits(self, nbytes: int, refusal: str | None) -> None:
-        """Refuse at once what could never be placed, saying which setting to change."""
-        pool, fallback = self._memory.pool, self._memory.fallback
-        if refusal is None:  # _pool_refusal found the pool able to take it
-            return
-        if fallback is not None and nbytes <= fallback.max_slice_bytes:
-            return
-        env = self.settings.env_name
-        if refusal == "no_peer":
-            raise NoPeerAccessError(
-                "a registered receiver cannot read this GPU's IPC pool and the host fallback "
-                f"cannot take {nbytes / _MiB:.1f} MiB; raise {env('ipc_fallback_mb')}"
-            )
-        pool_mb = pool.capacity_bytes / _MiB if pool is not None else 0.0
-        fallback_mb = fallback.capacity_bytes / _MiB if fallback is not None else 0.0
-        off = "" if self.settings.use_cuda_ipc else f"; off: {env('use_cuda_ipc')}=0"
-        raise ValueTooLargeError(
-            f"a feature of {nbytes / _MiB:.1f} MiB fits neither the IPC pool "
-            f"({pool_mb:.1f} MiB, {env('ipc_pool_mb')}{off}) nor the host fallback "
-            f"({fallback_mb:.1f} MiB, {env('ipc_fallback_mb')}); raise one of them"
-        )
-
-    def _try_place(
-        self, nbytes: int, pool_ok: bool, owner: asyncio.Task[object] | None
-    ) -> _Placement | None:
-        """Room for nbytes now, for the send running as task owner: a pool slice if
-        allowed, else a fallback block; None if full."""
-        slot = self._slots.take()
-        if slot is None:
-            return None
-        choices: tuple[tuple[Where, SliceArena | None], ...] = (
-            ("pool", self._memory.pool if pool_ok else None),
-            ("host", self._memory.fallback),
-        )
-        for where, arena in choices:
-            if arena is None:
-                continue
-            block = arena.allocate(nbytes)
-            if block is not None:
-                self._inflight[where] += block.nbytes
-                placement = _Placement(where, arena, block, slot, owner)
-                self._granted.add(placement)
-                return placement
-        self._slots.give(slot)
-        return None
-
-    async def _wait_for_room(self, nbytes: int, pool_ok: bool) -> _Placement:
+    async def _wait_for_room(self, nbytes: int, pool_ok: bool) -> Placement:
         assert self._loop is not None and self._poke is not None
-        waiter = self._waiters.join((nbytes, pool_ok, asyncio.current_task()))
+        waiter = self._room.waiters.join((nbytes, pool_ok, asyncio.current_task()))
         self._poke.set()  # the recycler sweeps often while sends wait
         timeout = self.settings.ipc_lease_timeout_s
         try:
             async with asyncio.timeout(timeout):
-                return await self._waiters.wait(waiter)  # gives back a grant come too late
+                return await self._room.waiters.wait(waiter)  # gives back a grant come too late
         except TimeoutError:
-            raise TransportFullError(self._full_message(nbytes, timeout)) from None
-
-    def _place_wanted(self, want: _Want) -> _Placement | None:
-        """Room for a waiting send now (its FifoBudget's take), or None."""
-        return self._try_place(*want)
-
-    def _abort(self, placement: _Placement, after: Sequence[Fence]) -> None:
-        """Give back room a send will not use, after the fences and the copies queued
-        into it; nothing if it was given back already or became a lease."""
-        if placement.settled:
-            return
-        self._settle(placement)
-        if placement.seq and self._control is not None:
-            self._control.invalidate(placement.slot, placement.seq)
-        placement.arena.free(placement.block, [*placement.after, *after])
-        self._slots.give(placement.slot)
-
-    def _settle(self, placement: _Placement) -> None:
-        """Room granted to a send stops being in flight: a lease holds it, or it went back."""
-        placement.settled = True
-        self._granted.discard(placement)
-        self._inflight[placement.where] -= placement.block.nbytes
-
-    def _full_message(self, nbytes: int, waited: float | None) -> str:
-        env = self.settings.env_name
-        held = len(self._ledger) if self._ledger is not None else 0
-        used = sum(
-            a.used_bytes for a in (self._memory.pool, self._memory.fallback) if a is not None
-        )
-        how = "now" if waited is None else f"within {waited:.1f} s ({env('ipc_lease_timeout_s')})"
-        return (
-            f"no room for a {nbytes / _MiB:.2f} MiB feature in the IPC pool or the host "
-            f"fallback {how}: {used / _MiB:.1f} MiB are held by {held} sends that receivers "
-            f"have not released. Check that the receivers run and receive every handle, or "
-            f"raise {env('ipc_fallback_mb')} / {env('ipc_pool_mb')}"
-        )
+            raise TransportFullError(self._room.full_message(nbytes, timeout)) from None
 
     # --- writing ----------------------------------------------------------------------------
 
     def _write_pool(
         self,
         own: _Source,
-        placement: _Placement,
+        placement: Placement,
         ready: Fence,
         stream: Stream,
         owed: _Owed,
@@ -599,7 +473,7 @@ class FeatureSender:
             event = self._record_event(placement.slot, stream)
             handle = self._publish(placement, shape, dtype, event)
         except BaseException:
-            self._abort(placement, ())
+            self._room.abort(placement, ())
             own.release(placement.after or [ready])
             raise
         seq = handle.seq
@@ -610,7 +484,7 @@ class FeatureSender:
     async def _write_host(
         self,
         own: _Source,
-        placement: _Placement,
+        placement: Placement,
         ready: Fence,
         stream: Stream,
         owed: _Owed,
@@ -632,7 +506,7 @@ class FeatureSender:
             del dst
             placement.after.append(copied)
         except BaseException:
-            self._abort(placement, ())
+            self._room.abort(placement, ())
             own.release(after)
             raise
         self._host_copies.add(copied)  # close() waits for it before freeing the fallback
@@ -643,7 +517,7 @@ class FeatureSender:
         except BaseException as exc:
             if isinstance(exc, CopyFailedError):
                 self._metrics.fault("copy_failed")
-            self._abort(placement, ())
+            self._room.abort(placement, ())
             own.release([copied])
             raise
         finally:
@@ -673,7 +547,7 @@ class FeatureSender:
             self._control.mark_ready(slot, seq, written.exception() is None)
 
     def _publish(
-        self, placement: _Placement, shape: tuple[int, ...], dtype: torch.dtype, event: bytes
+        self, placement: Placement, shape: tuple[int, ...], dtype: torch.dtype, event: bytes
     ) -> FeatureHandle:
         """The handle of a new send into placement, its slice published in the slot."""
         assert self._endpoint is not None and self._control is not None
@@ -699,12 +573,12 @@ class FeatureSender:
         return handle
 
     def _lease(
-        self, placement: _Placement, handle: FeatureHandle, written: Fence, owed: _Owed
+        self, placement: Placement, handle: FeatureHandle, written: Fence, owed: _Owed
     ) -> FeatureHandle:
         """Hold placement for handle's receivers (the send's room becomes a lease)."""
         assert self._ledger is not None
         self._ledger.add(Lease(handle, placement.arena, placement.block, written, *owed))
-        self._settle(placement)
+        self._room.settle(placement)
         self._gauges.request()
         return handle
 
@@ -721,7 +595,9 @@ class FeatureSender:
     async def _recycle_forever(self) -> None:
         assert self._poke is not None
         while True:
-            delay = min(self._interval, _BACKPRESSURE_POLL_S) if self._waiters else self._interval
+            delay = (
+                min(self._interval, _BACKPRESSURE_POLL_S) if self._room.waiters else self._interval
+            )
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._poke.wait(), delay)
             self._poke.clear()
@@ -747,7 +623,7 @@ class FeatureSender:
                 )
             # After the sender's own copy into it too: a receiver that died may not have waited.
             lease.arena.free(lease.block, [lease.written])
-            self._slots.give(lease.handle.slot)
+            self._room.give_slot(lease.handle.slot)
         for lease in result.timed_out:
             owing = ", ".join(f"pid {i.pid}" for i in ledger.owing(lease)) or "none registered"
             log.warning(
@@ -770,37 +646,16 @@ class FeatureSender:
                 "closed" if closed else "exited",
                 credited,
             )
-        self._waiters.grant()
+        self._room.waiters.grant()
         self._gauges.flush()  # a sweep's outcome shows at once (tests and operators read it)
 
     def _on_space(self) -> None:
         """A slice went back to an arena (maybe after its fences): room for waiting sends."""
         if not self._closed:
-            self._waiters.grant()
+            self._room.waiters.grant()
             self._gauges.request()
 
     # --- accounting ---------------------------------------------------------------------------
-
-    def _leaked_bytes(self) -> int:
-        """Late leases, room still granted to sends that have ended, plus arena bytes that
-        no lease, send in progress or pending free owns."""
-        ledger = self._ledger
-        if ledger is None:
-            return 0
-        leaked = ledger.leaked_bytes()
-        leaked += sum(
-            placement.block.nbytes
-            for placement in self._granted
-            if placement.owner is None or placement.owner.done()
-        )
-        leases = list(ledger)
-        for where, arena in (("pool", self._memory.pool), ("host", self._memory.fallback)):
-            if arena is None:
-                continue
-            owned = sum(lease.nbytes for lease in leases if lease.arena is arena)
-            owned += self._inflight[where] + arena.freeing_bytes
-            leaked += arena.used_bytes - owned
-        return leaked
 
     def _push_gauges(self) -> None:
         pool, ledger = self._memory.pool, self._ledger
@@ -809,7 +664,7 @@ class FeatureSender:
             self._metrics.set_ipc_pool("used", pool.used_bytes - held_open)
             self._metrics.set_ipc_pool("leased", held_open)
             self._metrics.set_ipc_pool("free", pool.capacity_bytes - pool.used_bytes)
-        self._metrics.set_leaked("ipc", self._leaked_bytes())
+        self._metrics.set_leaked("ipc", self._room.leaked_bytes())
 
     # --- set-up and tear-down -----------------------------------------------------------------
 
