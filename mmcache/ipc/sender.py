@@ -16,7 +16,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Final, Literal
 
 import torch
@@ -35,11 +35,12 @@ from mmcache.errors import (
 )
 from mmcache.ipc.control import LIVE, ControlBlock, LaneInfo
 from mmcache.ipc.errors import TransportFullError
-from mmcache.ipc.handle import FeatureHandle, SenderEndpoint, dtype_name
+from mmcache.ipc.handle import FeatureHandle, SenderEndpoint
 from mmcache.ipc.leases import Lease, LeaseLedger
 from mmcache.ipc.memory import SenderMemory
 from mmcache.ipc.room import Placement, SendRoom
 from mmcache.ipc.stats import TransportStats
+from mmcache.ipc.writer import SliceWriter, Source
 from mmcache.layouts import check_strided
 from mmcache.metrics import CacheMetrics, DeferredPush
 from mmcache.settings import CacheSettings
@@ -57,32 +58,6 @@ DEFAULT_MAX_SLICES: Final = 1024  # one CUDA IPC event each: a scarce driver res
 _BACKPRESSURE_POLL_S: Final = 0.002
 # A send that finds no room sweeps first, at most this often (a sweep reads every lease).
 _MIN_SWEEP_GAP_S: Final = 0.001
-
-#: The receivers registered at send, and how many releases the send is owed.
-_Owed = tuple[frozenset[tuple[int, int]], int]
-
-
-class _Source:
-    """The sender's alias of a sent tensor, given back to the device exactly once."""
-
-    __slots__ = ("_give_back", "tensor")
-
-    def __init__(
-        self, tensor: torch.Tensor, give_back: Callable[[torch.Tensor, Sequence[Fence]], None]
-    ) -> None:
-        self._give_back = give_back
-        self.tensor: torch.Tensor | None = tensor
-
-    def release(self, after: Sequence[Fence]) -> None:
-        """Give the alias back after the fences (again: nothing)."""
-        tensor, self.tensor = self.tensor, None
-        if tensor is not None:
-            self._give_back(tensor, after)
-
-    def replace(self, tensor: torch.Tensor, after: Sequence[Fence]) -> None:
-        """Release the alias held after the fences, and hold tensor instead."""
-        self.release(after)
-        self.tensor = tensor
 
 
 def _device_kind(device: Device) -> Literal["sim", "cuda"]:
@@ -128,11 +103,20 @@ class FeatureSender:
         self._device = resolve_device(device)
         self._kind = _device_kind(self._device)
         self._n_lanes = lanes
-        self._memory = SenderMemory(self._device, self._kind, self.settings, alignment)
         self._interval = self.settings.ipc_recycle_interval_s
         self._metrics = CacheMetrics(name, registry)
         # Pushed once per loop iteration: every send and every freed slice changes them.
         self._gauges = DeferredPush(self._push_gauges)
+        self._memory = SenderMemory(self._device, self._kind, self.settings, alignment)
+        self._room = SendRoom(self._memory, self.settings, max_slices)
+        self._writer = SliceWriter(
+            self._device,
+            self._memory,
+            self._room,
+            self._metrics,
+            self._gauges,
+            lambda: self._closed,
+        )
 
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
@@ -140,12 +124,9 @@ class FeatureSender:
         self._control: ControlBlock | None = None
         self._ledger: LeaseLedger | None = None
         self._endpoint: SenderEndpoint | None = None
-        self._room = SendRoom(self._memory, self.settings, max_slices)
         self._poke: asyncio.Event | None = None
         self._recycler: asyncio.Task[None] | None = None
         self._last_sweep = 0.0
-        self._seq = 0
-        self._host_copies: set[Fence] = set()  # copies into the fallback not yet landed
         self._closing = CloseOnce(cleans_up_when_cancelled=True)  # see _close
         self._starting: asyncio.Event | None = None  # set once start() has finished
         self._start_failed = False
@@ -209,6 +190,8 @@ class FeatureSender:
             fallback_nbytes=fallback.tensor.numel() if fallback is not None else 0,
         )
         control.publish_endpoint(self._endpoint.digest())
+        assert self._ledger is not None and self._watcher is not None
+        self._writer.bind(control, self._ledger, self._endpoint, self._watcher)
         self._recycler = loop.create_task(self._recycle_forever(), name=f"mmcache-ipc-{self.name}")
         self._gauges.bind(loop)
         self._gauges.request()
@@ -239,7 +222,7 @@ class FeatureSender:
         finally:
             # Copies into the fallback must land before it is unpinned; the rest of the
             # memory goes now, the pool unless a receiver may still read it.
-            await self._free(keep_pool, list(self._host_copies))
+            await self._free(keep_pool, list(self._writer.host_copies))
 
     async def _free(self, keep_pool: bool, copying: Sequence[Fence]) -> None:
         """_teardown's releases and the device we made, then our metrics."""
@@ -282,7 +265,7 @@ class FeatureSender:
             if self._watcher is not None:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._watcher.idle(), timeout)
-        copying = list(self._host_copies)
+        copying = list(self._writer.host_copies)
         with contextlib.suppress(CopyFailedError):  # a timeout is one too
             await wait_fences(copying, timeout)
         return bool(leftover) or not all(f.done() for f in copying)
@@ -328,7 +311,7 @@ class FeatureSender:
         await self._ready_to_serve()
         nbytes = feature_bytes(self._device, tensor, "send()")
         ready = self._device.record(stream)
-        own = _Source(self._device.adopt(tensor, stream), self._release_source)
+        own = Source(self._device.adopt(tensor, stream), self._release_source)
         del tensor
         try:
             assert self._control is not None
@@ -345,10 +328,12 @@ class FeatureSender:
             if self._closed:  # room granted, then close() began before this send resumed
                 raise CacheClosedError("the IPC sender closed while send waited for room")
             if placement.where == "pool":
-                handle = self._write_pool(own, placement, ready, stream, (owed, needed))
+                handle = self._writer.write_pool(own, placement, ready, stream, (owed, needed))
             else:
                 self._count_fallback(reason)
-                handle = await self._write_host(own, placement, ready, stream, (owed, needed))
+                handle = await self._writer.write_host(
+                    own, placement, ready, stream, (owed, needed)
+                )
         except BaseException:
             self._room.abort(placement, ())  # nothing once it is a lease
             own.release(placement.after or [ready])
@@ -451,140 +436,9 @@ class FeatureSender:
         except TimeoutError:
             raise TransportFullError(self._room.full_message(nbytes, timeout)) from None
 
-    # --- writing ----------------------------------------------------------------------------
-
-    def _write_pool(
-        self,
-        own: _Source,
-        placement: Placement,
-        ready: Fence,
-        stream: Stream,
-        owed: _Owed,
-    ) -> FeatureHandle:
-        """Queue own -> pool slice on the producer's stream; the handle goes out at once."""
-        assert own.tensor is not None
-        shape, dtype = tuple(own.tensor.shape), own.tensor.dtype
-        try:
-            dst = placement.arena.view(placement.block, shape, dtype)
-            # On the producer's stream: ordered after the work that made the tensor.
-            written = self._device.copy_d2d(own.tensor, dst, stream)
-            del dst
-            placement.after.append(written)
-            event = self._record_event(placement.slot, stream)
-            handle = self._publish(placement, shape, dtype, event)
-        except BaseException:
-            self._room.abort(placement, ())
-            own.release(placement.after or [ready])
-            raise
-        seq = handle.seq
-        written.add_done_callback(functools.partial(self._mark_ready, placement.slot, seq, written))
-        own.release([written])
-        return self._lease(placement, handle, written, owed)
-
-    async def _write_host(
-        self,
-        own: _Source,
-        placement: Placement,
-        ready: Fence,
-        stream: Stream,
-        owed: _Owed,
-    ) -> FeatureHandle:
-        """Copy own into a shared host block, release it, and only then hand out the handle."""
-        assert self._control is not None and own.tensor is not None
-        shape, dtype = tuple(own.tensor.shape), own.tensor.dtype
-        after: list[Fence] = [ready]
-        try:
-            placement.arena.commit(placement.block)
-            if not own.tensor.is_contiguous():
-                # A device-to-host copy needs one dense range: pack the view on the device.
-                packed = self._device.empty(shape, dtype, stream)
-                compacted = self._device.copy_d2d(own.tensor, packed, stream)
-                own.replace(packed, [compacted])
-                after = [compacted]
-            dst = placement.arena.view(placement.block, shape, dtype)
-            copied = self._device.copy_d2h(own.tensor, dst, after)
-            del dst
-            placement.after.append(copied)
-        except BaseException:
-            self._room.abort(placement, ())
-            own.release(after)
-            raise
-        self._host_copies.add(copied)  # close() waits for it before freeing the fallback
-        try:
-            await wait_fences([copied])
-            if self._closed:  # no receiver can take a handle of a closed sender
-                raise CacheClosedError("the IPC sender closed while send copied to the host")
-        except BaseException as exc:
-            if isinstance(exc, CopyFailedError):
-                self._metrics.fault("copy_failed")
-            self._room.abort(placement, ())
-            own.release([copied])
-            raise
-        finally:
-            # Forgotten once landed, also when this send was cancelled while it copied.
-            assert self._watcher is not None
-            self._watcher.when_done([copied], functools.partial(self._host_copies.discard, copied))
-        # The device memory goes back before the handle exists: the seed bug kept it.
-        own.release([copied])
-        handle = self._publish(placement, shape, dtype, b"")
-        self._control.mark_ready(placement.slot, handle.seq, True)
-        return self._lease(placement, handle, copied, owed)
-
     def _release_source(self, own: torch.Tensor, after: Sequence[Fence]) -> None:
         """Give the sender's alias of a sent tensor back to the device after the fences."""
         self._device.release(own, after)
-
-    def _record_event(self, slot: int, stream: Stream) -> bytes:
-        """Record the slot's CUDA IPC event after the copy (b"" on the simulator)."""
-        cuda_pool = self._memory.cuda_pool
-        if cuda_pool is None:
-            return b""
-        return cuda_pool.record_ready(slot, stream)
-
-    def _mark_ready(self, slot: int, seq: int, written: Fence) -> None:
-        """Fence callback (any thread): publish that a pool slice is written, or that it failed."""
-        if self._control is not None:
-            self._control.mark_ready(slot, seq, written.exception() is None)
-
-    def _publish(
-        self, placement: Placement, shape: tuple[int, ...], dtype: torch.dtype, event: bytes
-    ) -> FeatureHandle:
-        """The handle of a new send into placement, its slice published in the slot."""
-        assert self._endpoint is not None and self._control is not None
-        handle = FeatureHandle(
-            sender=self._endpoint,
-            seq=self._next_seq(),
-            slot=placement.slot,
-            where=placement.where,
-            offset=placement.block.offset,
-            shape=shape,
-            dtype=dtype_name(dtype),
-            cuda_event=event,
-        )
-        placement.seq = handle.seq  # set first: a failure in arm() still invalidates the slot
-        self._control.arm(
-            placement.slot,
-            handle.seq,
-            placement.where,
-            handle.offset,
-            handle.nbytes,
-            handle.slice_digest(),
-        )
-        return handle
-
-    def _lease(
-        self, placement: Placement, handle: FeatureHandle, written: Fence, owed: _Owed
-    ) -> FeatureHandle:
-        """Hold placement for handle's receivers (the send's room becomes a lease)."""
-        assert self._ledger is not None
-        self._ledger.add(Lease(handle, placement.arena, placement.block, written, *owed))
-        self._room.settle(placement)
-        self._gauges.request()
-        return handle
-
-    def _next_seq(self) -> int:
-        self._seq += 1
-        return self._seq
 
     def _count_fallback(self, reason: str) -> None:
         self._fallbacks[reason] = self._fallbacks.get(reason, 0) + 1
