@@ -38,6 +38,7 @@ from mmcache.ipc.errors import TransportFullError
 from mmcache.ipc.handle import FeatureHandle, SenderEndpoint
 from mmcache.ipc.leases import Lease, LeaseLedger
 from mmcache.ipc.memory import SenderMemory
+from mmcache.ipc.reclaim import LeaseReclaimer
 from mmcache.ipc.room import Placement, SendRoom
 from mmcache.ipc.stats import TransportStats
 from mmcache.ipc.writer import SliceWriter, Source
@@ -56,8 +57,6 @@ DEFAULT_MAX_SLICES: Final = 1024  # one CUDA IPC event each: a scarce driver res
 # Receivers release slices by writing shared cells, which wake nobody: while sends wait
 # for room the recycler reads them this often instead of every ipc_recycle_interval_s.
 _BACKPRESSURE_POLL_S: Final = 0.002
-# A send that finds no room sweeps first, at most this often (a sweep reads every lease).
-_MIN_SWEEP_GAP_S: Final = 0.001
 
 
 def _device_kind(device: Device) -> Literal["sim", "cuda"]:
@@ -109,6 +108,7 @@ class FeatureSender:
         self._gauges = DeferredPush(self._push_gauges)
         self._memory = SenderMemory(self._device, self._kind, self.settings, alignment)
         self._room = SendRoom(self._memory, self.settings, max_slices)
+        self._reclaimer = LeaseReclaimer(self.settings, self._room, self._gauges)
         self._writer = SliceWriter(
             self._device,
             self._memory,
@@ -126,7 +126,6 @@ class FeatureSender:
         self._endpoint: SenderEndpoint | None = None
         self._poke: asyncio.Event | None = None
         self._recycler: asyncio.Task[None] | None = None
-        self._last_sweep = 0.0
         self._closing = CloseOnce(cleans_up_when_cancelled=True)  # see _close
         self._starting: asyncio.Event | None = None  # set once start() has finished
         self._start_failed = False
@@ -416,7 +415,7 @@ class FeatureSender:
         if not self._room.waiters:
             owner = asyncio.current_task()
             placement = self._room.try_place(nbytes, pool_ok, owner)
-            if placement is None and time.monotonic() - self._last_sweep >= _MIN_SWEEP_GAP_S:
+            if placement is None and self._reclaimer.due():
                 self._sweep()
                 placement = self._room.try_place(nbytes, pool_ok, owner)
             if placement is not None:
@@ -465,43 +464,7 @@ class FeatureSender:
         ledger = self._ledger
         if ledger is None:
             return
-        result = ledger.sweep()
-        self._last_sweep = time.monotonic()
-        timeout_env = self.settings.env_name("ipc_lease_timeout_s")
-        for lease in result.recycled:
-            if lease.timed_out:
-                log.info(
-                    "%s was released late, %.1f s after it was sent; its slice is reused",
-                    lease.handle.describe(),
-                    time.monotonic() - lease.sent_at,
-                )
-            # After the sender's own copy into it too: a receiver that died may not have waited.
-            lease.arena.free(lease.block, [lease.written])
-            self._room.give_slot(lease.handle.slot)
-        for lease in result.timed_out:
-            owing = ", ".join(f"pid {i.pid}" for i in ledger.owing(lease)) or "none registered"
-            log.warning(
-                "%s was not released within %.1f s (%s): counted in "
-                'mmcache_leaked_bytes{tier="ipc"} until it is released or its receivers '
-                "exit; receivers that have not released it: %s",
-                lease.handle.describe(),
-                ledger.timeout_s,
-                timeout_env,
-                owing,
-            )
-        for info, credited in result.lost:
-            closed = info.state != LIVE
-            log.log(
-                logging.INFO if closed and not credited else logging.WARNING,
-                "IPC receiver pid %d (lane %d) %s; %d sends it held or was owed are released "
-                "on its behalf",
-                info.pid,
-                info.lane,
-                "closed" if closed else "exited",
-                credited,
-            )
-        self._room.waiters.grant()
-        self._gauges.flush()  # a sweep's outcome shows at once (tests and operators read it)
+        self._reclaimer.sweep(ledger)
 
     def _on_space(self) -> None:
         """A slice went back to an arena (maybe after its fences): room for waiting sends."""
