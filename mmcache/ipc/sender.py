@@ -224,7 +224,7 @@ class FeatureSender:
             await self._free(keep_pool, list(self._writer.host_copies))
 
     async def _free(self, keep_pool: bool, copying: Sequence[Fence]) -> None:
-        """_teardown's releases and the device we made, then our metrics."""
+        """SenderMemory.teardown's releases and the device we made, then our metrics."""
         steps = [self._memory.teardown(self._control, keep_pool, copying)]
         if self._owns_device:
             steps.append(self._device.close)
