@@ -134,6 +134,28 @@ async def test_a_full_fallback_applies_backpressure_until_a_receiver_releases(
         assert torch.equal(await tr.receivers[0].receive(handle), torch.full(half, 3.0))
 
 
+async def test_room_granted_to_a_send_cancelled_before_it_resumed_goes_back(
+    sim_rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with transport(sim_rig, consumers=1, use_cuda_ipc=False, fallback_mb=1) as tr:
+        half = (128, 1024)  # 512 KiB of float32
+        first = await tr.sender.send(torch.full(half, 1.0))
+        await tr.sender.send(torch.full(half, 2.0))
+        third = asyncio.create_task(tr.sender.send(torch.full(half, 3.0)))
+        await asyncio.sleep(0.05)
+        assert tr.sender.stats().waiting_sends == 1
+        with monkeypatch.context() as patched:
+            patched.setattr(tr.sender, "_sweep", lambda: None)  # no grant while it releases
+            await tr.receivers[0].receive(first)
+        tr.sender.sweep()  # grants the waiting send its room...
+        third.cancel()  # ...which it gives up before it resumes
+        with pytest.raises(asyncio.CancelledError):
+            await third
+        stats = tr.sender.stats()
+        assert (stats.waiting_sends, stats.live_leases, stats.leaked_bytes) == (0, 1, 0)
+        assert stats.fallback_used_bytes == MiB // 2
+
+
 async def test_a_full_fallback_with_wait_false_refuses_and_releases_the_source(
     sim_rig: Rig,
 ) -> None:
