@@ -52,7 +52,7 @@ async def round_trip(alignment: int, specs: list[Spec], how: str) -> None:
     """Put specs' features so that they land in the host tier; read each back three ways."""
     device = SimDevice()
     # GPU tier off ("put", "put_many"), or one so small that every feature is offloaded.
-    gpu_mb = 0 if how != "evicted" else 1 / 1024
+    gpu_mb = 0 if how != "evicted" else 2 / 1024  # 2 KiB: above the largest feature drawn
     s = CacheSettings(
         gpu_cache_mb=gpu_mb,
         cpu_cache_mb=1,
