@@ -459,24 +459,7 @@ class FeatureCache:
     def stats(self) -> CacheStats:
         """A snapshot of the ledger and counters; also audits it for leaked bytes."""
         self._tiers.flush()
-        core = self._core
-        leaked = core.audit()
-        ledger = core.ledger
-        quarantined = core.quarantine
-        pool = core.host.pool
-        return CacheStats(
-            gpu_bytes=ledger.used,
-            cpu_bytes=pool.used_bytes if pool else 0,
-            gpu_capacity_bytes=self._gpu_capacity,
-            cpu_capacity_bytes=pool.capacity_bytes if pool else core.host.capacity,
-            gpu_entries=ledger.gpu_entries,
-            cpu_entries=ledger.cpu_entries,
-            pending_copies=self._counters.pending_copies,
-            leaked_bytes=leaked["gpu"] + leaked["cpu"],
-            quarantined_bytes=quarantined.device_bytes() + quarantined.host_bytes(),
-            host_ready=core.host.ready,
-            **self._counters.as_dict(),
-        )
+        return self._core.stats()
 
     # --- checks -------------------------------------------------------------------------
 

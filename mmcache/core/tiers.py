@@ -21,6 +21,7 @@ from mmcache.device import Device, Fence
 from mmcache.metrics import CacheMetrics
 from mmcache.producer_fences import ProducerFences
 from mmcache.settings import CacheSettings
+from mmcache.stats import CacheStats
 
 __all__ = ["Tiers"]
 
@@ -169,6 +170,25 @@ class Tiers:
         self._metrics.set_tier("gpu", ledger.used, ledger.gpu_entries)
         pool = self.host.pool
         self._metrics.set_tier("cpu", pool.used_bytes if pool else 0, ledger.cpu_entries)
+
+    def stats(self) -> CacheStats:
+        """A snapshot of the ledger, the host tier and the counters, with the audit's leaks."""
+        leaked = self.audit()
+        ledger = self.ledger
+        pool = self.host.pool
+        return CacheStats(
+            gpu_bytes=ledger.used,
+            cpu_bytes=pool.used_bytes if pool else 0,
+            gpu_capacity_bytes=ledger.capacity,
+            cpu_capacity_bytes=pool.capacity_bytes if pool else self.host.capacity,
+            gpu_entries=ledger.gpu_entries,
+            cpu_entries=ledger.cpu_entries,
+            pending_copies=self.counters.pending_copies,
+            leaked_bytes=leaked["gpu"] + leaked["cpu"],
+            quarantined_bytes=self.quarantine.device_bytes() + self.quarantine.host_bytes(),
+            host_ready=self.host.ready,
+            **self.counters.as_dict(),
+        )
 
     def audit(self) -> dict[str, int]:
         """Bytes in the ledgers that no entry, copy or pending release owns (should be 0)."""
