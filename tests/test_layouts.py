@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -81,7 +84,12 @@ async def test_a_tensor_that_is_not_strided_is_refused_naming_its_layout(
     value = make(rig, layout)
     with pytest.raises(InvalidValueError, match=f"not a {LAYOUTS[layout][1]} one"):
         await CALLS[call](cache, value, rig.tensor(4, 8, dtype=torch.float32))
+    dropped = weakref.ref(value)
     del value
+    for _ in range(3):  # the shared computation's done callbacks run on the next turns
+        await asyncio.sleep(0)
+    gc.collect()
+    assert dropped() is None, "the refused tensor is still referenced after the call"
     await assert_nothing_taken(rig, cache, before)
 
 

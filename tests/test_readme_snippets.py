@@ -54,7 +54,11 @@ def python_blocks() -> dict[str, str]:
 
 
 def run_block(code: str) -> tuple[subprocess.CompletedProcess[str], dict[str, float]]:
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
+    env = {
+        **os.environ,
+        "CUDA_VISIBLE_DEVICES": "",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
+    }
     for name in list(env):
         if name.startswith(("MMCACHE_", "SGLANG_")):
             del env[name]  # the README's settings, not the caller's
