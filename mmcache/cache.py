@@ -31,6 +31,7 @@ from mmcache.entry import Member, State, check_key, row_range
 from mmcache.errors import (
     CacheClosedError,
     CopyTimeoutError,
+    InvalidKeyError,
     InvalidValueError,
     WrongLoopError,
 )
@@ -334,6 +335,35 @@ class FeatureCache:
         if to_host:
             return await self._reads.read_host(entry, span)
         return await self._reads.upload(entry, span, stream, member if rows is None else None)
+
+    async def get_many(
+        self,
+        keys: Iterable[Hashable],
+        *,
+        device: str | torch.device | None = None,
+        stream: Stream | None = None,
+    ) -> list[torch.Tensor | None]:
+        """get() of several keys at once (the images of a request): a list, None per miss.
+
+        Same guarantees as get for each feature. On the device, the host-tier hits come
+        back through one batch of copies with one fence and one completion to track, and
+        the stream waits once per fence; a key given twice is read once.
+        """
+        if stream is None:
+            stream = self._device.current_stream()
+        if isinstance(keys, (str, bytes)):
+            raise InvalidKeyError(
+                "get_many takes a list of keys, not one str or bytes key; use get() for one"
+            )
+        batch = list(keys)
+        for key in batch:
+            check_key(key)
+        to_host = self._reads.wants_host(device)
+        if self._closed or self._loop is not asyncio.get_running_loop():
+            await self._ready_to_serve()
+        if to_host:
+            return [await self.get(key, device="cpu") for key in batch]
+        return await self._core.batch_reads.get_many(batch, stream)
 
     async def get_or_compute(
         self,

@@ -46,6 +46,8 @@ class _Pending:
     value_id: int | None = None
     rows: slice | None = None
     candidates: set[int] = field(default_factory=set)
+    #: get_many: each key and the values a get of it may return
+    many: list[tuple[Any, set[int]]] = field(default_factory=list)
 
 
 class CacheMachine(RuleBasedStateMachine):
@@ -126,6 +128,18 @@ class CacheMachine(RuleBasedStateMachine):
         }
         self.start(_Pending("get", key, task, rows=span, candidates=candidates))
 
+    @rule(keys=st.lists(KEYS, min_size=1, max_size=4))
+    def get_many(self, keys: list[Any]) -> None:
+        task = self.loop.create_task(self.cache.get_many(keys))
+        many = [(key, self.candidates(key)) for key in keys]
+        self.start(_Pending("get_many", tuple(keys), task, many=many))
+
+    def candidates(self, key: Any) -> set[int]:
+        """The values a get of key started now may return."""
+        return set(self.current.get(key, set())) | {
+            p.value_id for p in self.pending if p.key == key and p.value_id is not None
+        }
+
     @rule(key=KEYS, rows=ROWS)
     def get_or_compute(self, key: Any, rows: int) -> None:
         vid, value = self.new_value(rows)
@@ -203,6 +217,10 @@ class CacheMachine(RuleBasedStateMachine):
                         if q is not p and q.key == p.key and q.kind == "put" and q.value_id
                     }
                     self.current[p.key] = {p.value_id} | others
+            elif p.kind == "get_many":
+                assert len(result) == len(p.many)
+                for (key, candidates), got in zip(p.many, result, strict=True):
+                    self.check_data(_Pending("get", key, p.task, candidates=candidates), got)
             else:
                 if p.kind == "compute":
                     assert result is not None

@@ -173,6 +173,29 @@ class Reads:
         await copy_host_bytes_in_slices(out, view)
         return out
 
+    def promotion_room(self) -> int:
+        """GPU bytes host hits may be promoted into now (0: promotion off, or puts wait)."""
+        if not self._promote or self._gpu_waiting:
+            return 0  # a promotion never jumps the line of waiting puts
+        return self._ledger.free()
+
+    def promote(
+        self, entry: Entry, member: Member | None, tensor: torch.Tensor, fence: Fence
+    ) -> Entry:
+        """Make an uploaded entry (or group member) GPU-resident from tensor, ready at fence;
+        returns the entry that now holds it."""
+        if member is not None:
+            # The member leaves its group as an entry of its own, made from this copy.
+            return self._life.promote_member(member, tensor, fence)
+        self._life.promote_entry(entry, tensor, fence)
+        return entry
+
+    def track_upload(self, entries: Sequence[Entry], fence: Fence, nbytes: int) -> None:
+        """Account for an upload copy of entries' bytes, and handle its failure when it lands."""
+        started = time.perf_counter()
+        self._counters.copy_started("h2d", len(entries))
+        self._when_done([fence], lambda: self._upload_done(entries, fence, nbytes, started))
+
     async def upload(
         self,
         entry: Entry,
@@ -183,11 +206,8 @@ class Reads:
         """A device copy of a host-resident entry (or of rows of it, or of a whole group
         member); promotes the entry or the member back to the GPU tier if it fits."""
         assert entry.block is not None and entry.copy_fence is not None
-        promote = (
-            (span is None or member is not None)
-            and self._promote
-            and not self._gpu_waiting
-            and self._ledger.free() >= (entry.nbytes if member is None else member.nbytes)
+        promote = (span is None or member is not None) and self.promotion_room() >= (
+            entry.nbytes if member is None else member.nbytes
         )
         start, stop = span if span is not None else (0, entry.shape[0] if entry.shape else 1)
         src = entry.host_whole() if span is None else entry.host_view(start, stop)
@@ -200,16 +220,10 @@ class Reads:
             raise
         del src
         entry.add_host_reader(fence)
-        started = time.perf_counter()
-        self._counters.copy_started("h2d")
-        nbytes = dst.nbytes
-        if promote and member is not None:
-            # The member leaves its group as an entry of its own, made from this copy.
-            entry = self._life.promote_member(member, dst, fence)
-        self._when_done([fence], lambda: self._upload_done(entry, fence, nbytes, started))
         if promote:
-            if member is None:
-                self._life.promote_entry(entry, dst, fence)
+            entry = self.promote(entry, member, dst, fence)
+        self.track_upload([entry], fence, dst.nbytes)
+        if promote:
             return await self.serve_device(dst, fence, None, stream)
         try:
             return await self.serve_device(dst, fence, None, stream)
@@ -219,11 +233,14 @@ class Reads:
         finally:
             self._device.release(dst, after=[fence])  # the caller's alias keeps it alive
 
-    def _upload_done(self, entry: Entry, fence: Fence, nbytes: int, started: float) -> None:
-        self._counters.copy_finished("h2d", nbytes, started)
+    def _upload_done(
+        self, entries: Sequence[Entry], fence: Fence, nbytes: int, started: float
+    ) -> None:
+        self._counters.copy_finished("h2d", nbytes, started, len(entries))
         if fence.exception() is None:
             self._counters.uploaded(nbytes)
             return
-        self._counters.copy_failed("upload", entry.key, fence.exception())
-        if entry.state is State.GPU and entry.ready is fence:
-            self._life.lose(entry)  # promoted from a copy that failed: the data is gone
+        for entry in entries:
+            self._counters.copy_failed("upload", entry.key, fence.exception())
+            if entry.state is State.GPU and entry.ready is fence:
+                self._life.lose(entry)  # promoted from a copy that failed: the data is gone

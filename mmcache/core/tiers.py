@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import final
 
+from mmcache.core.batch_reads import BatchReads
 from mmcache.core.counters import Counters
 from mmcache.core.evictor import Evictor
 from mmcache.core.host import HostTier
@@ -122,7 +123,7 @@ class Tiers:
             small_copy_bytes=settings.small_copy_bytes,
             how_to_change=settings.how_to_change,
         )
-        self.reads = Reads(
+        self.reads = reads = Reads(
             device=device,
             counters=counters,
             ledger=ledger,
@@ -133,6 +134,14 @@ class Tiers:
             when_done=when_done,
             promote=settings.promote_on_hit,
             copy_timeout=settings.copy_timeout_s,
+        )
+        self.batch_reads = BatchReads(
+            device=device,
+            counters=counters,
+            index=index,
+            reads=reads,
+            gpu_order=self.gpu_order,
+            host_order=host.order,
         )
 
     def landed(self, charged_gpu: bool) -> None:

@@ -176,6 +176,14 @@ class Device(abc.ABC):
     def copy_h2d(self, src: torch.Tensor, dst: torch.Tensor, after: Sequence[Fence]) -> Fence:
         """Queue src (host) -> dst (device, same byte size) after the fences; return its fence."""
 
+    def copy_h2d_many(
+        self, srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], after: Sequence[Fence]
+    ) -> Fence:
+        """Queue srcs[i] (host) -> dsts[i] (device, same byte size) after the fences, behind
+        one fence that fails if any copy fails: the host hits of one batch read."""
+        fences = [self.copy_h2d(src, dst, after) for src, dst in zip(srcs, dsts, strict=True)]
+        return fences[0] if len(fences) == 1 else AllFences(fences)
+
     def copy_d2h_batch(
         self,
         srcs: Sequence[torch.Tensor],

@@ -287,6 +287,12 @@ class CudaDevice(Device):
         """Queue src (pinned host) -> dst (this GPU) on the H2D stream after the fences."""
         return self._copies.copy_h2d(src, dst, after)
 
+    def copy_h2d_many(
+        self, srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], after: Sequence[Fence]
+    ) -> CudaFence:
+        """copy_h2d of several pairs: one ordering on the H2D stream, one fence for all."""
+        return self._copies.copy_h2d_many(srcs, dsts, after)
+
     def copy_d2d(self, src: torch.Tensor, dst: torch.Tensor, stream: Stream) -> CudaFence:
         """Queue src -> dst (both on this GPU; src may be strided) on stream."""
         return self._copies.copy_d2d(src, dst, stream)

@@ -134,6 +134,32 @@ class CudaCopies:
         except RuntimeError as exc:
             raise enqueue_error("host-to-device", src_bytes.numel(), exc) from exc
 
+    def copy_h2d_many(
+        self, srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], after: Sequence[Fence]
+    ) -> CudaFence:
+        """copy_h2d of several pairs on the H2D stream: one ordering, one fence for all."""
+        self.check_open()
+        pairs = [
+            self._operands(dst, src, device_src=False) for src, dst in zip(srcs, dsts, strict=True)
+        ]
+        stream = self._h2d
+        nbytes = sum(dst_bytes.numel() for dst_bytes, _ in pairs)
+        try:
+            with OnStream(stream):
+                order_after(stream, after)
+                for dst_bytes, src_bytes in pairs:
+                    self.copy_bytes(dst_bytes, src_bytes, host=src_bytes)
+                # Once per block of device memory: views of one buffer share it.
+                recorded: set[int] = set()
+                for dst in dsts:
+                    ptr = dst.untyped_storage().data_ptr()
+                    if ptr not in recorded:
+                        recorded.add(ptr)
+                        dst.record_stream(stream)
+                return self.record_on(stream)
+        except RuntimeError as exc:
+            raise enqueue_error("host-to-device", nbytes, exc) from exc
+
     def copy_d2d(self, src: torch.Tensor, dst: torch.Tensor, stream: Stream) -> CudaFence:
         """Queue src -> dst (both on this GPU; src may be strided) on stream."""
         self.check_open()

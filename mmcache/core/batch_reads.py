@@ -1,0 +1,213 @@
+"""Batch reads: the features of a request in one call, host hits uploaded by one copy batch."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import final
+
+import torch
+
+from mmcache.core.counters import Counters
+from mmcache.core.index import KeyIndex
+from mmcache.core.policy import EvictionPolicy
+from mmcache.core.reads import Reads, raise_if_failed
+from mmcache.device import Device, Fence, Stream
+from mmcache.entry import Entry, Member, State
+from mmcache.errors import CopyTimeoutError
+
+__all__ = ["UPLOAD_ALIGNMENT", "BatchReads"]
+
+#: Byte alignment of each feature in a batch's shared device buffer: a multiple of every
+#: dtype's size, and of the widest load a kernel reading the feature issues.
+UPLOAD_ALIGNMENT = 256
+
+#: (the output position, the entry to read, the group member read, or None for a whole entry)
+_Upload = tuple[int, Entry, Member | None]
+
+
+@final
+class BatchReads:
+    """get_many on the device: every key looked up first, then one copy batch for the host
+    hits and one wait for everything the outputs depend on.
+
+    What get does per key, paid once per call where it can be shared: the H2D stream
+    switch and ordering, the fence, the completion callback, the copy counters, the
+    caller stream's wait and one device buffer for the host hits that are not promoted
+    (promoted ones get their own memory, since the GPU tier then owns it).
+    """
+
+    def __init__(
+        self,
+        *,
+        device: Device,
+        counters: Counters,
+        index: KeyIndex,
+        reads: Reads,
+        gpu_order: EvictionPolicy,
+        host_order: EvictionPolicy,
+    ) -> None:
+        self._device = device
+        self._counters = counters
+        self._index = index
+        self._reads = reads
+        self._gpu_order = gpu_order
+        self._host_order = host_order
+
+    async def get_many(self, keys: Sequence[Hashable], stream: Stream) -> list[torch.Tensor | None]:
+        """The features of keys on the device, usable on stream; None for a miss."""
+        out: list[torch.Tensor | None] = [None] * len(keys)
+        waits: list[Fence] = []
+        uploads: list[_Upload] = []
+        first: dict[Hashable, int] = {}
+        repeats: list[tuple[int, int]] = []
+        touch_gpu = self._gpu_order.touch
+        touch_host = self._host_order.touch
+        counters = self._counters
+        # Everything is looked up and every alias taken before the first await: a reader
+        # holds what it will read, so nothing that lands or is evicted meanwhile changes it.
+        for i, key in enumerate(keys):
+            seen = first.get(key)
+            if seen is not None:
+                repeats.append((i, seen))
+                continue
+            first[key] = i
+            found = self._index.get(key)
+            if found is None:
+                counters.miss()
+                continue
+            if isinstance(found, Member):
+                member: Member | None = found
+                entry = found.group
+            else:
+                member = None
+                entry = found
+            state = entry.state
+            if state is State.GPU or state is State.D2H:
+                counters.hit_gpu()
+                if state is State.GPU:
+                    touch_gpu(entry.key)
+                tensor = entry.tensor
+                assert tensor is not None
+                if member is None:
+                    out[i] = tensor.detach()
+                else:
+                    out[i] = tensor[member.start : member.stop]
+                if entry.ready.done():
+                    raise_if_failed(entry.ready)
+                else:
+                    waits.append(entry.ready)
+            else:
+                counters.hit_cpu()
+                touch_host(entry.key)
+                uploads.append((i, entry, member))
+        if uploads:
+            fence = self._upload(uploads, out)
+            waits.append(fence)
+        await self._wait(waits, out, stream)
+        for i, seen in repeats:
+            found_tensor = out[seen]
+            out[i] = None if found_tensor is None else found_tensor.detach()
+        return out
+
+    def _upload(self, uploads: list[_Upload], out: list[torch.Tensor | None]) -> Fence:
+        """Queue the host hits' copies, behind one fence; promote those that fit."""
+        reads = self._reads
+        device = self._device
+        budget = reads.promotion_room()
+        promoted: list[bool] = []
+        shared = 0
+        for _, entry, member in uploads:
+            nbytes = entry.nbytes if member is None else member.nbytes
+            promote = budget >= nbytes > 0  # in order: the first ones take the room
+            if promote:
+                budget -= nbytes
+            else:
+                shared += -(-nbytes // UPLOAD_ALIGNMENT) * UPLOAD_ALIGNMENT
+            promoted.append(promote)
+        srcs: list[torch.Tensor] = []
+        dsts: list[torch.Tensor] = []
+        owned: list[torch.Tensor] = []  # allocations of ours, released if queuing fails
+        try:
+            with self._counters.counting_oom():
+                buffer = device.empty((shared,), torch.uint8) if shared else None
+                if buffer is not None:
+                    owned.append(buffer)
+                offset = 0
+                for (_, entry, member), promote in zip(uploads, promoted, strict=True):
+                    srcs.append(_host_bytes(entry, member))
+                    nbytes = srcs[-1].numel()
+                    shape = entry.shape if member is None else member.shape
+                    if promote or buffer is None:
+                        # The tier will own it: its own memory, typed, not a view of another.
+                        dsts.append(device.empty(shape, entry.dtype))
+                        owned.append(dsts[-1])
+                    else:
+                        piece = buffer[offset : offset + nbytes]
+                        dsts.append(piece.view(entry.dtype).view(shape))
+                        offset += -(-nbytes // UPLOAD_ALIGNMENT) * UPLOAD_ALIGNMENT
+            after: list[Fence] = []
+            for _, entry, _ in uploads:
+                if entry.copy_fence is not None and entry.copy_fence not in after:
+                    after.append(entry.copy_fence)
+            fence = device.copy_h2d_many(srcs, dsts, after=after)
+        except BaseException:
+            del dsts
+            for tensor in owned:
+                device.release(tensor, after=())  # nothing was queued: nothing reads it
+            raise
+        del srcs
+        nbytes_all = 0
+        entries: list[Entry] = []
+        read: set[int] = set()  # entries whose host block these copies read
+        for (i, entry, member), dst, promote in zip(uploads, dsts, promoted, strict=True):
+            # The caller's own alias: the tier's tensor object goes back to the device alone.
+            out[i] = dst.detach() if promote else dst
+            nbytes_all += dst.nbytes
+            if id(entry) not in read:  # members of one group share its block
+                read.add(id(entry))
+                entry.add_host_reader(fence)
+            if promote:
+                entries.append(reads.promote(entry, member, dst, fence))
+            else:
+                entries.append(entry)
+                if buffer is None:  # an empty feature: its own (empty) allocation
+                    device.release(dst, after=[fence])
+        if buffer is not None:
+            device.release(buffer, after=[fence])  # the outputs' views keep it alive
+        reads.track_upload(entries, fence, nbytes_all)
+        return fence
+
+    async def _wait(
+        self, waits: list[Fence], out: list[torch.Tensor | None], stream: Stream
+    ) -> None:
+        """Order the outputs after the fences they depend on, on stream (or wait for them)."""
+        device = self._device
+        pending = [fence for fence in dict.fromkeys(waits) if not fence.done()]
+        if device.stream_ordered_reads:
+            for fence in pending:
+                device.wait_on(stream, fence)
+        elif pending:
+            try:
+                self._counters.waited(await self._reads.wait(pending))
+            except CopyTimeoutError:
+                self._counters.quarantined()  # the memory stays pinned by the copies
+                raise
+        for fence in waits:
+            raise_if_failed(fence)
+        used: set[int] = set()
+        for tensor in out:
+            if tensor is not None:
+                ptr = tensor.untyped_storage().data_ptr()
+                if ptr not in used:  # views of one buffer: one record for its block
+                    used.add(ptr)
+                    device.use_on(tensor, stream)
+
+
+def _host_bytes(entry: Entry, member: Member | None) -> torch.Tensor:
+    """The flat bytes of an entry's host copy, or of a group member's rows in it."""
+    block = entry.block
+    assert block is not None
+    if member is None:
+        return block.bytes(0, entry.nbytes)
+    row_bytes = entry.nbytes // entry.shape[0]
+    return block.bytes(member.start * row_bytes, member.stop * row_bytes)
