@@ -198,11 +198,14 @@ async def served_from(cache: FeatureCache, key: Hashable) -> str | None:
     A read to the host promotes nothing; it waits for an offload in flight, which counts
     as a GPU hit until it lands.
     """
-    before = cache.stats().hits_cpu
-    got = await cache.get(key, device="cpu")
-    if got is None:
+    before = cache.stats()
+    if await cache.get(key, device="cpu") is None:
         return None
-    return "cpu" if cache.stats().hits_cpu > before else "gpu"
+    after = cache.stats()
+    if after.hits_gpu > before.hits_gpu:
+        return "gpu"
+    assert after.hits_cpu == before.hits_cpu + 1
+    return "cpu"
 
 
 def live_units() -> list[Any]:
