@@ -28,10 +28,11 @@ class Core:
     def __init__(self, device: SimDevice, **settings: Any) -> None:
         settings.setdefault("evict_ahead", 0)
         self.device = device
+        self.registry = CollectorRegistry()
         self.tiers = Tiers(
             CacheSettings(**settings),
             device,
-            CacheMetrics("core", CollectorRegistry()),
+            CacheMetrics("core", self.registry),
             when_done=self.when_done,
             changed=lambda: None,
         )
@@ -149,3 +150,24 @@ async def test_a_put_whose_reservation_raises_gives_its_value_back(
     assert "k" not in core.tiers.index
     assert core.tiers.ledger.granted == 0  # given back, not only out of the audit's sight
     assert core.tiers.audit() == {"gpu": 0, "cpu": 0}
+
+
+async def test_a_host_block_no_entry_owns_is_leaked_in_the_audit_stats_and_gauge(
+    core_of: Callable[..., Any],
+) -> None:
+    core: Core = await core_of(gpu_cache_mb=1, cpu_cache_mb=1)
+    assert await core.put("a", 32)
+
+    def leaked_gauge() -> float | None:
+        labels = {"cache": "core", "tier": "cpu"}
+        return core.registry.get_sample_value("mmcache_leaked_bytes", labels)
+
+    assert core.tiers.stats().leaked_bytes == 0
+    pool = core.tiers.host.pool
+    assert pool is not None
+    stray = pool.allocate(4096)  # a block no entry owns: what a forgotten free looks like
+    assert stray is not None
+    assert core.tiers.audit() == {"gpu": 0, "cpu": 4096}
+    assert (core.tiers.stats().leaked_bytes, leaked_gauge()) == (4096, 4096)
+    pool.free(stray)
+    assert (core.tiers.stats().leaked_bytes, leaked_gauge()) == (0, 0)
