@@ -45,9 +45,9 @@ async def test_a_put_uses_room_whose_offload_landed_but_was_not_reported(
         assert await cache.put(i, value)
         del value
     # From here on the loop hears of no completion until the end of the test.
-    late: list[Callable[[], None]] = []
+    late: list[tuple[FenceWatcher, Callable[[], None]]] = []
     report = FenceWatcher._completed
-    monkeypatch.setattr(FenceWatcher, "_completed", lambda self, fn: late.append(fn))
+    monkeypatch.setattr(FenceWatcher, "_completed", lambda self, fn: late.append((self, fn)))
     with rig.hold():
         # No room now: this put starts offloads for it and gives up without waiting.
         assert await cache.put("first", feature(rig, 16, 100), wait=False) is False
@@ -58,9 +58,8 @@ async def test_a_put_uses_room_whose_offload_landed_but_was_not_reported(
     # The next put finds the landed room itself, without any report.
     assert await cache.put("second", feature(rig, 16, 101), wait=False) is True
     monkeypatch.setattr(FenceWatcher, "_completed", report)
-    assert cache._watcher is not None
-    for fn in late:  # the reports arrive after all: handled once, not twice
-        report(cache._watcher, fn)
+    for watcher, fn in late:  # the reports arrive after all: handled once, not twice
+        report(watcher, fn)
     await cache.drain()
     s = cache.stats()
     assert s.leaked_bytes == 0 and s.pending_copies == 0 and s.dropped == 0
