@@ -50,6 +50,93 @@ class Entry:
     #: features the entry holds for the tier counters (a group's: its members still cached)
     count: int = 1
 
+    # Every change of state, tensor, block, fences or members goes through one of the
+    # methods below, which refuses a transition the lifecycle does not have: the parts
+    # call them, and none assigns these fields itself.
+
+    def begin_offload(self, block: HostBlock, fence: Fence) -> None:
+        """GPU -> D2H: a copy of the device tensor into block was queued behind fence."""
+        if self.state is not State.GPU:
+            raise _illegal(self, "begin an offload (GPU -> D2H)")
+        self.state = State.D2H
+        self.block = block
+        self.copy_fence = fence
+
+    def land(self, done: Fence) -> torch.Tensor:
+        """D2H -> HOST: the copy landed good; returns the device tensor to release.
+
+        done, a finished fence, stands in for the producer's and the copy's, so a host
+        entry keeps no device event alive.
+        """
+        tensor = self.tensor
+        if self.state is not State.D2H or tensor is None:
+            raise _illegal(self, "land (D2H -> HOST)")
+        self.state = State.HOST
+        self.tensor = None
+        self.copy_fence = self.ready = done
+        return tensor
+
+    def end_offload(self) -> torch.Tensor:
+        """The device tensor of an offload that does not land (its copy failed, or the
+        entry went meanwhile), to release; the entry's state is left as it is."""
+        tensor = self.tensor
+        if tensor is None or (self.state is not State.D2H and self.state is not State.GONE):
+            raise _illegal(self, "end an offload that does not land")
+        self.tensor = None
+        return tensor
+
+    def promote(self, tensor: torch.Tensor, ready: Fence) -> None:
+        """HOST -> GPU: tensor (ready after ready) holds the feature again; its block is gone."""
+        if self.state is not State.HOST or self.block is not None:
+            raise _illegal(self, "promote (HOST -> GPU, block freed first)")
+        self.state = State.GPU
+        self.tensor = tensor
+        self.ready = ready
+        self.copy_fence = None
+
+    def discard(self) -> torch.Tensor | None:
+        """GPU, D2H or HOST -> GONE; returns a GPU entry's device tensor, to release.
+
+        A D2H entry keeps its tensor: the copy may still read it, and its landing
+        releases it (end_offload).
+        """
+        state = self.state
+        if state is State.GONE:
+            raise _illegal(self, "discard (-> GONE)")
+        self.state = State.GONE
+        if state is not State.GPU:
+            return None
+        tensor, self.tensor = self.tensor, None
+        return tensor
+
+    def take_block(self) -> HostBlock | None:
+        """The entry's host block, if any, to free; it holds none after."""
+        if self.state is State.D2H:  # a copy is writing it
+            raise _illegal(self, "give up its host block")
+        block, self.block = self.block, None
+        return block
+
+    def add_members(self, members: list[Member]) -> None:
+        """A new group's members, once (their count was given at construction)."""
+        if self.members is not None or len(members) != self.count:
+            raise _illegal(self, f"take {len(members)} members")
+        self.members = members
+
+    def member_left(self) -> None:
+        """One of a group's members left the cache; its rows stay until the last goes."""
+        if self.members is None or self.count <= 0:
+            raise _illegal(self, "lose a member")
+        self.count -= 1
+
+    def drop_members(self) -> list[Member]:
+        """A group's members, forgotten: members name their group, and without this the
+        two would die only by the cyclic collector (whose pauses grow with its objects)."""
+        members = self.members
+        if members is None:
+            raise _illegal(self, "drop its members")
+        self.members = []
+        return members
+
     def readers_pending(self) -> list[Fence]:
         """Fences of host-block readers still running (done ones are forgotten)."""
         return _pending(self.host_readers)
@@ -135,6 +222,16 @@ class GroupKey:
 
     def __repr__(self) -> str:
         return f"<group of {self.size} from {self.first!r}>"
+
+
+def _illegal(entry: Entry, change: str) -> AssertionError:
+    """An internal error: entry cannot make change from where it is."""
+    tensor = "held" if entry.tensor is not None else "none"
+    block = "held" if entry.block is not None else "none"
+    return AssertionError(
+        f"mmcache internal error: entry {reprlib.repr(entry.key)} in state {entry.state.name} "
+        f"(tensor {tensor}, block {block}, count {entry.count}) cannot {change}"
+    )
 
 
 def _pending(fences: list[Fence] | None) -> list[Fence]:

@@ -7,6 +7,7 @@ import contextlib
 import gc
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -167,6 +168,63 @@ async def put_feature(
     return expected
 
 
+#: each cache built here -> its private metrics registry (read by metric())
+_REGISTRIES: weakref.WeakKeyDictionary[FeatureCache, CollectorRegistry] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def with_registry(cache: FeatureCache, registry: CollectorRegistry) -> FeatureCache:
+    """cache, whose metrics (in registry) metric() reads from now on."""
+    _REGISTRIES[cache] = registry
+    return cache
+
+
+def metric(cache: FeatureCache, name: str, **labels: str) -> float:
+    """A sample of one of cache's metrics (0 if it has none yet)."""
+    got = _REGISTRIES[cache].get_sample_value(name, {"cache": cache.name, **labels})
+    return 0.0 if got is None else got
+
+
+def leaked(cache: FeatureCache) -> dict[str, float]:
+    """The leak audit per tier (stats() runs it; its sum alone could hide opposite errors)."""
+    cache.stats()
+    return {tier: metric(cache, "mmcache_leaked_bytes", tier=tier) for tier in ("gpu", "cpu")}
+
+
+async def served_from(cache: FeatureCache, key: Hashable) -> str | None:
+    """The tier that serves key ("gpu" or "cpu"; None on a miss), as a host read counts it.
+
+    A read to the host promotes nothing; it waits for an offload in flight, which counts
+    as a GPU hit until it lands.
+    """
+    before = cache.stats()
+    if await cache.get(key, device="cpu") is None:
+        return None
+    after = cache.stats()
+    if after.hits_gpu > before.hits_gpu:
+        return "gpu"
+    assert after.hits_cpu == before.hits_cpu + 1
+    return "cpu"
+
+
+def live_units() -> list[Any]:
+    """The cache entries alive in this process (a group counts once): how the tiers hold
+    the features, found without reaching into a cache."""
+    from mmcache.entry import Entry
+
+    gc.collect()
+    return [o for o in gc.get_objects() if type(o) is Entry]
+
+
+def live_members() -> int:
+    """How many features alive in this process are members of a group (rows of its entry)."""
+    from mmcache.entry import Member
+
+    gc.collect()
+    return sum(type(o) is Member for o in gc.get_objects())
+
+
 @pytest.fixture
 async def make_cache(rig: Rig) -> AsyncIterator[CacheFactory]:
     """Build caches on the rig's device with a private metrics registry; closes them after."""
@@ -176,7 +234,8 @@ async def make_cache(rig: Rig) -> AsyncIterator[CacheFactory]:
         # Exact eviction order is what these tests check: no offloading ahead unless asked.
         settings.setdefault("evict_ahead", 0)
         s = CacheSettings(gpu_cache_mb=gpu_mb, cpu_cache_mb=cpu_mb, **settings)
-        cache = FeatureCache(s, device=rig.device, registry=CollectorRegistry())
+        registry = CollectorRegistry()
+        cache = with_registry(FeatureCache(s, device=rig.device, registry=registry), registry)
         made.append(cache)
         return cache
 

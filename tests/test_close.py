@@ -151,8 +151,8 @@ async def test_a_put_granted_room_then_cancelled_as_close_begins_gives_it_back(
         await waiting
     await closing
     stats = cache.stats()
+    # gpu_bytes counts granted bytes too: the grant went back, not only out of sight.
     assert (stats.gpu_bytes, stats.leaked_bytes) == (0, 0)
-    assert cache._core.ledger.granted == 0  # the grant went back, not only out of sight
 
 
 async def test_a_put_woken_for_host_room_just_before_close_inserts_nothing(

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 import pytest
 import torch
-from conftest import Rig
+from conftest import Rig, leaked, live_units, served_from, with_registry
 from prometheus_client import CollectorRegistry
 
 from mmcache import (
@@ -31,7 +31,6 @@ from mmcache import (
     FeatureCache,
 )
 from mmcache.device import Fence, SimDevice
-from mmcache.entry import State
 from mmcache.errors import CopyTimeoutError
 
 KiB = 1024
@@ -58,7 +57,8 @@ def make(
 ) -> FeatureCache:
     kw.setdefault("evict_ahead", 0)
     settings = CacheSettings(gpu_cache_mb=gpu_kib / KiB, cpu_cache_mb=cpu_kib / KiB, **kw)
-    return FeatureCache(settings, rig.device, name=NAME, registry=reg or CollectorRegistry())
+    reg = reg or CollectorRegistry()
+    return with_registry(FeatureCache(settings, rig.device, name=NAME, registry=reg), reg)
 
 
 def faults(reg: CollectorRegistry, kind: str) -> float:
@@ -81,8 +81,9 @@ async def settled(rig: Rig, cache: FeatureCache, *held: torch.Tensor) -> None:
     assert s.leaked_bytes == 0
     assert 0 <= s.gpu_bytes <= s.gpu_capacity_bytes
     assert 0 <= s.cpu_bytes <= s.cpu_capacity_bytes
-    entries = cache._core.index.held()
-    assert s.gpu_bytes == sum(e.nbytes for e in entries if e.state is State.GPU)
+    # Per tier: the GPU bytes are those of the entries on the device, and so on. With
+    # nothing in flight, that and the device memory below leave no room for a stray byte.
+    assert leaked(cache) == {"gpu": 0, "cpu": 0}
     owned = s.gpu_bytes + sum(t.untyped_storage().nbytes() for t in held)
     if sim(rig).allocated_bytes != owned:
         gc.collect()  # tracebacks of failed or cancelled tasks hold tensors until collected
@@ -101,7 +102,7 @@ async def on_host(cache: FeatureCache, *keys: object) -> None:
     """Wait until keys have been offloaded (their copies finished)."""
     await cache.drain()
     for k in keys:
-        assert cache._core.index.holder(k).state is State.HOST, k
+        assert await served_from(cache, k) == "cpu", k
 
 
 async def host_resident(rig: Rig, cache: FeatureCache, key: str, seed: int) -> None:
@@ -171,7 +172,8 @@ async def test_a_host_get_awaiting_a_failed_offload_raises_copy_failed(sim_rig: 
         with sim_rig.hold():
             put_c = asyncio.create_task(cache.put("c", value(3)))
             await asyncio.sleep(0.005)
-            assert cache._core.index.holder("a").state is State.D2H
+            s = cache.stats()  # "a" is being offloaded: counted in both tiers until it lands
+            assert (s.pending_copies, s.cpu_entries, s.gpu_entries, "a" in cache) == (1, 1, 2, True)
             host_read = asyncio.create_task(cache.get("a", device="cpu"))
             rows_read = asyncio.create_task(cache.get("a", device="cpu", rows=slice(2, 5)))
             device_read = await cache.get("a")  # the device copy is still valid: served now
@@ -235,7 +237,7 @@ async def test_a_failed_upload_raises_and_keeps_the_entry(sim_rig: Rig, how: str
         with pytest.raises(CopyFailedError):
             await read
         del read
-        assert cache._core.index.holder("a").state is State.HOST
+        assert await served_from(cache, "a") == "cpu"
         await assert_exact(cache, "a", value(1))
         await settled(sim_rig, cache)
 
@@ -286,17 +288,23 @@ async def test_a_failed_compaction_copy_is_never_served(sim_rig: Rig) -> None:
 
 
 class _FailsWhileChecked(Fence):
-    """Pending at its first done() check, failed from then on: the worker thread finishing
-    a copy (with an error) between two checks of the loop thread."""
+    """Once armed, pending at its first done() check and failed from then on: the worker
+    thread finishing a copy (with an error) between two checks of the loop thread. Done
+    and good while not armed."""
 
     def __init__(self) -> None:
+        self.armed = False
         self.checks = 0
 
     def done(self) -> bool:
+        if not self.armed:
+            return True
         self.checks += 1
         return self.checks > 1
 
     def exception(self) -> BaseException | None:
+        if not self.armed:
+            return None
         return CopyFailedError("simulated copy failure") if self.checks > 1 else None
 
     def add_done_callback(self, fn: Callable[[], None]) -> None:
@@ -307,19 +315,21 @@ class _FailsWhileChecked(Fence):
 
 
 async def test_a_fence_failing_while_a_device_read_checks_it_fails_the_read(
-    sim_rig: Rig,
+    sim_rig: Rig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A read that finds a fence pending and then done must see its error, not poison."""
+    fence = _FailsWhileChecked()
     async with make(sim_rig, 64, 64) as cache:
+        # The fence under test is the one the put records on its producer's stream.
+        monkeypatch.setattr(sim(sim_rig), "record", lambda stream: fence)
         await cache.put("a", value(1))
+        monkeypatch.undo()
         await settled(sim_rig, cache)
-        entry = cache._core.index.holder("a")  # the fence under test is the entry's
-        fence = _FailsWhileChecked()
-        entry.ready = fence
+        fence.armed = True
         with pytest.raises(CopyFailedError):
             await cache.get("a")
         assert fence.checks >= 2  # it was seen pending, then failed
-        entry.ready = sim(sim_rig).completed_fence()
+        fence.armed = False  # the entry's producer is good again: the cache closes cleanly
 
 
 async def test_a_download_after_a_failed_compaction_fails_too(sim_rig: Rig) -> None:
@@ -403,7 +413,7 @@ async def test_oom_in_an_upload_raises_and_keeps_the_entry(sim_rig: Rig) -> None
             before.cpu_bytes,
             0,
         )
-        assert cache._core.index.holder("a").state is State.HOST
+        assert await served_from(cache, "a") == "cpu"
         await assert_exact(cache, "a", value(1))  # host read, then an upload that works
         await assert_exact(cache, "a1", value(2))
         await settled(sim_rig, cache)
@@ -509,10 +519,8 @@ async def test_a_fragmented_host_tier_evicts_neighbours_to_fit(sim_rig: Rig) -> 
         await cache.drain()
         for i in (0, 2, 4, 6):
             cache.discard(i)
-        pool = cache._core.host.pool
-        assert pool is not None
-        assert pool.free_bytes == 16 * KiB
-        assert max(size for _, size in pool.free_ranges()) == 4 * KiB  # no 8 KiB hole
+        s = cache.stats()
+        assert s.cpu_capacity_bytes - s.cpu_bytes == 16 * KiB  # in four holes of 4 KiB
         assert await cache.put("big", value(20, rows=32))  # 8 KiB
         await cache.drain()
         s = cache.stats()
@@ -597,7 +605,8 @@ async def _stick_an_offload(cache: FeatureCache, dev: SimDevice) -> None:
     dev.inject("fence_never_completes")
     put = asyncio.create_task(cache.put(5, value(5)))
     await asyncio.sleep(0.01)
-    assert cache._core.index.holder(1).state is State.D2H
+    s = cache.stats()  # 1 is being offloaded: counted in both tiers until it lands
+    assert (s.pending_copies, s.cpu_entries, s.gpu_entries, 1 in cache) == (1, 2, 4, True)
     assert not put.done()
     cache.discard(2)
     assert await within(2, put)
@@ -676,15 +685,12 @@ async def test_close_does_not_hang_on_a_stuck_fence(sim_rig: Rig) -> None:
 
 async def test_completed_copies_leave_nothing_behind(sim_rig: Rig) -> None:
     """Watching for stuck copies must cost nothing once they complete."""
-    from mmcache.entry import Entry
-
     async with make(sim_rig, 16, 256, small_copy_bytes=0) as cache:  # copy_timeout_s: 60
         for i in range(200):  # 196 offloads, all completed
             await cache.put(i, value(i))
         await settled(sim_rig, cache)
-        gc.collect()
-        alive = sum(type(o) is Entry for o in gc.get_objects())
-        held = len(cache._core.index.held())
+        alive = len(live_units())
+        held = len(cache)  # one entry each
         assert alive == held, f"{alive - held} entries retained"
         loop = asyncio.get_running_loop()
         timers = [h for h in getattr(loop, "_scheduled", []) if not h.cancelled()]

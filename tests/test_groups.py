@@ -15,13 +15,22 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import CacheFactory, Rig, assert_exact, feature, needs_hold, stall
+from conftest import (
+    CacheFactory,
+    Rig,
+    assert_exact,
+    feature,
+    live_units,
+    metric,
+    needs_hold,
+    served_from,
+    stall,
+)
 from prometheus_client import CollectorRegistry
 
 from mmcache import CacheSettings, CopyFailedError, DeviceOutOfMemoryError, FeatureCache
-from mmcache.core.packing import BATCH_BYTES, group_spans
+from mmcache.core.packing import BATCH_BYTES, group_spans, runs
 from mmcache.device import Fence, SimDevice, Stream
-from mmcache.entry import Entry, Member, State
 
 KiB = 1024
 
@@ -38,12 +47,6 @@ async def put_group(
     want = [v.cpu().clone() for v in values]
     assert await cache.put_many(((name, i), v) for i, v in enumerate(values))
     return want
-
-
-def group_of(cache: FeatureCache, key: Any) -> Entry:
-    found = cache._core.index[key]
-    assert isinstance(found, Member), f"{key!r} is not in a group"
-    return found.group
 
 
 def simulator(rig: Rig) -> SimDevice:
@@ -69,17 +72,9 @@ async def assert_clean(rig: Rig, cache: FeatureCache) -> None:
     assert s.gpu_entries + s.cpu_entries == len(cache)
 
 
-def count_offload_copies(cache: FeatureCache, monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
-    """From now on, each offload copy the cache starts: the features of each unit in it."""
-    copies: list[list[int]] = []
-    start_offloads = cache._core.evictor.offload
-
-    def counted(items: Any, *, charged_gpu: bool) -> None:
-        copies.append([entry.count for entry, _ in items])
-        start_offloads(items, charged_gpu=charged_gpu)
-
-    monkeypatch.setattr(cache._core.evictor, "offload", counted)
-    return copies
+def offload_copies(cache: FeatureCache) -> int:
+    """The offload copies that have landed so far (one per copy, whatever it moved)."""
+    return int(metric(cache, "mmcache_copy_duration_seconds_count", direction="d2h"))
 
 
 # --- which features are grouped -------------------------------------------------------
@@ -110,6 +105,9 @@ def test_runs_of_alike_small_features_are_grouped_and_the_rest_stand_alone() -> 
 def test_a_group_is_cut_at_the_batch_size_and_at_what_one_host_block_takes() -> None:
     items, sizes = _items(*[(KiB, torch.float32, (1, 256))] * 10)
     assert group_spans(items, sizes, 1 << 20, host_limit=4 * KiB) == [(0, 4), (4, 8), (8, 10)]
+    # put_split's runs: alike by definition, cut only by size (one too large stands alone).
+    sizes = [64 * KiB] * 20 + [1500 * KiB, 40 * KiB]
+    assert runs(sizes, None, 1024 * KiB) == [(0, 16), (16, 20), (20, 21), (21, 22)]
     big = BATCH_BYTES // 4
     items, sizes = _items(*[(big, torch.uint8, (big,))] * 6)
     assert group_spans(items, sizes, 1 << 30, host_limit=1 << 30) == [(0, 4), (4, 6)]
@@ -123,8 +121,7 @@ async def test_a_batch_of_alike_features_is_one_entry_and_every_key_reads_exactl
 ) -> None:
     cache = make_cache(gpu_mb=1, cpu_mb=4)
     want = await put_group(cache, rig, "img", 16)
-    group = group_of(cache, ("img", 0))
-    assert cache._core.index.held() == [group] and group.count == 16
+    assert len(live_units()) == 1  # one entry for the tiers
     s = cache.stats()
     assert (len(cache), s.gpu_entries, s.gpu_bytes) == (16, 16, 16 * 8 * KiB)
     for i, expected in enumerate(want):
@@ -157,16 +154,16 @@ async def test_views_of_one_batch_output_are_packed_into_one_tensor(
 
 
 async def test_a_group_leaves_the_gpu_whole_by_one_copy_and_reads_back_from_the_host(
-    rig: Rig, make_cache: CacheFactory, monkeypatch: pytest.MonkeyPatch
+    rig: Rig, make_cache: CacheFactory
 ) -> None:
     cache = make_cache(gpu_mb=0.5, cpu_mb=4)
     want = await put_group(cache, rig, "a", 32)  # 256 KiB: half the GPU tier
-    copies = count_offload_copies(cache, monkeypatch)
     await put_group(cache, rig, "b", 32, seed=100)
     await put_group(cache, rig, "c", 32, seed=200)  # makes room: group a goes
     await cache.drain()
-    assert copies == [[32]]  # one copy for 32 features
-    assert group_of(cache, ("a", 5)).state is State.HOST
+    assert offload_copies(cache) == 1  # one copy for 32 features
+    assert len(live_units()) == 3  # a, b and c: one entry each
+    assert await served_from(cache, ("a", 5)) == "cpu"
     s = cache.stats()
     assert (s.evictions_gpu, s.cpu_entries, s.gpu_entries, s.dropped) == (32, 32, 64, 0)
     for i, expected in enumerate(want):
@@ -219,7 +216,8 @@ async def test_members_leaving_a_group_on_the_host_free_its_block_with_the_last(
     want = await put_group(cache, rig, "h", 16)  # 128 KiB
     await put_group(cache, rig, "push", 49, seed=50)  # 392 KiB: h goes to the host
     await cache.drain()
-    assert group_of(cache, ("h", 0)).state is State.HOST
+    s = cache.stats()
+    assert (s.cpu_entries, s.cpu_bytes) == (16, 16 * 8 * KiB)  # h on the host, whole
     assert await cache.put(("h", 1), feature(rig, 8, 77))  # replaced: on the GPU
     await cache.drain()
     before = cache.stats()
@@ -242,14 +240,16 @@ async def test_a_host_hit_promotes_the_member_alone(rig: Rig, make_cache: CacheF
     await put_group(cache, rig, "push", 16, seed=50)
     await put_group(cache, rig, "push2", 8, seed=80)  # p goes to the host: 64 KiB free
     await cache.drain()
-    group = group_of(cache, ("p", 0))
-    assert group.state is State.HOST
+    before = cache.stats()
+    assert (before.cpu_entries, before.cpu_bytes, before.gpu_entries) == (16, 128 * KiB, 24)
     got = await cache.get(("p", 4))
     assert_exact(got, want[4])
     del got
-    promoted = cache._core.index[("p", 4)]
-    assert isinstance(promoted, Entry) and promoted.state is State.GPU
-    assert cache.stats().promotions == 1 and group.count == 15
+    # On the GPU in an entry of its own (its 8 KiB); its rows stay charged to the group.
+    after = cache.stats()
+    assert (after.promotions, after.cpu_entries, after.cpu_bytes) == (1, 15, 128 * KiB)
+    assert (after.gpu_entries, after.gpu_bytes) == (25, before.gpu_bytes + 8 * KiB)
+    assert await served_from(cache, ("p", 4)) == "gpu"
     await assert_reads(cache, lambda i: ("p", i), want, device="cpu")
     await assert_clean(rig, cache)
 
@@ -268,16 +268,16 @@ async def test_replacing_and_discarding_members_while_their_group_is_offloading(
         values = features(rig, 16, 8, 200)
         assert not await cache.put_many(enumerate(values), wait=False)
         del values
-        group = group_of(cache, ("a", 0))
-        assert group.state is State.D2H
+        s = cache.stats()  # a is being offloaded: counted in both tiers until it lands
+        assert (s.pending_copies, s.cpu_entries, s.gpu_entries) == (16, 16, 31)
         assert await cache.put(("a", 0), new)
         del new
         for i in range(1, 16):
             cache.discard(("a", i))
-        assert group.count == 0
-        assert cache._core.index.held() and group not in cache._core.index.held()
+        # The group holds no feature now; only its copy keeps it (and its bytes) alive.
         s = cache.stats()
-        assert s.leaked_bytes == 0 and s.gpu_entries + s.cpu_entries == len(cache)
+        assert (len(cache), s.cpu_entries, s.gpu_entries, s.pending_copies) == (16, 0, 16, 16)
+        assert s.leaked_bytes == 0
     await cache.drain()
     assert_exact(await cache.get(("a", 0), device="cpu"), want_new)
     await assert_reads(cache, lambda i: ("b", i), want_b, device="cpu")
@@ -388,7 +388,7 @@ async def test_a_scalar_beside_a_group_is_cached_alone(rig: Rig, make_cache: Cac
     del scalar, values
     assert_exact(await cache.get("s"), want_scalar)
     await assert_reads(cache, lambda i: i, want)
-    assert len(cache._core.index.held()) == 2  # the scalar, and one group for the rest
+    assert len(live_units()) == 2  # the scalar, and one group for the rest
     await assert_clean(rig, cache)
 
 
@@ -468,12 +468,16 @@ def dev_value(dev: SimDevice, seed: int) -> torch.Tensor:
 async def test_packings_finishing_out_of_order_let_go_of_their_values(
     rig: Rig, make_cache: CacheFactory
 ) -> None:
-    """A packing stuck on one stream neither keeps another stream's values nor polls."""
+    """A packing stuck on one stream keeps no other stream's values (that it does not poll
+    is tests/test_packing.py's)."""
     dev = simulator(rig)
     cache = make_cache(gpu_mb=1, cpu_mb=4, copy_timeout_s=0.2)
     stuck_stream, other = dev.stream("encoder-a"), dev.stream("encoder-b")
     dev.inject("fence_never_completes")
-    assert await cache.put_many(enumerate(features(rig, 4, 8)), stream=stuck_stream)
+    stuck = features(rig, 4, 8)
+    stuck_refs = [weakref.ref(v) for v in stuck]
+    assert await cache.put_many(enumerate(stuck), stream=stuck_stream)
+    del stuck
     values = features(rig, 4, 8, 20)
     refs = [weakref.ref(v) for v in values]
     assert await cache.put_many((("b", i), v) for i, v in enumerate(values)), other
@@ -483,11 +487,10 @@ async def test_packings_finishing_out_of_order_let_go_of_their_values(
             break
         await asyncio.sleep(0.005)
     assert all(ref() is None for ref in refs), "stream b's values kept behind stream a's"
-    await asyncio.sleep(0.02)
-    assert not cache._core.packings.polling, "a packing still running is polled"
+    assert all(ref() is not None for ref in stuck_refs), "values let go before their packing"
     dev.unstick()
     await cache.drain()
-    assert not cache._core.packings
+    assert all(ref() is None for ref in stuck_refs), "values kept after their packing"
     await assert_clean(rig, cache)
 
 

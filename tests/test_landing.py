@@ -10,7 +10,16 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
-from conftest import CacheFactory, KiB, Rig, assert_exact, feature, needs_hold, put_feature
+from conftest import (
+    CacheFactory,
+    KiB,
+    Rig,
+    assert_exact,
+    feature,
+    leaked,
+    needs_hold,
+    put_feature,
+)
 from prometheus_client import CollectorRegistry
 
 import mmcache.core.offload
@@ -36,20 +45,21 @@ async def test_a_put_uses_room_whose_offload_landed_but_was_not_reported(
         assert await cache.put(i, value)
         del value
     # From here on the loop hears of no completion until the end of the test.
-    late: list[Callable[[], None]] = []
+    late: list[tuple[FenceWatcher, Callable[[], None]]] = []
     report = FenceWatcher._completed
-    monkeypatch.setattr(FenceWatcher, "_completed", lambda self, fn: late.append(fn))
-    # No room now: this put starts offloads for it and gives up without waiting.
-    assert await cache.put("first", feature(rig, 16, 100), wait=False) is False
-    cache._core.pipeline.watch(now=True)  # as the loop does a little later if nothing reaps
+    monkeypatch.setattr(FenceWatcher, "_completed", lambda self, fn: late.append((self, fn)))
+    with rig.hold():
+        # No room now: this put starts offloads for it and gives up without waiting.
+        assert await cache.put("first", feature(rig, 16, 100), wait=False) is False
+        # Nothing reaps them: the loop arms the watch a little later, still copying.
+        await asyncio.sleep(4 * mmcache.core.offload.WATCH_DELAY_S)
     rig.settle()  # the offloads have landed; nobody has said so
     assert late, "the device reported completions (held back here)"
     # The next put finds the landed room itself, without any report.
     assert await cache.put("second", feature(rig, 16, 101), wait=False) is True
     monkeypatch.setattr(FenceWatcher, "_completed", report)
-    assert cache._watcher is not None
-    for fn in late:  # the reports arrive after all: handled once, not twice
-        report(cache._watcher, fn)
+    for watcher, fn in late:  # the reports arrive after all: handled once, not twice
+        report(watcher, fn)
     await cache.drain()
     s = cache.stats()
     assert s.leaked_bytes == 0 and s.pending_copies == 0 and s.dropped == 0
@@ -116,7 +126,7 @@ async def test_the_waiter_watches_one_offload_at_a_time_late_and_still_tells_an_
     rig.settle()
     # No put follows: the watch alone must bring every landing to the loop.
     await asyncio.sleep(0.2)  # every copy has landed: the report, then at most a late watch
-    assert not cache._core.pipeline and cache.stats().pending_copies == 0
+    assert cache.stats().pending_copies == 0  # every landing handled
     assert watching[1] == 1, f"{watching[1]} landing watches at once"
     for i, expected in enumerate(kept):
         assert_exact(await cache.get(i, device="cpu"), expected)
@@ -138,12 +148,11 @@ async def test_a_loop_that_yields_between_puts_reaps_landings_without_watches(
     assert cache.stats().evictions_gpu >= 32
     assert watching[2] == 0, "the waiter was asked to watch while puts went on"
     with rig.hold():
-        cache._core.evictor.evict_for(
-            cache.stats().gpu_capacity_bytes
-        )  # offloads with no put to reap them
-        assert cache._core.pipeline and watching[2] == 0
+        # Offloads ahead that no later put reaps.
+        kept.append(await put_feature(cache, rig, 48, 16, seed=48))
+        assert cache.stats().pending_copies > 0 and watching[2] == 0
     await asyncio.wait_for(cache.drain(), 5)  # does not wait for the late watch
-    assert not cache._core.pipeline and cache.stats().pending_copies == 0
+    assert cache.stats().pending_copies == 0
     for i, expected in enumerate(kept):
         assert_exact(await cache.get(i, device="cpu"), expected)
 
@@ -154,10 +163,11 @@ async def test_a_put_waiting_for_room_in_flight_has_its_landing_watched_at_once(
     """The room a put waits for is already being copied out (offloaded ahead, its watch
     still to come late): the put must not wait for the late watch."""
     monkeypatch.setattr(mmcache.core.offload, "WATCH_DELAY_S", 60.0)
+    watching = track_landing_watches(monkeypatch)
     cache = make_cache(gpu_mb=0.25, cpu_mb=4, evict_ahead=0.5)  # 16 features of 16 KiB
     with rig.hold():
         kept = [await put_feature(cache, rig, i, 16, seed=i) for i in range(16)]
-        assert cache._core.pipeline and not cache._core.pipeline.watched
+        assert cache.stats().pending_copies > 0 and watching[0] == 0  # in flight, unwatched
         waiting = asyncio.create_task(cache.put("late", feature(rig, 16, 100)))
         await asyncio.sleep(0.01)
         assert not waiting.done(), "the put found room while every copy was held"
@@ -180,7 +190,7 @@ async def test_a_host_put_needing_several_landings_has_each_watched_at_once(
         async with FeatureCache(settings, device, registry=CollectorRegistry()) as cache:
             for i in range(4):
                 assert await cache.put(i, feature(rig, 16, seed=i))
-            assert cache._core.pipeline, "the offloads are still in flight"
+            assert cache.stats().pending_copies > 0, "the offloads are still in flight"
             large = feature(rig, 48, seed=9)
             want = large.clone()
             assert await asyncio.wait_for(cache.put("large", large), 5)
@@ -217,7 +227,7 @@ async def test_a_landing_that_raises_leaves_later_landings_watched(
     # An idle loop, and a put that needs the next offload's landing to be reported.
     assert await asyncio.wait_for(cache.put("b", feature(rig, 16, 101)), 5)
     await asyncio.wait_for(cache.drain(), 5)
-    assert not cache._core.pipeline
+    assert cache.stats().pending_copies == 0
     for i in range(2, 16):
         assert_exact(await cache.get(i), kept[i])
 
@@ -230,10 +240,10 @@ async def test_a_landing_that_raises_fails_not_the_put_that_reaps_it(
     # goes on, so the cache still closes): only the put below reaps the landings.
     monkeypatch.setattr(OffloadPipeline, "_reported", lambda self: None)
     kept = [await put_feature(cache, rig, i, 16, seed=i) for i in range(16)]
-    cache._core.evictor.evict_for(4 * 16 * KiB)  # four offloads, one feature each
-    assert len(cache._core.pipeline) == 4
-    rig.settle()
-    assert all(fence.done() for fence in cache._core.pipeline.fences())
+    # No room now: four offloads, one feature each, and the put gives up without waiting.
+    assert await cache.put("large", feature(rig, 64, 99), wait=False) is False
+    assert cache.stats().pending_copies == 4
+    rig.settle()  # they have landed; no report handles them (nor a late watch: no yield)
     fail_first_landing(monkeypatch)
     reported: list[dict[str, Any]] = []
     loop = asyncio.get_running_loop()
@@ -245,40 +255,52 @@ async def test_a_landing_that_raises_fails_not_the_put_that_reaps_it(
         loop.set_exception_handler(previous)
     ours = [c for c in reported if c.get("message", "").startswith("mmcache:")]
     assert [str(c["exception"]) for c in ours] == ["a landing callback failed"]
-    assert not cache._core.pipeline, "the landings after the one that raised were not handled"
-    assert cache.stats().pending_copies == 0
+    assert cache.stats().pending_copies == 0, "the landings after the one that raised: unhandled"
+
     for i, expected in enumerate(kept):
         assert_exact(await cache.get(i, device="cpu"), expected)
 
 
 async def test_a_landed_offload_keeps_device_bytes_charged_while_a_download_reads_them(
-    rig: Rig, make_cache: CacheFactory
+    rig: Rig, make_cache: CacheFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    needs_hold(rig)  # the downloads are simulator fences completed by hand
+    needs_hold(rig)  # the downloads end when the test says so
+    device = rig.device
+    assert isinstance(device, SimDevice)
     cache = make_cache(gpu_mb=64 / 1024, cpu_mb=1, small_copy_bytes=16 * KiB)
     expected = {}
     for i, (key, kib) in enumerate((("a", 8), ("b", 24), ("c", 24))):  # a batched; b, c alone
         expected[key] = await put_feature(cache, rig, key, kib, seed=i)
     await cache.drain()
-    readers = {key: SimFence(threading.Lock()) for key in "ab"}
-    for key, fence in readers.items():
-        cache._core.index.holder(key).add_device_reader(
-            fence
-        )  # as a host get's download still running
+    # Host gets of a and b whose downloads (copied, but not reported done) read on.
+    ends: list[tuple[Fence, SimFence]] = []
+    copy = device.copy_d2h
+
+    def download(src: Any, dst: Any, after: Sequence[Fence]) -> Fence:
+        ends.append((copy(src, dst, after), SimFence(threading.Lock())))
+        return ends[-1][1]
+
+    monkeypatch.setattr(device, "copy_d2h", download)
+    reads = {key: asyncio.create_task(cache.get(key, device="cpu")) for key in "ab"}
+    await asyncio.sleep(0.01)
+    monkeypatch.undo()
+    assert len(ends) == 2 and not any(read.done() for read in reads.values())
     put_x = asyncio.create_task(put_feature(cache, rig, "x", 64, seed=9))
     for _ in range(100):  # a, b and c are offloaded; only c's device bytes come back now
         await asyncio.sleep(0.005)
-        cache._core.pipeline.reap()
-        if not cache._core.pipeline.in_flight():
+        if cache.stats().d2h_bytes == 56 * KiB:
             break
-    assert not cache._core.pipeline.in_flight() and not put_x.done()
-    assert cache._core.ledger.releasing == 32 * KiB
-    assert cache._core.audit() == {"gpu": 0, "cpu": 0}
-    for fence in readers.values():
-        fence._complete()
+    s = cache.stats()  # all three on the host; a's and b's device bytes still charged
+    assert (s.cpu_entries, s.cpu_bytes, s.gpu_entries, s.gpu_bytes) == (3, 56 * KiB, 0, 32 * KiB)
+    assert s.pending_copies == 2 and not put_x.done()  # the downloads; x waits for room
+    assert leaked(cache) == {"gpu": 0, "cpu": 0}
+    for copied, end in ends:
+        copied.wait()
+        end._complete()
+    for key, read in reads.items():
+        assert_exact(await read, expected[key])
     await asyncio.wait_for(put_x, 5)
     await cache.drain()
-    assert cache._core.ledger.releasing == 0
     s = cache.stats()
     assert (s.leaked_bytes, s.gpu_bytes, s.d2h_bytes) == (0, 64 * KiB, 56 * KiB)
     for key in "abc":

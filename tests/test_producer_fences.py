@@ -20,7 +20,7 @@ from conftest import CacheFactory, Rig, assert_exact, feature, stall
 from mmcache import FeatureCache
 from mmcache.device import SimDevice
 from mmcache.device.base import DeferredFence, Fence, Stream
-from mmcache.entry import Entry
+from mmcache.producer_fences import ProducerFences
 
 KIB = 16  # per feature
 
@@ -36,13 +36,6 @@ def count_records(monkeypatch: pytest.MonkeyPatch, rig: Rig) -> collections.Coun
 
     monkeypatch.setattr(rig.device, "record", counting)
     return counts
-
-
-def ready_of(cache: FeatureCache, key: Hashable) -> Fence:
-    """The fence key's entry orders its readers after (its producer's, until offloaded)."""
-    entry = cache._core.index[key]
-    assert isinstance(entry, Entry)
-    return entry.ready
 
 
 def side_stream(rig: Rig) -> Any:
@@ -75,19 +68,43 @@ async def test_a_burst_of_puts_records_one_fence_and_shares_another(
     for i in range(16):
         assert await cache.put(i, feature(rig, KIB, seed=i), stream=stream)
     assert counts[id(stream)] == 1, "only the first put of the iteration records"
-    shared = ready_of(cache, 1)
-    assert isinstance(shared, DeferredFence) and not shared.recorded
-    assert all(ready_of(cache, i) is shared for i in range(1, 16))
-    await asyncio.sleep(0)  # the iteration ends: the shared fence is recorded
-    assert shared.recorded and counts[id(stream)] == 2
+    await asyncio.sleep(0)  # the iteration ends: the fence the other 15 share is recorded
+    assert counts[id(stream)] == 2
     assert await cache.put(16, feature(rig, KIB, seed=16), stream=stream)
     assert counts[id(stream)] == 3, "a new iteration's first put records again"
     assert await cache.put(17, feature(rig, KIB, seed=17), stream=stream)
-    assert isinstance(ready_of(cache, 17), DeferredFence)
-    off_loop = await asyncio.to_thread(cache._core.producers.fence, stream)
-    assert not isinstance(off_loop, DeferredFence), "shared with a thread off the loop"
+    assert counts[id(stream)] == 3, "shared by a later put of the iteration"
     for i in (0, 1, 15, 16):
         assert_exact(await cache.get(i, device="cpu"), feature(rig, KIB, seed=i))
+
+
+async def test_producer_fences_share_one_per_stream_and_iteration_on_the_loop_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """ProducerFences itself: the fences it hands out, and which of them it records."""
+    dev = SimDevice()
+    try:
+        fences = ProducerFences(dev)
+        stream = dev.stream("encoder")
+        counts = count_records(monkeypatch, Rig(dev, "sim"))
+        assert not isinstance(fences.fence(stream), DeferredFence)  # unbound: records
+        fences.bind(asyncio.get_running_loop())
+        assert not isinstance(fences.fence(stream), DeferredFence)  # the iteration's first
+        shared = fences.fence(stream)
+        assert isinstance(shared, DeferredFence) and not shared.recorded
+        assert all(fences.fence(stream) is shared for _ in range(14))
+        assert counts[id(stream)] == 2
+        await asyncio.sleep(0)  # the iteration ends: the shared fence is recorded
+        assert shared.recorded and counts[id(stream)] == 3
+        assert not isinstance(fences.fence(stream), DeferredFence), "a new iteration records"
+        later = fences.fence(stream)
+        assert isinstance(later, DeferredFence) and later is not shared
+        off_loop = await asyncio.to_thread(fences.fence, stream)
+        assert not isinstance(off_loop, DeferredFence), "shared with a thread off the loop"
+        fences.unbind()
+        assert later.recorded  # unbinding records what is shared
+    finally:
+        dev.close()
 
 
 async def put_one(
@@ -103,7 +120,7 @@ async def put_one(
 
 @pytest.mark.parametrize("how", ["put", "put_many", "put_split"])
 async def test_each_put_of_a_burst_is_read_after_its_own_producer(
-    rig: Rig, make_cache: CacheFactory, how: str
+    rig: Rig, make_cache: CacheFactory, monkeypatch: pytest.MonkeyPatch, how: str
 ) -> None:
     """Producer work is queued just before each put, and runs only after the burst.
 
@@ -119,15 +136,18 @@ async def test_each_put_of_a_burst_is_read_after_its_own_producer(
     sources = [feature(rig, KIB, seed=i) for i in range(count)]
     wants = [s.cpu() for s in sources]
     rig.settle()
+    counts = count_records(monkeypatch, rig)
     with rig.hold():
         for i in range(count):
             assert await put_one(cache, how, i, produce(rig, stream, sources[i]), stream)
         evicted = cache.stats().evictions_gpu
-        readies = [ready_of(cache, key) for key in cache._core.index]
-        still_shared = [r for r in readies if isinstance(r, DeferredFence) and not r.recorded]
+        in_burst = counts[id(stream)]
         reads = [asyncio.create_task(cache.get(i, device="cpu")) for i in range(count)]
         await asyncio.sleep(0.02)  # each read queues its copy, or waits for its offload
-    assert 0 < evicted < count and still_shared, "no offload in the burst's middle"
+    # An offload recorded a shared fence in the burst's middle, and the puts after it
+    # shared another, recorded only by a read or the iteration's end.
+    still_shared = counts[id(stream)] > in_burst
+    assert 0 < evicted < count and in_burst >= 2 and still_shared, "no offload mid-burst"
     for i, read in enumerate(reads):
         assert_exact(await read, wants[i])
     await cache.drain()
@@ -135,7 +155,7 @@ async def test_each_put_of_a_burst_is_read_after_its_own_producer(
 
 
 async def test_a_shared_fence_is_recorded_when_its_iteration_ends(
-    rig: Rig, make_cache: CacheFactory
+    rig: Rig, make_cache: CacheFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Work queued on the producer's stream in a later iteration is not the fence's to wait
     for: an offload and a host read of the feature go ahead while that work still runs."""
@@ -143,12 +163,12 @@ async def test_a_shared_fence_is_recorded_when_its_iteration_ends(
     await cache.start()
     stream = side_stream(rig)
     want = feature(rig, KIB, seed=2)
+    counts = count_records(monkeypatch, rig)
     assert await cache.put("first", feature(rig, KIB, seed=1), stream=stream)
     assert await cache.put("shared", want.clone(), stream=stream)
-    shared = ready_of(cache, "shared")
-    assert isinstance(shared, DeferredFence) and not shared.recorded
+    assert counts[id(stream)] == 1  # the second put shares a fence not recorded yet
     await asyncio.sleep(0)
-    assert shared.recorded
+    assert counts[id(stream)] == 2  # recorded as the iteration ends
     dev = rig.device
     if isinstance(dev, SimDevice):  # the stream's next work never completes until unstuck
         dev.inject("fence_never_completes")

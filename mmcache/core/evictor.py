@@ -16,7 +16,7 @@ from mmcache.core.offload import OffloadPipeline
 from mmcache.core.packing import BATCH_BYTES
 from mmcache.core.policy import EvictionPolicy
 from mmcache.device import Device, Fence
-from mmcache.entry import Entry, State
+from mmcache.entry import Entry
 from mmcache.errors import CacheClosedError
 from mmcache.grants import Grant
 from mmcache.host_pool import HostBlock
@@ -208,8 +208,7 @@ class Evictor:
                     self._drop(entry)
                 else:  # a put straight to the host tier: nothing was charged to the GPU tier
                     self._counters.lost(self._index.forget(entry))
-                    entry.state = State.GONE
-                    tensor, entry.tensor = entry.tensor, None
+                    tensor = entry.discard()
                     assert tensor is not None
                     self._device.release(tensor, after=[entry.ready])
             return

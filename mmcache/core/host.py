@@ -160,7 +160,7 @@ class HostTier:
 
     def free_block(self, entry: Entry) -> None:
         """Release entry's host block, if any, after its readers; it leaves the tier's count."""
-        block, entry.block = entry.block, None
+        block = entry.take_block()
         if block is not None and self.pool is not None:
             self._ledger.host_left(entry.count)
             self.pool.free(block, after=entry.readers_pending())

@@ -42,7 +42,7 @@ class KeyIndex(dict[Hashable, Entry | Member]):
         stops = list(itertools.accumulate(rows))
         members = list(map(Member, zip(keys, itertools.repeat(group), [0, *stops], stops)))
         self.update(zip(keys, members, strict=True))
-        group.members = members
+        group.add_members(members)
         return group
 
     def leave(self, member: Member) -> bool:
@@ -54,7 +54,7 @@ class KeyIndex(dict[Hashable, Entry | Member]):
         if self.get(member.key) is not member:
             return False
         del self[member.key]
-        member.group.count -= 1
+        member.group.member_left()
         return True
 
     def forget(self, entry: Entry) -> int:
@@ -65,13 +65,10 @@ class KeyIndex(dict[Hashable, Entry | Member]):
                 return 1
             return 0
         forgotten = 0
-        for member in entry.members:
+        for member in entry.drop_members():
             if self.get(member.key) is member:
                 del self[member.key]
                 forgotten += 1
-        # Members name their group: without this the two would die only by the cyclic
-        # collector (whose pauses grow with the objects it walks).
-        entry.members = []
         return forgotten
 
     def holder(self, key: Hashable) -> Entry:

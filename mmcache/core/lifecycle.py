@@ -88,11 +88,11 @@ class Lifecycle:
     def unlink(self, entry: Entry) -> None:
         """Remove entry from the index and release what it holds after its fences."""
         self._index.forget(entry)
-        state, entry.state = entry.state, State.GONE
+        state = entry.state
+        tensor = entry.discard()
         if state is State.GPU:
             self._gpu_order.pop(entry.key, None)
             self._ledger.gpu_left(entry.count)
-            tensor, entry.tensor = entry.tensor, None
             assert tensor is not None
             self.release_device(
                 tensor, entry.nbytes, [entry.ready, *entry.device_readers_pending()]
@@ -126,7 +126,7 @@ class Lifecycle:
         if entry.state is State.D2H:  # the copy failed: the feature is lost
             self._counters.copy_failed("offload", entry.key, failed)
             self._counters.lost(self._index.forget(entry))
-            entry.state = State.GONE
+            entry.discard()  # its landing has released the tensor already
         assert self._host is not None
         self._host.free_block(entry)
 
@@ -162,10 +162,7 @@ class Lifecycle:
         assert self._host is not None
         self._host.order.pop(entry.key, None)
         self._host.free_block(entry)
-        entry.state = State.GPU
-        entry.tensor = tensor
-        entry.ready = fence
-        entry.copy_fence = None
+        entry.promote(tensor, fence)
         self._promoted(entry)
 
     def _promoted(self, entry: Entry) -> None:

@@ -136,9 +136,7 @@ class OffloadPipeline:
         batch = []
         features = nbytes = 0
         for entry, block in items:
-            entry.state = State.D2H
-            entry.block = block
-            entry.copy_fence = fence
+            entry.begin_offload(block, fence)
             offloading[entry] = charged_gpu
             features += entry.count
             nbytes += entry.nbytes
@@ -238,7 +236,7 @@ class OffloadPipeline:
         lost = self._index.forget(entry)
         if lost:
             self._counters.lost(lost)
-        entry.state = State.GONE
+        entry.discard()  # D2H: its landing releases the tensor, if the copy ever ends
         self._changed()
 
     def _watch_late(self) -> None:
@@ -296,8 +294,10 @@ class OffloadPipeline:
             features += entry.count
             if quarantined is not None:
                 quarantined.release(entry)  # a late fence: its bytes come back now
-            tensor, entry.tensor = entry.tensor, None
-            assert tensor is not None
+            landed = entry.state is State.D2H and failed is None
+            # Landed, both copies are done and good: a shared finished fence stands in for
+            # them, so a host entry keeps no CUDA event (nor the batch's fence) alive.
+            tensor = entry.land(done_fence) if landed else entry.end_offload()
             # A host get's download may still read the device tensor.
             readers = entry.device_readers_pending() if entry.device_readers else None
             if readers and charged_gpu:
@@ -305,11 +305,7 @@ class OffloadPipeline:
             else:
                 release(tensor, readers or ())
                 released += entry.nbytes
-            if entry.state is State.D2H and failed is None:
-                entry.state = State.HOST
-                # Both copies are done and good: a shared finished fence stands in for them,
-                # so a host entry keeps no CUDA event (nor the batch's fence) alive.
-                entry.copy_fence = entry.ready = done_fence
+            if landed:
                 host_insert(entry.key, entry)
             else:
                 self._lost(entry, failed)

@@ -394,8 +394,7 @@ class Puts:
         for entry in made:
             self._index.forget(entry)
             self._gpu_order.pop(entry.key, None)
-            entry.state = State.GONE
-            entry.tensor = None
+            entry.discard()  # its tensor goes back with the put's owned values
 
     def _remove_keys(self, keys: list[Hashable], *, wake: bool) -> None:
         """Remove what the index holds under keys (a put replacing them); wake: after each
