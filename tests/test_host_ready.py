@@ -55,7 +55,7 @@ async def cache_awaiting_its_arena(
     baseline = rig.allocated_bytes()
     pending: list[Future[torch.Tensor]] = []
 
-    def later(nbytes: int) -> Future[torch.Tensor]:
+    def later(nbytes: int, on_pinned: object = None) -> Future[torch.Tensor]:
         pending.append(Future())
         return pending[-1]
 
