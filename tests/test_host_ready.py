@@ -9,11 +9,12 @@ from concurrent.futures import Future
 
 import pytest
 import torch
-from conftest import CacheFactory, Rig, assert_exact, feature
+from conftest import CacheFactory, Rig, assert_exact, feature, put_feature
 from prometheus_client import CollectorRegistry
 from test_ipc_support import settled_bytes
 
 from mmcache import CacheSettings, FeatureCache
+from mmcache.device import SimDevice
 
 
 async def test_wait_host_ready_on_a_ready_arena(rig: Rig, make_cache: CacheFactory) -> None:
@@ -110,3 +111,110 @@ async def test_with_the_gpu_tier_off_a_failed_arena_refuses_puts(
         assert not await cache.wait_host_ready(0.1)
         s = cache.stats()
         assert (len(cache), s.rejected, s.leaked_bytes) == (0, 3, 0)
+
+
+# --- an arena that pins chunk by chunk ---------------------------------------------------
+
+MiB = 1 << 20
+
+
+def pinning_sim(chunk_s: float) -> SimDevice:
+    """A simulator whose host arena pins in 1 MiB chunks, each chunk_s long."""
+    return SimDevice(pin_chunk_bytes=MiB, pin_chunk_s=chunk_s)
+
+
+def chunked_cache(device: SimDevice, gpu_mb: float, cpu_mb: float) -> FeatureCache:
+    settings = CacheSettings(gpu_cache_mb=gpu_mb, cpu_cache_mb=cpu_mb, evict_ahead=0)
+    return FeatureCache(settings, device, registry=CollectorRegistry())
+
+
+async def pinned_at_least(cache: FeatureCache, nbytes: int, timeout: float = 10) -> int:  # noqa: ASYNC109
+    """Wait until the cache's host tier serves nbytes of its arena; what it serves then."""
+    async with asyncio.timeout(timeout):
+        while True:
+            served = cache.stats().host_ready_bytes
+            if served >= nbytes:
+                return served
+            await asyncio.sleep(0.005)
+
+
+async def test_evictions_go_to_the_chunks_already_pinned() -> None:
+    """A cache that takes traffic while its arena pins offloads into the pinned chunks
+    instead of dropping what it evicts; wait_host_ready still means the whole arena."""
+    device = pinning_sim(chunk_s=0.2)  # 8 chunks: the whole arena in about 1.6 s
+    registry = CollectorRegistry()
+    settings = CacheSettings(gpu_cache_mb=1, cpu_cache_mb=8, evict_ahead=0)
+    rig = Rig(device, "sim")
+    try:
+        async with FeatureCache(settings, device, registry=registry) as cache:
+            assert cache.stats().host_ready_bytes == 0  # nothing pinned yet
+            # 16 features of 64 KiB fill the GPU tier; the next 16 are evicted.
+            want = {k: await put_feature(cache, rig, k, 64, seed=k) for k in range(16)}
+            await asyncio.sleep(0.5)  # a chunk or two pinned, far from all eight
+            want |= {k: await put_feature(cache, rig, k, 64, seed=k) for k in range(16, 32)}
+            await cache.drain()
+            s = cache.stats()
+            assert (s.dropped, s.gpu_entries, s.cpu_entries) == (0, 16, 16)
+            assert not s.host_ready and MiB <= s.host_ready_bytes < 8 * MiB
+            assert s.cpu_capacity_bytes == 8 * MiB
+            gauge = registry.get_sample_value("mmcache_host_ready_bytes", {"cache": "default"})
+            assert gauge == s.host_ready_bytes
+            for k, value in want.items():
+                assert_exact(await cache.get(k, device="cpu"), value)
+            assert await cache.wait_host_ready(timeout=10)
+            s = cache.stats()
+            assert s.host_ready and s.host_ready_bytes == 8 * MiB and s.leaked_bytes == 0
+            gauge = registry.get_sample_value("mmcache_host_ready_bytes", {"cache": "default"})
+            assert gauge == 8 * MiB
+            del want, value
+    finally:
+        device.close()
+    assert device.pinned_bytes == 0
+
+
+async def test_with_the_gpu_tier_off_a_put_waits_for_enough_pinned_room() -> None:
+    device = pinning_sim(chunk_s=0.15)
+    try:
+        async with chunked_cache(device, gpu_mb=0, cpu_mb=4) as cache:
+            rig = Rig(device, "sim")
+            small, large = feature(rig, 64, seed=1), feature(rig, 1536, seed=2)
+            want_small, want_large = small.clone(), large.clone()
+            put_small = asyncio.ensure_future(cache.put("small", small))
+            put_large = asyncio.ensure_future(cache.put("large", large))
+            del small, large
+            assert await asyncio.wait_for(put_small, 10)
+            assert await asyncio.wait_for(put_large, 10)
+            # 1.5 MiB waited in line for a second chunk (and the small put behind it).
+            assert cache.stats().host_ready_bytes >= 2 * MiB
+            assert_exact(await cache.get("small", device="cpu"), want_small)
+            assert_exact(await cache.get("large", device="cpu"), want_large)
+            await cache.drain()
+            s = cache.stats()
+            assert (s.cpu_entries, s.dropped, s.rejected, s.leaked_bytes) == (2, 0, 0, 0)
+    finally:
+        device.close()
+
+
+async def test_close_during_chunked_pinning_stops_it_and_frees_everything() -> None:
+    device = pinning_sim(chunk_s=0.2)  # 64 chunks: about 13 s to pin it all
+    baseline = device.allocated_bytes
+    cache = chunked_cache(device, gpu_mb=1, cpu_mb=64)
+    await cache.start()
+    await pinned_at_least(cache, MiB)
+    rig = Rig(device, "sim")
+    for k in range(24):
+        await put_feature(cache, rig, k, 64, seed=k)
+    await cache.drain()
+    s = cache.stats()
+    assert (s.cpu_entries, s.dropped, s.leaked_bytes) == (8, 0, 0)
+    waiting = asyncio.ensure_future(cache.wait_host_ready())
+    await asyncio.sleep(0.01)
+    await cache.close(timeout=10)
+    assert await asyncio.wait_for(waiting, 1) is False  # not left waiting for ever
+    assert cache.stats().leaked_bytes == 0
+    started = asyncio.get_running_loop().time()
+    device.close()  # stops the pinning at its next chunk and unpins what it pinned
+    assert asyncio.get_running_loop().time() - started < 1.0
+    assert device.pinned_bytes == 0
+    assert await settled_bytes(rig, baseline) == baseline
+    await asyncio.sleep(0.05)  # a last report of the pinning thread finds the cache closed

@@ -271,8 +271,11 @@ class HostTier:
                 return
 
     def close(self) -> None:
-        """No put waiting for host room inserts from now on; the arena arriving is ignored."""
+        """No put waiting for host room inserts from now on; the arena arriving is ignored,
+        and wait_ready() returns (False if the arena was still pinning)."""
         self._closed = True
+        if self._ready is not None:
+            self._ready.set()
 
     def fail_waiters(self) -> None:
         """Raise CacheClosedError in every put waiting for host room."""
