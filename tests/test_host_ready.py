@@ -172,6 +172,31 @@ async def test_evictions_go_to_the_chunks_already_pinned() -> None:
     assert device.pinned_bytes == 0
 
 
+@pytest.mark.cuda
+async def test_evictions_go_to_the_chunks_already_pinned_on_a_gpu() -> None:
+    """The same on a GPU: 1 MiB features offload into 8 MiB registrations (blocks cross
+    their edges, copies are split there) while a 16 GiB arena is still pinning."""
+    from mmcache.device.cuda import CudaDevice
+
+    device = CudaDevice(0)  # pins in the background, the default
+    settings = CacheSettings(gpu_cache_mb=64, cpu_cache_mb=16384, evict_ahead=0)
+    try:
+        async with FeatureCache(settings, device, registry=CollectorRegistry()) as cache:
+            await pinned_at_least(cache, 128 * MiB, timeout=60)
+            assert not cache.stats().host_ready
+            rig = Rig(device, "cuda")
+            want = {k: await put_feature(cache, rig, k, 1024, seed=k) for k in range(128)}
+            await cache.drain()
+            s = cache.stats()
+            assert (s.dropped, s.gpu_entries, s.cpu_entries) == (0, 64, 64)
+            for k, value in want.items():
+                assert_exact(await cache.get(k, device="cpu"), value)
+            assert cache.stats().leaked_bytes == 0
+            del want, value
+    finally:
+        device.close()  # stops the pinning and unpins
+
+
 async def test_with_the_gpu_tier_off_a_put_waits_for_enough_pinned_room() -> None:
     device = pinning_sim(chunk_s=0.15)
     try:
