@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 
 import pytest
@@ -14,7 +15,8 @@ from prometheus_client import CollectorRegistry
 from test_ipc_support import settled_bytes
 
 from mmcache import CacheSettings, FeatureCache
-from mmcache.device import SimDevice
+from mmcache.device import Device, SimDevice
+from mmcache.device.base import ArenaProgress
 
 
 async def test_wait_host_ready_on_a_ready_arena(rig: Rig, make_cache: CacheFactory) -> None:
@@ -123,7 +125,7 @@ def pinning_sim(chunk_s: float) -> SimDevice:
     return SimDevice(pin_chunk_bytes=MiB, pin_chunk_s=chunk_s)
 
 
-def chunked_cache(device: SimDevice, gpu_mb: float, cpu_mb: float) -> FeatureCache:
+def chunked_cache(device: Device, gpu_mb: float, cpu_mb: float) -> FeatureCache:
     settings = CacheSettings(gpu_cache_mb=gpu_mb, cpu_cache_mb=cpu_mb, evict_ahead=0)
     return FeatureCache(settings, device, registry=CollectorRegistry())
 
@@ -243,3 +245,46 @@ async def test_close_during_chunked_pinning_stops_it_and_frees_everything() -> N
     assert device.pinned_bytes == 0
     assert await settled_bytes(rig, baseline) == baseline
     await asyncio.sleep(0.05)  # a last report of the pinning thread finds the cache closed
+
+
+async def test_an_arena_pinned_only_in_part_keeps_serving_what_was_pinned(
+    sim_rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Pinning that fails half-way (the host ran out of lockable memory, say) leaves the
+    chunks already pinned serving; the tier ends there and wait_host_ready says False."""
+    device = sim_rig.device
+    finish: list[Callable[[], None]] = []
+
+    def half(nbytes: int, on_pinned: ArenaProgress | None = None) -> Future[torch.Tensor]:
+        future: Future[torch.Tensor] = Future()
+        arena = device.host_arena(nbytes)
+        assert on_pinned is not None
+        on_pinned(arena, MiB)
+        finish.append(lambda: future.set_exception(MemoryError("cannot pin more")))
+        return future
+
+    device.host_arena_async = half  # type: ignore[method-assign]
+    try:
+        with caplog.at_level(logging.ERROR, logger="mmcache"):
+            async with chunked_cache(device, gpu_mb=1, cpu_mb=4) as cache:
+                await pinned_at_least(cache, MiB)
+                finish[0]()
+                assert not await cache.wait_host_ready(5)
+                assert "pinned only in part" in caplog.text
+                s = cache.stats()
+                assert (s.host_ready, s.host_ready_bytes, s.cpu_capacity_bytes) == (
+                    False,
+                    MiB,
+                    MiB,
+                )
+                want = {k: await put_feature(cache, sim_rig, k, 64, seed=k) for k in range(48)}
+                await cache.drain()
+                s = cache.stats()
+                # 16 on the GPU tier, 16 in the pinned MiB, the oldest 16 given up for room.
+                assert (s.gpu_entries, s.cpu_entries, s.evictions_cpu) == (16, 16, 16)
+                for k in range(16, 48):
+                    assert_exact(await cache.get(k, device="cpu"), want[k])
+                assert cache.stats().leaked_bytes == 0
+                del want
+    finally:
+        del device.host_arena_async
