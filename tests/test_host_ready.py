@@ -288,3 +288,34 @@ async def test_an_arena_pinned_only_in_part_keeps_serving_what_was_pinned(
                 del want
     finally:
         del device.host_arena_async
+
+
+async def test_with_the_gpu_tier_off_a_put_the_partial_arena_cannot_hold_gives_up(
+    sim_rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
+    device = sim_rig.device
+    finish: list[Callable[[], None]] = []
+
+    def half(nbytes: int, on_pinned: ArenaProgress | None = None) -> Future[torch.Tensor]:
+        future: Future[torch.Tensor] = Future()
+        assert on_pinned is not None
+        on_pinned(device.host_arena(nbytes), MiB)
+        finish.append(lambda: future.set_exception(MemoryError("cannot pin more")))
+        return future
+
+    device.host_arena_async = half  # type: ignore[method-assign]
+    try:
+        with caplog.at_level(logging.ERROR, logger="mmcache"):
+            async with chunked_cache(device, gpu_mb=0, cpu_mb=4) as cache:
+                await pinned_at_least(cache, MiB)
+                large = asyncio.ensure_future(cache.put("large", feature(sim_rig, 2048)))
+                await asyncio.sleep(0.05)
+                assert not large.done()  # waits for more of the arena
+                finish[0]()
+                assert await asyncio.wait_for(large, 5) is False  # never comes: gives up
+                want = await put_feature(cache, sim_rig, "small", 64)
+                assert_exact(await cache.get("small", device="cpu"), want)
+                s = cache.stats()
+                assert (len(cache), s.leaked_bytes) == (1, 0)
+    finally:
+        del device.host_arena_async

@@ -81,10 +81,18 @@ class HostTier:
         """Bytes of the arena pinned and usable so far."""
         return 0 if self.pool is None else self.pool.ready_bytes
 
-    def failed(self) -> bool:
-        """The arena could not be allocated: the host tier will never take anything."""
+    def failed(self, sizes: Sequence[int] = ()) -> bool:
+        """Pinning ended and the arena will never take anything (or all of sizes at once)."""
         ready = self._ready
-        return self.pool is None and ready is not None and ready.is_set()
+        if ready is None or not ready.is_set():
+            return False
+        pool = self.pool
+        if pool is None:
+            return True
+        # An arena pinned only in part ends short: a put waiting for more must give up.
+        return bool(sizes) and (
+            max(sizes) > pool.max_block_bytes or sum(map(pool.rounded, sizes)) > pool.capacity_bytes
+        )
 
     def limit(self) -> int:
         """The largest feature the host tier can take."""
@@ -237,7 +245,7 @@ class HostTier:
             if taken is not None:
                 blocks.extend(taken)
                 return True
-        if not wait or self.failed():
+        if not wait or self.failed(sizes):
             return False
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[None] = loop.create_future()
@@ -248,7 +256,7 @@ class HostTier:
                 await waiter
                 if self._closed:  # woken, then close() ran before we resumed
                     raise CacheClosedError("the cache closed while put waited")
-                if self.failed():
+                if self.failed(sizes):
                     return False
                 taken = self._allocate_all(sizes)
                 if taken is not None:
