@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future
 
 import pytest
@@ -247,28 +247,36 @@ async def test_close_during_chunked_pinning_stops_it_and_frees_everything() -> N
     await asyncio.sleep(0.05)  # a last report of the pinning thread finds the cache closed
 
 
-async def test_an_arena_pinned_only_in_part_keeps_serving_what_was_pinned(
-    sim_rig: Rig, caplog: pytest.LogCaptureFixture
-) -> None:
-    """Pinning that fails half-way (the host ran out of lockable memory, say) leaves the
-    chunks already pinned serving; the tier ends there and wait_host_ready says False."""
-    device = sim_rig.device
+@contextlib.contextmanager
+def pinned_in_part(device: Device) -> Iterator[Callable[[], None]]:
+    """The device's next arena reports its first MiB pinned at once; calling what this
+    yields then fails the rest (the host ran out of lockable memory, say)."""
     finish: list[Callable[[], None]] = []
 
     def half(nbytes: int, on_pinned: ArenaProgress | None = None) -> Future[torch.Tensor]:
         future: Future[torch.Tensor] = Future()
-        arena = device.host_arena(nbytes)
         assert on_pinned is not None
-        on_pinned(arena, MiB)
+        on_pinned(device.host_arena(nbytes), MiB)
         finish.append(lambda: future.set_exception(MemoryError("cannot pin more")))
         return future
 
     device.host_arena_async = half  # type: ignore[method-assign]
     try:
+        yield lambda: finish[0]()
+    finally:
+        del device.host_arena_async
+
+
+async def test_an_arena_pinned_only_in_part_keeps_serving_what_was_pinned(
+    sim_rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Pinning that fails half-way leaves the chunks already pinned serving; the tier
+    ends there and wait_host_ready says False."""
+    with pinned_in_part(sim_rig.device) as fail_the_rest:
         with caplog.at_level(logging.ERROR, logger="mmcache"):
-            async with chunked_cache(device, gpu_mb=1, cpu_mb=4) as cache:
+            async with chunked_cache(sim_rig.device, gpu_mb=1, cpu_mb=4) as cache:
                 await pinned_at_least(cache, MiB)
-                finish[0]()
+                fail_the_rest()
                 assert not await cache.wait_host_ready(5)
                 assert "pinned only in part" in caplog.text
                 s = cache.stats()
@@ -286,36 +294,20 @@ async def test_an_arena_pinned_only_in_part_keeps_serving_what_was_pinned(
                     assert_exact(await cache.get(k, device="cpu"), want[k])
                 assert cache.stats().leaked_bytes == 0
                 del want
-    finally:
-        del device.host_arena_async
 
 
 async def test_with_the_gpu_tier_off_a_put_the_partial_arena_cannot_hold_gives_up(
-    sim_rig: Rig, caplog: pytest.LogCaptureFixture
+    sim_rig: Rig,
 ) -> None:
-    device = sim_rig.device
-    finish: list[Callable[[], None]] = []
-
-    def half(nbytes: int, on_pinned: ArenaProgress | None = None) -> Future[torch.Tensor]:
-        future: Future[torch.Tensor] = Future()
-        assert on_pinned is not None
-        on_pinned(device.host_arena(nbytes), MiB)
-        finish.append(lambda: future.set_exception(MemoryError("cannot pin more")))
-        return future
-
-    device.host_arena_async = half  # type: ignore[method-assign]
-    try:
-        with caplog.at_level(logging.ERROR, logger="mmcache"):
-            async with chunked_cache(device, gpu_mb=0, cpu_mb=4) as cache:
-                await pinned_at_least(cache, MiB)
-                large = asyncio.ensure_future(cache.put("large", feature(sim_rig, 2048)))
-                await asyncio.sleep(0.05)
-                assert not large.done()  # waits for more of the arena
-                finish[0]()
-                assert await asyncio.wait_for(large, 5) is False  # never comes: gives up
-                want = await put_feature(cache, sim_rig, "small", 64)
-                assert_exact(await cache.get("small", device="cpu"), want)
-                s = cache.stats()
-                assert (len(cache), s.leaked_bytes) == (1, 0)
-    finally:
-        del device.host_arena_async
+    with pinned_in_part(sim_rig.device) as fail_the_rest:
+        async with chunked_cache(sim_rig.device, gpu_mb=0, cpu_mb=4) as cache:
+            await pinned_at_least(cache, MiB)
+            large = asyncio.ensure_future(cache.put("large", feature(sim_rig, 2048)))
+            await asyncio.sleep(0.05)
+            assert not large.done()  # waits for more of the arena
+            fail_the_rest()
+            assert await asyncio.wait_for(large, 5) is False  # never comes: gives up
+            want = await put_feature(cache, sim_rig, "small", 64)
+            assert_exact(await cache.get("small", device="cpu"), want)
+            s = cache.stats()
+            assert (len(cache), s.leaked_bytes) == (1, 0)
