@@ -117,7 +117,7 @@ class FeatureCache:
         if port is not None and self._registry is None:
             # One server per process serves every cache on the default registry.
             ensure_metrics_server(port, self.settings.metrics_addr)
-        arena = self._core.host.start(loop, self._when_done, self._host_capacity)
+        arena = self._core.host.start(loop, self._when_done, self._host_ready)
         if arena is not None and arena.done():
             await asyncio.sleep(0)  # let the host tier take it: the simulator's is ready now
         self._tiers.request()
@@ -160,11 +160,12 @@ class FeatureCache:
             await off_the_loop(self._device.close)
 
     async def wait_host_ready(self, timeout: float | None = None) -> bool:  # noqa: ASYNC109
-        """Wait until the pinned host arena is allocated (it pins in the background).
+        """Wait until the whole pinned host arena is allocated (it pins in the background).
 
-        Until then the GPU tier serves as usual and evictions drop their entries
-        (counted in `dropped`). Returns False if timeout passed first, or if the
-        arena could not be allocated (the error is logged).
+        The arena serves chunk by chunk as it is pinned (`stats().host_ready_bytes`):
+        meanwhile evictions go to the pinned part and drop their entries (counted in
+        `dropped`) only where it has no room. Returns False if timeout passed first, or
+        if the arena could not be allocated, whole or in part (the error is logged).
         """
         await self._ready_to_serve()
         return await self._core.host.wait_ready(timeout)
@@ -525,9 +526,10 @@ class FeatureCache:
                 "that started it (asyncio.run_coroutine_threadsafe from other threads)"
             )
 
-    def _host_capacity(self, nbytes: int) -> None:
-        """The host arena is pinned: report its capacity."""
-        self._metrics.set_capacity("cpu", nbytes)
+    def _host_ready(self, capacity: int, ready: int) -> None:
+        """The host arena's first ready bytes are pinned: report them and its capacity."""
+        self._metrics.set_capacity("cpu", capacity)
+        self._metrics.set_host_ready(ready)
 
     # --- single flight ------------------------------------------------------------------
 

@@ -58,6 +58,7 @@ class HostPool:
         defer: Defer,
         on_free: Callable[[], None] = lambda: None,
         chunk_bytes: int | None = None,
+        ready_bytes: int | None = None,
     ) -> None:
         if alignment <= 0 or alignment & (alignment - 1):
             raise ValueError(f"alignment must be a power of two, got {alignment}")
@@ -77,8 +78,9 @@ class HostPool:
         self._free_offsets: list[int] = []
         self._free_sizes: list[int] = []
         self._by_size: list[tuple[int, int]] = []
-        if self.capacity_bytes:
-            self._add_range(0, 0, self.capacity_bytes)
+        #: the leading bytes of the arena that blocks may use (the rest is not pinned yet)
+        self.ready_bytes = 0
+        self.grow(self.capacity_bytes if ready_bytes is None else ready_bytes)
         self.used_bytes = 0
         self.freeing_bytes = 0
         self.blocks_live = 0
@@ -89,8 +91,32 @@ class HostPool:
         return min(self._chunk, self.capacity_bytes)
 
     @property
+    def ready_block_bytes(self) -> int:
+        """The largest block this pool could hand out now, from the part that is pinned."""
+        return min(self._chunk, self.ready_bytes)
+
+    @property
     def free_bytes(self) -> int:
-        return self.capacity_bytes - self.used_bytes
+        return self.ready_bytes - self.used_bytes
+
+    def grow(self, ready_bytes: int) -> bool:
+        """Let blocks use the arena's first ready_bytes (rounded down to the alignment).
+
+        The arena is one contiguous range pinned front to back, so the new bytes join the
+        free range before them: a block may span two pinned pieces, and a device that
+        cannot copy across its pinning's pieces splits such a copy itself. Returns whether
+        any bytes were added.
+        """
+        ready = min(ready_bytes, self.capacity_bytes) // self.alignment * self.alignment
+        if ready <= self.ready_bytes:
+            return False
+        self._insert_free(self.ready_bytes, ready - self.ready_bytes)
+        self.ready_bytes = ready
+        return True
+
+    def end_at_ready(self) -> None:
+        """The rest of the arena will never be pinned: the pool ends where it is ready."""
+        self.capacity_bytes = self.ready_bytes
 
     def rounded(self, nbytes: int) -> int:
         """The block size that nbytes occupies."""

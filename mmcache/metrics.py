@@ -124,6 +124,12 @@ METRICS_TABLE: Final[list[MetricInfo]] = [
     ),
     MetricInfo("mmcache_tier_entries", "gauge", ("cache", "tier"), "Entries held by a tier."),
     MetricInfo(
+        "mmcache_host_ready_bytes",
+        "gauge",
+        ("cache",),
+        "Bytes of the host arena pinned and serving so far (the cpu capacity once ready).",
+    ),
+    MetricInfo(
         "mmcache_lookups_total",
         "counter",
         ("cache", "result"),
@@ -224,6 +230,7 @@ class _Families:
         self.tier_bytes = _gauge("mmcache_tier_bytes", registry)
         self.tier_capacity_bytes = _gauge("mmcache_tier_capacity_bytes", registry)
         self.tier_entries = _gauge("mmcache_tier_entries", registry)
+        self.host_ready_bytes = _gauge("mmcache_host_ready_bytes", registry)
         self.lookups = _counter("mmcache_lookups_total", registry)
         self.evictions = _counter("mmcache_evictions_total", registry)
         self.dropped = _counter("mmcache_dropped_total", registry)
@@ -337,6 +344,7 @@ class CacheMetrics:
             for t in TIERS
         }
         self._capacity = {t: self._bind(families.tier_capacity_bytes, t) for t in TIERS}
+        self._host_ready = self._bind(families.host_ready_bytes)
         self._evictions = {t: self._bind(families.evictions, t) for t in TIERS}
         self._dropped = self._bind(families.dropped)
         self._copies = {
@@ -400,6 +408,10 @@ class CacheMetrics:
         except KeyError:
             raise _unknown("tier", tier, TIERS) from None
         self._set(child, nbytes)
+
+    def set_host_ready(self, nbytes: int) -> None:
+        """Report the bytes of the host arena pinned and serving so far."""
+        self._set(self._host_ready, nbytes)
 
     def eviction(self, tier: str, count: int = 1) -> None:
         """Count entries leaving a tier (gpu: offloaded or dropped; cpu: dropped)."""

@@ -34,6 +34,8 @@ class CacheStats:
     promotions: int = 0
     #: False while the pinned host arena is still being allocated
     host_ready: bool = True
+    #: bytes of the host arena pinned and in use by the host tier so far (chunk by chunk)
+    host_ready_bytes: int = 0
     #: device copies that failed (their entries were dropped)
     copy_failures: int = 0
     #: device allocations that failed (DeviceOutOfMemoryError raised to a caller)

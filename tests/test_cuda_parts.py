@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import threading
+import time
 import weakref
 from typing import Any, cast
 
@@ -185,3 +187,67 @@ def test_a_dropped_device_unpins_its_arena_at_once(monkeypatch: pytest.MonkeyPat
     finally:
         gc.enable()
     assert arena.numel() == 2 * MiB  # its views stay valid (pageable) memory
+
+
+class SlowDriver(Driver):
+    """Pinning that takes a while per chunk, so that a test can stop it half-way."""
+
+    def host_register(self, ordinal: int, ptr: int, nbytes: int, setting: str) -> None:
+        time.sleep(0.01)
+        super().host_register(ordinal, ptr, nbytes, setting)
+
+
+def test_an_arena_pinned_in_the_background_serves_each_chunk_as_it_is_pinned() -> None:
+    driver = Driver()
+    arena = an_arena(driver)
+    reports: list[tuple[int, int]] = []
+    host = arena.host_arena_async(
+        3 * MiB + 100, lambda whole, ready: reports.append((whole.data_ptr(), ready))
+    ).result(timeout=10)
+    base = host.data_ptr()
+    assert reports == [(base, MiB), (base, 2 * MiB), (base, 3 * MiB), (base, 3 * MiB + 100)]
+    assert arena.chunk_pieces(base + MiB - 10, 30) == [(0, 10), (10, 30)]
+    arena.stop_pinning()
+    arena.unpin()
+    assert sorted(driver.unregistered) == sorted(driver.registered)
+
+
+def test_a_background_pinning_stopped_half_way_keeps_its_served_chunks_until_unpin() -> None:
+    """Chunks already served may have copies in flight when close stops the pinning: they
+    are unpinned by unpin() (after the device's copies finished), never by the pinning."""
+    driver = SlowDriver()
+    arena = an_arena(driver)
+    served = threading.Event()
+    ready_seen: list[int] = []
+    wholes: list[torch.Tensor] = []
+
+    def pinned(whole: torch.Tensor, ready: int) -> None:
+        ready_seen.append(ready)
+        wholes.append(whole)
+        if ready >= 2 * MiB:
+            served.set()
+
+    future = arena.host_arena_async(256 * MiB, pinned)
+    assert served.wait(10)
+    assert arena.contains(wholes[0])  # batched copies may target the arena while it pins
+    arena.stop_pinning()  # joins the pinning thread: it stopped at its next chunk
+    with pytest.raises(MMCacheError, match="closed while its host arena was pinned"):
+        future.result(timeout=10)
+    assert 2 <= len(driver.registered) < 256
+    assert ready_seen[-1] == len(driver.registered) * MiB
+    assert driver.unregistered == []  # still pinned: copies may be reading them
+    arena.unpin()
+    assert sorted(driver.unregistered) == sorted(driver.registered)
+
+
+def test_a_background_pinning_stopped_before_serving_anything_unpins_at_once() -> None:
+    driver = SlowDriver()
+    arena = an_arena(driver)
+    future = arena.host_arena_async(256 * MiB)  # nobody to serve: nothing kept
+    while not driver.registered:
+        time.sleep(0.001)
+    arena.stop_pinning()
+    with pytest.raises(MMCacheError, match="closed"):
+        future.result(timeout=10)
+    assert sorted(driver.unregistered) == sorted(driver.registered)
+    assert (arena.ptr, arena.nbytes) == (0, 0)

@@ -126,3 +126,41 @@ def test_a_run_needs_one_range_for_all_its_blocks() -> None:
     assert run is not None
     assert [(b.offset, b.nbytes) for b in run] == [(0, 512), (512, 4096), (4608, 5120)]
     assert pool.blocks_live == 7 + 3
+
+
+def test_a_pool_grows_as_its_arena_pins() -> None:
+    """Only the pinned front of the arena is handed out; what pins next joins the free range
+    before it, so a block may span the edge between two pinned pieces."""
+
+    def run_now(_fences: Sequence[Fence], callback: Callable[[], None]) -> None:
+        callback()
+
+    arena = torch.empty(8 * 4096, dtype=torch.uint8)
+    pool = HostPool(SimDevice(), arena, alignment=ALIGN, defer=run_now, ready_bytes=4096 + 100)
+    assert (pool.capacity_bytes, pool.ready_bytes, pool.free_bytes) == (8 * 4096, 4096, 4096)
+    assert pool.max_block_bytes == 8 * 4096 and pool.ready_block_bytes == 4096
+    first = pool.allocate(7 * ALIGN)
+    assert first is not None and first.offset == 0
+    assert pool.allocate(2 * ALIGN) is None  # 1 block's room is left in the pinned part
+    assert pool.allocate_run([ALIGN, ALIGN]) is None
+    assert not pool.grow(4096)  # nothing new
+    assert pool.grow(3 * 4096)
+    assert pool.free_ranges() == [(7 * ALIGN, 3 * 4096 - 7 * ALIGN)]  # coalesced
+    across = pool.allocate(4096)  # over the old edge at 4096
+    assert across is not None and across.offset == 7 * ALIGN
+    assert pool.grow(10 * 4096) and pool.ready_bytes == pool.capacity_bytes
+    pool.free(first)
+    pool.free(across)
+    assert pool.free_ranges() == [(0, 8 * 4096)] and pool.used_bytes == 0
+
+
+def test_a_pool_whose_pinning_failed_ends_where_it_is_ready() -> None:
+    pool = HostPool(
+        SimDevice(),
+        torch.empty(8 * 4096, dtype=torch.uint8),
+        alignment=ALIGN,
+        defer=lambda fences, callback: callback(),
+        ready_bytes=2 * 4096,
+    )
+    pool.end_at_ready()
+    assert (pool.capacity_bytes, pool.max_block_bytes, pool.free_bytes) == (2 * 4096,) * 3

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
 
 from mmcache.device import SimDevice, storage_use_count
 from mmcache.device.sim import ARENA_PAGE, POISON_BYTE
+from mmcache.errors import MMCacheError
 from mmcache.host_pool import HostPool
 
 
@@ -140,6 +142,38 @@ def test_fresh_arena_blocks_and_fresh_device_memory_are_poisoned() -> None:
     t = dev.empty((8, 8), torch.bfloat16)
     assert torch.isnan(t.float()).all()
     dev.close()
+
+
+def test_an_arena_pins_chunk_by_chunk_and_only_pinned_bytes_are_handed_out() -> None:
+    dev = SimDevice(pin_chunk_bytes=ARENA_PAGE, pin_chunk_s=0.05)
+    reports: list[int] = []
+    future = dev.host_arena_async(3 * ARENA_PAGE, lambda arena, ready: reports.append(ready))
+    arena = future.result(timeout=5)
+    assert reports == [ARENA_PAGE, 2 * ARENA_PAGE, 3 * ARENA_PAGE]
+    assert dev.pinned_bytes == 3 * ARENA_PAGE
+    dev.close()
+    assert dev.pinned_bytes == 0
+    del arena
+
+    dev = SimDevice(pin_chunk_bytes=ARENA_PAGE, pin_chunk_s=0.05)
+    first = threading.Event()
+    seen: list[torch.Tensor] = []
+
+    def pinned(arena: torch.Tensor, ready: int) -> None:
+        seen.append(arena)
+        first.set()
+
+    future = dev.host_arena_async(64 * ARENA_PAGE, pinned)
+    assert first.wait(5)
+    arena = seen[0]
+    with pytest.raises(RuntimeError, match="pinned"):  # a pool must never get this far
+        dev.hand_out_host(arena, 0, 60 * ARENA_PAGE)
+    started = time.monotonic()
+    dev.close()  # stops at the next chunk and unpins
+    assert time.monotonic() - started < 1.0
+    with pytest.raises(MMCacheError, match="closed while its host arena was pinned"):
+        future.result(timeout=5)
+    assert dev.pinned_bytes == 0
 
 
 @pytest.mark.parametrize("kind", ["copy_fails", "fence_never_completes"])

@@ -6,9 +6,12 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, final
+
+import torch
 
 from mmcache.core.counters import Counters
 from mmcache.core.ledger import TierLedger
@@ -32,7 +35,7 @@ class _Landings(Protocol):
 
 @final
 class HostTier:
-    """The host tier: arena (pinned in the background), order of victims, waiting puts.
+    """The host tier: arena (served chunk by chunk as it pins), order of victims, waiting puts.
 
     Its bytes are the pool's own ledger; its entry count is the TierLedger's. Nothing
     here waits for room except a put that bypasses the GPU tier (its budget is 0).
@@ -58,7 +61,8 @@ class HostTier:
         #: the order in which host entries are dropped for room
         self.order: EvictionPolicy = make_policy(policy)
         self.pool: HostPool | None = None
-        self._ready: asyncio.Event | None = None
+        self._ready: asyncio.Event | None = None  # set once pinning ended, done or failed
+        self._complete = False  # the whole arena is pinned
         self._waiters: deque[asyncio.Future[None]] = deque()
         self._closed = False
 
@@ -69,13 +73,26 @@ class HostTier:
 
     @property
     def ready(self) -> bool:
-        """Whether the arena is pinned (or the tier is off)."""
-        return self.pool is not None or self.capacity == 0
+        """Whether the whole arena is pinned (or the tier is off)."""
+        return self._complete or self.capacity == 0
 
-    def failed(self) -> bool:
-        """The arena could not be allocated: the host tier will never take anything."""
+    @property
+    def ready_bytes(self) -> int:
+        """Bytes of the arena pinned and usable so far."""
+        return 0 if self.pool is None else self.pool.ready_bytes
+
+    def failed(self, sizes: Sequence[int] = ()) -> bool:
+        """Pinning ended and the arena will never take anything (or all of sizes at once)."""
         ready = self._ready
-        return self.pool is None and ready is not None and ready.is_set()
+        if ready is None or not ready.is_set():
+            return False
+        pool = self.pool
+        if pool is None:
+            return True
+        # An arena pinned only in part ends short: a put waiting for more must give up.
+        return bool(sizes) and (
+            max(sizes) > pool.max_block_bytes or sum(map(pool.rounded, sizes)) > pool.capacity_bytes
+        )
 
     def limit(self) -> int:
         """The largest feature the host tier can take."""
@@ -85,37 +102,81 @@ class HostTier:
         self,
         loop: asyncio.AbstractEventLoop,
         defer: Callable[[Sequence[Fence], Callable[[], None]], None],
-        on_capacity: Callable[[int], None],
+        on_ready: Callable[[int, int], None],
     ) -> concurrent.futures.Future[Any] | None:
         """Pin the arena in the background; the future to await once, None if the tier is off.
 
-        defer runs a callback once fences are done (the pool's deferred frees); on_capacity
-        reports the arena's bytes once pinned.
+        Each chunk serves as soon as it is pinned: evictions drop only while no pinned
+        room exists. defer runs a callback once fences are done (the pool's deferred
+        frees); on_ready(capacity, ready) reports the arena's bytes and those pinned so far.
         """
         self._ready = asyncio.Event()
         if self.capacity == 0:
             self._ready.set()
             return None
-        future = self._device.host_arena_async(self.capacity)
+        lock = threading.Lock()
+        latest: list[tuple[torch.Tensor, int]] = []  # the report the loop has not taken yet
+
+        def grow() -> None:
+            with lock:
+                arena, nbytes = latest.pop()
+            self._grow(arena, nbytes, defer, on_ready)
+
+        def pinned(arena: torch.Tensor, nbytes: int) -> None:  # on the pinning thread
+            with lock:
+                first = not latest
+                latest[:] = [(arena, nbytes)]
+            if first:  # one callback at a time: the loop takes the latest report
+                with contextlib.suppress(RuntimeError):  # the loop is closed: nobody uses it
+                    loop.call_soon_threadsafe(grow)
+
+        future = self._device.host_arena_async(self.capacity, pinned)
 
         def arrived(f: concurrent.futures.Future[Any]) -> None:
-            loop.call_soon_threadsafe(self._arena_ready, f, defer, on_capacity)
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self._arena_ready, f, defer, on_ready)
 
         future.add_done_callback(arrived)
         return future
 
     async def wait_ready(self, timeout: float | None) -> bool:  # noqa: ASYNC109
-        """Wait until the arena is pinned; False if timeout passed first or it failed."""
+        """Wait until the whole arena is pinned; False if timeout passed first or it failed."""
         assert self._ready is not None
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._ready.wait(), timeout)
         return self.ready
 
+    def _grow(
+        self,
+        arena: torch.Tensor,
+        nbytes: int,
+        defer: Callable[[Sequence[Fence], Callable[[], None]], None],
+        on_ready: Callable[[int, int], None],
+    ) -> None:
+        """The arena's first nbytes are pinned: let blocks use them, and wake waiting puts."""
+        if self._closed:
+            return
+        pool = self.pool
+        if pool is None:
+            self.pool = pool = HostPool(
+                self._device,
+                arena,
+                alignment=self._alignment,
+                defer=defer,
+                on_free=self.wake,
+                chunk_bytes=self._device.arena_chunk_bytes,
+                ready_bytes=nbytes,
+            )
+        elif not pool.grow(nbytes):
+            return
+        on_ready(pool.capacity_bytes, pool.ready_bytes)
+        self.wake()
+
     def _arena_ready(
         self,
         future: concurrent.futures.Future[Any],
         defer: Callable[[Sequence[Fence], Callable[[], None]], None],
-        on_capacity: Callable[[int], None],
+        on_ready: Callable[[int, int], None],
     ) -> None:
         if self._closed:
             return
@@ -124,25 +185,29 @@ class HostTier:
         try:
             arena = future.result()
         except Exception as e:
-            log.error("host arena of %d bytes could not be allocated: %s", self.capacity, e)
-            self.wake()  # puts waiting for host room (GPU tier off) give up
+            pool = self.pool
+            if pool is None:
+                log.error("host arena of %d bytes could not be allocated: %s", self.capacity, e)
+            else:  # the chunks pinned so far keep serving
+                log.error(
+                    "host arena of %d bytes was pinned only in part (%d bytes): %s",
+                    self.capacity,
+                    pool.ready_bytes,
+                    e,
+                )
+                pool.end_at_ready()
+                on_ready(pool.capacity_bytes, pool.ready_bytes)
+            self.wake()  # puts waiting for host room give up, or retry what is there
             return
-        self.pool = HostPool(
-            self._device,
-            arena,
-            alignment=self._alignment,
-            defer=defer,
-            on_free=self.wake,
-            chunk_bytes=self._device.arena_chunk_bytes,
-        )
-        on_capacity(self.pool.capacity_bytes)
+        self._complete = True
+        self._grow(arena, arena.numel(), defer, on_ready)
         self.wake()
 
     def allocate(self, nbytes: int) -> HostBlock | None:
         """A host block now, dropping host entries in the policy's order if needed; never waits."""
         pool = self.pool
-        if pool is None or nbytes > pool.max_block_bytes:
-            return None
+        if pool is None or nbytes > pool.ready_block_bytes:
+            return None  # dropping entries would make no room that fits it
         while True:
             block = pool.allocate(nbytes)
             if block is not None or not self.order:
@@ -171,8 +236,8 @@ class HostTier:
         """Host blocks (appended to blocks) for a put that bypasses the GPU tier (budget 0).
 
         All at once or none: a put holding some blocks while it waits for the rest could
-        fragment the arena so that the rest never fit. Until the arena is pinned a put
-        waits for it (or returns False with wait=False); if it cannot be allocated, False.
+        fragment the arena so that the rest never fit. Until enough of the arena is pinned a
+        put waits for it (or returns False with wait=False); if it cannot be allocated, False.
         """
         landings.reap()
         if not self._waiters:
@@ -180,7 +245,7 @@ class HostTier:
             if taken is not None:
                 blocks.extend(taken)
                 return True
-        if not wait or self.failed():
+        if not wait or self.failed(sizes):
             return False
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[None] = loop.create_future()
@@ -191,7 +256,7 @@ class HostTier:
                 await waiter
                 if self._closed:  # woken, then close() ran before we resumed
                     raise CacheClosedError("the cache closed while put waited")
-                if self.failed():
+                if self.failed(sizes):
                     return False
                 taken = self._allocate_all(sizes)
                 if taken is not None:
@@ -214,8 +279,11 @@ class HostTier:
                 return
 
     def close(self) -> None:
-        """No put waiting for host room inserts from now on; the arena arriving is ignored."""
+        """No put waiting for host room inserts from now on; the arena arriving is ignored,
+        and wait_ready() returns (False if the arena was still pinning)."""
         self._closed = True
+        if self._ready is not None:
+            self._ready.set()
 
     def fail_waiters(self) -> None:
         """Raise CacheClosedError in every put waiting for host room."""
@@ -249,7 +317,7 @@ class HostTier:
             return taken
         for block in taken:
             pool.free(block)
-        if len(sizes) == 1 or sum(sizes) > pool.max_block_bytes:
+        if len(sizes) == 1 or sum(sizes) > pool.ready_block_bytes:
             return None  # no run could take them: evicting more would be for nothing
         while True:
             run = pool.allocate_run(sizes)

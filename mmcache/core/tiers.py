@@ -196,6 +196,7 @@ class Tiers:
             leaked_bytes=leaked["gpu"] + leaked["cpu"],
             quarantined_bytes=self.quarantine.device_bytes() + self.quarantine.host_bytes(),
             host_ready=self.host.ready,
+            host_ready_bytes=self.host.ready_bytes,
             **self.counters.as_dict(),
         )
 

@@ -15,6 +15,7 @@ from mmcache.errors import InvalidValueError
 
 __all__ = [
     "AllFences",
+    "ArenaProgress",
     "DeferredFence",
     "Device",
     "Fence",
@@ -58,6 +59,10 @@ class Fence(abc.ABC):
     def resolved(self) -> Fence:
         """The recorded fence this stands for: itself, but for a DeferredFence."""
         return self
+
+
+#: on_pinned(arena, ready): the host arena's first ready bytes are pinned (any thread).
+ArenaProgress = Callable[[torch.Tensor, int], None]
 
 
 def storage_use_count(tensor: torch.Tensor) -> int:
@@ -137,8 +142,15 @@ class Device(abc.ABC):
     #: straddle two of them (one copy cannot span two registrations).
     arena_chunk_bytes: int | None = None
 
-    def host_arena_async(self, nbytes: int) -> Future[torch.Tensor]:
-        """Allocate the host arena in the background (pinning is slow); default: at once."""
+    def host_arena_async(
+        self, nbytes: int, on_pinned: ArenaProgress | None = None
+    ) -> Future[torch.Tensor]:
+        """Allocate the host arena in the background (pinning is slow); default: at once.
+
+        A device that pins the arena piece by piece calls on_pinned(arena, ready), from its
+        pinning thread, each time the arena's first ready bytes are pinned, so that they
+        can be used before the rest; the future's result is the whole arena.
+        """
         future: Future[torch.Tensor] = Future()
         try:
             future.set_result(self.host_arena(nbytes))

@@ -15,7 +15,7 @@ from typing import Any, Final, final
 
 import torch
 
-from mmcache.device.base import Device, Fence, Stream
+from mmcache.device.base import ArenaProgress, Device, Fence, Stream
 from mmcache.device.cuda_arena import DEFAULT_PIN_CHUNK_BYTES, PAGE, ArenaMethod, PinnedArena
 from mmcache.device.cuda_batch import (
     DEFAULT_BATCHED_PACK_MAX_BYTES,
@@ -266,12 +266,14 @@ class CudaDevice(Device):
         """Allocate and pin the host arena, once: a flat uint8 tensor of nbytes."""
         return self._arena.host_arena(nbytes)
 
-    def host_arena_async(self, nbytes: int) -> concurrent.futures.Future[torch.Tensor]:
+    def host_arena_async(
+        self, nbytes: int, on_pinned: ArenaProgress | None = None
+    ) -> concurrent.futures.Future[torch.Tensor]:
         """Pin the host arena on a background thread (pinning is slow): a future of
-        host_arena()."""
+        host_arena(); a "register" arena reports each chunk pinned to on_pinned."""
         if not self._arena.background_pinning:
-            return super().host_arena_async(nbytes)
-        return self._arena.host_arena_async(nbytes)
+            return super().host_arena_async(nbytes, on_pinned)
+        return self._arena.host_arena_async(nbytes, on_pinned)
 
     def one_pinned_range(self, host: torch.Tensor) -> bool:
         """Whether host lies in one registered chunk of the arena (or outside the arena)."""

@@ -16,6 +16,7 @@ from typing import Any, Final, Literal, final
 
 import torch
 
+from mmcache.device.base import ArenaProgress
 from mmcache.device.cuda_driver import CudaDriver
 from mmcache.errors import CacheClosedError, InvalidValueError, MMCacheError
 
@@ -122,9 +123,11 @@ class PinnedArena:
         self._claim(nbytes)
         return self._allocate(nbytes)
 
-    def host_arena_async(self, nbytes: int) -> concurrent.futures.Future[torch.Tensor]:
+    def host_arena_async(
+        self, nbytes: int, on_pinned: ArenaProgress | None = None
+    ) -> concurrent.futures.Future[torch.Tensor]:
         """Pin the host arena on a background thread (pinning is slow): a future of
-        host_arena()."""
+        host_arena(); on_pinned(arena, ready) after each chunk of a "register" arena."""
         self._claim(nbytes)
         future: concurrent.futures.Future[torch.Tensor] = concurrent.futures.Future()
 
@@ -132,7 +135,7 @@ class PinnedArena:
             if not future.set_running_or_notify_cancel():
                 return
             try:
-                arena = self._allocate(nbytes, pause_s=_PIN_PAUSE_S)
+                arena = self._allocate(nbytes, pause_s=_PIN_PAUSE_S, on_pinned=on_pinned)
             except BaseException as exc:
                 future.set_exception(exc)
             else:
@@ -195,9 +198,12 @@ class PinnedArena:
             )
         self._claimed = True
 
-    def _allocate(self, nbytes: int, pause_s: float = 0.0) -> torch.Tensor:
+    def _allocate(
+        self, nbytes: int, pause_s: float = 0.0, on_pinned: ArenaProgress | None = None
+    ) -> torch.Tensor:
         """Pin nbytes of host memory; a "register" arena chunk by chunk, pause_s between
-        chunks (so the process's other driver calls get the driver's lock in between)."""
+        chunks (so the process's other driver calls get the driver's lock in between),
+        reporting each chunk to on_pinned so that its bytes serve before the rest."""
         if nbytes == 0:
             return torch.empty(0, dtype=torch.uint8)
         driver = self._driver()
@@ -227,6 +233,10 @@ class PinnedArena:
                 mapping.madvise(mmap.MADV_DONTFORK, offset, size)
         arena = whole[offset : offset + nbytes]
         ptr = arena.data_ptr()
+        # One mapping registered in pieces: the arena stays contiguous, so the pinned chunks
+        # can serve (copies split at their edges) while the rest is registered.
+        self._ptr, self._nbytes = ptr, nbytes
+        self._split_chunk = chunk if nbytes > chunk else 0
         registered: list[int] = []
         try:
             # Whole pages: the tail page past nbytes is mapped and registering it is harmless.
@@ -237,15 +247,27 @@ class PinnedArena:
                     self._index, ptr + start, min(chunk, size - start), "MMCACHE_CPU_CACHE_MB"
                 )
                 registered.append(ptr + start)
+                if on_pinned is not None:
+                    on_pinned(arena, min(start + chunk, nbytes))
                 if pause_s:
                     time.sleep(pause_s)
         except BaseException:
-            _release_registered(driver, self._index, tuple(registered), mapping)
+            if on_pinned is None or not registered:
+                self._ptr = self._nbytes = self._split_chunk = 0
+                _release_registered(driver, self._index, tuple(registered), mapping)
+                raise
+            # Chunks already handed out may have copies in flight: they are unpinned by
+            # unpin() (close, after its copies finish) or with the arena, never here.
+            self._keep_registered(driver, registered, mapping)
             raise
+        self._keep_registered(driver, registered, mapping)
+        return arena
+
+    def _keep_registered(
+        self, driver: CudaDriver, registered: list[int], mapping: mmap.mmap
+    ) -> None:
+        """Unregister these chunks at unpin() or when the arena goes, whichever is first."""
         self._finalizer = weakref.finalize(
             self, _release_registered, driver, self._index, tuple(registered), mapping
         )
         self._finalizer.atexit = False
-        self._ptr, self._nbytes = ptr, nbytes
-        self._split_chunk = chunk if nbytes > chunk else 0
-        return arena

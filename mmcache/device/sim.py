@@ -11,25 +11,22 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import mmap
 import threading
 import time
-import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 
-from mmcache.device.base import Device, Fence, Stream, storage_use_count
+from mmcache.device.base import ArenaProgress, Device, Fence, Stream, storage_use_count
+from mmcache.device.sim_arena import ARENA_PAGE, POISON_BYTE, SimArenas
 from mmcache.errors import CopyFailedError, DeviceOutOfMemoryError, InvalidValueError
 
-__all__ = ["SimDevice", "SimFence", "SimStream"]
+__all__ = ["ARENA_PAGE", "POISON_BYTE", "SimDevice", "SimFence", "SimStream"]
 
-POISON_BYTE = 0xFF
-#: Host arenas are poisoned in pages of this many bytes, each on its first hand-out.
-ARENA_PAGE = 2 << 20
 FaultKind = Literal["copy_fails", "alloc_fails", "fence_never_completes"]
 
 
@@ -130,7 +127,14 @@ class SimDevice(Device):
     poisons_host = True
     tensor_note = " (the simulator's device memory: CPU tensors, whose .device says cpu)"
 
-    def __init__(self, bandwidth_gbps: float = 0.0, latency_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        bandwidth_gbps: float = 0.0,
+        latency_s: float = 0.0,
+        *,
+        pin_chunk_bytes: int = 8 << 20,
+        pin_chunk_s: float = 0.0,
+    ) -> None:
         if bandwidth_gbps < 0 or latency_s < 0:
             raise ValueError("bandwidth_gbps and latency_s must be >= 0 (0 means instant)")
         self.name = "sim"
@@ -144,8 +148,7 @@ class SimDevice(Device):
         self.d2h_stream = self.stream("d2h")
         self.h2d_stream = self.stream("h2d")
         self._allocs: dict[int, _Allocation] = {}
-        # Arenas by address: a weak reference (identity) and which pages were poisoned.
-        self._fresh_arenas: dict[int, tuple[weakref.ref[torch.Tensor], bytearray]] = {}
+        self._arenas = SimArenas(self.name, pin_chunk_bytes, pin_chunk_s)
         self._allocated_bytes = 0
         self._released_outside: set[int] = set()
         self._hold_depth = 0
@@ -314,35 +317,23 @@ class SimDevice(Device):
                 self._try_recycle(key, alloc)
 
     def host_arena(self, nbytes: int) -> torch.Tensor:
-        # Untouched pages cost no memory: each is poisoned when a block over it is first
-        # handed out (hand_out_host), so an early read still shows poison, never zeros.
-        # Huge pages where the kernel offers them: first touches are most of the cost.
-        buffer = mmap.mmap(-1, nbytes)
-        huge = getattr(mmap, "MADV_HUGEPAGE", None)
-        if huge is not None:
-            with contextlib.suppress(OSError):
-                buffer.madvise(huge)
-        arena = torch.frombuffer(buffer, dtype=torch.uint8)
-        with self._cond:
-            pages = bytearray(-(-nbytes // ARENA_PAGE))
-            self._fresh_arenas[arena.data_ptr()] = (weakref.ref(arena), pages)
-        return arena
+        return self._arenas.host_arena(nbytes)
+
+    def host_arena_async(
+        self, nbytes: int, on_pinned: ArenaProgress | None = None
+    ) -> Future[torch.Tensor]:
+        """At once; with pin_chunk_s > 0, chunk by chunk on a thread, as CUDA pins it."""
+        if self._arenas.pin_chunk_s == 0 or nbytes == 0:
+            return super().host_arena_async(nbytes, on_pinned)
+        return self._arenas.pin_async(nbytes, on_pinned)
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes of this device's host arenas pinned now (0 once closed)."""
+        return self._arenas.pinned_bytes
 
     def hand_out_host(self, arena: torch.Tensor, start: int, stop: int) -> None:
-        key = arena.data_ptr()
-        with self._cond:
-            fresh = self._fresh_arenas.get(key)
-            if fresh is not None and fresh[0]() is None:
-                del self._fresh_arenas[key]  # an arena gone; its address was reused
-                fresh = None
-        if fresh is None or fresh[0]() is not arena:
-            return  # not an arena of this device's making (an IPC pool is poisoned whole)
-        touched = fresh[1]
-        for page in range(start // ARENA_PAGE, (stop - 1) // ARENA_PAGE + 1):
-            if not touched[page]:
-                # No block was ever handed out over this page: nothing live lies in it.
-                arena[page * ARENA_PAGE : (page + 1) * ARENA_PAGE].fill_(POISON_BYTE)
-                touched[page] = 1
+        self._arenas.hand_out(arena, start, stop)
 
     def poison_host(self, view: torch.Tensor) -> None:
         view.fill_(POISON_BYTE)
@@ -359,6 +350,7 @@ class SimDevice(Device):
         return self._copy(self._as_sim_stream(stream), src, dst, ())
 
     def close(self) -> None:
+        self._arenas.close()
         with self._cond:
             self._closed = True
             self._cond.notify_all()
