@@ -51,7 +51,7 @@ class Core:
         tiers.producers.bind(loop)
         tiers.packings.bind(loop)
         tiers.pipeline.bind(loop, self._watcher)
-        arena = tiers.host.start(loop, self.when_done, lambda nbytes: None)
+        arena = tiers.host.start(loop, self.when_done, lambda capacity, ready: None)
         if arena is not None:
             assert await tiers.host.wait_ready(5)
 
