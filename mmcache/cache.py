@@ -85,6 +85,7 @@ class FeatureCache:
             self._device,
             self._metrics,
             when_done=self._when_done,
+            when_done_lazily=self._when_done_lazily,
             changed=self._tiers.request,
         )
         # The parts a get or put reaches on every call, without a lookup through core.
@@ -560,6 +561,10 @@ class FeatureCache:
     ) -> None:
         assert self._watcher is not None
         self._watcher.when_done(fences, callback, fresh=fresh)
+
+    def _when_done_lazily(self, fence: Fence, callback: Callable[[], None]) -> None:
+        assert self._watcher is not None
+        self._watcher.when_done_lazily(fence, callback)
 
     def _push_tier_gauges(self) -> None:
         """Tier sizes to the metrics (through self._tiers: once per loop iteration)."""

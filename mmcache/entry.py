@@ -153,6 +153,15 @@ class Entry:
         """Record a copy that reads the device tensor: it is released only after it."""
         self.device_readers = [*self.device_readers_pending(), fence]
 
+    def host_bytes(self, start: int | None = None, stop: int | None = None) -> torch.Tensor:
+        """The flat bytes of the host copy, or of its rows start..stop (a copy's source)."""
+        block = self.block
+        assert block is not None
+        if start is None or stop is None:
+            return block.bytes(0, self.nbytes)
+        row_bytes = self.nbytes // self.shape[0]
+        return block.bytes(start * row_bytes, stop * row_bytes)
+
     def host_view(self, start: int, stop: int, block: HostBlock | None = None) -> torch.Tensor:
         """Rows start..stop of the host copy (in block, default the entry's), typed and shaped."""
         block = block if block is not None else self.block

@@ -184,7 +184,16 @@ class FenceWatcher:
     would cost the loop more than the work it wakes for.
     """
 
-    __slots__ = ("_done", "_drain_scheduled", "_idle", "_loop", "outstanding")
+    __slots__ = (
+        "_done",
+        "_drain_scheduled",
+        "_idle",
+        "_lazy",
+        "_lazy_delay",
+        "_lazy_handle",
+        "_loop",
+        "outstanding",
+    )
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -193,6 +202,9 @@ class FenceWatcher:
         self._idle.set()
         self._done: deque[Callable[[], None]] = deque()  # appended by any thread
         self._drain_scheduled = False
+        self._lazy: deque[tuple[Fence, Callable[[], None]]] = deque()
+        self._lazy_handle: asyncio.TimerHandle | None = None
+        self._lazy_delay = LOOP_CHECK_S
 
     def when_done(
         self, fences: Sequence[Fence], callback: Callable[[], None], *, fresh: bool = False
@@ -220,6 +232,41 @@ class FenceWatcher:
         check = _LoopCheck(self._loop, pending, all_done)
         for f in pending:
             f.add_done_callback(lambda: self._completed(check.one_reported))
+
+    def when_done_lazily(self, fence: Fence, callback: Callable[[], None]) -> None:
+        """Call callback() on the loop once fence is done, as found by the loop's own looks.
+
+        No device thread is woken: for bookkeeping nobody waits on (an upload's accounting),
+        where a thread's report would cost the loop more than the work. Callbacks run in
+        the order given, each once every fence before it is done too (fences of one copy
+        stream complete in order).
+        """
+        self.outstanding += 1
+        self._idle.clear()
+        self._lazy.append((fence, callback))
+        if self._lazy_handle is None and not self._loop.is_closed():
+            self._lazy_delay = LOOP_CHECK_S
+            self._lazy_handle = self._loop.call_later(LOOP_CHECK_S, self._look)
+
+    def _look(self) -> None:
+        self._lazy_handle = None
+        lazy = self._lazy
+        try:
+            while lazy and lazy[0][0].done():
+                callback = lazy.popleft()[1]
+                try:
+                    callback()
+                except Exception:
+                    log.exception("a fence callback raised")
+                finally:
+                    self.outstanding -= 1
+                    if self.outstanding == 0:
+                        self._idle.set()
+        except Exception:  # looked at again at the next turn
+            log.exception("looking at a fence failed")
+        if lazy:
+            self._lazy_delay = min(2 * self._lazy_delay, LOOP_CHECK_MAX_S)
+            self._lazy_handle = self._loop.call_later(self._lazy_delay, self._look)
 
     async def idle(self) -> None:
         """Wait until no callback is outstanding."""

@@ -126,3 +126,23 @@ async def test_a_wait_that_never_ends_is_looked_at_ever_less_often(
     # Every 10 ms for the first 50 ms, then 20, 40, 80, 160 and 200 ms apart: not 60.
     assert 5 <= len(looks) <= 16
     assert watcher.outstanding == 1
+
+
+class _LoopOnlyFence(TimedFence):
+    """A fence no device thread may be asked to report."""
+
+    def add_done_callback(self, fn: Callable[[], None]) -> None:
+        raise AssertionError("a lazy watch must not wake a device thread")
+
+
+async def test_a_lazy_watch_is_found_by_the_loop_alone_in_order(busy_loop: None) -> None:
+    watcher = FenceWatcher(asyncio.get_running_loop())
+    fired: list[int] = []
+    started = time.perf_counter()
+    for i, after in enumerate((0.01, 0.002, 0.02)):
+        watcher.when_done_lazily(_LoopOnlyFence(after), lambda i=i: fired.append(i))
+    assert watcher.outstanding == 3
+    await asyncio.wait_for(watcher.idle(), 5)
+    # In the order given: the second, done first, waits for the first.
+    assert fired == [0, 1, 2] and watcher.outstanding == 0
+    assert time.perf_counter() - started < 0.25

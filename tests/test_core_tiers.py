@@ -34,6 +34,7 @@ class Core:
             device,
             CacheMetrics("core", self.registry),
             when_done=self.when_done,
+            when_done_lazily=self.when_done_lazily,
             changed=lambda: None,
         )
         self._watcher: FenceWatcher | None = None
@@ -43,6 +44,10 @@ class Core:
     ) -> None:
         assert self._watcher is not None
         self._watcher.when_done(fences, callback, fresh=fresh)
+
+    def when_done_lazily(self, fence: Fence, callback: Callable[[], None]) -> None:
+        assert self._watcher is not None
+        self._watcher.when_done_lazily(fence, callback)
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()

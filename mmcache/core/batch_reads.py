@@ -134,7 +134,11 @@ class BatchReads:
                     owned.append(buffer)
                 offset = 0
                 for (_, entry, member), promote in zip(uploads, promoted, strict=True):
-                    srcs.append(_host_bytes(entry, member))
+                    srcs.append(
+                        entry.host_bytes()
+                        if member is None
+                        else entry.host_bytes(member.start, member.stop)
+                    )
                     nbytes = srcs[-1].numel()
                     shape = entry.shape if member is None else member.shape
                     if promote or buffer is None:
@@ -171,9 +175,10 @@ class BatchReads:
             else:
                 entries.append(entry)
                 if buffer is None:  # an empty feature: its own (empty) allocation
-                    device.release(dst, after=[fence])
+                    device.release(dst, after=reads.upload_fences(fence))
         if buffer is not None:
-            device.release(buffer, after=[fence])  # the outputs' views keep it alive
+            # The outputs' views keep it alive for their holders.
+            device.release(buffer, after=reads.upload_fences(fence))
         reads.track_upload(entries, fence, nbytes_all)
         return fence
 
@@ -201,13 +206,3 @@ class BatchReads:
                 if ptr not in used:  # views of one buffer: one record for its block
                     used.add(ptr)
                     device.use_on(tensor, stream)
-
-
-def _host_bytes(entry: Entry, member: Member | None) -> torch.Tensor:
-    """The flat bytes of an entry's host copy, or of a group member's rows in it."""
-    block = entry.block
-    assert block is not None
-    if member is None:
-        return block.bytes(0, entry.nbytes)
-    row_bytes = entry.nbytes // entry.shape[0]
-    return block.bytes(member.start * row_bytes, member.stop * row_bytes)

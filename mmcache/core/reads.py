@@ -50,6 +50,7 @@ class Reads:
         life: Lifecycle,
         gpu_waiting: FifoBudget[tuple[int, Grant], Grant],
         when_done: Callable[[Sequence[Fence], Callable[[], None]], None],
+        when_done_lazily: Callable[[Fence, Callable[[], None]], None],
         promote: bool,
         copy_timeout: float,
     ) -> None:
@@ -61,6 +62,7 @@ class Reads:
         self._life = life
         self._gpu_waiting = gpu_waiting  # a promotion never jumps the line of waiting puts
         self._when_done = when_done
+        self._when_done_lazily = when_done_lazily
         self._promote = promote
         self._copy_timeout = copy_timeout
 
@@ -194,7 +196,13 @@ class Reads:
         """Account for an upload copy of entries' bytes, and handle its failure when it lands."""
         started = time.perf_counter()
         self._counters.copy_started("h2d", len(entries))
-        self._when_done([fence], lambda: self._upload_done(entries, fence, nbytes, started))
+        # Lazily: a read waits on the fence itself, so only accounting waits on this.
+        self._when_done_lazily(fence, lambda: self._upload_done(entries, fence, nbytes, started))
+
+    def upload_fences(self, fence: Fence) -> tuple[Fence, ...]:
+        """The fences a release of an upload's destination must wait for: none where the
+        device's copy keeps its destination until done."""
+        return () if self._device.copies_keep_destinations else (fence,)
 
     async def upload(
         self,
@@ -209,10 +217,14 @@ class Reads:
         promote = (span is None or member is not None) and self.promotion_room() >= (
             entry.nbytes if member is None else member.nbytes
         )
-        start, stop = span if span is not None else (0, entry.shape[0] if entry.shape else 1)
-        src = entry.host_whole() if span is None else entry.host_view(start, stop)
+        if span is None:
+            src = entry.host_bytes()
+            shape = entry.shape
+        else:
+            src = entry.host_bytes(*span)
+            shape = (span[1] - span[0], *entry.shape[1:])
         with self._counters.counting_oom():
-            dst = self._device.empty(tuple(src.shape), entry.dtype)
+            dst = self._device.empty(shape, entry.dtype)
         try:
             fence = self._device.copy_h2d(src, dst, after=[entry.copy_fence])
         except BaseException:
@@ -231,7 +243,8 @@ class Reads:
             self._counters.quarantined()  # dst and the host block stay pinned by it
             raise
         finally:
-            self._device.release(dst, after=[fence])  # the caller's alias keeps it alive
+            # The caller's alias keeps it alive.
+            self._device.release(dst, after=self.upload_fences(fence))
 
     def _upload_done(
         self, entries: Sequence[Entry], fence: Fence, nbytes: int, started: float

@@ -45,6 +45,7 @@ class Tiers:
         metrics: CacheMetrics,
         *,
         when_done: WhenDone,
+        when_done_lazily: Callable[[Fence, Callable[[], None]], None],
         changed: Callable[[], None],
     ) -> None:
         self._metrics = metrics
@@ -132,6 +133,7 @@ class Tiers:
             life=life,
             gpu_waiting=evictor.waiting,
             when_done=when_done,
+            when_done_lazily=when_done_lazily,
             promote=settings.promote_on_hit,
             copy_timeout=settings.copy_timeout_s,
         )

@@ -87,6 +87,11 @@ class Device(abc.ABC):
     #: (the simulator): then the cache awaits the fence before handing out data.
     stream_ordered_reads: bool
 
+    #: True when copy_h2d itself keeps its destination's memory from reuse until the
+    #: copy is done (CUDA: record_stream on the copy stream), so dropping the cache's
+    #: alias at once is safe; False when release() must be given the copy's fence.
+    copies_keep_destinations: bool = False
+
     # --- streams and fences -------------------------------------------------
 
     @abc.abstractmethod

@@ -71,6 +71,7 @@ class CudaDevice(Device):
     """The Device interface over torch.cuda: copy streams, event fences and a pinned host arena."""
 
     stream_ordered_reads = True
+    copies_keep_destinations = True
 
     #: None: the host pool may place blocks anywhere. A "register" arena is pinned in
     #: pin_chunk_bytes chunks, and a copy that crosses a chunk boundary is split here, so
