@@ -145,6 +145,7 @@ class EncodeKernel:
     def __init__(self, target_s: float, device: torch.device) -> None:
         self.reps = 0
         self.gpu_s = 0.0
+        self.n = 0
         if target_s <= 0:
             return
         stream = torch.cuda.current_stream(device)
@@ -152,7 +153,7 @@ class EncodeKernel:
         while True:
             a = torch.randn(n, n, device=device).to(DTYPE)
             self.a, self.b, self.out = a, a.clone(), torch.empty_like(a)
-            self()  # cuBLAS picks and loads its kernel on the first call
+            self._once()  # cuBLAS picks and loads its kernel on the first call
             seconds = min(cuda_elapsed_s(self._once, stream) for _ in range(3))
             if seconds >= target_s / 8 or n >= 8192:
                 break
@@ -161,11 +162,15 @@ class EncodeKernel:
         self.gpu_s = self.reps * seconds
         self.n = n
 
+    def describe(self) -> str:
+        """What one encode queues, e.g. '4 bf16 matmuls of 4096x4096'."""
+        return f"{self.reps} bf16 matmuls of {self.n}x{self.n}" if self.reps else "nothing"
+
     def _once(self) -> None:
         torch.matmul(self.a, self.b, out=self.out)
 
     def __call__(self) -> None:
-        for _ in range(max(1, self.reps)):
+        for _ in range(self.reps):
             self._once()
 
 
@@ -421,7 +426,7 @@ class MMCache:
         cache, encode = self.cache, self.features.encode
         if self.many:
             # get_many is looked up through Any: FeatureCache may not have it yet.
-            found: list[torch.Tensor | None] = await cast(Any, cache).get_many(images)
+            found: list[torch.Tensor | None] = list(await cast(Any, cache).get_many(images))
             for i, feature in enumerate(found):
                 if feature is None:
                     image = images[i]
@@ -526,6 +531,7 @@ async def serve(
     ]
     front = asyncio.create_task(front_end(w))
     await asyncio.sleep(cfg.warmup_s)
+    settle_device(cfg)  # the window starts with no GPU backlog and ends counting its own
     async with LoopLag(TICK_S) as lag:
         w.open = True
         cpu_start, start = time.thread_time(), time.perf_counter()
@@ -533,7 +539,7 @@ async def serve(
         w.open = False
         cpu_s, wall_s = time.thread_time() - cpu_start, time.perf_counter() - start
         lags_ms = [lag_s * 1e3 for lag_s in lag.lags]
-        backlog_s = settle_device(cfg)  # the GPU work queued in the window is part of it
+        backlog_s = settle_device(cfg)
     w.stopped = True
     await asyncio.gather(*clients, front)
     extra = await strategy.finish()
@@ -723,6 +729,7 @@ async def run(cfg: Config) -> dict[str, Any]:
             "zipf": cfg.zipf,
             "encode_ms": cfg.encode_ms,
             "encode_gpu_ms": kernel.gpu_s * 1e3 if kernel is not None else None,
+            "encode_kernel": kernel.describe() if kernel is not None else None,
             "gpu_fraction": cfg.gpu_fraction,
             "cpu_fraction": cfg.cpu_fraction,
             "seconds": cfg.seconds,
@@ -756,7 +763,8 @@ def report(results: dict[str, Any]) -> str:
         "simulated: the cache on the CPU simulator, the baselines on CPU tensors, no encode "
         "kernel (the figures exercise the script, not a GPU)"
         if results["simulated"]
-        else f"{results['device_name']}, encode {fmt(cfg['encode_gpu_ms'])} ms of GPU time"
+        else f"{results['device_name']}, encode {fmt(cfg['encode_gpu_ms'])} ms of GPU time: "
+        f"{cfg['encode_kernel']}"
     )
     lines = [
         f"bench_serving on {results['device']} ({where}); {cfg['concurrency']} clients, "
