@@ -215,3 +215,14 @@ def test_bench_serving_check_catches_poison_zeros_and_misses() -> None:
     features.consume(7, good[:2])
     assert features.take_wrong() == 5
     assert features.take_wrong() == 0
+
+
+def test_mmcache_bench_runs_the_serving_benchmark(capsys: pytest.CaptureFixture[str]) -> None:
+    from mmcache.cli import main
+
+    extra = ["--device", "sim", "--sizes", "64KB", "--seconds", "0.2", "--op-calls", "30"]
+    assert main(["bench", "serving", "--quick", "--", *extra]) == 0
+    out = capsys.readouterr().out
+    assert "=== bench_serving.py" in out
+    assert "bench_serving on sim (simulated" in out
+    assert "wrong values: 0; mmcache leaked bytes: 0" in out
