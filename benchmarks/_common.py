@@ -24,6 +24,10 @@ if TYPE_CHECKING:
 
 MiB = 1 << 20
 GB = 1e9
+HIDDEN = 4096
+DTYPE = torch.bfloat16
+#: feature name -> rows of HIDDEN bf16 values (8 MB is a 1000-token image embedding).
+SPECS = {"8MB": 1000, "1MB": 128, "64KB": 8}
 
 
 def gbps(nbytes: float, seconds: float) -> float:
@@ -255,7 +259,9 @@ def timed() -> Iterator[list[float]]:
 
 
 class LoopLag:
-    """Measures the event loop's worst lateness with a ticker task (async context manager).
+    """Measures the event loop's lateness with a ticker task (async context manager).
+
+    max_lag_s is the worst lateness; lags holds every tick's, in seconds.
 
     It also records the longest pause of Python's cyclic garbage collector inside the
     window, so a stall can be told apart from one the collector caused.
@@ -264,6 +270,7 @@ class LoopLag:
     def __init__(self, period_s: float = 0.001) -> None:
         self.period_s = period_s
         self.max_lag_s = 0.0
+        self.lags: list[float] = []
         self.ticks = 0
         self.max_gc_pause_s = 0.0
         self.gc_collections = 0
@@ -300,7 +307,9 @@ class LoopLag:
         while True:
             start = time.perf_counter()
             await asyncio.sleep(self.period_s)
-            self.max_lag_s = max(self.max_lag_s, time.perf_counter() - start - self.period_s)
+            lag = time.perf_counter() - start - self.period_s
+            self.max_lag_s = max(self.max_lag_s, lag)
+            self.lags.append(lag)
             self.ticks += 1
 
 

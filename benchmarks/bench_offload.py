@@ -37,6 +37,9 @@ import torch
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
 from _common import (  # noqa: E402
+    DTYPE,
+    HIDDEN,
+    SPECS,
     LoopLag,
     MiB,
     burst_features,
@@ -63,10 +66,6 @@ from mmcache.device.cuda import CudaDevice  # noqa: E402
 if TYPE_CHECKING:
     from mmcache import FeatureCache
 
-HIDDEN = 4096
-DTYPE = torch.bfloat16
-#: feature name -> rows of HIDDEN bf16 values (8 MB is a 1000-token image embedding).
-SPECS = {"8MB": 1000, "1MB": 128, "64KB": 8}
 GET_SAMPLES = 50
 PHASE_TIMEOUT_S = 120.0
 #: put_many groups: about this many bytes of features a call (a few images, a video's

@@ -30,6 +30,10 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   timeout 60 python3 benchmarks/bench_ops.py --device cuda --out "$out/ops.json" 2>&1 | tee "$out/ops.log" | tail -12
   timeout 120 python3 benchmarks/bench_host_reads.py $quick --out "$out/reads.json" 2>&1 | tee "$out/reads.log" | tail -12
   timeout 120 python3 benchmarks/bench_host_reads.py $quick --gap-ms 20 --out "$out/reads_gap.json" 2>&1 | tee "$out/reads_gap.log" | tail -12
+  # The workload whole, in 2 s windows (--quick would shrink the catalogue too).
+  timeout 180 python3 benchmarks/bench_serving.py --device cuda --seconds 2 --warmup 1 --op-calls 1000 \
+    --out "$out/serving.json" 2>&1 | tee "$out/serving.log" | tail -45
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if [ "$what" = profile ]; then
   timeout 120 python3 -m cProfile -o "$out/offload.prof" benchmarks/bench_offload.py --quick >/dev/null 2>&1

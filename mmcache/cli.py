@@ -119,7 +119,9 @@ def _parser() -> argparse.ArgumentParser:
         description="Run benchmarks/bench_*.py (all, or those named) with this python. "
         "Arguments after `--` are passed to every script.",
     )
-    bench.add_argument("names", nargs="*", help="e.g. offload, bench_offload or bench_offload.py")
+    bench.add_argument(
+        "names", nargs="*", help="e.g. serving, offload, bench_offload or bench_offload.py"
+    )
     bench.add_argument("--quick", action="store_true", help="passed through: shorter runs")
     bench.add_argument("--dir", type=Path, default=None, help="benchmarks directory to use")
 

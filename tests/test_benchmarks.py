@@ -7,8 +7,12 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
+
+from mmcache import FeatureCache
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -19,6 +23,7 @@ RUNS: dict[str, list[str]] = {
     "bench_ipc.py": ["--device", "sim", "--quick"],
     "bench_offload.py": ["--device", "sim"],
     "bench_ops.py": ["--quick"],
+    "bench_serving.py": ["--device", "sim", "--quick", "--sizes", "64KB", "--seconds", "0.3"],
     "gpu_probe.py": ["--quick"],  # CUDA only: says so and exits 0
 }
 
@@ -109,3 +114,115 @@ async def test_the_offload_producer_yields_after_each_burst_of_features() -> Non
     await put_in_groups(Recorder(), list(range(8)), 2, burst=4)  # type: ignore[arg-type]
     assert order[:9] == [0, 1, 2, 3, "loop", 4, 5, 6, 7]
     other.cancel()
+
+
+def _serving() -> Any:
+    """The bench_serving module, imported from the checkout's benchmarks."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import bench_serving
+
+    return bench_serving
+
+
+def _small_serving_config() -> Any:
+    serving = _serving()
+    return serving.Config(
+        device="sim",
+        sizes=("64KB",),
+        concurrency=8,
+        catalogue=32,
+        seconds=0.2,
+        warmup_s=0.1,
+        op_calls=60,
+    )
+
+
+def test_bench_serving_reports_every_design_exact_on_the_simulator(tmp_path: Path) -> None:
+    serving = _serving()
+    out = tmp_path / "serving.json"
+    done = _run("bench_serving.py", "--out", str(out), "--op-calls", "100")
+    assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
+    assert "simulated" in done.stdout
+    results = json.loads(out.read_text())
+    assert results["simulated"] and results["wrong_values"] == 0 and results["leaked_bytes"] == 0
+    row = results["sizes"]["64KB"]
+    assert set(row["strategies"]) == set(serving.STRATEGIES)
+    for name, figures in row["strategies"].items():
+        if name == serving.MM_MANY and not hasattr(FeatureCache, "get_many"):
+            assert figures == {"skipped": "n/a (no get_many)"}
+            continue
+        assert figures["wrong_values"] == 0, name
+        assert figures["requests"] > 0 and figures["requests_per_s"] > 0, name
+        assert figures["front_end_units"] > 0, name
+    for name in (serving.MM_GET, serving.MM_MANY):
+        if "skipped" not in row["strategies"][name]:
+            assert row["strategies"][name]["leaked_bytes"] == 0
+            assert row["strategies"][name]["host_ready"]
+    assert row["ratios"][f"{serving.MM_GET} / floor"] > 0
+    classes = row["operations"]["classes"]
+    for name in ("GPU hit", "host hit -> device", "put that evicts"):
+        assert classes[name]["calls"] > 0 and classes[name]["median_us"] > 0, name
+    assert row["operations"]["wrong_values"] == 0 and row["operations"]["leaked_bytes"] == 0
+
+
+async def test_bench_serving_runs_get_many_where_the_cache_has_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before FeatureCache.get_many exists, a stand-in of gets runs the design's path."""
+    serving = _serving()
+    if not hasattr(FeatureCache, "get_many"):
+
+        async def get_many(
+            self: FeatureCache, keys: list[Any], **kwargs: Any
+        ) -> list[torch.Tensor | None]:
+            return [await self.get(key, **kwargs) for key in keys]
+
+        monkeypatch.setattr(FeatureCache, "get_many", get_many, raising=False)
+    results = await serving.run(_small_serving_config())
+    many = results["sizes"]["64KB"]["strategies"][serving.MM_MANY]
+    assert many["requests"] > 0 and many["wrong_values"] == 0 and many["leaked_bytes"] == 0
+    assert many["stats"]["hits_gpu"] + many["stats"]["hits_cpu"] > 0
+
+
+async def test_bench_serving_counts_wrong_features_for_every_design(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An encoder that makes another image's feature shows as wrong values everywhere."""
+    serving = _serving()
+    Features = serving.Features
+
+    def encode_wrong(self: Any, image: int) -> torch.Tensor:
+        return torch.add(self.pattern, image + 1).view(torch.bfloat16)
+
+    monkeypatch.setattr(Features, "encode", encode_wrong)
+    results = await serving.run(_small_serving_config())
+    assert results["wrong_values"] > 0
+    for name, figures in results["sizes"]["64KB"]["strategies"].items():
+        if "skipped" not in figures:
+            assert figures["wrong_values"] > 0, name
+
+
+def test_bench_serving_check_catches_poison_zeros_and_misses() -> None:
+    serving = _serving()
+    features = serving.Features(4, _small_serving_config(), None)
+    good = features.encode(7)
+    features.consume(7, good)
+    assert features.take_wrong() == 0
+    features.consume(8, good)  # another image's bytes
+    features.consume(7, torch.full_like(good.view(torch.int16), -1).view(torch.bfloat16))
+    features.consume(7, torch.zeros_like(good))
+    features.consume(7, None)
+    features.consume(7, good[:2])
+    assert features.take_wrong() == 5
+    assert features.take_wrong() == 0
+
+
+def test_mmcache_bench_runs_the_serving_benchmark(capsys: pytest.CaptureFixture[str]) -> None:
+    from mmcache.cli import main
+
+    extra = ["--device", "sim", "--sizes", "64KB", "--seconds", "0.2", "--op-calls", "30"]
+    assert main(["bench", "serving", "--quick", "--", *extra]) == 0
+    out = capsys.readouterr().out
+    assert "=== bench_serving.py" in out
+    assert "bench_serving on sim (simulated" in out
+    assert "wrong values: 0; mmcache leaked bytes: 0" in out
