@@ -224,12 +224,7 @@ class Reads:
             src = entry.host_bytes(*span)
             shape = (span[1] - span[0], *entry.shape[1:])
         with self._counters.counting_oom():
-            dst = self._device.empty(shape, entry.dtype)
-        try:
-            fence = self._device.copy_h2d(src, dst, after=[entry.copy_fence])
-        except BaseException:
-            self._device.release(dst, after=())  # nothing was queued: nothing reads it
-            raise
+            dst, fence = self._device.copy_h2d_new(src, shape, entry.dtype, [entry.copy_fence])
         del src
         entry.add_host_reader(fence)
         if promote:

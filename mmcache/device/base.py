@@ -193,6 +193,18 @@ class Device(abc.ABC):
     def copy_h2d(self, src: torch.Tensor, dst: torch.Tensor, after: Sequence[Fence]) -> Fence:
         """Queue src (host) -> dst (device, same byte size) after the fences; return its fence."""
 
+    def copy_h2d_new(
+        self, src: torch.Tensor, shape: Sequence[int], dtype: torch.dtype, after: Sequence[Fence]
+    ) -> tuple[torch.Tensor, Fence]:
+        """A new device tensor of shape and dtype filled from src (host, same byte size)
+        after the fences: empty() then copy_h2d(), as one step a device may make cheaper."""
+        dst = self.empty(shape, dtype)
+        try:
+            return dst, self.copy_h2d(src, dst, after)
+        except BaseException:
+            self.release(dst, after=())  # nothing was queued: nothing reads it
+            raise
+
     def copy_h2d_many(
         self, srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], after: Sequence[Fence]
     ) -> Fence:

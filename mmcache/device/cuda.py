@@ -290,6 +290,12 @@ class CudaDevice(Device):
         """Queue src (pinned host) -> dst (this GPU) on the H2D stream after the fences."""
         return self._copies.copy_h2d(src, dst, after)
 
+    def copy_h2d_new(
+        self, src: torch.Tensor, shape: Sequence[int], dtype: torch.dtype, after: Sequence[Fence]
+    ) -> tuple[torch.Tensor, CudaFence]:
+        """A new tensor filled from src: allocated and copied in one switch to the H2D stream."""
+        return self._copies.copy_h2d_new(src, shape, dtype, after)
+
     def copy_h2d_many(
         self, srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], after: Sequence[Fence]
     ) -> CudaFence:

@@ -134,6 +134,33 @@ class CudaCopies:
         except RuntimeError as exc:
             raise enqueue_error("host-to-device", src_bytes.numel(), exc) from exc
 
+    def copy_h2d_new(
+        self, src: torch.Tensor, shape: Sequence[int], dtype: torch.dtype, after: Sequence[Fence]
+    ) -> tuple[torch.Tensor, CudaFence]:
+        """A new tensor of this GPU filled from src (pinned host) on the H2D stream.
+
+        Allocated from the H2D stream's own pool, in the same stream switch as the copy:
+        the allocator then orders its reuse after the copy with no record_stream.
+        """
+        self.check_open()
+        src_bytes = flat_bytes(src, "source")
+        if src.device.type != "cpu":
+            raise InvalidValueError(f"copy source is on {src.device}, not host memory")
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        if src_bytes.numel() != nbytes:
+            raise InvalidValueError(
+                f"copy of {src_bytes.numel()} bytes into a {nbytes}-byte destination"
+            )
+        stream = self._h2d
+        try:
+            with OnStream(stream):
+                dst = self._memory.empty_here(shape, dtype)
+                order_after(stream, after)
+                self.copy_bytes(flat_bytes(dst, "destination"), src_bytes, host=src_bytes)
+                return dst, self.record_on(stream)
+        except RuntimeError as exc:
+            raise enqueue_error("host-to-device", nbytes, exc) from exc
+
     def copy_h2d_many(
         self, srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], after: Sequence[Fence]
     ) -> CudaFence:

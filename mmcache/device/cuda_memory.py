@@ -72,9 +72,13 @@ class DeviceMemory:
         hands out on stream S may still be read by work queued on S before it was freed.
         """
         alloc_stream = self._alloc_stream if stream is None else as_cuda_stream(stream)
+        with OnStream(alloc_stream):
+            return self.empty_here(shape, dtype)
+
+    def empty_here(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """Allocate on this GPU from the current stream's pool (the caller switched to it)."""
         try:
-            with OnStream(alloc_stream):
-                return torch.empty(tuple(shape), dtype=dtype, device=self._device)
+            return torch.empty(tuple(shape), dtype=dtype, device=self._device)
         except torch.OutOfMemoryError as exc:
             nbytes = torch.Size(shape).numel() * dtype.itemsize
             raise DeviceOutOfMemoryError(
