@@ -1,0 +1,90 @@
+"""Faults of the remote tier: counted by kind, logged once per burst, backed off from."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Final, final
+
+__all__ = ["ERROR_KINDS", "Faults", "error_kind"]
+
+log = logging.getLogger("mmcache")
+
+#: how remote errors are counted: timeout, connection (refused, reset, lost), server (an
+#: error reply), other
+ERROR_KINDS: Final = ("timeout", "connection", "server", "other")
+
+BACKOFF_MIN_S: Final = 0.05
+BACKOFF_MAX_S: Final = 5.0
+
+
+def error_kind(exc: BaseException) -> str:
+    """Which of ERROR_KINDS exc is."""
+    if isinstance(exc, TimeoutError):
+        return "timeout"
+    name = type(exc).__name__
+    if "Timeout" in name:
+        return "timeout"
+    if isinstance(exc, (ConnectionError, OSError)) or "Connection" in name or "ClusterDown" in name:
+        return "connection"
+    if "ResponseError" in name or "Redis" in name or "Cluster" in name:
+        return "server"
+    return "other"
+
+
+@final
+class Faults:
+    """Whether the remote tier should try the server now, and what went wrong so far.
+
+    After an error, operations skip the server for a back-off that doubles with each
+    error in a row (BACKOFF_MIN_S to BACKOFF_MAX_S); the first success ends the burst.
+    The client reconnects on the first operation after the back-off. One warning
+    starts a burst and one line ends it, however many calls failed between.
+    """
+
+    __slots__ = ("_backoff", "_burst", "_clock", "_count", "_name", "_retry_at", "errors")
+
+    def __init__(self, name: str, count: Callable[[str], None]) -> None:
+        self._name = name  # the server, as logs name it
+        self._count = count
+        self._clock = time.monotonic
+        self._backoff = 0.0
+        self._retry_at = 0.0
+        self._burst = 0
+        #: errors so far, by kind
+        self.errors: dict[str, int] = dict.fromkeys(ERROR_KINDS, 0)
+
+    @property
+    def total(self) -> int:
+        """Errors so far, all kinds."""
+        return sum(self.errors.values())
+
+    def available(self) -> bool:
+        """Whether to try the server now (no back-off running)."""
+        return self._burst == 0 or self._clock() >= self._retry_at
+
+    def failed(self, op: str, exc: BaseException) -> None:
+        """An operation failed: count it, log it if it starts a burst, back off."""
+        kind = error_kind(exc)
+        self.errors[kind] += 1
+        self._count(kind)
+        if self._burst == 0:
+            log.warning(
+                "remote tier %s: %s failed (%s: %s); serving local tiers only, retrying "
+                "with back-off (logged once until it recovers)",
+                self._name,
+                op,
+                type(exc).__name__,
+                exc,
+            )
+        self._burst += 1
+        self._backoff = min(BACKOFF_MAX_S, max(BACKOFF_MIN_S, self._backoff * 2))
+        self._retry_at = self._clock() + self._backoff
+
+    def succeeded(self) -> None:
+        """An operation succeeded: the burst, if any, is over."""
+        if self._burst:
+            log.warning("remote tier %s: back after %d failed operations", self._name, self._burst)
+            self._burst = 0
+            self._backoff = 0.0
