@@ -503,7 +503,8 @@ class FeatureCache:
         self._tiers.flush()
         stats = self._core.stats()
         if self._remote is not None:
-            stats = dataclasses.replace(stats, **self._remote.stats())
+            remote: dict[str, Any] = self._remote.stats()
+            stats = dataclasses.replace(stats, **remote)
         return stats
 
     # --- checks -------------------------------------------------------------------------

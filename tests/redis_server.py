@@ -8,6 +8,7 @@ to get it.
 from __future__ import annotations
 
 import contextlib
+import random
 import shutil
 import socket
 import subprocess
@@ -44,12 +45,32 @@ def free_port() -> int:
         return port
 
 
+def free_cluster_port() -> int:
+    """A loopback port free now, whose cluster bus port (10000 higher) is free too.
+
+    Below the usual ephemeral range, as a cluster node's port must be at most 55535.
+    """
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randrange(20000, 30000)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 10000))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free port pair for a cluster node")
+
+
 class RedisServer:
     """One redis-server on 127.0.0.1:port, its data in a temporary directory."""
 
     def __init__(self, directory: Path, *, port: int | None = None, cluster: bool = False) -> None:
         self.directory = directory
-        self.port = port if port is not None else free_port()
+        if port is None:
+            port = free_cluster_port() if cluster else free_port()
+        self.port = port
         self.cluster = cluster
         self.process: subprocess.Popen[bytes] | None = None
 

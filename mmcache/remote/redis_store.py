@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import urllib.parse
-from typing import TYPE_CHECKING, Any, Final, final
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, Any, Final, cast, final
 
 from mmcache.errors import SettingsError
 
@@ -18,6 +20,15 @@ SINGLE_SCHEMES: Final = ("redis", "rediss", "unix")
 #: a cluster: comma-separated seed nodes, through redis-py's cluster client
 CLUSTER_SCHEMES: Final = ("redis+cluster", "rediss+cluster")
 SCHEMES: Final = SINGLE_SCHEMES + CLUSTER_SCHEMES
+
+# Deletes KEYS[1] only if its value's SHA-1 is ARGV[1]; one key, so it runs on a cluster too.
+_DELETE_IF_SHA1: Final = """
+local value = redis.call('GET', KEYS[1])
+if value and redis.sha1hex(value) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
 
 
 def check_url(url: str) -> str:
@@ -98,7 +109,6 @@ class RedisStore:
                 ssl=scheme == "rediss+cluster",
                 ssl_cert_reqs=query.get("ssl_cert_reqs", "required"),
                 ssl_ca_certs=query.get("ssl_ca_certs"),
-                cluster_error_retry_attempts=1,
                 **options,
             )
         else:
@@ -118,9 +128,15 @@ class RedisStore:
         """EXISTS key."""
         return bool(await self.client.exists(key))
 
-    async def delete(self, key: bytes) -> None:
-        """DEL key."""
-        await self.client.delete(key)
+    async def delete(self, key: bytes, only_if: bytes | None = None) -> None:
+        """DEL key; with only_if, in one script that first compares the value's SHA-1 (so
+        the rejected value is never sent back)."""
+        if only_if is None:
+            await self.client.delete(key)
+            return
+        digest = hashlib.sha1(only_if, usedforsecurity=False).hexdigest()
+        # redis-py types eval for its sync and async clients alike, and keys as str.
+        await cast(Awaitable[Any], self.client.eval(_DELETE_IF_SHA1, 1, key, digest))  # type: ignore[arg-type]
 
     async def close(self) -> None:
         """Close every connection of the client."""

@@ -28,8 +28,9 @@ class RemoteStore(Protocol):
         """Whether a value is stored under key."""
         ...
 
-    async def delete(self, key: bytes) -> None:
-        """Remove key's value, if any."""
+    async def delete(self, key: bytes, only_if: bytes | None = None) -> None:
+        """Remove key's value, if any; with only_if, only while the value is still those bytes
+        (a rejected value is deleted, never a good one written since)."""
         ...
 
     async def close(self) -> None:

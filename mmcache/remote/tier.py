@@ -150,7 +150,7 @@ class RemoteTier:
             else:
                 header, _ = parse(value)
         except RemoteValueError as e:
-            self._reject(key, rkey, e)
+            self._reject(key, rkey, value, e)
             return
         if key in self._index:  # put locally while the value travelled: that one is newer
             return
@@ -171,17 +171,17 @@ class RemoteTier:
             lookups["hit"].inc()
             self._series.bytes["read"].inc(header.length)
 
-    def _reject(self, key: Hashable, rkey: bytes, error: RemoteValueError) -> None:
+    def _reject(self, key: Hashable, rkey: bytes, value: bytes, error: RemoteValueError) -> None:
         """A value failed a check: count it, delete it on the server, serve a miss."""
         self.rejected += 1
         self._series.lookups["rejected"].inc()
         log.warning("remote value of %s rejected and deleted: %s", reprlib.repr(key), error)
-        task = asyncio.get_running_loop().create_task(self._delete(rkey))
+        task = asyncio.get_running_loop().create_task(self._delete(rkey, value))
         self._deletes.add(task)
         task.add_done_callback(self._deletes.discard)
 
-    async def _delete(self, rkey: bytes) -> None:
-        await self._call("delete", self._store.delete(rkey))
+    async def _delete(self, rkey: bytes, value: bytes) -> None:
+        await self._call("delete", self._store.delete(rkey, only_if=value))
 
     # --- writes -------------------------------------------------------------------------
 

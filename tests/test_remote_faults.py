@@ -1,0 +1,160 @@
+"""Remote tier faults: a server down, paused, killed and restarted, or slow to drain.
+
+Gets miss within remote_timeout_sec, puts succeed locally and never wait on the network,
+errors are counted and logged once per burst, the tier reconnects by itself, and no
+exception reaches the caller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from collections.abc import Iterator
+
+import pytest
+import redis.asyncio
+from conftest import CacheFactory, Rig, assert_exact, put_feature
+from redis_server import RedisServer, free_port, redis_server, skip_without_redis
+
+
+@pytest.fixture
+def own_server() -> Iterator[RedisServer]:
+    """A server of this test's own, to kill, pause and restart."""
+    skip_without_redis()
+    with redis_server() as server:
+        yield server
+
+
+def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+async def test_with_no_server_puts_succeed_and_gets_miss_logged_once(
+    rig: Rig, make_cache: CacheFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    skip_without_redis()
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    cache = make_cache(gpu_mb=0.25, remote_url=url, remote_timeout_sec=0.2)
+    wants = [await put_feature(cache, rig, ("k", i), 64, seed=i) for i in range(8)]
+    await cache.drain()
+    for i in range(20):
+        started = time.perf_counter()
+        assert await cache.get(("absent", i)) is None
+        assert time.perf_counter() - started < 1.0
+    for i, want in enumerate(wants):
+        assert_exact(await cache.get(("k", i), device="cpu"), want)
+    s = cache.stats()
+    assert s.remote_errors >= 1 and s.remote_hits == 0 and s.leaked_bytes == 0
+    assert s.misses == 20
+    assert len([m for m in _warnings(caplog) if "remote tier" in m]) == 1  # one burst, one line
+
+
+async def test_a_paused_server_makes_gets_miss_within_the_timeout(
+    rig: Rig, make_cache: CacheFactory, own_server: RedisServer
+) -> None:
+    writer = make_cache(remote_url=own_server.url)
+    await put_feature(writer, rig, "k", 16)
+    await writer.drain()
+    reader = make_cache(remote_url=own_server.url, remote_timeout_sec=0.3)
+    assert own_server.process is not None
+    own_server.process.send_signal(signal.SIGSTOP)  # accepts connections, answers nothing
+    try:
+        started = time.perf_counter()
+        assert await reader.get("k") is None
+        assert time.perf_counter() - started < 0.3 + 0.5
+        put_started = time.perf_counter()
+        for i in range(10):
+            await put_feature(writer, rig, ("new", i), 16, seed=i)
+        assert time.perf_counter() - put_started < 0.3  # puts never wait on the server
+    finally:
+        own_server.process.send_signal(signal.SIGCONT)
+    assert reader.stats().remote_errors >= 1
+
+
+async def test_a_server_killed_and_restarted_misses_then_hits_again(
+    rig: Rig, make_cache: CacheFactory, own_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    a = make_cache(remote_url=own_server.url, remote_timeout_sec=0.2)
+    b = make_cache(remote_url=own_server.url, remote_timeout_sec=0.2)
+    want = await put_feature(a, rig, "before", 16)
+    await a.drain()
+    assert_exact(await b.get("before", device="cpu"), want)
+
+    own_server.stop()  # killed: its values are gone with it (no persistence)
+    for i in range(5):
+        assert await b.get(("during", i)) is None
+        assert await a.put(("during", i), rig.tensor(64, 16, seed=i))
+    await a.drain()
+    assert b.stats().remote_errors >= 1
+
+    own_server.start()  # the same port, empty
+    after = await put_feature(a, rig, "after", 16, seed=7)
+    deadline = time.monotonic() + 15
+    while True:  # back-off ends, the client reconnects, a re-put reaches the server
+        await a.drain()
+        got = await b.get("after", device="cpu")
+        if got is not None:
+            break
+        assert time.monotonic() < deadline, "the remote tier did not come back"
+        await asyncio.sleep(0.1)
+        await put_feature(a, rig, "after", 16, seed=7)  # written again once the tier is back
+    assert_exact(got, after)
+    assert any("back after" in m for m in _warnings(caplog))
+    for cache in (a, b):
+        assert cache.stats().leaked_bytes == 0
+
+
+async def test_writes_past_remote_queue_mb_are_dropped_and_counted(
+    rig: Rig, make_cache: CacheFactory, redis_url: str
+) -> None:
+    cache = make_cache(gpu_mb=4, remote_url=redis_url, remote_queue_mb=0.25)
+    limit = 256 * 1024
+    for i in range(20):  # puts of resident features do not yield: the queue cannot drain
+        await put_feature(cache, rig, ("k", i), 64, seed=i)
+        assert cache.stats().remote_queued_bytes <= limit
+    s = cache.stats()
+    assert s.remote_dropped_writes == 20 - limit // (64 * 1024)
+    await cache.drain()
+    client = redis.asyncio.Redis.from_url(redis_url)
+    try:
+        stored = sum([await client.exists(cache.remote_key(("k", i))) for i in range(20)])
+    finally:
+        await client.aclose()
+    s = cache.stats()
+    assert stored == 20 - s.remote_dropped_writes
+    assert s.remote_written_bytes == stored * 64 * 1024 and s.remote_queued_bytes == 0
+
+
+async def test_close_sends_queued_writes(
+    rig: Rig, make_cache: CacheFactory, redis_url: str
+) -> None:
+    cache = make_cache(gpu_mb=4, remote_url=redis_url)
+    for i in range(10):
+        await put_feature(cache, rig, ("k", i), 64, seed=i)
+    assert cache.stats().remote_queued_bytes > 0
+    await cache.close()
+    client = redis.asyncio.Redis.from_url(redis_url)
+    try:
+        assert sum([await client.exists(cache.remote_key(("k", i))) for i in range(10)]) == 10
+    finally:
+        await client.aclose()
+
+
+async def test_close_with_writes_queued_and_the_server_paused_ends_in_time(
+    rig: Rig, make_cache: CacheFactory, own_server: RedisServer
+) -> None:
+    cache = make_cache(gpu_mb=4, remote_url=own_server.url, remote_timeout_sec=0.3)
+    assert own_server.process is not None
+    own_server.process.send_signal(signal.SIGSTOP)
+    try:
+        for i in range(10):
+            await put_feature(cache, rig, ("k", i), 64, seed=i)
+        started = time.perf_counter()
+        await cache.close()
+        assert time.perf_counter() - started < 3
+    finally:
+        own_server.process.send_signal(signal.SIGCONT)
+    s = cache.stats()
+    assert s.remote_dropped_writes == 10 and s.remote_queued_bytes == 0
