@@ -7,6 +7,11 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
+
+pytest.importorskip(
+    "redis", reason="the redis package is not installed: pip install 'mmcache[remote]'"
+)
+
 import redis.asyncio
 import torch
 from conftest import CacheFactory, Rig, assert_exact, feature, put_feature
@@ -96,15 +101,19 @@ async def test_a_miss_everywhere_is_a_miss(node: Node) -> None:
     assert (s.misses, s.remote_misses, s.remote_hits) == (1, 1, 0)
 
 
-async def test_concurrent_gets_of_one_key_share_one_fetch(rig: Rig, node: Node) -> None:
+async def test_concurrent_gets_of_one_key_share_one_fetch(
+    rig: Rig, node: Node, raw: redis.asyncio.Redis
+) -> None:
     a, b = node(), node()
     want = await put_feature(a, rig, "popular", 256)
     await a.drain()
+    await raw.config_resetstat()
     got = await asyncio.gather(*(b.get("popular", device="cpu") for _ in range(8)))
     for g in got:
         assert_exact(g, want)
     s = b.stats()
     assert s.remote_hits == 1 and s.remote_read_bytes == want.nbytes
+    assert (await raw.info("commandstats"))["cmdstat_get"]["calls"] == 1  # one GET reached it
 
 
 async def test_get_or_compute_takes_the_remote_value_instead_of_computing(

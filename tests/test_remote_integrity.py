@@ -7,6 +7,11 @@ import struct
 from collections.abc import AsyncIterator, Callable
 
 import pytest
+
+pytest.importorskip(
+    "redis", reason="the redis package is not installed: pip install 'mmcache[remote]'"
+)
+
 import redis.asyncio
 import torch
 from conftest import CacheFactory, Rig, assert_exact, put_feature
