@@ -112,6 +112,14 @@ def _parser() -> argparse.ArgumentParser:
         "that Prometheus scrapes them (it scrapes every 15 s by default; default: 0)",
     )
     demo.add_argument("--quiet", action="store_true", help="no progress lines")
+    demo.add_argument(
+        "--remote-url",
+        default=None,
+        metavar="URL",
+        help="share features through this Redis/Valkey (redis://host:6379/0, ...): evicted "
+        "features and an earlier run's come back as remote hits (default: MMCACHE_REMOTE_URL "
+        "if set, else none)",
+    )
 
     bench = commands.add_parser(
         "bench",
@@ -223,6 +231,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             metrics_port=args.metrics_port,
             linger_s=args.linger,
             quiet=args.quiet,
+            remote_url=args.remote_url,
         )
         if args.device == "cuda" and not _cuda_available():
             print("--device cuda: no CUDA device here; use --device sim", file=sys.stderr)

@@ -234,3 +234,23 @@ async def test_remote_metrics_count_hits_misses_and_bytes(rig: Rig, redis_url: s
         assert value("mmcache_remote_seconds_count", cache="b", op="get") == 2
         assert value("mmcache_remote_errors_total", cache="b", kind="timeout") == 0
     assert value("mmcache_remote_lookups_total", cache="b", result="hit") is None  # closed
+
+
+SMALL_DEMO = ["demo", "--device", "sim", "--requests", "12", "--seed", "1", "--hidden", "256"]
+SMALL_DEMO += ["--gpu-mb", "64", "--cpu-mb", "128", "--images", "40", "--quiet"]
+
+
+def test_demo_with_a_remote_url_shows_remote_hits(
+    redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from mmcache.cli import main
+
+    assert main([*SMALL_DEMO, "--remote-url", redis_url]) == 0
+    first = capsys.readouterr().out
+    assert "remote hits / misses" in first and first.rstrip().endswith("0 bytes leaked")
+    assert main([*SMALL_DEMO, "--remote-url", redis_url]) == 0  # a second node, as it were
+    second = capsys.readouterr().out
+    hits = second.split("remote hits / misses", 1)[1].split()[0]
+    encodes = second.split("encodes (re-encodes)", 1)[1].split()[0]
+    assert int(hits) > 0 and encodes == "0"  # every feature came from the first run's writes
+    assert "PASS" in second

@@ -164,3 +164,23 @@ async def test_close_with_writes_queued_and_the_server_paused_ends_in_time(
         own_server.process.send_signal(signal.SIGCONT)
     s = cache.stats()
     assert s.remote_dropped_writes == 10 and s.remote_queued_bytes == 0
+
+
+def test_a_flapping_server_is_logged_once_a_minute(caplog: pytest.LogCaptureFixture) -> None:
+    from mmcache.remote import faults
+
+    counted: list[str] = []
+    tracker = faults.Faults("server", counted.append)
+    now = [1000.0]
+    tracker._clock = lambda: now[0]
+    caplog.set_level(logging.DEBUG, logger="mmcache")
+    for _ in range(5):  # five short bursts within a minute
+        tracker.failed("get", TimeoutError())
+        now[0] += 1
+        tracker.succeeded()
+    assert len(_warnings(caplog)) == 2  # the first burst's start and end
+    now[0] += faults.QUIET_S
+    tracker.failed("get", ConnectionError("refused"))
+    assert "4 shorter bursts" in _warnings(caplog)[-1]
+    assert counted == ["timeout"] * 5 + ["connection"]
+    assert tracker.errors["timeout"] == 5 and tracker.total == 6

@@ -17,6 +17,8 @@ ERROR_KINDS: Final = ("timeout", "connection", "server", "other")
 
 BACKOFF_MIN_S: Final = 0.05
 BACKOFF_MAX_S: Final = 5.0
+#: a burst that starts within this long of the last logged one is logged at debug level
+QUIET_S: Final = 60.0
 
 
 def error_kind(exc: BaseException) -> str:
@@ -40,10 +42,23 @@ class Faults:
     After an error, operations skip the server for a back-off that doubles with each
     error in a row (BACKOFF_MIN_S to BACKOFF_MAX_S); the first success ends the burst.
     The client reconnects on the first operation after the back-off. One warning
-    starts a burst and one line ends it, however many calls failed between.
+    starts a burst and one line ends it, however many calls failed between; a flapping
+    server's further bursts within QUIET_S are logged at debug level and counted in the
+    next warning.
     """
 
-    __slots__ = ("_backoff", "_burst", "_clock", "_count", "_name", "_retry_at", "errors")
+    __slots__ = (
+        "_backoff",
+        "_burst",
+        "_clock",
+        "_count",
+        "_logged",
+        "_logged_at",
+        "_name",
+        "_quiet_bursts",
+        "_retry_at",
+        "errors",
+    )
 
     def __init__(self, name: str, count: Callable[[str], None]) -> None:
         self._name = name  # the server, as logs name it
@@ -52,6 +67,9 @@ class Faults:
         self._backoff = 0.0
         self._retry_at = 0.0
         self._burst = 0
+        self._logged = False  # whether this burst's start was logged as a warning
+        self._logged_at = -QUIET_S
+        self._quiet_bursts = 0
         #: errors so far, by kind
         self.errors: dict[str, int] = dict.fromkeys(ERROR_KINDS, 0)
 
@@ -70,14 +88,7 @@ class Faults:
         self.errors[kind] += 1
         self._count(kind)
         if self._burst == 0:
-            log.warning(
-                "remote tier %s: %s failed (%s: %s); serving local tiers only, retrying "
-                "with back-off (logged once until it recovers)",
-                self._name,
-                op,
-                type(exc).__name__,
-                exc,
-            )
+            self._burst_started(op, exc)
         self._burst += 1
         self._backoff = min(BACKOFF_MAX_S, max(BACKOFF_MIN_S, self._backoff * 2))
         self._retry_at = self._clock() + self._backoff
@@ -85,6 +96,34 @@ class Faults:
     def succeeded(self) -> None:
         """An operation succeeded: the burst, if any, is over."""
         if self._burst:
-            log.warning("remote tier %s: back after %d failed operations", self._name, self._burst)
+            level = logging.WARNING if self._logged else logging.DEBUG
+            log.log(
+                level, "remote tier %s: back after %d failed operations", self._name, self._burst
+            )
             self._burst = 0
             self._backoff = 0.0
+
+    def _burst_started(self, op: str, exc: BaseException) -> None:
+        """Log a burst's first error: a warning, unless one was logged within QUIET_S."""
+        now = self._clock()
+        self._logged = now - self._logged_at >= QUIET_S
+        if not self._logged:
+            self._quiet_bursts += 1
+            log.debug("remote tier %s: %s failed: %r", self._name, op, exc)
+            return
+        self._logged_at = now
+        since = (
+            f"; {self._quiet_bursts} shorter bursts since the last one"
+            if self._quiet_bursts
+            else ""
+        )
+        self._quiet_bursts = 0
+        log.warning(
+            "remote tier %s: %s failed (%s: %s); serving local tiers only, retrying with "
+            "back-off (logged once until it recovers%s)",
+            self._name,
+            op,
+            type(exc).__name__,
+            exc,
+            since,
+        )
