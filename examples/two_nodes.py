@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import shutil
 import socket
 import subprocess
@@ -87,7 +88,7 @@ async def node(role: str, device_kind: str, url: str, images: int) -> int:
                 return 0 if s.remote_dropped_writes == 0 and s.remote_errors == 0 else 1
             exact = 0
             for i, key in enumerate(keys):
-                got = await cache.get_or_compute(key, lambda i=i: encode(i), device="cpu")
+                got = await cache.get_or_compute(key, functools.partial(encode, i), device="cpu")
                 exact += torch.equal(got, encoder_output(i, "cpu"))
             s = cache.stats()
             print(
