@@ -20,19 +20,15 @@ import argparse
 import asyncio
 import contextlib
 import functools
-import shutil
-import socket
 import subprocess
 import sys
-import tempfile
-import time
-from collections.abc import Iterator
 
 import torch
 
 from mmcache import CacheSettings, FeatureCache, MMCacheError
 from mmcache.device import Device, SimDevice
 from mmcache.keys import feature_key
+from mmcache.remote.local_server import local_redis_server
 
 HIDDEN = 1024
 MODEL = "example/vlm-7b"
@@ -107,37 +103,6 @@ def run_node(role: str, device: str, url: str, images: int) -> int:
     return subprocess.run(command, check=False, timeout=300).returncode
 
 
-@contextlib.contextmanager
-def local_redis() -> Iterator[str]:
-    """A redis-server of our own on a free loopback port, in a temporary directory."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise MMCacheError(
-            "no --remote-url given and redis-server is not installed (Debian/Ubuntu: "
-            "apt-get install redis-server); pass --remote-url redis://host:port/0"
-        )
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory(prefix="mmcache-two-nodes-") as directory:
-        server = subprocess.Popen(
-            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", directory],
-            stdout=subprocess.DEVNULL,
-        )
-        try:
-            deadline = time.monotonic() + 10
-            while True:
-                with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port)):
-                    break
-                if time.monotonic() > deadline or server.poll() is not None:
-                    raise MMCacheError(f"redis-server did not start on port {port}")
-                time.sleep(0.05)
-            yield f"redis://127.0.0.1:{port}/0"
-        finally:
-            server.terminate()
-            server.wait(10)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", choices=("sim", "cuda"), default="sim")
@@ -150,7 +115,7 @@ def main() -> int:
     if args.device == "cuda":
         make_device("cuda").close()  # no GPU: say so before starting anything
     with contextlib.ExitStack() as stack:
-        url = args.remote_url or stack.enter_context(local_redis())
+        url = args.remote_url or stack.enter_context(local_redis_server())
         print(f"remote tier: {url}")
         for role in ("encode", "serve"):
             status = run_node(role, args.device, url, args.images)

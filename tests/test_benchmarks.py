@@ -19,6 +19,7 @@ RUNS: dict[str, list[str]] = {
     "bench_ipc.py": ["--device", "sim", "--quick"],
     "bench_offload.py": ["--device", "sim"],
     "bench_ops.py": ["--quick"],
+    "bench_remote.py": ["--device", "sim", "--quick"],  # without redis-server: says so, exits 0
     "gpu_probe.py": ["--quick"],  # CUDA only: says so and exits 0
 }
 
