@@ -3,8 +3,9 @@
 For each size (64 KiB, 1 MiB, 8 MiB), node A puts N features and drains its remote
 writes (write GB/s); node B, a fresh cache on the same server, reads and discards each
 one once (which warms its arena up), then gets each one (a remote hit: fetched,
-checked, landed in its host tier, uploaded to the device) and then again (a local hit). Each read is checked bit for bit. Remote hits are set against re-encoding
-the feature, as mmcache demo models a vision encoder (ENCODE_S_PER_1K_TOKENS for a
+checked, landed in its host tier, uploaded to the device) and then again (a local
+hit). Each read is checked bit for bit. Remote hits are set against re-encoding the
+feature, as mmcache demo models a vision encoder (ENCODE_S_PER_1K_TOKENS for a
 thousand bf16 rows of width 3,584). Then `put` latency with no remote tier, with one,
 and with one whose server is down (it must not change beyond noise: writes never block).
 
