@@ -184,3 +184,59 @@ def test_a_flapping_server_is_logged_once_a_minute(caplog: pytest.LogCaptureFixt
     assert "4 shorter bursts" in _warnings(caplog)[-1]
     assert counted == ["timeout"] * 5 + ["connection"]
     assert tracker.errors["timeout"] == 5 and tracker.total == 6
+
+
+async def test_a_get_cancelled_during_a_fetch_leaves_the_fetch_to_land(
+    rig: Rig, make_cache: CacheFactory, own_server: RedisServer
+) -> None:
+    a = make_cache(remote_url=own_server.url)
+    want = await put_feature(a, rig, "k", 16)
+    await a.drain()
+    b = make_cache(remote_url=own_server.url, remote_timeout_sec=5)
+    assert own_server.process is not None
+    own_server.process.send_signal(signal.SIGSTOP)
+    try:
+        reader = asyncio.create_task(b.get("k"))
+        await asyncio.sleep(0.2)
+        assert not reader.done()
+        reader.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reader
+    finally:
+        own_server.process.send_signal(signal.SIGCONT)
+    deadline = time.monotonic() + 5
+    while "k" not in b:  # the shared fetch went on without its caller
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.02)
+    assert_exact(await b.get("k", device="cpu"), want)
+    assert b.stats().remote_hits == 1 and b.stats().leaked_bytes == 0
+
+
+async def test_close_during_a_fetch_makes_the_waiting_get_miss(
+    rig: Rig, make_cache: CacheFactory, own_server: RedisServer
+) -> None:
+    a = make_cache(remote_url=own_server.url)
+    await put_feature(a, rig, "k", 16)
+    await a.drain()
+    b = make_cache(remote_url=own_server.url, remote_timeout_sec=5)
+    assert own_server.process is not None
+    own_server.process.send_signal(signal.SIGSTOP)
+    try:
+        reader = asyncio.create_task(b.get("k"))
+        await asyncio.sleep(0.2)
+        await b.close()
+        assert await reader is None
+    finally:
+        own_server.process.send_signal(signal.SIGCONT)
+    assert b.stats().leaked_bytes == 0
+
+
+async def test_a_cache_with_its_gpu_tier_off_shares_through_the_host_tier(
+    rig: Rig, make_cache: CacheFactory, redis_url: str
+) -> None:
+    a = make_cache(gpu_mb=0, remote_url=redis_url)
+    want = await put_feature(a, rig, "k", 16)
+    await a.drain()
+    b = make_cache(gpu_mb=0, remote_url=redis_url)
+    assert_exact(await b.get("k", device="cpu"), want)
+    assert_exact(await b.get("k"), want)

@@ -127,7 +127,13 @@ class RemoteTier:
         if self._closed:
             return None
         task = self._fetches.run(key, lambda: self._fetch(key))
-        await asyncio.shield(task)
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if task.cancelled() and current is not None and not current.cancelling():
+                return None  # the fetch was cancelled (close()), not this caller: a miss
+            raise
         return self._index.get(key)
 
     async def _fetch(self, key: Hashable) -> None:
