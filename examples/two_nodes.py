@@ -26,7 +26,7 @@ import sys
 import torch
 
 from mmcache import CacheSettings, FeatureCache, MMCacheError
-from mmcache.device import Device, SimDevice
+from mmcache.device import resolve_device
 from mmcache.keys import feature_key
 from mmcache.remote.local_server import local_redis_server
 
@@ -46,54 +46,41 @@ def encoder_output(image_id: int, device: str) -> torch.Tensor:
     return torch.randn(tokens, HIDDEN, generator=generator).to(device, torch.bfloat16)
 
 
-def make_device(kind: str) -> Device:
-    if kind == "sim":
-        return SimDevice()
-    from mmcache.device.cuda import CudaDevice
-
-    if not torch.cuda.is_available():
-        raise MMCacheError("--device cuda: CUDA is not available here; use --device sim")
-    return CudaDevice(0, background_pinning=False)
-
-
 async def node(role: str, device_kind: str, url: str, images: int) -> int:
     """Run one node: "encode" puts every image's feature, "serve" reads them all back."""
-    device = make_device(device_kind)
-    where = "cpu" if device_kind == "sim" else device.name
     settings = CacheSettings(gpu_cache_mb=256, cpu_cache_mb=256, remote_url=url)
     keys = [feature_key(image_bytes(i), model=MODEL, revision="1") for i in range(images)]
-    encoded = 0
+    async with FeatureCache(settings, device_kind, name=f"node-{role}") as cache:
+        await cache.wait_host_ready()  # remote hits land in the host tier
+        where = "cpu" if device_kind == "sim" else cache.device.name
+        encoded = 0
 
-    async def encode(image_id: int) -> torch.Tensor:
-        nonlocal encoded
-        encoded += 1
-        await asyncio.sleep(0.01)  # the vision encoder's forward pass
-        return encoder_output(image_id, where)
+        async def encode(image_id: int) -> torch.Tensor:
+            nonlocal encoded
+            encoded += 1
+            await asyncio.sleep(0.01)  # the vision encoder's forward pass
+            return encoder_output(image_id, where)
 
-    try:
-        async with FeatureCache(settings, device, name=f"node-{role}") as cache:
-            if role == "encode":
-                for i, key in enumerate(keys):
-                    await cache.put(key, await encode(i))
-                await cache.drain()  # the remote writes too
-                s = cache.stats()
-                print(
-                    f"node 1: encoded {encoded} images, wrote {s.remote_written_bytes} bytes "
-                    f"to the remote tier ({s.remote_dropped_writes} writes dropped)"
-                )
-                return 0 if s.remote_dropped_writes == 0 and s.remote_errors == 0 else 1
-            exact = 0
+        if role == "encode":
             for i, key in enumerate(keys):
-                got = await cache.get_or_compute(key, functools.partial(encode, i), device="cpu")
-                exact += torch.equal(got, encoder_output(i, "cpu"))
+                await cache.put(key, await encode(i))
+            await cache.drain()  # the remote writes too
             s = cache.stats()
             print(
-                f"node 2: {exact} of {images} features exact, {s.remote_hits} from the remote "
-                f"tier ({s.remote_read_bytes} bytes), {encoded} encoded again"
+                f"node 1: encoded {encoded} images, wrote {s.remote_written_bytes} bytes "
+                f"to the remote tier ({s.remote_dropped_writes} writes dropped)"
             )
-            return 0 if exact == images and s.remote_hits == images and encoded == 0 else 1
-    finally:
-        device.close()
+            return 0 if s.remote_dropped_writes == 0 and s.remote_errors == 0 else 1
+        exact = 0
+        for i, key in enumerate(keys):
+            got = await cache.get_or_compute(key, functools.partial(encode, i), device="cpu")
+            exact += torch.equal(got, encoder_output(i, "cpu"))
+        s = cache.stats()
+        print(
+            f"node 2: {exact} of {images} features exact, {s.remote_hits} from the remote "
+            f"tier ({s.remote_read_bytes} bytes), {encoded} encoded again"
+        )
+        return 0 if exact == images and s.remote_hits == images and encoded == 0 else 1
 
 
 def run_node(role: str, device: str, url: str, images: int) -> int:
@@ -113,7 +100,7 @@ def main() -> int:
     if args.role is not None:
         return asyncio.run(node(args.role, args.device, args.remote_url, args.images))
     if args.device == "cuda":
-        make_device("cuda").close()  # no GPU: say so before starting anything
+        resolve_device("cuda").close()  # no GPU: say so before starting anything
     with contextlib.ExitStack() as stack:
         url = args.remote_url or stack.enter_context(local_redis_server())
         print(f"remote tier: {url}")

@@ -39,7 +39,7 @@ from mmcache.host_copy import warm_up as warm_host_copies
 from mmcache.layouts import check_strided
 from mmcache.metrics import CacheMetrics, DeferredPush, ensure_metrics_server
 from mmcache.remote.codec import encode_key
-from mmcache.remote.tier import open_remote_tier
+from mmcache.remote.tier import RemoteTier
 from mmcache.settings import CacheSettings
 from mmcache.single_flight import SingleFlight
 from mmcache.stats import CacheStats
@@ -98,15 +98,17 @@ class FeatureCache:
         self._reads = core.reads
         self._inflight: SingleFlight[tuple[torch.Tensor, Fence]] = SingleFlight()
         # The shared third tier (remote_url): asked on local misses, written in the background.
-        self._remote = remote = open_remote_tier(
-            self.settings,
-            name=name,
-            device=self._device,
-            host=core.host,
-            index=core.index,
-            ledger=core.ledger,
-            changed=self._tiers.request,
-            series=self._metrics.remote,
+        self._remote = remote = (
+            None
+            if self.settings.remote_url is None
+            else RemoteTier(
+                self.settings,
+                name=name,
+                core=core,
+                device=self._device,
+                changed=self._tiers.request,
+                series=self._metrics.remote(),
+            )
         )
         if remote is not None and remote.writes_on_evict:
             core.host.on_evict = remote.evicted

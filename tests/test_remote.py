@@ -94,6 +94,17 @@ async def test_members_of_put_many_and_put_split_are_shared_per_key(rig: Rig, no
     assert b.stats().remote_hits == 4
 
 
+async def test_a_cache_with_its_gpu_tier_off_shares_through_the_host_tier(
+    rig: Rig, node: Node
+) -> None:
+    a = node(gpu_mb=0)
+    want = await put_feature(a, rig, "k", 16)
+    await a.drain()
+    b = node(gpu_mb=0)
+    assert_exact(await b.get("k", device="cpu"), want)
+    assert_exact(await b.get("k"), want)
+
+
 async def test_a_miss_everywhere_is_a_miss(node: Node) -> None:
     b = node()
     assert await b.get("nowhere") is None

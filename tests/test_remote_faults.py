@@ -8,6 +8,7 @@ exception reaches the caller.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import time
@@ -20,6 +21,7 @@ pytest.importorskip(
 )
 
 import redis.asyncio
+import torch
 from conftest import CacheFactory, Rig, assert_exact, put_feature
 from redis_server import RedisServer, free_port, redis_server, skip_without_redis
 
@@ -30,6 +32,25 @@ def own_server() -> Iterator[RedisServer]:
     skip_without_redis()
     with redis_server() as server:
         yield server
+
+
+@contextlib.contextmanager
+def paused(server: RedisServer) -> Iterator[None]:
+    """The server stopped (SIGSTOP): it accepts connections and answers nothing."""
+    assert server.process is not None
+    server.process.send_signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        server.process.send_signal(signal.SIGCONT)
+
+
+async def shared(make_cache: CacheFactory, rig: Rig, url: str, key: str) -> torch.Tensor:
+    """Put a feature through one cache and wait for its remote write; a clone of it."""
+    writer = make_cache(remote_url=url)
+    want = await put_feature(writer, rig, key, 16)
+    await writer.drain()
+    return want
 
 
 def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -60,13 +81,10 @@ async def test_with_no_server_puts_succeed_and_gets_miss_logged_once(
 async def test_a_paused_server_makes_gets_miss_within_the_timeout(
     rig: Rig, make_cache: CacheFactory, own_server: RedisServer
 ) -> None:
+    await shared(make_cache, rig, own_server.url, "k")
     writer = make_cache(remote_url=own_server.url)
-    await put_feature(writer, rig, "k", 16)
-    await writer.drain()
     reader = make_cache(remote_url=own_server.url, remote_timeout_sec=0.3)
-    assert own_server.process is not None
-    own_server.process.send_signal(signal.SIGSTOP)  # accepts connections, answers nothing
-    try:
+    with paused(own_server):
         started = time.perf_counter()
         assert await reader.get("k") is None
         assert time.perf_counter() - started < 0.3 + 0.5
@@ -74,8 +92,6 @@ async def test_a_paused_server_makes_gets_miss_within_the_timeout(
         for i in range(10):
             await put_feature(writer, rig, ("new", i), 16, seed=i)
         assert time.perf_counter() - put_started < 0.3  # puts never wait on the server
-    finally:
-        own_server.process.send_signal(signal.SIGCONT)
     assert reader.stats().remote_errors >= 1
 
 
@@ -152,16 +168,12 @@ async def test_close_with_writes_queued_and_the_server_paused_ends_in_time(
     rig: Rig, make_cache: CacheFactory, own_server: RedisServer
 ) -> None:
     cache = make_cache(gpu_mb=4, remote_url=own_server.url, remote_timeout_sec=0.3)
-    assert own_server.process is not None
-    own_server.process.send_signal(signal.SIGSTOP)
-    try:
+    with paused(own_server):
         for i in range(10):
             await put_feature(cache, rig, ("k", i), 64, seed=i)
         started = time.perf_counter()
         await cache.close()
         assert time.perf_counter() - started < 3
-    finally:
-        own_server.process.send_signal(signal.SIGCONT)
     s = cache.stats()
     assert s.remote_dropped_writes == 10 and s.remote_queued_bytes == 0
 
@@ -189,21 +201,15 @@ def test_a_flapping_server_is_logged_once_a_minute(caplog: pytest.LogCaptureFixt
 async def test_a_get_cancelled_during_a_fetch_leaves_the_fetch_to_land(
     rig: Rig, make_cache: CacheFactory, own_server: RedisServer
 ) -> None:
-    a = make_cache(remote_url=own_server.url)
-    want = await put_feature(a, rig, "k", 16)
-    await a.drain()
+    want = await shared(make_cache, rig, own_server.url, "k")
     b = make_cache(remote_url=own_server.url, remote_timeout_sec=5)
-    assert own_server.process is not None
-    own_server.process.send_signal(signal.SIGSTOP)
-    try:
+    with paused(own_server):
         reader = asyncio.create_task(b.get("k"))
         await asyncio.sleep(0.2)
         assert not reader.done()
         reader.cancel()
         with pytest.raises(asyncio.CancelledError):
             await reader
-    finally:
-        own_server.process.send_signal(signal.SIGCONT)
     deadline = time.monotonic() + 5
     while "k" not in b:  # the shared fetch went on without its caller
         assert time.monotonic() < deadline
@@ -215,28 +221,11 @@ async def test_a_get_cancelled_during_a_fetch_leaves_the_fetch_to_land(
 async def test_close_during_a_fetch_makes_the_waiting_get_miss(
     rig: Rig, make_cache: CacheFactory, own_server: RedisServer
 ) -> None:
-    a = make_cache(remote_url=own_server.url)
-    await put_feature(a, rig, "k", 16)
-    await a.drain()
+    await shared(make_cache, rig, own_server.url, "k")
     b = make_cache(remote_url=own_server.url, remote_timeout_sec=5)
-    assert own_server.process is not None
-    own_server.process.send_signal(signal.SIGSTOP)
-    try:
+    with paused(own_server):
         reader = asyncio.create_task(b.get("k"))
         await asyncio.sleep(0.2)
         await b.close()
         assert await reader is None
-    finally:
-        own_server.process.send_signal(signal.SIGCONT)
     assert b.stats().leaked_bytes == 0
-
-
-async def test_a_cache_with_its_gpu_tier_off_shares_through_the_host_tier(
-    rig: Rig, make_cache: CacheFactory, redis_url: str
-) -> None:
-    a = make_cache(gpu_mb=0, remote_url=redis_url)
-    want = await put_feature(a, rig, "k", 16)
-    await a.drain()
-    b = make_cache(gpu_mb=0, remote_url=redis_url)
-    assert_exact(await b.get("k", device="cpu"), want)
-    assert_exact(await b.get("k"), want)

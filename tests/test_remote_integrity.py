@@ -82,16 +82,24 @@ async def raw(redis_url: str) -> AsyncIterator[redis.asyncio.Redis]:
     await client.aclose()
 
 
+async def stored_value(
+    make_cache: CacheFactory, rig: Rig, url: str, raw: redis.asyncio.Redis
+) -> tuple[bytes, bytes]:
+    """Put a feature "k" through one cache; its server key and the value stored there."""
+    writer = make_cache(remote_url=url)
+    await put_feature(writer, rig, "k", 64)
+    await writer.drain()
+    rkey = writer.remote_key("k")
+    stored = await raw.get(rkey)
+    assert stored is not None
+    return rkey, stored
+
+
 @pytest.mark.parametrize("how", sorted(CORRUPTIONS))
 async def test_a_corrupted_remote_value_is_rejected_deleted_and_missed(
     rig: Rig, make_cache: CacheFactory, redis_url: str, raw: redis.asyncio.Redis, how: str
 ) -> None:
-    a = make_cache(remote_url=redis_url)
-    await put_feature(a, rig, "k", 64)
-    await a.drain()
-    rkey = a.remote_key("k")
-    stored = await raw.get(rkey)
-    assert stored is not None
+    rkey, stored = await stored_value(make_cache, rig, redis_url, raw)
     await raw.set(rkey, CORRUPTIONS[how](bytearray(stored)))
     b = make_cache(remote_url=redis_url)
     assert await b.get("k") is None
@@ -105,12 +113,7 @@ async def test_a_corrupted_remote_value_is_rejected_deleted_and_missed(
 async def test_a_good_value_after_a_rejected_one_is_served(
     rig: Rig, make_cache: CacheFactory, redis_url: str, raw: redis.asyncio.Redis
 ) -> None:
-    a = make_cache(remote_url=redis_url)
-    await put_feature(a, rig, "k", 16)
-    await a.drain()
-    rkey = a.remote_key("k")
-    good = await raw.get(rkey)
-    assert good is not None
+    rkey, good = await stored_value(make_cache, rig, redis_url, raw)
     await raw.set(rkey, _flip_payload(bytearray(good)))
     b = make_cache(remote_url=redis_url)
     assert await b.get("k") is None

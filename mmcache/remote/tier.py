@@ -13,9 +13,7 @@ from typing import Final, TypeVar, final
 
 import torch
 
-from mmcache.core.host import HostTier
-from mmcache.core.index import KeyIndex
-from mmcache.core.ledger import TierLedger
+from mmcache.core.tiers import Tiers
 from mmcache.device import Device
 from mmcache.entry import Entry, Member, State
 from mmcache.metrics import RemoteSeries
@@ -28,7 +26,7 @@ from mmcache.settings import CacheSettings
 from mmcache.single_flight import SingleFlight
 from mmcache.waiting import wait_fences
 
-__all__ = ["REMOTE_STAT_NAMES", "RemoteTier", "open_remote_tier"]
+__all__ = ["REMOTE_STAT_NAMES", "RemoteTier"]
 
 log = logging.getLogger("mmcache")
 
@@ -64,30 +62,35 @@ class RemoteTier:
 
     def __init__(
         self,
-        store: RemoteStore,
         settings: CacheSettings,
         *,
         name: str,
+        core: Tiers,
         device: Device,
-        host: HostTier,
-        index: KeyIndex,
-        ledger: TierLedger,
         changed: Callable[[], None],
         series: RemoteSeries,
-        copy_timeout: float,
+        store: RemoteStore | None = None,
     ) -> None:
+        """The tier of settings.remote_url (or of store, a RemoteStore given instead) for the
+        cache named name, whose parts are core."""
+        if store is None:
+            from mmcache.remote.redis_store import RedisStore
+
+            assert settings.remote_url is not None
+            redis = RedisStore(settings.remote_url, settings.remote_timeout_sec)
+            store, name = redis, f"{redis.url} (cache {name!r})"
         self._store = store
         self._prefix = settings.remote_namespace.encode() + b":"
         self._write_mode = settings.remote_write
         self._ttl = settings.remote_ttl_sec
         self._timeout = settings.remote_timeout_sec
         self._max_bytes = settings.remote_max_value_bytes
-        self._copy_timeout = copy_timeout
+        self._copy_timeout = settings.copy_timeout_s
         self._device = device
-        self._index = index
+        self._index = index = core.index
         self._series = series
         self._landing = HostLanding(
-            device=device, host=host, index=index, ledger=ledger, changed=changed
+            device=device, host=core.host, index=index, ledger=core.ledger, changed=changed
         )
         self._faults = Faults(name, series.error)
         self._fetches: SingleFlight[None] = SingleFlight()
@@ -368,35 +371,3 @@ def _nbytes(entry: Entry, start: int | None, stop: int | None) -> int:
     if start is None or stop is None:
         return entry.nbytes
     return entry.nbytes // entry.shape[0] * (stop - start)
-
-
-def open_remote_tier(
-    settings: CacheSettings,
-    *,
-    name: str,
-    device: Device,
-    host: HostTier,
-    index: KeyIndex,
-    ledger: TierLedger,
-    changed: Callable[[], None],
-    series: Callable[[], RemoteSeries],
-) -> RemoteTier | None:
-    """The remote tier settings.remote_url names, or None where it is unset."""
-    url = settings.remote_url
-    if url is None:
-        return None
-    from mmcache.remote.redis_store import RedisStore
-
-    store = RedisStore(url, settings.remote_timeout_sec)
-    return RemoteTier(
-        store,
-        settings,
-        name=f"{store.url} (cache {name!r})",
-        device=device,
-        host=host,
-        index=index,
-        ledger=ledger,
-        changed=changed,
-        series=series(),
-        copy_timeout=settings.copy_timeout_s,
-    )
