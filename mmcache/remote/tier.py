@@ -210,6 +210,9 @@ class RemoteTier:
         The copy is queued now, on the copy stream after the data's fence; the device
         tensor is released only after it. Dropped (counted) past remote_queue_mb.
         """
+        if not self._faults.available():
+            self._drop("unavailable")  # first: a put costs the least while the server is down
+            return
         found = self._index.get(key)
         if found is None:
             return
