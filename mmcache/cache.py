@@ -38,7 +38,7 @@ from mmcache.errors import (
 from mmcache.host_copy import warm_up as warm_host_copies
 from mmcache.layouts import check_strided
 from mmcache.metrics import CacheMetrics, DeferredPush, ensure_metrics_server
-from mmcache.remote.codec import encode_key
+from mmcache.remote.codec import server_key
 from mmcache.remote.tier import RemoteTier
 from mmcache.settings import CacheSettings
 from mmcache.single_flight import SingleFlight
@@ -210,7 +210,7 @@ class FeatureCache:
         """The key under which the remote tier stores key's feature: <namespace>: + a stable
         encoding of key (the same in every process; with or without a remote tier)."""
         check_key(key)
-        return self.settings.remote_namespace.encode() + b":" + encode_key(key)
+        return server_key(self.settings.remote_namespace, key)
 
     @property
     def device(self) -> Device:

@@ -24,6 +24,7 @@ __all__ = [
     "encode_value",
     "encode_key",
     "parse",
+    "server_key",
     "supported",
 ]
 
@@ -147,6 +148,11 @@ def parse(value: bytes | memoryview) -> tuple[Header, memoryview]:
     if checksum(payload) != crc:
         raise RemoteValueError("payload checksum mismatch")
     return Header(dtype, shape, length, crc, size), payload
+
+
+def server_key(namespace: str, key: Hashable) -> bytes:
+    """The key under which the remote tier stores key's feature: <namespace>: + encode_key."""
+    return namespace.encode() + b":" + encode_key(key)
 
 
 def encode_key(key: Hashable) -> bytes:
