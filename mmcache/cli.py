@@ -12,7 +12,7 @@ from pathlib import Path
 import mmcache
 from mmcache.demo import DEMO_CPU_MB, DEMO_GPU_MB, DemoConfig, DemoError, run_demo
 from mmcache.errors import MMCacheError
-from mmcache.settings import SETTINGS_TABLE, CacheSettings
+from mmcache.settings import SETTINGS_TABLE, CacheSettings, redact_url
 
 __all__ = ["find_benchmarks", "main"]
 
@@ -194,6 +194,8 @@ def _settings() -> int:
     blocks = []
     for row in SETTINGS_TABLE:
         value = getattr(current, row.field)
+        if isinstance(value, str):
+            value = redact_url(value)
         shown = f"{value} (from {current.env_name(row.field)})" if value != row.default else value
         lines = [f"{row.field} = {shown}   (default {row.default})"]
         lines += textwrap.wrap(

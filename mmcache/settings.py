@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, Final, Literal, NamedTuple, final
@@ -13,7 +14,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from mmcache.errors import SettingsError
 
-__all__ = ["REMOTE_URL_SCHEMES", "SETTINGS_TABLE", "CacheSettings", "SettingRow"]
+__all__ = ["REMOTE_URL_SCHEMES", "SETTINGS_TABLE", "CacheSettings", "SettingRow", "redact_url"]
 
 _MiB: Final = 1024**2
 
@@ -346,12 +347,23 @@ def _explain(
         return f"{field}={error['input']!r} is not a setting; settings are {known}"
     read = reads.get(field)
     given = f"{read.name}={read.raw!r}" if read is not None else f"{field}={error['input']!r}"
+    if field == "remote_url":
+        given = redact_url(given)  # errors end up in logs
     template = _REASONS.get(error["type"])
     ctx = {key: _plain(value) for key, value in error.get("ctx", {}).items()}
     reason = template.format(**ctx) if template else error["msg"]
     info = settings_cls.model_fields.get(field)
     meaning = f" ({info.description})" if info is not None and info.description else ""
     return f"{given} is invalid: {reason}{meaning}"
+
+
+# user:password@ (or :password@) after a URL's scheme
+_PASSWORD_IN_URL: Final = re.compile(r"(//[^:/@]*:)[^@/]*@")
+
+
+def redact_url(text: str) -> str:
+    """text with the password of any URL in it replaced by ***, for logs and errors."""
+    return _PASSWORD_IN_URL.sub(r"\1***@", text)
 
 
 def _plain(value: object) -> object:

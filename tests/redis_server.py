@@ -66,13 +66,29 @@ def free_cluster_port() -> int:
 class RedisServer:
     """One redis-server on 127.0.0.1:port, its data in a temporary directory."""
 
-    def __init__(self, directory: Path, *, port: int | None = None, cluster: bool = False) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        port: int | None = None,
+        cluster: bool = False,
+        options: tuple[str, ...] = (),
+    ) -> None:
         self.directory = directory
+        self.options = options  # more redis-server arguments
         if port is None:
             port = free_cluster_port() if cluster else free_port()
         self.port = port
         self.cluster = cluster
         self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def password(self) -> str | None:
+        """The password the server requires (--requirepass among its options), if any."""
+        options = list(self.options)
+        if "--requirepass" in options:
+            return options[options.index("--requirepass") + 1]
+        return None
 
     @property
     def url(self) -> str:
@@ -94,6 +110,7 @@ class RedisServer:
         ]  # fmt: skip
         if self.cluster:
             args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
+        args += self.options
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + 10
         while self.cli("PING") != "PONG":
@@ -115,8 +132,9 @@ class RedisServer:
     def cli(self, *command: str) -> str:
         """redis-cli's answer to command ("" when the server does not answer)."""
         assert REDIS_CLI is not None
+        auth = ["--no-auth-warning", "-a", self.password] if self.password else []
         done = subprocess.run(
-            [REDIS_CLI, "-h", "127.0.0.1", "-p", str(self.port), *command],
+            [REDIS_CLI, "-h", "127.0.0.1", "-p", str(self.port), *auth, *command],
             capture_output=True,
             text=True,
             timeout=10,
@@ -126,10 +144,11 @@ class RedisServer:
 
 
 @contextlib.contextmanager
-def redis_server() -> Iterator[RedisServer]:
-    """A started server, stopped and its directory removed on exit."""
+def redis_server(*options: str) -> Iterator[RedisServer]:
+    """A started server (with more redis-server options), stopped and its directory removed
+    on exit."""
     with tempfile.TemporaryDirectory(prefix="mmcache-redis-") as directory:
-        server = RedisServer(Path(directory))
+        server = RedisServer(Path(directory), options=options)
         server.start()
         try:
             yield server

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -265,3 +266,35 @@ def test_demo_with_a_remote_url_shows_remote_hits(
     encodes = second.split("encodes (re-encodes)", 1)[1].split()[0]
     assert int(hits) > 0 and encodes == "0"  # every feature came from the first run's writes
     assert "PASS" in second
+
+
+async def test_a_unix_socket_url_and_a_password_in_the_url_work(
+    rig: Rig, make_cache: CacheFactory, tmp_path: Path
+) -> None:
+    from redis_server import redis_server
+
+    socket_path = tmp_path / "redis.sock"
+    with redis_server("--unixsocket", str(socket_path), "--requirepass", "s3cret") as server:
+        tcp = f"redis://:s3cret@127.0.0.1:{server.port}/0"
+        unix = f"unix://:s3cret@{socket_path}?db=0"
+        a, b = make_cache(remote_url=tcp), make_cache(remote_url=unix)
+        want = await put_feature(a, rig, "k", 16)
+        await a.drain()
+        assert_exact(await b.get("k", device="cpu"), want)
+        wrong = make_cache(remote_url=f"redis://:wrong@127.0.0.1:{server.port}/0")
+        assert await wrong.get("k") is None  # refused: an error counted, a miss
+        assert wrong.stats().remote_errors == 1
+
+
+def test_passwords_in_the_url_are_never_printed(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from mmcache.cli import main
+
+    monkeypatch.setenv("MMCACHE_REMOTE_URL", "redis://user:s3cret@db.example:6379/0")
+    assert main(["settings"]) == 0
+    out = capsys.readouterr().out
+    assert "redis://user:***@db.example:6379/0" in out and "s3cret" not in out
+    monkeypatch.setenv("MMCACHE_REMOTE_URL", "http://:s3cret@db.example:6379/0")
+    assert main(["settings"]) == 1
+    assert "s3cret" not in capsys.readouterr().err

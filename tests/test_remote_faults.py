@@ -229,3 +229,22 @@ async def test_close_during_a_fetch_makes_the_waiting_get_miss(
         await b.close()
         assert await reader is None
     assert b.stats().leaked_bytes == 0
+
+
+def test_errors_are_counted_by_kind() -> None:
+    import redis.exceptions as errors
+
+    from mmcache.remote.faults import error_kind
+
+    kinds: dict[str, list[Exception]] = {
+        "timeout": [TimeoutError(), errors.TimeoutError()],
+        "connection": [
+            ConnectionRefusedError(),
+            errors.ConnectionError(),
+            errors.BusyLoadingError(),
+        ],
+        "server": [errors.ResponseError("WRONGTYPE"), errors.ReadOnlyError("READONLY")],
+        "other": [ValueError()],
+    }
+    for kind, excs in kinds.items():
+        assert [error_kind(e) for e in excs] == [kind] * len(excs)

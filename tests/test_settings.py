@@ -288,6 +288,10 @@ def test_keyword_arguments_override_the_environment(monkeypatch: pytest.MonkeyPa
             "remote_write='always' is invalid: must be one of 'put', 'evict' or 'off'",
         ),
         ({"remote_namespace": ""}, "remote_namespace='' is invalid: "),
+        (
+            {"remote_url": "http://user:s3cret@h:6379"},
+            "remote_url='http://user:***@h:6379' is invalid: must start with one of",
+        ),
         ({"gpu_cache": 64}, "gpu_cache=64 is not a setting; settings are gpu_cache_mb, "),
     ],
 )

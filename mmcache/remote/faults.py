@@ -22,15 +22,13 @@ QUIET_S: Final = 60.0
 
 
 def error_kind(exc: BaseException) -> str:
-    """Which of ERROR_KINDS exc is."""
-    if isinstance(exc, TimeoutError):
+    """Which of ERROR_KINDS exc is (by its classes' names: the client's errors are its own)."""
+    names = " ".join(cls.__name__ for cls in type(exc).__mro__)
+    if isinstance(exc, TimeoutError) or "Timeout" in names:
         return "timeout"
-    name = type(exc).__name__
-    if "Timeout" in name:
-        return "timeout"
-    if isinstance(exc, (ConnectionError, OSError)) or "Connection" in name or "ClusterDown" in name:
+    if isinstance(exc, OSError) or "ConnectionError" in names or "ClusterDown" in names:
         return "connection"
-    if "ResponseError" in name or "Redis" in name or "Cluster" in name:
+    if "RedisError" in names or "ResponseError" in names:
         return "server"
     return "other"
 

@@ -8,12 +8,13 @@ from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any, Final, cast, final
 
 from mmcache.errors import SettingsError
+from mmcache.settings import redact_url
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
     from redis.asyncio.cluster import RedisCluster
 
-__all__ = ["CLUSTER_SCHEMES", "SCHEMES", "RedisStore", "check_url", "redact"]
+__all__ = ["CLUSTER_SCHEMES", "SCHEMES", "RedisStore", "check_url"]
 
 #: one server: TCP, TLS, or a Unix socket (redis-py's own URL forms)
 SINGLE_SCHEMES: Final = ("redis", "rediss", "unix")
@@ -42,16 +43,6 @@ def check_url(url: str) -> str:
     if scheme in CLUSTER_SCHEMES:
         _seeds(urllib.parse.urlsplit(url))
     return url
-
-
-def redact(url: str) -> str:
-    """url with its password replaced, for logs and errors."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    netloc = f"{user}:***@{parts.netloc.rpartition('@')[2]}"
-    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
 
 
 def _seeds(parts: urllib.parse.SplitResult) -> list[tuple[str, int]]:
@@ -89,7 +80,7 @@ class RedisStore:
     def __init__(self, url: str, timeout_s: float) -> None:
         check_url(url)
         redis = _import_redis()
-        self.url = redact(url)
+        self.url = redact_url(url)
         parts = urllib.parse.urlsplit(url)
         scheme = parts.scheme.lower()
         options: dict[str, Any] = {
