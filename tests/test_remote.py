@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
+import subprocess
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -298,3 +300,54 @@ def test_passwords_in_the_url_are_never_printed(
     monkeypatch.setenv("MMCACHE_REMOTE_URL", "http://:s3cret@db.example:6379/0")
     assert main(["settings"]) == 1
     assert "s3cret" not in capsys.readouterr().err
+
+
+async def test_features_larger_than_remote_max_value_mb_stay_local(
+    rig: Rig, node: Node, raw: redis.asyncio.Redis
+) -> None:
+    a = node(remote_max_value_mb=0.1)
+    await put_feature(a, rig, "small", 64)  # 64 KiB: written
+    await put_feature(a, rig, "large", 128)  # 128 KiB: past 0.1 MiB, dropped
+    await a.drain()
+    assert await raw.exists(a.remote_key("small")) and not await raw.exists(a.remote_key("large"))
+    assert a.stats().remote_dropped_writes == 1
+
+
+def _certificates(directory: Path) -> Path:
+    """A CA and a server certificate for 127.0.0.1 made with openssl; the CA's path."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("openssl is not installed: no certificates for the TLS test")
+
+    def run(*args: str) -> None:
+        subprocess.run([openssl, *args], cwd=directory, check=True, capture_output=True)
+
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt",
+        "-days", "1", "-subj", "/CN=mmcache test CA")  # fmt: skip
+    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr",
+        "-subj", "/CN=127.0.0.1")  # fmt: skip
+    (directory / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1\n")
+    run("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+        "-CAcreateserial", "-out", "server.crt", "-days", "1", "-extfile", "ext.cnf")  # fmt: skip
+    return directory / "ca.crt"
+
+
+async def test_a_rediss_url_shares_features_over_tls(
+    rig: Rig, make_cache: CacheFactory, tmp_path: Path
+) -> None:
+    from redis_server import free_port, redis_server
+
+    ca = _certificates(tmp_path)
+    port = free_port()
+    tls = ("--tls-port", str(port), "--tls-auth-clients", "no", "--tls-ca-cert-file", str(ca))
+    tls += ("--tls-cert-file", str(tmp_path / "server.crt"))
+    tls += ("--tls-key-file", str(tmp_path / "server.key"))
+    with redis_server(*tls):
+        url = f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={ca}"
+        a, b = make_cache(remote_url=url), make_cache(remote_url=url)
+        want = await put_feature(a, rig, "k", 16)
+        await a.drain()
+        assert_exact(await b.get("k", device="cpu"), want)
+        plain = make_cache(remote_url=f"redis://127.0.0.1:{port}/0", remote_timeout_sec=0.5)
+        assert await plain.get("k") is None  # TLS port, no TLS: a fault, a miss
+        assert plain.stats().remote_errors == 1
