@@ -339,9 +339,9 @@ async def test_a_rediss_url_shares_features_over_tls(
 
     ca = _certificates(tmp_path)
     port = free_port()
-    tls = ("--tls-port", str(port), "--tls-auth-clients", "no", "--tls-ca-cert-file", str(ca))
-    tls += ("--tls-cert-file", str(tmp_path / "server.crt"))
-    tls += ("--tls-key-file", str(tmp_path / "server.key"))
+    tls = ["--tls-port", str(port), "--tls-auth-clients", "no", "--tls-ca-cert-file", str(ca)]
+    tls += ["--tls-cert-file", str(tmp_path / "server.crt")]
+    tls += ["--tls-key-file", str(tmp_path / "server.key")]
     with redis_server(*tls):
         url = f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={ca}"
         a, b = make_cache(remote_url=url), make_cache(remote_url=url)
