@@ -29,6 +29,7 @@ from mmcache import CacheSettings, FeatureCache, MMCacheError
 from mmcache.device import resolve_device
 from mmcache.keys import feature_key
 from mmcache.remote.local_server import local_redis_server
+from mmcache.settings import redact_url
 
 HIDDEN = 1024
 MODEL = "example/vlm-7b"
@@ -103,7 +104,7 @@ def main() -> int:
         resolve_device("cuda").close()  # no GPU: say so before starting anything
     with contextlib.ExitStack() as stack:
         url = args.remote_url or stack.enter_context(local_redis_server())
-        print(f"remote tier: {url}")
+        print(f"remote tier: {redact_url(url)}")
         for role in ("encode", "serve"):
             status = run_node(role, args.device, url, args.images)
             if status != 0:
