@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import functools
 import inspect
 import threading
@@ -38,6 +39,8 @@ from mmcache.errors import (
 from mmcache.host_copy import warm_up as warm_host_copies
 from mmcache.layouts import check_strided
 from mmcache.metrics import CacheMetrics, DeferredPush, ensure_metrics_server
+from mmcache.remote.codec import server_key
+from mmcache.remote.tier import RemoteTier
 from mmcache.settings import CacheSettings
 from mmcache.single_flight import SingleFlight
 from mmcache.stats import CacheStats
@@ -96,6 +99,21 @@ class FeatureCache:
         self._puts = core.puts
         self._reads = core.reads
         self._inflight: SingleFlight[tuple[torch.Tensor, Fence]] = SingleFlight()
+        # The shared third tier (remote_url): asked on local misses, written in the background.
+        self._remote = remote = (
+            None
+            if self.settings.remote_url is None
+            else RemoteTier(
+                self.settings,
+                name=name,
+                core=core,
+                device=self._device,
+                changed=self._tiers.request,
+                series=self._metrics.remote(),
+            )
+        )
+        if remote is not None and remote.writes_on_evict:
+            core.host.on_evict = remote.evicted
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -145,6 +163,8 @@ class FeatureCache:
         for task in self._inflight.running():
             with contextlib.suppress(BaseException):
                 await asyncio.wait_for(asyncio.shield(task), timeout)
+        if self._remote is not None:
+            await self._remote.close()  # sends what it can within remote_timeout_sec
         remove = self._core.life.remove
         for found in list(self._entries.values()):
             remove(found)
@@ -179,13 +199,21 @@ class FeatureCache:
         await self.close()
 
     async def drain(self) -> None:
-        """Wait until every queued copy and deferred release has completed."""
+        """Wait until every queued copy, deferred release and remote write has completed."""
         await self._ready_to_serve()
         core = self._core
         await core.pipeline.all_landed()
         while core.packings:  # a group lost to its packing copy may start more work
             await core.packings.wait_all(None)
             await core.pipeline.all_landed()
+        if self._remote is not None:
+            await self._remote.drain()
+
+    def remote_key(self, key: Hashable) -> bytes:
+        """The key under which the remote tier stores key's feature: <namespace>: + a stable
+        encoding of key (the same in every process; with or without a remote tier)."""
+        check_key(key)
+        return server_key(self.settings.remote_namespace, key)
 
     @property
     def device(self) -> Device:
@@ -221,10 +249,14 @@ class FeatureCache:
         holder = [value]
         del value  # the cache owns it now: no frame of ours keeps it alive past its release
         if self._short_put_applies(key, holder[0]):
-            return await self._puts.put_new(key, holder, stream, wait)
-        if self._closed or self._loop is not asyncio.get_running_loop():
-            await self._ready_to_serve()  # starts the cache, or raises the reason
-        return await self._puts.put_batch([(key, holder.pop())], stream, wait)
+            done = await self._puts.put_new(key, holder, stream, wait)
+        else:
+            if self._closed or self._loop is not asyncio.get_running_loop():
+                await self._ready_to_serve()  # starts the cache, or raises the reason
+            done = await self._puts.put_batch([(key, holder.pop())], stream, wait)
+        if done and self._remote is not None and self._remote.writes_on_put:
+            self._remote.put(key)
+        return done
 
     def _short_put_applies(self, key: Hashable, value: object) -> bool:
         """Whether Puts.put_new can take this put: a new key, and a device tensor that owns its
@@ -261,7 +293,12 @@ class FeatureCache:
             return True
         if self._closed or self._loop is not asyncio.get_running_loop():
             await self._ready_to_serve()
-        return await self._puts.put_batch(batch, stream, wait)
+        keys = [key for key, _ in batch] if self._remote is not None else []
+        done = await self._puts.put_batch(batch, stream, wait)
+        if done and self._remote is not None and self._remote.writes_on_put:
+            for key in keys:
+                self._remote.put(key)
+        return done
 
     async def put_split(
         self,
@@ -287,7 +324,11 @@ class FeatureCache:
         del value  # the cache owns it now: no frame of ours keeps it alive past its release
         if self._closed or self._loop is not asyncio.get_running_loop():
             await self._ready_to_serve()
-        return await self._puts.put_rows(keys, holder, rows, stream, wait)
+        done = await self._puts.put_rows(keys, holder, rows, stream, wait)
+        if done and self._remote is not None and self._remote.writes_on_put:
+            for key in keys:
+                self._remote.put(key)
+        return done
 
     async def get(
         self,
@@ -310,8 +351,11 @@ class FeatureCache:
         check_key(key)
         found = self._entries.get(key)
         if found is None:
-            self._counters.miss()
-            return None
+            if self._remote is not None:  # both local tiers missed: ask the shared one
+                found = await self._remote.fetch(key)
+            if found is None:
+                self._counters.miss()
+                return None
         member = None
         if isinstance(found, Member):
             member = found
@@ -491,7 +535,11 @@ class FeatureCache:
     def stats(self) -> CacheStats:
         """A snapshot of the ledger and counters; also audits it for leaked bytes."""
         self._tiers.flush()
-        return self._core.stats()
+        stats = self._core.stats()
+        if self._remote is not None:
+            remote: dict[str, Any] = self._remote.stats()
+            stats = dataclasses.replace(stats, **remote)
+        return stats
 
     # --- checks -------------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import mmcache
 from mmcache.demo import DEMO_CPU_MB, DEMO_GPU_MB, DemoConfig, DemoError, run_demo
 from mmcache.errors import MMCacheError
-from mmcache.settings import SETTINGS_TABLE, CacheSettings
+from mmcache.settings import SETTINGS_TABLE, CacheSettings, redact_url
 
 __all__ = ["find_benchmarks", "main"]
 
@@ -112,6 +112,14 @@ def _parser() -> argparse.ArgumentParser:
         "that Prometheus scrapes them (it scrapes every 15 s by default; default: 0)",
     )
     demo.add_argument("--quiet", action="store_true", help="no progress lines")
+    demo.add_argument(
+        "--remote-url",
+        default=None,
+        metavar="URL",
+        help="share features through this Redis/Valkey (redis://host:6379/0, ...): evicted "
+        "features and an earlier run's come back as remote hits (default: MMCACHE_REMOTE_URL "
+        "if set, else none)",
+    )
 
     bench = commands.add_parser(
         "bench",
@@ -188,6 +196,8 @@ def _settings() -> int:
     blocks = []
     for row in SETTINGS_TABLE:
         value = getattr(current, row.field)
+        if isinstance(value, str):
+            value = redact_url(value)
         shown = f"{value} (from {current.env_name(row.field)})" if value != row.default else value
         lines = [f"{row.field} = {shown}   (default {row.default})"]
         lines += textwrap.wrap(
@@ -225,6 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             metrics_port=args.metrics_port,
             linger_s=args.linger,
             quiet=args.quiet,
+            remote_url=args.remote_url,
         )
         if args.device == "cuda" and not _cuda_available():
             print("--device cuda: no CUDA device here; use --device sim", file=sys.stderr)

@@ -72,6 +72,8 @@ class DemoConfig:
     metrics_port: int | None = None
     linger_s: float = 0.0
     quiet: bool = False
+    #: a Redis/Valkey URL: features evicted here, or put by an earlier run, come back from it
+    remote_url: str | None = None
     #: Simulated PCIe link of the sim device (near what pinned copies reach on a real GPU).
     sim_bandwidth_gbps: float = 50.0
     sim_latency_s: float = 10e-6
@@ -379,7 +381,15 @@ def demo_settings(config: DemoConfig) -> CacheSettings:
             overrides[name] = value
         elif not any(var in os.environ for var in CacheSettings.env_names(name)):
             overrides[name] = demo_defaults[name]
-    return CacheSettings(**overrides)
+    if config.remote_url is not None:
+        overrides["remote_url"] = config.remote_url
+    settings = CacheSettings(**overrides)
+    if settings.remote_url is None:
+        return settings
+    # The demo's keys name catalogue entries, whose features depend on the seed and the
+    # width: runs that differ in either must not read each other's values.
+    namespace = f"{settings.remote_namespace}:demo:seed={config.seed}:hidden={config.hidden}"
+    return CacheSettings(**overrides, remote_namespace=namespace)
 
 
 def _budget_flags(config: DemoConfig) -> dict[str, float | None]:
@@ -509,6 +519,18 @@ def _report(
         ("mismatches", str(verifier.mismatches)),
         ("leaked bytes", str(stats.leaked_bytes)),
     ]
+    if settings.remote_url is not None:
+        rows[9:9] = [
+            ("remote hits / misses", f"{stats.remote_hits} / {stats.remote_misses}"),
+            (
+                "remote read / written",
+                f"{stats.remote_read_bytes / GB:.2f} GB / {stats.remote_written_bytes / GB:.2f} GB",
+            ),
+            (
+                "remote errors / rejected / dropped writes",
+                f"{stats.remote_errors} / {stats.remote_rejected} / {stats.remote_dropped_writes}",
+            ),
+        ]
     table = format_table(("metric", "value"), rows)
     if is_sim:
         note = (

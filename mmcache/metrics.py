@@ -59,6 +59,11 @@ __all__ = [
     "LOOKUP_RESULTS",
     "METRICS_TABLE",
     "MetricInfo",
+    "REMOTE_DIRECTIONS",
+    "REMOTE_LOOKUP_RESULTS",
+    "REMOTE_OPS",
+    "REMOTE_WRITE_DROP_REASONS",
+    "RemoteSeries",
     "TIERS",
     "asgi_app",
     "exposition_registry",
@@ -77,6 +82,10 @@ IPC_POOL_STATES: Final = ("used", "free", "leased")
 # first event); other values are accepted and bound on first use.
 IPC_FALLBACK_REASONS: Final = ("pool_full", "too_large", "disabled", "no_peer")
 FAULT_KINDS: Final = ("copy_failed", "oom", "quarantined")
+REMOTE_LOOKUP_RESULTS: Final = ("hit", "miss", "rejected", "error", "skipped")
+REMOTE_DIRECTIONS: Final = ("read", "written")
+REMOTE_OPS: Final = ("get", "put")
+REMOTE_WRITE_DROP_REASONS: Final = ("queue_full", "too_large", "unavailable", "error", "closed")
 
 # From a small H2D copy's wait to a copy of hundreds of MB over PCIe; a wait past 1 s is
 # a stall and only needs to be counted, which +Inf does.
@@ -195,6 +204,42 @@ METRICS_TABLE: Final[list[MetricInfo]] = [
         ("cache", "kind"),
         "Faults by kind: copy_failed, oom, quarantined, ...",
     ),
+    MetricInfo(
+        "mmcache_remote_lookups_total",
+        "counter",
+        ("cache", "result"),
+        "Remote tier lookups after local misses: hit, miss, rejected, error or skipped.",
+    ),
+    MetricInfo(
+        "mmcache_remote_errors_total",
+        "counter",
+        ("cache", "kind"),
+        "Remote tier errors by kind: timeout, connection, server or other.",
+    ),
+    MetricInfo(
+        "mmcache_remote_bytes_total",
+        "counter",
+        ("cache", "direction"),
+        "Payload bytes read from or written to the remote tier.",
+    ),
+    MetricInfo(
+        "mmcache_remote_writes_dropped_total",
+        "counter",
+        ("cache", "reason"),
+        "Remote writes dropped: queue_full, too_large, unavailable, error or closed.",
+    ),
+    MetricInfo(
+        "mmcache_remote_queued_bytes",
+        "gauge",
+        ("cache",),
+        "Bytes of remote writes queued and not yet sent.",
+    ),
+    MetricInfo(
+        "mmcache_remote_seconds",
+        "histogram",
+        ("cache", "op"),
+        "Latency of remote tier operations (get, put) that reached the server.",
+    ),
 ]
 
 _INFO: Final = {info.name: info for info in METRICS_TABLE}
@@ -242,6 +287,12 @@ class _Families:
         self.ipc_pool_bytes = _gauge("mmcache_ipc_pool_bytes", registry)
         self.ipc_fallbacks = _counter("mmcache_ipc_fallbacks_total", registry)
         self.faults = _counter("mmcache_faults_total", registry)
+        self.remote_lookups = _counter("mmcache_remote_lookups_total", registry)
+        self.remote_errors = _counter("mmcache_remote_errors_total", registry)
+        self.remote_bytes = _counter("mmcache_remote_bytes_total", registry)
+        self.remote_dropped = _counter("mmcache_remote_writes_dropped_total", registry)
+        self.remote_queued = _gauge("mmcache_remote_queued_bytes", registry)
+        self.remote_seconds = _histogram("mmcache_remote_seconds", registry)
         self._owners: dict[str, weakref.ref[CacheMetrics]] = {}
         self._lock = threading.Lock()
 
@@ -360,6 +411,7 @@ class CacheMetrics:
         self._ipc_pool = {s: self._bind(families.ipc_pool_bytes, s) for s in IPC_POOL_STATES}
         self._fallbacks = {r: self._bind(families.ipc_fallbacks, r) for r in IPC_FALLBACK_REASONS}
         self._faults = {k: self._bind(families.faults, k) for k in FAULT_KINDS}
+        self._remote: RemoteSeries | None = None
         # A cache reusing the name of one that was garbage-collected without close()
         # would otherwise inherit its gauges (pending copies never finished, bytes held).
         for _, _, child in self._children:
@@ -477,6 +529,26 @@ class CacheMetrics:
             child = self._faults[kind] = self._bind(self._families.faults, kind)
         child.inc()
 
+    def remote(self) -> RemoteSeries:
+        """The remote tier's series of this cache (bound on first call: only caches with a
+        remote tier export them)."""
+        if self._remote is None:
+            self._remote = RemoteSeries(self)
+        return self._remote
+
+    def bind(self, family: _M, *labels: str) -> _M:
+        """family's series for this cache and labels, removed by close()."""
+        return self._bind(family, *labels)
+
+    @property
+    def families(self) -> _Families:
+        """The metric families of this cache's registry."""
+        return self._families
+
+    def set_gauge(self, gauge: Gauge, value: float) -> None:
+        """Set one of this cache's gauges (ignored once closed)."""
+        self._set(gauge, value)
+
     def close(self) -> None:
         """Remove this cache's series from the registry; later calls change nothing visible."""
         if self._closed:
@@ -497,6 +569,40 @@ class CacheMetrics:
         # A report queued before close (a deferred push) must not bring back zeroed series.
         if not self._closed:
             gauge.set(value)
+
+
+@final
+class RemoteSeries:
+    """The remote tier's series of one cache, bound once (exported at 0 from the start)."""
+
+    def __init__(self, metrics: CacheMetrics) -> None:
+        families = metrics.families
+        bind = metrics.bind
+        self._metrics = metrics
+        self.lookups = {r: bind(families.remote_lookups, r) for r in REMOTE_LOOKUP_RESULTS}
+        self._errors = {k: bind(families.remote_errors, k) for k in _REMOTE_ERROR_KINDS}
+        self.bytes = {d: bind(families.remote_bytes, d) for d in REMOTE_DIRECTIONS}
+        self.dropped = {r: bind(families.remote_dropped, r) for r in REMOTE_WRITE_DROP_REASONS}
+        self._queued = bind(families.remote_queued)
+        self.seconds = {op: bind(families.remote_seconds, op) for op in REMOTE_OPS}
+        metrics.set_gauge(self._queued, 0)
+
+    def error(self, kind: str) -> None:
+        """Count one remote error of kind."""
+        child = self._errors.get(kind)
+        if child is None:
+            child = self._errors[kind] = self._metrics.bind(
+                self._metrics.families.remote_errors, kind
+            )
+        child.inc()
+
+    def set_queued(self, nbytes: int) -> None:
+        """Report the bytes of remote writes queued."""
+        self._metrics.set_gauge(self._queued, nbytes)
+
+
+# The remote tier's error kinds (mmcache.remote.faults.ERROR_KINDS), pre-bound.
+_REMOTE_ERROR_KINDS: Final = ("timeout", "connection", "server", "other")
 
 
 def _unknown(what: str, value: str, expected: tuple[str, ...]) -> ValueError:

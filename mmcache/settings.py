@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, Final, Literal, NamedTuple, final
@@ -13,7 +14,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from mmcache.errors import SettingsError
 
-__all__ = ["SETTINGS_TABLE", "CacheSettings", "SettingRow"]
+__all__ = ["REMOTE_URL_SCHEMES", "SETTINGS_TABLE", "CacheSettings", "SettingRow", "redact_url"]
 
 _MiB: Final = 1024**2
 
@@ -38,6 +39,9 @@ class _EnvRead:
 # SGLang reads these with int() (its EnvInt), so a value SGLang would reject must
 # not mean something else here; the MMCACHE_ names take fractional MiB.
 _SGLANG_INTEGER_NAMES: Final = frozenset({"SGLANG_VLM_CACHE_SIZE_MB", "SGLANG_MM_FEATURE_CACHE_MB"})
+
+#: URL schemes of remote_url: one Redis/Valkey server (TCP, TLS, Unix socket) or a cluster
+REMOTE_URL_SCHEMES: Final = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
 
 
 class CacheSettings(BaseSettings):
@@ -133,6 +137,42 @@ class CacheSettings(BaseSettings):
         description="which entry each tier gives up first: lru (least recently used), "
         "lfu (least frequently used) or fifo (first put)",
     )
+    remote_url: Annotated[str | None, _Env(("MMCACHE_REMOTE_URL",))] = Field(
+        default=None,
+        description="Redis/Valkey URL of the shared remote tier (redis://, rediss://, unix://, "
+        "redis+cluster://host:port,...); unset: no remote tier",
+    )
+    remote_namespace: Annotated[str, _Env(("MMCACHE_REMOTE_NAMESPACE",))] = Field(
+        default="mmcache",
+        min_length=1,
+        description="prefix of every key on the remote server; caches with different "
+        "namespaces never see each other's values",
+    )
+    remote_write: Annotated[Literal["put", "evict", "off"], _Env(("MMCACHE_REMOTE_WRITE",))] = (
+        Field(
+            default="put",
+            description="what goes to the remote tier, in the background: put (every put), "
+            "evict (what leaves the host tier) or off (read only)",
+        )
+    )
+    remote_ttl_sec: Annotated[float | None, _Env(("MMCACHE_REMOTE_TTL_SEC",))] = Field(
+        default=None,
+        gt=0,
+        description="seconds a remote value lives; unset: until the server evicts it",
+    )
+    remote_timeout_sec: Annotated[float, _Env(("MMCACHE_REMOTE_TIMEOUT_SEC",))] = Field(
+        default=0.5,
+        gt=0,
+        description="seconds before a remote operation gives up (a get then misses)",
+    )
+    remote_max_value_mb: Annotated[float, _Env(("MMCACHE_REMOTE_MAX_VALUE_MB",))] = Field(
+        default=64, gt=0, description="largest feature in MiB that goes to the remote tier"
+    )
+    remote_queue_mb: Annotated[float, _Env(("MMCACHE_REMOTE_QUEUE_MB",))] = Field(
+        default=256,
+        ge=0,
+        description="MiB of remote writes queued at most; writes past it are dropped (counted)",
+    )
 
     # Which variable each field was read from, for env_name().
     _env_reads: dict[str, _EnvRead] = PrivateAttr(default_factory=dict)
@@ -191,6 +231,19 @@ class CacheSettings(BaseSettings):
             raise ValueError("must be a power of two")
         return value
 
+    @field_validator("remote_url")
+    @classmethod
+    def _remote_scheme(cls, value: str | None) -> str | None:
+        """Refuse URLs the remote tier cannot speak (an empty string means unset)."""
+        if value is None:
+            return None
+        scheme, sep, _ = value.partition("://")
+        if not sep or scheme.lower() not in REMOTE_URL_SCHEMES:
+            raise ValueError(
+                f"must start with one of {', '.join(s + '://' for s in REMOTE_URL_SCHEMES)}"
+            )
+        return value
+
     @classmethod
     def env_names(cls, field: str) -> tuple[str, ...]:
         """All environment variables field is read from, the winning one first."""
@@ -233,6 +286,16 @@ class CacheSettings(BaseSettings):
     def ipc_pool_bytes(self) -> int:
         """CUDA IPC pool size in bytes (rounded down)."""
         return int(self.ipc_pool_mb * _MiB)
+
+    @property
+    def remote_max_value_bytes(self) -> int:
+        """Largest feature in bytes that goes to the remote tier (rounded down)."""
+        return int(self.remote_max_value_mb * _MiB)
+
+    @property
+    def remote_queue_bytes(self) -> int:
+        """Bytes of remote writes queued at most (rounded down)."""
+        return int(self.remote_queue_mb * _MiB)
 
     @property
     def ipc_fallback_bytes(self) -> int:
@@ -284,12 +347,23 @@ def _explain(
         return f"{field}={error['input']!r} is not a setting; settings are {known}"
     read = reads.get(field)
     given = f"{read.name}={read.raw!r}" if read is not None else f"{field}={error['input']!r}"
+    if field == "remote_url":
+        given = redact_url(given)  # errors end up in logs
     template = _REASONS.get(error["type"])
     ctx = {key: _plain(value) for key, value in error.get("ctx", {}).items()}
     reason = template.format(**ctx) if template else error["msg"]
     info = settings_cls.model_fields.get(field)
     meaning = f" ({info.description})" if info is not None and info.description else ""
     return f"{given} is invalid: {reason}{meaning}"
+
+
+# user:password@ (or :password@) after a URL's scheme
+_PASSWORD_IN_URL: Final = re.compile(r"(//[^:/@]*:)[^@/]*@")
+
+
+def redact_url(text: str) -> str:
+    """text with the password of any URL in it replaced by ***, for logs and errors."""
+    return _PASSWORD_IN_URL.sub(r"\1***@", text)
 
 
 def _plain(value: object) -> object:

@@ -42,6 +42,22 @@ class CacheStats:
     alloc_failures: int = 0
     #: bytes held by copies that did not complete within copy_timeout_s (part of leaked_bytes)
     quarantined_bytes: int = 0
+    #: local misses served by the remote tier (also counted in hits_cpu: they land there)
+    remote_hits: int = 0
+    #: local misses the remote tier had no value for (also counted in misses)
+    remote_misses: int = 0
+    #: remote values that failed a header or checksum check (deleted, served as misses)
+    remote_rejected: int = 0
+    #: remote operations that failed (timeouts, connection and server errors)
+    remote_errors: int = 0
+    #: payload bytes received from the remote tier
+    remote_read_bytes: int = 0
+    #: payload bytes written to the remote tier
+    remote_written_bytes: int = 0
+    #: bytes of remote writes queued and not yet sent
+    remote_queued_bytes: int = 0
+    #: remote writes dropped (queue full, too large, server unavailable, closed)
+    remote_dropped_writes: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         """The snapshot as a plain dict (for logs and JSON)."""

@@ -291,3 +291,21 @@ async def longest_loop_gap(work: Awaitable[object]) -> float:
         stop.set()
         await ticker
     return longest
+
+
+@pytest.fixture(scope="session")
+def redis_session() -> Iterator[Any]:
+    """One real redis-server for the session (skips where redis-server is absent)."""
+    from redis_server import redis_server, skip_without_redis
+
+    skip_without_redis()
+    with redis_server() as server:
+        yield server
+
+
+@pytest.fixture
+def redis_url(redis_session: Any) -> str:
+    """The session's server, emptied for this test."""
+    redis_session.cli("FLUSHALL")
+    url: str = redis_session.url
+    return url

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +16,10 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 ARGUMENTS: dict[str, list[str]] = {
     "async_scheduler.py": ["--device", "sim", "--requests", "8"],
     "encoder_to_scheduler_ipc.py": ["--device", "sim"],
+    "two_nodes.py": ["--device", "sim", "--images", "6"],
 }
+#: Examples that start a server of their own, and the program they need for it.
+NEEDS: dict[str, str] = {"two_nodes.py": "redis-server"}
 
 
 def _scripts() -> list[str]:
@@ -27,6 +31,8 @@ def test_example_runs_on_the_simulator(name: str) -> None:
     script = EXAMPLES / name
     if not script.exists():
         pytest.skip(f"examples/{name} is not written yet")
+    if name in NEEDS and shutil.which(NEEDS[name]) is None:
+        pytest.skip(f"examples/{name} starts a {NEEDS[name]}, which is not installed")
     done = subprocess.run(
         [sys.executable, str(script), *ARGUMENTS.get(name, ["--device", "sim"])],
         capture_output=True,

@@ -272,6 +272,7 @@ def test_default_registry_is_shared_by_caches() -> None:
 def test_metrics_table_describes_the_registry(
     registry: CollectorRegistry, metrics: CacheMetrics
 ) -> None:
+    metrics.remote()  # bound by caches with a remote tier only
     exposed = {
         family.name: (
             family.type,
@@ -382,6 +383,7 @@ def _walk(node: Any) -> Iterator[tuple[str, Any]]:
 def _defined_sample_names() -> set[str]:
     registry = CollectorRegistry()
     m = CacheMetrics("any", registry)
+    m.remote()
     names = {s.name for family in registry.collect() for s in family.samples}
     m.close()
     return names
@@ -389,7 +391,7 @@ def _defined_sample_names() -> set[str]:
 
 def test_dashboard_rows() -> None:
     rows = [p["title"] for p in DASHBOARD["panels"] if p["type"] == "row"]
-    assert rows == ["Capacity", "Traffic", "Copies", "Waiting", "IPC", "Health"]
+    assert rows == ["Capacity", "Traffic", "Copies", "Waiting", "IPC", "Health", "Remote tier"]
     ids = [p["id"] for p in DASHBOARD["panels"]]
     assert len(ids) == len(set(ids))
     for panel in PANELS:

@@ -62,6 +62,13 @@ OWN_NAMES: list[tuple[str, str, str, object]] = [
     ("host_alignment", "MMCACHE_HOST_ALIGNMENT", "4096", 4096),
     ("copy_timeout_s", "MMCACHE_COPY_TIMEOUT_SEC", "2.5", 2.5),
     ("eviction_policy", "MMCACHE_EVICTION_POLICY", "lfu", "lfu"),
+    ("remote_url", "MMCACHE_REMOTE_URL", "redis://h:6379/0", "redis://h:6379/0"),
+    ("remote_namespace", "MMCACHE_REMOTE_NAMESPACE", "model-a", "model-a"),
+    ("remote_write", "MMCACHE_REMOTE_WRITE", "evict", "evict"),
+    ("remote_ttl_sec", "MMCACHE_REMOTE_TTL_SEC", "3600", 3600.0),
+    ("remote_timeout_sec", "MMCACHE_REMOTE_TIMEOUT_SEC", "0.25", 0.25),
+    ("remote_max_value_mb", "MMCACHE_REMOTE_MAX_VALUE_MB", "8", 8.0),
+    ("remote_queue_mb", "MMCACHE_REMOTE_QUEUE_MB", "32", 32.0),
     ("evict_ahead", "MMCACHE_EVICT_AHEAD", "0.25", 0.25),
     ("metrics_addr", "MMCACHE_METRICS_ADDR", "127.0.0.1", "127.0.0.1"),
 ]
@@ -271,6 +278,19 @@ def test_keyword_arguments_override_the_environment(monkeypatch: pytest.MonkeyPa
         (
             {"eviction_policy": "random"},
             "eviction_policy='random' is invalid: must be one of 'lru', 'lfu' or 'fifo'",
+        ),
+        (
+            {"remote_url": "http://h:6379"},
+            "remote_url='http://h:6379' is invalid: must start with one of redis://, rediss://, ",
+        ),
+        (
+            {"remote_write": "always"},
+            "remote_write='always' is invalid: must be one of 'put', 'evict' or 'off'",
+        ),
+        ({"remote_namespace": ""}, "remote_namespace='' is invalid: "),
+        (
+            {"remote_url": "http://user:s3cret@h:6379"},
+            "remote_url='http://user:***@h:6379' is invalid: must start with one of",
         ),
         ({"gpu_cache": 64}, "gpu_cache=64 is not a setting; settings are gpu_cache_mb, "),
     ],

@@ -65,6 +65,8 @@ class HostTier:
         self._complete = False  # the whole arena is pinned
         self._waiters: deque[asyncio.Future[None]] = deque()
         self._closed = False
+        #: told of each entry the tier drops for room, before it goes (the remote tier's)
+        self.on_evict: Callable[[Entry], None] | None = None
 
     @property
     def waiting(self) -> bool:
@@ -296,6 +298,8 @@ class HostTier:
         """Drop the host entry the policy gives up first (counted as a host-tier eviction)."""
         victim = self.order.evict()
         self._counters.evicted_cpu(victim.count)
+        if self.on_evict is not None:
+            self.on_evict(victim)
         self._unlink(victim)
 
     def _allocate_all(self, sizes: Sequence[int]) -> list[HostBlock] | None:

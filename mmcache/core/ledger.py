@@ -118,6 +118,10 @@ class TierLedger:
         """Features left the GPU tier's count (discarded, or their group shrank)."""
         self.gpu_entries -= features
 
+    def host_entered(self, features: int) -> None:
+        """Features entered the host tier's count without an offload (received remotely)."""
+        self.cpu_entries += features
+
     def host_left(self, features: int) -> None:
         """Features left the host tier's count."""
         self.cpu_entries -= features

@@ -1,0 +1,38 @@
+"""RemoteStore: what the cache needs of a shared store of feature values."""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+__all__ = ["RemoteStore"]
+
+
+@runtime_checkable
+class RemoteStore(Protocol):
+    """A shared key -> bytes store the cache reads on local misses and writes in the background.
+
+    Values are opaque bytes (a header and a payload, mmcache.remote.codec); keys are the
+    server-side keys of FeatureCache.remote_key(). Every method raises the backend's own
+    errors on a fault (connection lost, timeout); the remote tier counts and absorbs them.
+    """
+
+    async def get(self, key: bytes) -> bytes | None:
+        """The value stored under key, or None if there is none."""
+        ...
+
+    async def put(self, key: bytes, value: bytes | memoryview, ttl_s: float | None) -> None:
+        """Store value under key, replacing any; it expires after ttl_s seconds (None: never)."""
+        ...
+
+    async def exists(self, key: bytes) -> bool:
+        """Whether a value is stored under key."""
+        ...
+
+    async def delete(self, key: bytes, only_if: bytes | None = None) -> None:
+        """Remove key's value, if any; with only_if, only while the value is still those bytes
+        (a rejected value is deleted, never a good one written since)."""
+        ...
+
+    async def close(self) -> None:
+        """Close the connections; the store is not used afterwards."""
+        ...

@@ -1,0 +1,222 @@
+"""RemoteTier: the third tier, shared by every cache on one server; reads after local misses,
+background writes, integrity checks and fault handling."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import reprlib
+from collections.abc import Callable, Hashable
+from typing import final
+
+from mmcache.core.tiers import Tiers
+from mmcache.device import Device
+from mmcache.entry import Entry, Member
+from mmcache.metrics import RemoteSeries
+from mmcache.remote.calls import Failed, ServerCalls
+from mmcache.remote.codec import RemoteValueError, parse, server_key
+from mmcache.remote.faults import Faults
+from mmcache.remote.landing import HostLanding
+from mmcache.remote.store import RemoteStore
+from mmcache.remote.writer import THREAD_FROM_BYTES, RemoteWriter
+from mmcache.settings import CacheSettings
+from mmcache.single_flight import SingleFlight
+
+__all__ = ["RemoteTier"]
+
+log = logging.getLogger("mmcache")
+
+
+@final
+class RemoteTier:
+    """Reads a key from the server after both local tiers missed it; writes in the background.
+
+    A read lands the value in a host block and indexes it as a host entry, so the get
+    that asked serves it as a host hit; concurrent gets of one key share one fetch. A
+    value that fails a check of its header or payload is counted, deleted on the server
+    and never served. Faults (server down, slow, restarted) make reads miss within
+    remote_timeout_sec and drop writes; they are counted, logged once per burst, and
+    backed off from until the server answers again. Nothing local depends on the server.
+    """
+
+    def __init__(
+        self,
+        settings: CacheSettings,
+        *,
+        name: str,
+        core: Tiers,
+        device: Device,
+        changed: Callable[[], None],
+        series: RemoteSeries,
+        store: RemoteStore | None = None,
+    ) -> None:
+        """The tier of settings.remote_url (or of store, a RemoteStore given instead) for the
+        cache named name, whose parts are core."""
+        if store is None:
+            from mmcache.remote.redis_store import RedisStore
+
+            assert settings.remote_url is not None
+            redis = RedisStore(settings.remote_url, settings.remote_timeout_sec)
+            store, name = redis, f"{redis.url} (cache {name!r})"
+        self._store = store
+        self._namespace = settings.remote_namespace
+        self._write_mode = settings.remote_write
+        self._timeout = settings.remote_timeout_sec
+        self._index = index = core.index
+        self._series = series
+        self._landing = HostLanding(
+            device=device, host=core.host, index=index, ledger=core.ledger, changed=changed
+        )
+        self._faults = faults = Faults(name, series.error)
+        self._call = calls = ServerCalls(faults, settings.remote_timeout_sec, series.seconds)
+        self._fetches: SingleFlight[None] = SingleFlight()
+        self._writer = RemoteWriter(
+            settings,
+            store=store,
+            calls=calls,
+            key=self.key,
+            index=index,
+            device=device,
+            series=series,
+        )
+        self._deletes: set[asyncio.Task[None]] = set()
+        self._closed = False
+        self.hits = self.misses = self.rejected = self.read_bytes = 0
+
+    # --- keys and stats -----------------------------------------------------------------
+
+    def key(self, key: Hashable) -> bytes:
+        """The server-side key of a cache key: <namespace>: + a stable encoding of it."""
+        return server_key(self._namespace, key)
+
+    def stats(self) -> dict[str, int]:
+        """The remote tier's figures, by CacheStats field."""
+        return {
+            "remote_hits": self.hits,
+            "remote_misses": self.misses,
+            "remote_rejected": self.rejected,
+            "remote_errors": self._faults.total,
+            "remote_read_bytes": self.read_bytes,
+            "remote_written_bytes": self._writer.written_bytes,
+            "remote_queued_bytes": self._writer.queue.nbytes,
+            "remote_dropped_writes": self._writer.dropped,
+        }
+
+    # --- reads --------------------------------------------------------------------------
+
+    async def fetch(self, key: Hashable) -> Entry | Member | None:
+        """key's local entry after asking the server for it (None: a miss, however caused).
+
+        Shared by concurrent callers of one key; a caller cancelled does not cancel the
+        fetch, which lands the value for the others (and for later gets).
+        """
+        if self._closed:
+            return None
+        task = self._fetches.run(key, lambda: self._fetch(key))
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if task.cancelled() and current is not None and not current.cancelling():
+                return None  # the fetch was cancelled (close()), not this caller: a miss
+            raise
+        return self._index.get(key)
+
+    async def _fetch(self, key: Hashable) -> None:
+        lookups = self._series.lookups
+        if not self._faults.available():
+            lookups["skipped"].inc()
+            return
+        rkey = self.key(key)
+        value = await self._call("get", self._store.get(rkey))
+        if isinstance(value, Failed):
+            lookups["error"].inc()
+            return
+        if value is None:
+            self.misses += 1
+            lookups["miss"].inc()
+            return
+        try:
+            if len(value) >= THREAD_FROM_BYTES:
+                header, _ = await asyncio.to_thread(parse, value)
+            else:
+                header, _ = parse(value)
+        except RemoteValueError as e:
+            self._reject(key, rkey, value, e)
+            return
+        if key in self._index:  # put locally while the value travelled: that one is newer
+            return
+        block = self._landing.block_for(header.length)
+        if block is None:
+            self.misses += 1
+            lookups["miss"].inc()
+            return
+        try:
+            self._landing.fill(block, value, header)
+        except BaseException:
+            self._landing.release(block)
+            raise
+        del value
+        if self._landing.insert(key, block, header):
+            self.hits += 1
+            self.read_bytes += header.length
+            lookups["hit"].inc()
+            self._series.bytes["read"].inc(header.length)
+
+    def _reject(self, key: Hashable, rkey: bytes, value: bytes, error: RemoteValueError) -> None:
+        """A value failed a check: count it, delete it on the server, serve a miss."""
+        self.rejected += 1
+        self._series.lookups["rejected"].inc()
+        log.warning("remote value of %s rejected and deleted: %s", reprlib.repr(key), error)
+        task = asyncio.get_running_loop().create_task(self._delete(rkey, value))
+        self._deletes.add(task)
+        task.add_done_callback(self._deletes.discard)
+
+    async def _delete(self, rkey: bytes, value: bytes) -> None:
+        await self._call("delete", self._store.delete(rkey, only_if=value))
+
+    # --- writes -------------------------------------------------------------------------
+
+    @property
+    def writes_on_put(self) -> bool:
+        """Whether every put is written (remote_write=put)."""
+        return self._write_mode == "put" and not self._closed
+
+    @property
+    def writes_on_evict(self) -> bool:
+        """Whether what leaves the host tier is written (remote_write=evict)."""
+        return self._write_mode == "evict" and not self._closed
+
+    def put(self, key: Hashable) -> None:
+        """Queue a write of key's feature, just put, from a host copy of it; never waits."""
+        self._writer.put(key)
+
+    def evicted(self, entry: Entry) -> None:
+        """Queue writes of the features of a host entry leaving the host tier."""
+        self._writer.evicted(entry)
+
+    # --- lifecycle ----------------------------------------------------------------------
+
+    async def drain(self) -> None:
+        """Wait until every write queued so far has been sent or dropped."""
+        await self._writer.queue.drain()
+
+    async def close(self) -> None:
+        """Send queued writes for up to remote_timeout_sec, drop the rest, close the client."""
+        if self._closed:
+            return
+        self._closed = True
+        for task in self._fetches.running():
+            task.cancel()
+        for task in self._fetches.running():
+            with contextlib.suppress(BaseException):
+                await task
+        self._writer.drop_all(await self._writer.queue.close(self._timeout), "closed")
+        for task in list(self._deletes):
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(task, self._timeout)
+        try:
+            await self._store.close()
+        except Exception as e:
+            log.debug("closing the remote store: %s", e)

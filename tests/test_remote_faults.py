@@ -1,0 +1,250 @@
+"""Remote tier faults: a server down, paused, killed and restarted, or slow to drain.
+
+Gets miss within remote_timeout_sec, puts succeed locally and never wait on the network,
+errors are counted and logged once per burst, the tier reconnects by itself, and no
+exception reaches the caller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from collections.abc import Iterator
+
+import pytest
+
+pytest.importorskip(
+    "redis", reason="the redis package is not installed: pip install 'mmcache[remote]'"
+)
+
+import redis.asyncio
+import torch
+from conftest import CacheFactory, Rig, assert_exact, put_feature
+from redis_server import RedisServer, free_port, redis_server, skip_without_redis
+
+
+@pytest.fixture
+def own_server() -> Iterator[RedisServer]:
+    """A server of this test's own, to kill, pause and restart."""
+    skip_without_redis()
+    with redis_server() as server:
+        yield server
+
+
+@contextlib.contextmanager
+def paused(server: RedisServer) -> Iterator[None]:
+    """The server stopped (SIGSTOP): it accepts connections and answers nothing."""
+    assert server.process is not None
+    server.process.send_signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        server.process.send_signal(signal.SIGCONT)
+
+
+async def shared(make_cache: CacheFactory, rig: Rig, url: str, key: str) -> torch.Tensor:
+    """Put a feature through one cache and wait for its remote write; a clone of it."""
+    writer = make_cache(remote_url=url)
+    want = await put_feature(writer, rig, key, 16)
+    await writer.drain()
+    return want
+
+
+def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+async def test_with_no_server_puts_succeed_and_gets_miss_logged_once(
+    rig: Rig, make_cache: CacheFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    skip_without_redis()
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    cache = make_cache(gpu_mb=0.25, remote_url=url, remote_timeout_sec=0.2)
+    wants = [await put_feature(cache, rig, ("k", i), 64, seed=i) for i in range(8)]
+    await cache.drain()
+    for i in range(20):  # over a second: several back-offs, each ended by a failed retry
+        started = time.perf_counter()
+        assert await cache.get(("absent", i)) is None
+        assert time.perf_counter() - started < 1.0
+        await asyncio.sleep(0.06)
+    for i, want in enumerate(wants):
+        assert_exact(await cache.get(("k", i), device="cpu"), want)
+    s = cache.stats()
+    assert s.remote_errors >= 3 and s.remote_hits == 0 and s.leaked_bytes == 0
+    assert s.misses == 20
+    assert len([m for m in _warnings(caplog) if "remote tier" in m]) == 1  # one burst, one line
+
+
+async def test_a_paused_server_makes_gets_miss_within_the_timeout(
+    rig: Rig, make_cache: CacheFactory, own_server: RedisServer
+) -> None:
+    await shared(make_cache, rig, own_server.url, "k")
+    writer = make_cache(remote_url=own_server.url)
+    reader = make_cache(remote_url=own_server.url, remote_timeout_sec=0.3)
+    with paused(own_server):
+        started = time.perf_counter()
+        assert await reader.get("k") is None
+        assert time.perf_counter() - started < 0.3 + 0.5
+        put_started = time.perf_counter()
+        for i in range(10):
+            await put_feature(writer, rig, ("new", i), 16, seed=i)
+        assert time.perf_counter() - put_started < 0.3  # puts never wait on the server
+    assert reader.stats().remote_errors >= 1
+
+
+async def test_a_server_killed_and_restarted_misses_then_hits_again(
+    rig: Rig, make_cache: CacheFactory, own_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    a = make_cache(remote_url=own_server.url, remote_timeout_sec=0.2)
+    b = make_cache(remote_url=own_server.url, remote_timeout_sec=0.2)
+    want = await put_feature(a, rig, "before", 16)
+    await a.drain()
+    assert_exact(await b.get("before", device="cpu"), want)
+
+    own_server.stop()  # killed: its values are gone with it (no persistence)
+    for i in range(5):
+        assert await b.get(("during", i)) is None
+        assert await a.put(("during", i), rig.tensor(64, 16, seed=i))
+    await a.drain()
+    assert b.stats().remote_errors >= 1
+
+    own_server.start()  # the same port, empty
+    after = await put_feature(a, rig, "after", 16, seed=7)
+    deadline = time.monotonic() + 15
+    while True:  # back-off ends, the client reconnects, a re-put reaches the server
+        await a.drain()
+        got = await b.get("after", device="cpu")
+        if got is not None:
+            break
+        assert time.monotonic() < deadline, "the remote tier did not come back"
+        await asyncio.sleep(0.1)
+        await put_feature(a, rig, "after", 16, seed=7)  # written again once the tier is back
+    assert_exact(got, after)
+    assert any("back after" in m for m in _warnings(caplog))
+    for cache in (a, b):
+        assert cache.stats().leaked_bytes == 0
+
+
+async def test_writes_past_remote_queue_mb_are_dropped_and_counted(
+    rig: Rig, make_cache: CacheFactory, redis_url: str
+) -> None:
+    cache = make_cache(gpu_mb=4, remote_url=redis_url, remote_queue_mb=0.25)
+    limit = 256 * 1024
+    for i in range(20):  # puts of resident features do not yield: the queue cannot drain
+        await put_feature(cache, rig, ("k", i), 64, seed=i)
+        assert cache.stats().remote_queued_bytes <= limit
+    s = cache.stats()
+    assert s.remote_dropped_writes == 20 - limit // (64 * 1024)
+    await cache.drain()
+    client = redis.asyncio.Redis.from_url(redis_url)
+    try:
+        stored = sum([await client.exists(cache.remote_key(("k", i))) for i in range(20)])
+    finally:
+        await client.aclose()
+    s = cache.stats()
+    assert stored == 20 - s.remote_dropped_writes
+    assert s.remote_written_bytes == stored * 64 * 1024 and s.remote_queued_bytes == 0
+
+
+async def test_close_sends_queued_writes(
+    rig: Rig, make_cache: CacheFactory, redis_url: str
+) -> None:
+    cache = make_cache(gpu_mb=4, remote_url=redis_url)
+    for i in range(10):
+        await put_feature(cache, rig, ("k", i), 64, seed=i)
+    assert cache.stats().remote_queued_bytes > 0
+    await cache.close()
+    client = redis.asyncio.Redis.from_url(redis_url)
+    try:
+        assert sum([await client.exists(cache.remote_key(("k", i))) for i in range(10)]) == 10
+    finally:
+        await client.aclose()
+
+
+async def test_close_with_writes_queued_and_the_server_paused_ends_in_time(
+    rig: Rig, make_cache: CacheFactory, own_server: RedisServer
+) -> None:
+    cache = make_cache(gpu_mb=4, remote_url=own_server.url, remote_timeout_sec=0.3)
+    with paused(own_server):
+        for i in range(10):
+            await put_feature(cache, rig, ("k", i), 64, seed=i)
+        started = time.perf_counter()
+        await cache.close()
+        assert time.perf_counter() - started < 3
+    s = cache.stats()
+    assert s.remote_dropped_writes == 10 and s.remote_queued_bytes == 0
+
+
+def test_a_flapping_server_is_logged_once_a_minute(caplog: pytest.LogCaptureFixture) -> None:
+    from mmcache.remote import faults
+
+    counted: list[str] = []
+    tracker = faults.Faults("server", counted.append)
+    now = [1000.0]
+    tracker._clock = lambda: now[0]
+    caplog.set_level(logging.DEBUG, logger="mmcache")
+    for _ in range(5):  # five short bursts within a minute
+        tracker.failed("get", TimeoutError())
+        now[0] += 1
+        tracker.succeeded()
+    assert len(_warnings(caplog)) == 2  # the first burst's start and end
+    now[0] += faults.QUIET_S
+    tracker.failed("get", ConnectionError("refused"))
+    assert "4 shorter bursts" in _warnings(caplog)[-1]
+    assert counted == ["timeout"] * 5 + ["connection"]
+    assert tracker.errors["timeout"] == 5 and tracker.total == 6
+
+
+async def test_a_get_cancelled_during_a_fetch_leaves_the_fetch_to_land(
+    rig: Rig, make_cache: CacheFactory, own_server: RedisServer
+) -> None:
+    want = await shared(make_cache, rig, own_server.url, "k")
+    b = make_cache(remote_url=own_server.url, remote_timeout_sec=5)
+    with paused(own_server):
+        reader = asyncio.create_task(b.get("k"))
+        await asyncio.sleep(0.2)
+        assert not reader.done()
+        reader.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reader
+    deadline = time.monotonic() + 5
+    while "k" not in b:  # the shared fetch went on without its caller
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.02)
+    assert_exact(await b.get("k", device="cpu"), want)
+    assert b.stats().remote_hits == 1 and b.stats().leaked_bytes == 0
+
+
+async def test_close_during_a_fetch_makes_the_waiting_get_miss(
+    rig: Rig, make_cache: CacheFactory, own_server: RedisServer
+) -> None:
+    await shared(make_cache, rig, own_server.url, "k")
+    b = make_cache(remote_url=own_server.url, remote_timeout_sec=5)
+    with paused(own_server):
+        reader = asyncio.create_task(b.get("k"))
+        await asyncio.sleep(0.2)
+        await b.close()
+        assert await reader is None
+    assert b.stats().leaked_bytes == 0
+
+
+def test_errors_are_counted_by_kind() -> None:
+    import redis.exceptions as errors
+
+    from mmcache.remote.faults import error_kind
+
+    kinds: dict[str, list[Exception]] = {
+        "timeout": [TimeoutError(), errors.TimeoutError()],
+        "connection": [
+            ConnectionRefusedError(),
+            errors.ConnectionError(),
+            errors.BusyLoadingError(),
+        ],
+        "server": [errors.ResponseError("WRONGTYPE"), errors.ReadOnlyError("READONLY")],
+        "other": [ValueError()],
+    }
+    for kind, excs in kinds.items():
+        assert [error_kind(e) for e in excs] == [kind] * len(excs)
