@@ -409,6 +409,10 @@ class FeatureCache:
             await self._ready_to_serve()
         if to_host:
             return [await self.get(key, device="cpu") for key in batch]
+        if self._remote is not None:  # what both local tiers miss, asked of the shared one
+            missing = [key for key in dict.fromkeys(batch) if key not in self._entries]
+            if missing:
+                await asyncio.gather(*map(self._remote.fetch, missing))
         return await self._core.batch_reads.get_many(batch, stream)
 
     async def get_or_compute(

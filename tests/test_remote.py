@@ -115,6 +115,26 @@ async def test_a_miss_everywhere_is_a_miss(node: Node) -> None:
     assert (s.misses, s.remote_misses, s.remote_hits) == (1, 1, 0)
 
 
+async def test_get_many_asks_the_remote_tier_for_what_both_local_tiers_miss(
+    rig: Rig, node: Node
+) -> None:
+    a, b = node(), node()
+    want = {key: await put_feature(a, rig, key, 16, seed=i) for i, key in enumerate("xyz")}
+    await a.drain()
+    local = await put_feature(b, rig, "local", 16, seed=9)
+    got = await b.get_many(["x", "local", "nowhere", "z", "x"])
+    assert_exact(got[0], want["x"])
+    assert_exact(got[1], local)
+    assert got[2] is None
+    assert_exact(got[3], want["z"])
+    assert_exact(got[4], want["x"])
+    s = b.stats()
+    assert (s.remote_hits, s.remote_misses, s.misses) == (2, 1, 1)
+    del got
+    await b.drain()
+    assert b.stats().leaked_bytes == 0
+
+
 async def test_concurrent_gets_of_one_key_share_one_fetch(
     rig: Rig, node: Node, raw: redis.asyncio.Redis
 ) -> None:
