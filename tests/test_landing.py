@@ -240,9 +240,11 @@ async def test_a_landing_that_raises_fails_not_the_put_that_reaps_it(
     # goes on, so the cache still closes): only the put below reaps the landings.
     monkeypatch.setattr(OffloadPipeline, "_reported", lambda self: None)
     kept = [await put_feature(cache, rig, i, 16, seed=i) for i in range(16)]
-    # No room now: four offloads, one feature each, and the put gives up without waiting.
-    assert await cache.put("large", feature(rig, 64, 99), wait=False) is False
-    assert cache.stats().pending_copies == 4
+    # No room now: four offloads, one feature each (held back, so none has landed when
+    # the put looks), and the put gives up without waiting.
+    with rig.hold():
+        assert await cache.put("large", feature(rig, 64, 99), wait=False) is False
+        assert cache.stats().pending_copies == 4
     rig.settle()  # they have landed; no report handles them (nor a late watch: no yield)
     fail_first_landing(monkeypatch)
     reported: list[dict[str, Any]] = []
