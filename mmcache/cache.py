@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import dataclasses
 import functools
@@ -13,7 +12,6 @@ from collections.abc import (
     AsyncIterator,
     Awaitable,
     Callable,
-    Coroutine,
     Hashable,
     Iterable,
     Sequence,
@@ -24,15 +22,13 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from mmcache.closing import CloseOnce, off_the_loop
-from mmcache.core.index import holder
 from mmcache.core.puts import check_items, owns_storage
 from mmcache.core.tiers import Tiers
 from mmcache.device import Device, Fence, Stream, resolve_device
-from mmcache.entry import Member, State, check_key, row_range
+from mmcache.entry import check_key, key_list, row_range
 from mmcache.errors import (
     CacheClosedError,
     CopyTimeoutError,
-    InvalidKeyError,
     InvalidValueError,
     WrongLoopError,
 )
@@ -40,10 +36,11 @@ from mmcache.host_copy import warm_up as warm_host_copies
 from mmcache.layouts import check_strided
 from mmcache.metrics import CacheMetrics, DeferredPush, ensure_metrics_server
 from mmcache.remote.codec import server_key
-from mmcache.remote.tier import RemoteTier
+from mmcache.remote.tier import remote_tier_for
 from mmcache.settings import CacheSettings
 from mmcache.single_flight import SingleFlight
 from mmcache.stats import CacheStats
+from mmcache.threadsafe import run_threadsafe
 from mmcache.waiting import FenceWatcher
 
 __all__ = ["FeatureCache"]
@@ -94,26 +91,18 @@ class FeatureCache:
         # The parts a get or put reaches on every call, without a lookup through core.
         self._entries = core.index  # key -> its entry, or its place in a group's entry
         self._counters = core.counters
-        self._gpu_order = core.gpu_order
-        self._host_order = core.host.order
         self._puts = core.puts
         self._reads = core.reads
         self._inflight: SingleFlight[tuple[torch.Tensor, Fence]] = SingleFlight()
         # The shared third tier (remote_url): asked on local misses, written in the background.
-        self._remote = remote = (
-            None
-            if self.settings.remote_url is None
-            else RemoteTier(
-                self.settings,
-                name=name,
-                core=core,
-                device=self._device,
-                changed=self._tiers.request,
-                series=self._metrics.remote(),
-            )
+        self._remote = remote_tier_for(
+            self.settings,
+            name=name,
+            core=core,
+            device=self._device,
+            changed=self._tiers.request,
+            metrics=self._metrics,
         )
-        if remote is not None and remote.writes_on_evict:
-            core.host.on_evict = remote.evicted
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -254,8 +243,8 @@ class FeatureCache:
             if self._closed or self._loop is not asyncio.get_running_loop():
                 await self._ready_to_serve()  # starts the cache, or raises the reason
             done = await self._puts.put_batch([(key, holder.pop())], stream, wait)
-        if done and self._remote is not None and self._remote.writes_on_put:
-            self._remote.put(key)
+        if done and self._remote is not None:
+            self._remote.stored((key,))
         return done
 
     def _short_put_applies(self, key: Hashable, value: object) -> bool:
@@ -295,9 +284,8 @@ class FeatureCache:
             await self._ready_to_serve()
         keys = [key for key, _ in batch] if self._remote is not None else []
         done = await self._puts.put_batch(batch, stream, wait)
-        if done and self._remote is not None and self._remote.writes_on_put:
-            for key in keys:
-                self._remote.put(key)
+        if done and self._remote is not None:
+            self._remote.stored(keys)
         return done
 
     async def put_split(
@@ -325,9 +313,8 @@ class FeatureCache:
         if self._closed or self._loop is not asyncio.get_running_loop():
             await self._ready_to_serve()
         done = await self._puts.put_rows(keys, holder, rows, stream, wait)
-        if done and self._remote is not None and self._remote.writes_on_put:
-            for key in keys:
-                self._remote.put(key)
+        if done and self._remote is not None:
+            self._remote.stored(keys)
         return done
 
     async def get(
@@ -356,31 +343,7 @@ class FeatureCache:
             if found is None:
                 self._counters.miss()
                 return None
-        member = None
-        if isinstance(found, Member):
-            member = found
-            entry = found.group
-            span: tuple[int, int] | None = found.span(row_range(rows, found.shape))
-        else:
-            entry = found
-            span = row_range(rows, entry.shape)
-        del found
-        state = entry.state
-        if state is State.GPU or state is State.D2H:
-            self._counters.hit_gpu()
-            if state is State.GPU:
-                self._gpu_order.touch(entry.key)
-            assert entry.tensor is not None
-            if to_host:
-                if state is State.D2H:
-                    return await self._reads.read_host(entry, span)
-                return await self._reads.download(entry.tensor, entry.ready, span, entry)
-            return await self._reads.serve_device(entry.tensor, entry.ready, span, stream)
-        self._counters.hit_cpu()
-        self._host_order.touch(entry.key)
-        if to_host:
-            return await self._reads.read_host(entry, span)
-        return await self._reads.upload(entry, span, stream, member if rows is None else None)
+        return await self._reads.serve(found, rows, to_host, stream)
 
     async def get_many(
         self,
@@ -391,28 +354,19 @@ class FeatureCache:
     ) -> list[torch.Tensor | None]:
         """get() of several keys at once (the images of a request): a list, None per miss.
 
-        Same guarantees as get for each feature. On the device, the host-tier hits come
-        back through one batch of copies with one fence and one completion to track, and
-        the stream waits once per fence; a key given twice is read once.
+        Each feature as get returns it; the host-tier hits come back to the device through
+        one batch of copies behind one fence. A key given twice is read once.
         """
         if stream is None:
             stream = self._device.current_stream()
-        if isinstance(keys, (str, bytes)):
-            raise InvalidKeyError(
-                "get_many takes a list of keys, not one str or bytes key; use get() for one"
-            )
-        batch = list(keys)
-        for key in batch:
-            check_key(key)
+        batch = key_list(keys, "get_many")
         to_host = self._reads.wants_host(device)
         if self._closed or self._loop is not asyncio.get_running_loop():
             await self._ready_to_serve()
         if to_host:
             return [await self.get(key, device="cpu") for key in batch]
         if self._remote is not None:  # what both local tiers miss, asked of the shared one
-            missing = [key for key in dict.fromkeys(batch) if key not in self._entries]
-            if missing:
-                await asyncio.gather(*map(self._remote.fetch, missing))
+            await self._remote.fetch_missing(batch)
         return await self._core.batch_reads.get_many(batch, stream)
 
     async def get_or_compute(
@@ -459,7 +413,7 @@ class FeatureCache:
             stream = self._device.current_stream()
         coro = self.put(key, value, stream=stream, wait=wait)
         del value
-        return self._run_threadsafe(coro, timeout)
+        return run_threadsafe(self._loop, self._closed, coro, timeout)
 
     def get_threadsafe(
         self,
@@ -473,21 +427,12 @@ class FeatureCache:
         """get() from a thread other than the cache's loop; blocks that thread until done."""
         if stream is None:
             stream = self._device.current_stream()
-        return self._run_threadsafe(self.get(key, device=device, rows=rows, stream=stream), timeout)
-
-    def _run_threadsafe(self, coro: Coroutine[Any, Any, _T], timeout: float | None) -> _T:
-        loop = self._loop
-        if loop is None or self._closed:
-            coro.close()
-            raise CacheClosedError("start the cache on its loop before calling it from threads")
-        if asyncio._get_running_loop() is loop:
-            coro.close()
-            raise WrongLoopError(
-                "put_threadsafe()/get_threadsafe() on the cache's own loop would deadlock; "
-                "await put()/get() instead"
-            )
-        future: concurrent.futures.Future[_T] = asyncio.run_coroutine_threadsafe(coro, loop)
-        return future.result(timeout)
+        return run_threadsafe(
+            self._loop,
+            self._closed,
+            self.get(key, device=device, rows=rows, stream=stream),
+            timeout,
+        )
 
     def discard(self, key: Hashable) -> bool:
         """Remove key; its memory is released after the fences that use it. True if present."""
@@ -513,28 +458,11 @@ class FeatureCache:
         await self._ready_to_serve()
         check_key(key)
         found = self._entries.get(key)
-        entry = None if found is None else holder(found)
-        pool = self._core.host.pool
-        if entry is None or entry.block is None or pool is None:
+        if found is None or not self._reads.can_borrow(found):
             yield await self.get(key, device="cpu")
             return
-        block = entry.block
-        pool.pin(block)
-        try:
-            if entry.copy_fence is not None:
-                self._counters.waited(await self._reads.wait([entry.copy_fence]))
-            if isinstance(found, Member):
-                view = entry.host_view(*found.span(None), block)
-            else:
-                view = entry.host_whole(block)
-            if self._device.one_pinned_range(view):
-                yield view
-            else:
-                out = await self._reads.host_copy(view)
-                del view
-                yield out
-        finally:
-            pool.unpin(block)
+        async with self._reads.borrow(found) as view:
+            yield view
 
     def stats(self) -> CacheStats:
         """A snapshot of the ledger and counters; also audits it for leaked bytes."""

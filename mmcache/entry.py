@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import itertools
 import reprlib
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -312,6 +312,17 @@ def _bad_part(part: object) -> InvalidKeyError:
         f"({reprlib.repr(part)}); hash the source with mmcache.keys.feature_key(...) for "
         "content keys"
     )
+
+
+def key_list(keys: Iterable[Hashable], caller: str) -> list[Hashable]:
+    """keys as a checked list (one str or bytes is refused: it would iterate characters)."""
+    if isinstance(keys, (str, bytes)):
+        raise InvalidKeyError(
+            f"{caller} takes a list of keys, not one str or bytes key; use get() for one"
+        )
+    batch = list(keys)
+    check_keys(batch)
+    return batch
 
 
 def check_keys(keys: list[object]) -> None:

@@ -11,6 +11,7 @@ code, as a GPU's do; only their reports need the GIL.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -140,7 +141,7 @@ async def test_a_lazy_watch_is_found_by_the_loop_alone_in_order(busy_loop: None)
     fired: list[int] = []
     started = time.perf_counter()
     for i, after in enumerate((0.01, 0.002, 0.02)):
-        watcher.when_done_lazily(_LoopOnlyFence(after), lambda i=i: fired.append(i))
+        watcher.when_done_lazily(_LoopOnlyFence(after), functools.partial(fired.append, i))
     assert watcher.outstanding == 3
     await asyncio.wait_for(watcher.idle(), 5)
     # In the order given: the second, done first, waits for the first.

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import final
 
 import torch
@@ -11,11 +12,13 @@ import torch
 from mmcache.core.budget import FifoBudget
 from mmcache.core.counters import Counters
 from mmcache.core.host import HostTier
+from mmcache.core.index import holder
 from mmcache.core.ledger import TierLedger
 from mmcache.core.lifecycle import Lifecycle
 from mmcache.core.offload import OffloadPipeline
+from mmcache.core.policy import EvictionPolicy
 from mmcache.device import Device, Fence, Stream
-from mmcache.entry import Entry, Member, State
+from mmcache.entry import Entry, Member, State, row_range
 from mmcache.errors import CopyFailedError, CopyTimeoutError, InvalidValueError
 from mmcache.grants import Grant
 from mmcache.host_copy import copy_host_bytes_in_slices
@@ -48,6 +51,7 @@ class Reads:
         host: HostTier,
         pipeline: OffloadPipeline,
         life: Lifecycle,
+        gpu_order: EvictionPolicy,
         gpu_waiting: FifoBudget[tuple[int, Grant], Grant],
         when_done: Callable[[Sequence[Fence], Callable[[], None]], None],
         when_done_lazily: Callable[[Fence, Callable[[], None]], None],
@@ -60,11 +64,74 @@ class Reads:
         self._host = host
         self._pipeline = pipeline
         self._life = life
+        self._gpu_order = gpu_order
         self._gpu_waiting = gpu_waiting  # a promotion never jumps the line of waiting puts
         self._when_done = when_done
         self._when_done_lazily = when_done_lazily
         self._promote = promote
         self._copy_timeout = copy_timeout
+
+    async def serve(
+        self,
+        found: Entry | Member,
+        rows: slice | None,
+        to_host: bool,
+        stream: Stream,
+    ) -> torch.Tensor:
+        """get's read of a cached feature (or rows of it), from whichever tier holds it."""
+        member = None
+        if isinstance(found, Member):
+            member = found
+            entry = found.group
+            span: tuple[int, int] | None = found.span(row_range(rows, found.shape))
+        else:
+            entry = found
+            span = row_range(rows, entry.shape)
+        del found
+        state = entry.state
+        if state is State.GPU or state is State.D2H:
+            self._counters.hit_gpu()
+            if state is State.GPU:
+                self._gpu_order.touch(entry.key)
+            assert entry.tensor is not None
+            if to_host:
+                if state is State.D2H:
+                    return await self.read_host(entry, span)
+                return await self.download(entry.tensor, entry.ready, span, entry)
+            return await self.serve_device(entry.tensor, entry.ready, span, stream)
+        self._counters.hit_cpu()
+        self._host.order.touch(entry.key)
+        if to_host:
+            return await self.read_host(entry, span)
+        return await self.upload(entry, span, stream, member if rows is None else None)
+
+    def can_borrow(self, found: Entry | Member) -> bool:
+        """Whether borrow() can lend found's host bytes (it has a host copy)."""
+        return holder(found).block is not None and self._host.pool is not None
+
+    @contextlib.asynccontextmanager
+    async def borrow(self, found: Entry | Member) -> AsyncIterator[torch.Tensor]:
+        """A view of found's host copy for the block (a copy where it crosses two pinned
+        chunks), after its offload; the block stays pinned meanwhile."""
+        entry = holder(found)
+        block, pool = entry.block, self._host.pool
+        assert block is not None and pool is not None
+        pool.pin(block)
+        try:
+            if entry.copy_fence is not None:
+                self._counters.waited(await self.wait([entry.copy_fence]))
+            if isinstance(found, Member):
+                view = entry.host_view(*found.span(None), block)
+            else:
+                view = entry.host_whole(block)
+            if self._device.one_pinned_range(view):
+                yield view
+            else:
+                out = await self.host_copy(view)
+                del view
+                yield out
+        finally:
+            pool.unpin(block)
 
     def wants_host(self, device: str | torch.device | None) -> bool:
         """True for a host read ("cpu"); False for this cache's own device (None or its name)."""

@@ -131,6 +131,7 @@ class Tiers:
             host=host,
             pipeline=pipeline,
             life=life,
+            gpu_order=self.gpu_order,
             gpu_waiting=evictor.waiting,
             when_done=when_done,
             when_done_lazily=when_done_lazily,

@@ -7,13 +7,13 @@ import asyncio
 import contextlib
 import logging
 import reprlib
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from typing import final
 
 from mmcache.core.tiers import Tiers
 from mmcache.device import Device
 from mmcache.entry import Entry, Member
-from mmcache.metrics import RemoteSeries
+from mmcache.metrics import CacheMetrics, RemoteSeries
 from mmcache.remote.calls import Failed, ServerCalls
 from mmcache.remote.codec import RemoteValueError, parse, server_key
 from mmcache.remote.faults import Faults
@@ -23,7 +23,7 @@ from mmcache.remote.writer import THREAD_FROM_BYTES, RemoteWriter
 from mmcache.settings import CacheSettings
 from mmcache.single_flight import SingleFlight
 
-__all__ = ["RemoteTier"]
+__all__ = ["RemoteTier", "remote_tier_for"]
 
 log = logging.getLogger("mmcache")
 
@@ -104,6 +104,12 @@ class RemoteTier:
         }
 
     # --- reads --------------------------------------------------------------------------
+
+    async def fetch_missing(self, keys: Iterable[Hashable]) -> None:
+        """Fetch, concurrently, those of keys no local tier holds (get_many's misses)."""
+        missing = [key for key in dict.fromkeys(keys) if key not in self._index]
+        if missing:
+            await asyncio.gather(*map(self.fetch, missing))
 
     async def fetch(self, key: Hashable) -> Entry | Member | None:
         """key's local entry after asking the server for it (None: a miss, however caused).
@@ -192,6 +198,12 @@ class RemoteTier:
         """Queue a write of key's feature, just put, from a host copy of it; never waits."""
         self._writer.put(key)
 
+    def stored(self, keys: Iterable[Hashable]) -> None:
+        """The features of keys were just put: queue their writes where every put is written."""
+        if self.writes_on_put:
+            for key in keys:
+                self._writer.put(key)
+
     def evicted(self, entry: Entry) -> None:
         """Queue writes of the features of a host entry leaving the host tier."""
         self._writer.evicted(entry)
@@ -220,3 +232,23 @@ class RemoteTier:
             await self._store.close()
         except Exception as e:
             log.debug("closing the remote store: %s", e)
+
+
+def remote_tier_for(
+    settings: CacheSettings,
+    *,
+    name: str,
+    core: Tiers,
+    device: Device,
+    changed: Callable[[], None],
+    metrics: CacheMetrics,
+) -> RemoteTier | None:
+    """The remote tier of a cache whose settings name a server (remote_url), else None."""
+    if settings.remote_url is None:
+        return None
+    tier = RemoteTier(
+        settings, name=name, core=core, device=device, changed=changed, series=metrics.remote()
+    )
+    if tier.writes_on_evict:
+        core.host.on_evict = tier.evicted
+    return tier
