@@ -374,7 +374,7 @@ def _plain(value: object) -> object:
 
 
 class SettingRow(NamedTuple):
-    """One setting, as the README and `mmcache settings` list it."""
+    """One setting, as docs/reference.md and `mmcache settings` list it."""
 
     field: str
     env_names: tuple[str, ...]

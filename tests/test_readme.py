@@ -1,5 +1,5 @@
-"""The README documents every setting, environment variable and metric the code defines, and
-the tests its tables cite exist."""
+"""The reference documents every setting, environment variable and metric the code defines, the
+README starts with its two commands and links the reference, and the tests the docs cite exist."""
 
 from __future__ import annotations
 
@@ -11,32 +11,38 @@ from mmcache.settings import SETTINGS_TABLE
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
+REFERENCE = (ROOT / "docs" / "reference.md").read_text()
 
 
-def test_every_setting_and_variable_is_in_the_readme() -> None:
+def test_every_setting_and_variable_is_in_the_reference() -> None:
     for row in SETTINGS_TABLE:
-        assert f"`{row.field}`" in README, row.field
+        assert f"`{row.field}`" in REFERENCE, row.field
         for name in row.env_names:
-            assert f"`{name}`" in README, name
+            assert f"`{name}`" in REFERENCE, name
 
 
-def test_the_readme_gives_each_settings_default_and_meaning() -> None:
+def test_the_reference_gives_each_settings_default_and_meaning() -> None:
     rows = {
         cells[0].strip("`"): cells
-        for line in README.splitlines()
+        for line in REFERENCE.splitlines()
         if line.startswith("| `")
         for cells in [[cell.strip() for cell in line.strip("|").split("|")]]
     }
     for row in SETTINGS_TABLE:
         cells = rows[row.field]
         default = "unset" if row.default is None else f"`{row.default}`"
-        assert cells[2] == default, f"{row.field}: README says {cells[2]}, the code {default}"
+        assert cells[2] == default, f"{row.field}: the reference says {cells[2]}, code {default}"
         assert cells[3] == row.description, row.field
 
 
-def test_every_metric_is_in_the_readme() -> None:
+def test_every_metric_is_in_the_reference() -> None:
     for metric in METRICS_TABLE:
-        assert f"`{metric.name}`" in README, metric.name
+        assert f"`{metric.name}`" in REFERENCE, metric.name
+
+
+def test_the_readme_links_the_reference() -> None:
+    assert "(docs/reference.md#settings)" in README
+    assert "(docs/reference.md#metrics)" in README
 
 
 def test_the_readme_starts_with_its_two_commands() -> None:
