@@ -45,6 +45,15 @@ def test_a_grant_no_running_put_holds_is_leaked_until_returned() -> None:
     assert ledger.leaked([], {}, 0, (0, 0)) == {"gpu": 0, "cpu": 0}
 
 
+def test_bytes_left_in_the_synchronous_grant_are_leaked() -> None:
+    ledger = TierLedger(100)
+    grant = ledger.synchronous_grant  # always open: settled before any audit can look
+    ledger.grant(grant, 30)
+    assert ledger.leaked([], {}, 0, (0, 0)) == {"gpu": 30, "cpu": 0}
+    ledger.insert(grant, 30, 1)
+    assert ledger.leaked([_entry(30)], {}, 0, (0, 0)) == {"gpu": 0, "cpu": 0}
+
+
 def test_an_offload_moves_entries_and_releases_bytes() -> None:
     ledger = TierLedger(100)
     _inserted(ledger, 50)

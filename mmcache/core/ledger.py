@@ -32,6 +32,7 @@ class TierLedger:
         "open_grant",
         "released_pending",
         "releasing",
+        "synchronous_grant",
         "used",
     )
 
@@ -46,6 +47,10 @@ class TierLedger:
         self.open_grant: Callable[[], Grant] = grants.open
         #: a put has ended: what its grant still holds is held by nobody (the audit's)
         self.close_grant: Callable[[Grant], None] = grants.close
+        #: the grant of a put that takes and inserts (or gives back) without awaiting in
+        #: between: always open, settled before the put lets the loop run anything else,
+        #: so it holds nothing whenever the audit looks.
+        self.synchronous_grant = grants.open()
 
     @property
     def granted(self) -> int:
@@ -141,7 +146,9 @@ class TierLedger:
         which count as leaked since they may never come back.
         """
         # Granted bytes count as owned only while the put they were granted to runs.
-        gpu_owned = self.grants.held_bytes() + self.released_pending
+        # The synchronous grant is settled before anything can audit: bytes in it are lost.
+        granted = self.grants.held_bytes() - self.synchronous_grant.nbytes
+        gpu_owned = granted + self.released_pending
         holders = {id(e): e for e in held}
         for e, charged in offloading.items():
             holders[id(e)] = e  # discarded while offloading: still holds both sides

@@ -131,7 +131,8 @@ class Puts:
         own = self._device.adopt(tensor, stream)
         del tensor
         ledger = self._ledger
-        grant = ledger.open_grant()
+        # Taken and inserted with no await in between: the shared synchronous grant.
+        grant = ledger.synchronous_grant
         try:
             if self._evictor.take(nbytes, grant):
                 entry: Entry | None = Entry(
@@ -145,8 +146,6 @@ class Puts:
             self._give_back([(own, ready)], [], [[]])
             del own  # nor may the traceback of a put that failed keep it alive
             raise
-        finally:
-            ledger.close_grant(grant)
         if entry is None:
             return await self._insert_units(
                 [key], [], [(0, 1)], [nbytes], [(own, ready)], [[]], ready, wait
