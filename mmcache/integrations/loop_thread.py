@@ -27,9 +27,7 @@ class LoopThread:
         self.loop = asyncio.new_event_loop()
         self._closed = False
         started = threading.Event()
-        self._thread = threading.Thread(
-            target=self._serve, args=(started,), name=name, daemon=True
-        )
+        self._thread = threading.Thread(target=self._serve, args=(started,), name=name, daemon=True)
         self._thread.start()
         started.wait()
 

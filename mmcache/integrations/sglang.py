@@ -16,7 +16,7 @@ import importlib
 import inspect
 import sys
 import threading
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable
 from types import ModuleType
 from typing import Any, Final, final
 
@@ -46,9 +46,7 @@ TESTED_VERSION: Final = "0.5.23"
 _MiB: Final = 1024 * 1024
 _SEAM_MODULE: Final = "sglang.srt.managers.mm_schedule"
 #: MultimodalCache's abstract methods in the tested release: the adapter implements these.
-_ABSTRACT: Final = frozenset(
-    {"__init__", "get", "set", "has", "free", "clear", "available_size"}
-)
+_ABSTRACT: Final = frozenset({"__init__", "get", "set", "has", "free", "clear", "available_size"})
 _counter = iter(range(1, sys.maxsize))
 
 
@@ -88,7 +86,8 @@ class MMCacheMultimodalCache(MultimodalCache):  # type: ignore[misc]
     ) -> None:
         if isinstance(max_size, bool) or not isinstance(max_size, int) or max_size < 0:
             raise InvalidValueError(
-                f"max_size is a byte count >= 0 (SGLANG_VLM_CACHE_SIZE_MB * 2**20), not {max_size!r}"
+                "max_size is a byte count >= 0 (SGLANG_VLM_CACHE_SIZE_MB * 2**20), "
+                f"not {max_size!r}"
             )
         super().__init__()
         self.max_size = max_size
@@ -117,9 +116,7 @@ class MMCacheMultimodalCache(MultimodalCache):  # type: ignore[misc]
 
     # --- SGLang's MultimodalCache API ------------------------------------------------------
 
-    def get(
-        self, mm_hashes: list[int], combined_hash: int | None = None
-    ) -> EmbeddingResult | None:
+    def get(self, mm_hashes: list[int], combined_hash: int | None = None) -> EmbeddingResult | None:
         """The embedding cached under the combined hash of mm_hashes, or None.
 
         As SGLang's static cache does, combined_hash is recomputed from mm_hashes
@@ -267,11 +264,12 @@ class Installation:
         if old is not None:
             old.close()
         self.cache = MMCacheMultimodalCache(max_size, settings=self.settings, device=self.device)
-        self.module.embedding_cache = self.cache
+        seam: Any = self.module
+        seam.embedding_cache = self.cache
 
     def uninstall(self) -> None:
         """Restore SGLang's init_mm_embedding_cache and its own cache; close the adapter."""
-        module = self.module
+        module: Any = self.module
         for owner in (module, *self.rebound):
             if getattr(owner, "init_mm_embedding_cache", None) == self.init_cache:
                 owner.init_mm_embedding_cache = self.original
@@ -305,10 +303,11 @@ def install(
                 "with its dependencies"
             ) from exc
     original = _check_seam(module)
-    current = getattr(module.init_mm_embedding_cache, "__self__", None)
+    seam: Any = module
+    current = getattr(seam.init_mm_embedding_cache, "__self__", None)
     if isinstance(current, Installation):
         current.uninstall()  # installing again replaces the earlier installation
-        original = module.init_mm_embedding_cache
+        original = seam.init_mm_embedding_cache
     rebound = [
         owner
         for name, owner in list(sys.modules.items())
@@ -317,9 +316,10 @@ def install(
         and getattr(owner, "init_mm_embedding_cache", None) is original
     ]
     done = Installation(module, original, rebound, settings, device)
+    owner: Any
     for owner in (module, *rebound):
         owner.init_mm_embedding_cache = done.init_cache
-    built = module.embedding_cache
+    built = seam.embedding_cache
     if built is not None:
         done.init_cache(int(built.max_size))  # SGLang built its own already: take its place
     return done
@@ -347,8 +347,7 @@ def _check_seam(module: ModuleType) -> Callable[..., None]:
         raise refuse(f"init_mm_embedding_cache has no readable signature ({exc})") from exc
     if [p.name for p in params] != ["max_size"]:
         raise refuse(
-            f"init_mm_embedding_cache takes ({', '.join(p.name for p in params)}), "
-            "not (max_size)"
+            f"init_mm_embedding_cache takes ({', '.join(p.name for p in params)}), not (max_size)"
         )
     static = getattr(module, "MultiModalStaticCache", None)
     if not (isinstance(static, type) and issubclass(static, MultimodalCache)):
@@ -359,4 +358,3 @@ def _check_seam(module: ModuleType) -> Callable[..., None]:
             f"MultimodalCache's abstract methods are {sorted(abstract)}, not {sorted(_ABSTRACT)}"
         )
     return init  # type: ignore[no-any-return]
-
