@@ -125,11 +125,11 @@ class MMCacheMultimodalCache(MultimodalCache):  # type: ignore[misc]
         key = self.combine_hashes(mm_hashes)
         if key is None:
             return None
-        return self._loop.run(self._get(key, self._device.current_stream()))
+        return self._loop.run(self._get(key, self._device.current_stream()), eager=True)
 
     def get_single(self, mm_hash: int) -> EmbeddingResult | None:
         """The embedding cached under mm_hash, or None; a hit refreshes its recency."""
-        return self._loop.run(self._get(mm_hash, self._device.current_stream()))
+        return self._loop.run(self._get(mm_hash, self._device.current_stream()), eager=True)
 
     def set(
         self, mm_hash: int, embedding: EmbeddingResult, loc: torch.Tensor | None = None
@@ -148,26 +148,27 @@ class MMCacheMultimodalCache(MultimodalCache):  # type: ignore[misc]
         if type(embedding) is not EmbeddingResult:
             shell = copy.copy(embedding)
             object.__setattr__(shell, "embedding", None)
-        return self._loop.run(self._set(mm_hash, tensor, shell, self._device.current_stream()))
+        stream = self._device.current_stream()
+        return self._loop.run(self._set(mm_hash, tensor, shell, stream), eager=True)
 
     def has(self, mm_hash: int) -> bool:
         """Whether mm_hash is cached (in either tier); does not refresh its recency."""
-        return self._loop.run(self._has(mm_hash))
+        return self._loop.run(self._has(mm_hash), eager=True)
 
     def free(self, mm_hash: int, mm_embedding_allocator: object = None) -> bool:
         """Remove mm_hash; True if it was cached. The allocator is not used (as in SGLang)."""
-        return self._loop.run(self._free(mm_hash))
+        return self._loop.run(self._free(mm_hash), eager=True)
 
     def clear(self) -> None:
         """Remove every entry."""
-        self._loop.run(self._clear())
+        self._loop.run(self._clear(), eager=True)
 
     def available_size(self) -> int:
         """The number of cached entries, which is what SGLang's static cache reports."""
         return len(self)
 
     def __len__(self) -> int:
-        return self._loop.run(self._len())
+        return self._loop.run(self._len(), eager=True)
 
     def close(self) -> None:
         """Close the cache (finishing its copies) and stop its loop thread; idempotent."""
