@@ -136,8 +136,9 @@ class MMCacheMultimodalCache(MultimodalCache):  # type: ignore[misc]
     ) -> bool:
         """Cache embedding under mm_hash; True if cached (or already there, refreshed).
 
-        False, storing nothing, when it is larger than max_size or empty. A view is stored
-        compact. The caller may keep using embedding.embedding but must not write to it.
+        False, storing nothing, when it is larger than max_size, empty, or not on the cache's
+        device. A view is stored compact. The caller may keep using embedding.embedding but
+        must not write to it.
         """
         if not isinstance(embedding, EmbeddingResult):
             raise InvalidValueError(
@@ -214,8 +215,8 @@ class MMCacheMultimodalCache(MultimodalCache):  # type: ignore[misc]
             await cache.get(key, stream=stream)  # refreshes its recency, as SGLang's does
             return True
         nbytes = _data_bytes(tensor)
-        if nbytes == 0 or nbytes > self.max_size:
-            return False
+        if nbytes == 0 or nbytes > self.max_size or not self._device.is_device_tensor(tensor):
+            return False  # SGLang's caller then uses the embedding it has, uncached
         if not await cache.put(key, tensor, stream=stream):
             return False
         self._known[key] = shell
