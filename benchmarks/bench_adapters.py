@@ -15,7 +15,6 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 from prometheus_client import CollectorRegistry
@@ -23,7 +22,7 @@ from prometheus_client import CollectorRegistry
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _common import HIDDEN, SPECS, fmt, markdown_table, summary_us, write_json
+from _common import HIDDEN, SPECS, latency_table, summary_us, target_verdict, write_json
 
 from mmcache import CacheSettings, MMCacheError
 
@@ -107,15 +106,9 @@ def main() -> int:
     except MMCacheError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    print(f"SGLang adapter, {args.device}, {n} calls each, 64 KB features (µs per call)\n")
-    rows: list[list[Any]] = [
-        [name, fmt(r["p50_us"], 1), fmt(r["p99_us"], 1), fmt(r["mean_us"], 1)]
-        for name, r in results.items()
-    ]
-    print(markdown_table(["call", "p50", "p99", "mean"], rows))
-    hit = results["get_single GPU hit"]["p50_us"]
-    verdict = "within" if hit <= HIT_TARGET_US else "over"
-    print(f"\nGPU hit p50 {hit:.1f} µs: {verdict} the {HIT_TARGET_US:.0f} µs target")
+    print(f"SGLang adapter on {args.device}: cost per call from a thread, {n} calls each")
+    print(latency_table(results, "call"))
+    print(target_verdict("GPU hit", results["get_single GPU hit"]["p50_us"], HIT_TARGET_US))
     write_json(args.out, {"device": args.device, "calls": n, "results": results})
     return 0
 
