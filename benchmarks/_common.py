@@ -82,6 +82,18 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
     return "\n".join(lines)
 
 
+def latency_table(figures: dict[str, dict[str, float]], first: str) -> str:
+    """A markdown table of per-call latencies (summary_us figures per operation)."""
+    rows = [[name, fmt(f["p50_us"]), fmt(f["p99_us"]), int(f["n"])] for name, f in figures.items()]
+    return markdown_table([first, "median µs", "p99 µs", "calls"], rows)
+
+
+def target_verdict(what: str, median_us: float, target_us: float) -> str:
+    """One line saying whether a median latency meets its target."""
+    verdict = "meets" if median_us <= target_us else "misses"
+    return f"{what} median {median_us:.2f} µs {verdict} the {target_us:.0f} µs target"
+
+
 def write_json(path: str | None, data: dict[str, Any]) -> None:
     """Write results as JSON (NaN and inf become null) when a path was given."""
     if not path:

@@ -14,7 +14,6 @@ import gc
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 from prometheus_client import CollectorRegistry
@@ -22,7 +21,7 @@ from prometheus_client import CollectorRegistry
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _common import fmt, markdown_table, summary_us, write_json
+from _common import latency_table, summary_us, target_verdict, write_json
 
 from mmcache import CacheSettings, FeatureCache
 
@@ -101,14 +100,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     n = 2_000 if args.quick else args.n
     figures = asyncio.run(measure(args.device, n))
-    rows: list[list[Any]] = [
-        [name, fmt(f["p50_us"]), fmt(f["p99_us"]), int(f["n"])] for name, f in figures.items()
-    ]
     print(f"bench_ops on {args.device}: Python overhead per call, {n} calls each")
-    print(markdown_table(["operation", "median µs", "p99 µs", "calls"], rows))
-    hit = figures["get GPU hit"]["p50_us"]
-    verdict = "meets" if hit <= HIT_TARGET_US else "misses"
-    print(f"GPU-tier hit median {hit:.2f} µs {verdict} the {HIT_TARGET_US:.0f} µs target")
+    print(latency_table(figures, "operation"))
+    print(target_verdict("GPU-tier hit", figures["get GPU hit"]["p50_us"], HIT_TARGET_US))
     write_json(args.out, {"device": args.device, "n": n, "figures": figures})
     return 0
 

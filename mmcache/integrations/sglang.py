@@ -1,0 +1,362 @@
+"""MMCacheMultimodalCache: mmcache as SGLang's multimodal embedding cache (sglang 0.5.23).
+
+SGLang's scheduler keeps one `MultimodalCache` in `sglang.srt.managers.mm_schedule`
+(`embedding_cache`, built by `init_mm_embedding_cache(max_size)`) and calls it
+synchronously from its own thread. The adapter behaves as SGLang's own
+`MultiModalStaticCache` does for those callers (LRU within `max_size` bytes, views stored
+compact, an existing key refreshed on set), and adds the pinned host tier: what SGLang
+would drop is offloaded and comes back on a hit. `install()` puts it in SGLang's place.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib
+import inspect
+import sys
+import threading
+from collections.abc import Callable, Hashable
+from types import ModuleType
+from typing import Any, Final, final
+
+import torch
+from prometheus_client import CollectorRegistry
+
+from mmcache.cache import FeatureCache
+from mmcache.device import Device, Stream
+from mmcache.errors import InvalidValueError
+from mmcache.integrations import IntegrationError
+from mmcache.integrations.loop_thread import LoopThread
+from mmcache.settings import CacheSettings
+
+try:
+    import sglang
+    from sglang.srt.mem_cache.multimodal_cache import EmbeddingResult, MultimodalCache
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise IntegrationError(
+        f"mmcache.integrations.sglang needs sglang 0.5.23 ({exc}); "
+        "install it with `pip install sglang==0.5.23`"
+    ) from exc
+
+__all__ = ["TESTED_VERSION", "Installation", "MMCacheMultimodalCache", "install"]
+
+#: The SGLang release whose seam and cache semantics the adapter was tested against.
+TESTED_VERSION: Final = "0.5.23"
+_MiB: Final = 1024 * 1024
+_SEAM_MODULE: Final = "sglang.srt.managers.mm_schedule"
+#: MultimodalCache's abstract methods in the tested release: the adapter implements these.
+_ABSTRACT: Final = frozenset({"__init__", "get", "set", "has", "free", "clear", "available_size"})
+_counter = iter(range(1, sys.maxsize))
+
+
+def _data_bytes(tensor: torch.Tensor) -> int:
+    """The bytes SGLang charges an embedding before storing it (its data, not a whole batch)."""
+    return min(tensor.untyped_storage().nbytes(), tensor.element_size() * tensor.numel())
+
+
+def _adapter_settings(max_size: int, settings: CacheSettings | None) -> CacheSettings:
+    """The cache's settings: a GPU tier of exactly max_size bytes, the rest from settings."""
+    base = settings if settings is not None else CacheSettings()
+    values = base.model_dump()
+    values["gpu_cache_mb"] = max_size / _MiB  # exact: MiB is a power of two
+    if base.cpu_cache_bytes == 0:
+        # Evicting ahead helps only where a host tier takes the victims: without one it
+        # would drop entries SGLang keeps.
+        values["evict_ahead"] = 0.0
+    return CacheSettings(**values)
+
+
+class MMCacheMultimodalCache(MultimodalCache):  # type: ignore[misc]
+    """SGLang's multimodal embedding cache, kept by mmcache's GPU and pinned host tiers.
+
+    Every method is synchronous and may be called from any thread: the cache's event loop
+    runs on a thread the adapter owns. A returned embedding is ordered on the calling
+    thread's current stream (no host synchronisation on a GPU hit). `close()` stops it.
+    """
+
+    def __init__(
+        self,
+        max_size: int,
+        *,
+        settings: CacheSettings | None = None,
+        device: str | Device = "cuda",
+        name: str | None = None,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        if isinstance(max_size, bool) or not isinstance(max_size, int) or max_size < 0:
+            raise InvalidValueError(
+                "max_size is a byte count >= 0 (SGLANG_VLM_CACHE_SIZE_MB * 2**20), "
+                f"not {max_size!r}"
+            )
+        super().__init__()
+        self.max_size = max_size
+        name = name if name is not None else f"sglang-{next(_counter)}"
+        self._cache = FeatureCache(
+            _adapter_settings(max_size, settings), device, name=name, registry=registry
+        )
+        self._device = self._cache.device
+        # Per key, the caller's EmbeddingResult less its tensor, where it is a subclass that
+        # carries more (EVS's frame counts); also the keys clear() must discard. Touched on
+        # the loop's thread only.
+        self._known: dict[Hashable, EmbeddingResult | None] = {}
+        self._loop = LoopThread(f"mmcache-{name}")
+        try:
+            self._loop.run(self._cache.start())
+        except BaseException:
+            self._loop.stop()
+            raise
+        self._close_lock = threading.Lock()
+        self._closed = False
+
+    @property
+    def feature_cache(self) -> FeatureCache:
+        """The FeatureCache underneath (its stats(), metrics); call it on its loop only."""
+        return self._cache
+
+    # --- SGLang's MultimodalCache API ------------------------------------------------------
+
+    def get(self, mm_hashes: list[int], combined_hash: int | None = None) -> EmbeddingResult | None:
+        """The embedding cached under the combined hash of mm_hashes, or None.
+
+        As SGLang's static cache does, combined_hash is recomputed from mm_hashes
+        (combine_hashes) and individual hashes are not looked up.
+        """
+        key = self.combine_hashes(mm_hashes)
+        if key is None:
+            return None
+        return self._loop.run(self._get(key, self._device.current_stream()), eager=True)
+
+    def get_single(self, mm_hash: int) -> EmbeddingResult | None:
+        """The embedding cached under mm_hash, or None; a hit refreshes its recency."""
+        return self._loop.run(self._get(mm_hash, self._device.current_stream()), eager=True)
+
+    def set(
+        self, mm_hash: int, embedding: EmbeddingResult, loc: torch.Tensor | None = None
+    ) -> bool:
+        """Cache embedding under mm_hash; True if cached (or already there, refreshed).
+
+        False, storing nothing, when it is larger than max_size, empty, or not on the cache's
+        device. A view is stored compact. The caller may keep using embedding.embedding but
+        must not write to it.
+        """
+        if not isinstance(embedding, EmbeddingResult):
+            raise InvalidValueError(
+                f"set() takes an sglang EmbeddingResult, not {type(embedding).__name__}"
+            )
+        tensor = embedding.embedding
+        shell: EmbeddingResult | None = None
+        if type(embedding) is not EmbeddingResult:
+            shell = copy.copy(embedding)
+            object.__setattr__(shell, "embedding", None)
+        stream = self._device.current_stream()
+        return self._loop.run(self._set(mm_hash, tensor, shell, stream), eager=True)
+
+    def has(self, mm_hash: int) -> bool:
+        """Whether mm_hash is cached (in either tier); does not refresh its recency."""
+        return self._loop.run(self._has(mm_hash), eager=True)
+
+    def free(self, mm_hash: int, mm_embedding_allocator: object = None) -> bool:
+        """Remove mm_hash; True if it was cached. The allocator is not used (as in SGLang)."""
+        return self._loop.run(self._free(mm_hash), eager=True)
+
+    def clear(self) -> None:
+        """Remove every entry."""
+        self._loop.run(self._clear(), eager=True)
+
+    def available_size(self) -> int:
+        """The number of cached entries, which is what SGLang's static cache reports."""
+        return len(self)
+
+    def __len__(self) -> int:
+        return self._loop.run(self._len(), eager=True)
+
+    def close(self) -> None:
+        """Close the cache (finishing its copies) and stop its loop thread; idempotent."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            if self._loop.alive:
+                self._loop.run(self._cache.close())
+        finally:
+            self._loop.stop()
+
+    def __enter__(self) -> MMCacheMultimodalCache:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # --- on the loop's thread --------------------------------------------------------------
+
+    async def _get(self, key: Hashable, stream: Stream) -> EmbeddingResult | None:
+        tensor = await self._cache.get(key, stream=stream)
+        if tensor is None:
+            self._known.pop(key, None)
+            return None
+        shell = self._known.get(key)
+        if shell is None:
+            return EmbeddingResult(embedding=tensor)
+        out = copy.copy(shell)
+        object.__setattr__(out, "embedding", tensor)
+        return out
+
+    async def _set(
+        self,
+        key: Hashable,
+        tensor: torch.Tensor,
+        shell: EmbeddingResult | None,
+        stream: Stream,
+    ) -> bool:
+        cache = self._cache
+        if key in cache:
+            await cache.get(key, stream=stream)  # refreshes its recency, as SGLang's does
+            return True
+        nbytes = _data_bytes(tensor)
+        if nbytes == 0 or nbytes > self.max_size or not self._device.is_device_tensor(tensor):
+            return False  # SGLang's caller then uses the embedding it has, uncached
+        if not await cache.put(key, tensor, stream=stream):
+            return False
+        self._known[key] = shell
+        self._forget_evicted()
+        return True
+
+    async def _has(self, key: Hashable) -> bool:
+        return key in self._cache
+
+    async def _free(self, key: Hashable) -> bool:
+        self._known.pop(key, None)
+        return self._cache.discard(key)
+
+    async def _clear(self) -> None:
+        known, self._known = self._known, {}
+        for key in known:
+            self._cache.discard(key)
+
+    async def _len(self) -> int:
+        return len(self._cache)
+
+    def _forget_evicted(self) -> None:
+        """Drop what is kept for keys the cache has since evicted, once they outnumber it."""
+        cache = self._cache
+        if len(self._known) > 2 * len(cache) + 1024:
+            self._known = {key: shell for key, shell in self._known.items() if key in cache}
+
+
+# --- install ---------------------------------------------------------------------------------
+
+
+@final
+@dataclasses.dataclass(slots=True, eq=False)
+class Installation:
+    """What install() changed in SGLang; uninstall() puts SGLang's own cache back."""
+
+    module: ModuleType
+    original: Callable[..., None]
+    rebound: list[ModuleType]
+    settings: CacheSettings | None
+    device: str | Device
+    cache: MMCacheMultimodalCache | None = None
+
+    def init_cache(self, max_size: int = 0) -> None:
+        """SGLang's init_mm_embedding_cache(max_size), building the adapter instead."""
+        old, self.cache = self.cache, None
+        if old is not None:
+            old.close()
+        self.cache = MMCacheMultimodalCache(max_size, settings=self.settings, device=self.device)
+        seam: Any = self.module
+        seam.embedding_cache = self.cache
+
+    def uninstall(self) -> None:
+        """Restore SGLang's init_mm_embedding_cache and its own cache; close the adapter."""
+        module: Any = self.module
+        for owner in (module, *self.rebound):
+            if getattr(owner, "init_mm_embedding_cache", None) == self.init_cache:
+                owner.init_mm_embedding_cache = self.original
+        cache, self.cache = self.cache, None
+        if cache is not None:
+            if module.embedding_cache is cache:
+                self.original(cache.max_size)
+            cache.close()
+
+
+def install(
+    *,
+    settings: CacheSettings | None = None,
+    device: str | Device = "cuda",
+    module: ModuleType | None = None,
+) -> Installation:
+    """Make SGLang build MMCacheMultimodalCache wherever it builds its embedding cache.
+
+    Replaces `init_mm_embedding_cache` in `sglang.srt.managers.mm_schedule` (and in the
+    SGLang modules that imported it by name), and the `embedding_cache` it already built,
+    if any. Call it in the process that runs SGLang's scheduler before the model loads:
+    at the top level of the launch script, which SGLang's spawned processes import too.
+    Raises IntegrationError where the installed SGLang's seam differs from 0.5.23's.
+    """
+    if module is None:
+        try:
+            module = importlib.import_module(_SEAM_MODULE)
+        except ImportError as exc:
+            raise IntegrationError(
+                f"cannot import {_SEAM_MODULE} ({exc}); install() needs sglang {TESTED_VERSION} "
+                "with its dependencies"
+            ) from exc
+    original = _check_seam(module)
+    seam: Any = module
+    current = getattr(seam.init_mm_embedding_cache, "__self__", None)
+    if isinstance(current, Installation):
+        current.uninstall()  # installing again replaces the earlier installation
+        original = seam.init_mm_embedding_cache
+    rebound = [
+        owner
+        for name, owner in list(sys.modules.items())
+        if name.startswith("sglang.")
+        and owner is not module
+        and getattr(owner, "init_mm_embedding_cache", None) is original
+    ]
+    done = Installation(module, original, rebound, settings, device)
+    owner: Any
+    for owner in (module, *rebound):
+        owner.init_mm_embedding_cache = done.init_cache
+    built = seam.embedding_cache
+    if built is not None:
+        done.init_cache(int(built.max_size))  # SGLang built its own already: take its place
+    return done
+
+
+def _check_seam(module: ModuleType) -> Callable[..., None]:
+    """SGLang's init_mm_embedding_cache, if module is the seam the adapter was built for."""
+    version = getattr(sglang, "__version__", "unknown")
+
+    def refuse(what: str) -> IntegrationError:
+        return IntegrationError(
+            f"sglang {version} differs from {TESTED_VERSION}, the version mmcache's SGLang "
+            f"adapter fits: {what}. Install sglang=={TESTED_VERSION}, or leave SGLang's own "
+            "embedding cache in place"
+        )
+
+    init = getattr(module, "init_mm_embedding_cache", None)
+    if not callable(init):
+        raise refuse(f"{module.__name__} has no init_mm_embedding_cache()")
+    if not hasattr(module, "embedding_cache"):
+        raise refuse(f"{module.__name__} has no embedding_cache global")
+    try:
+        params = list(inspect.signature(init).parameters.values())
+    except (TypeError, ValueError) as exc:
+        raise refuse(f"init_mm_embedding_cache has no readable signature ({exc})") from exc
+    if [p.name for p in params] != ["max_size"]:
+        raise refuse(
+            f"init_mm_embedding_cache takes ({', '.join(p.name for p in params)}), not (max_size)"
+        )
+    static = getattr(module, "MultiModalStaticCache", None)
+    if not (isinstance(static, type) and issubclass(static, MultimodalCache)):
+        raise refuse(f"{module.__name__}.MultiModalStaticCache is not a MultimodalCache")
+    abstract = set(getattr(MultimodalCache, "__abstractmethods__", ()))
+    if abstract != _ABSTRACT:
+        raise refuse(
+            f"MultimodalCache's abstract methods are {sorted(abstract)}, not {sorted(_ABSTRACT)}"
+        )
+    return init  # type: ignore[no-any-return]

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Install the serving engine that tests/test_integration_sglang.py runs against, into the
+# project's venv (.venv or $MMCACHE_VENV, created here if missing): sglang 0.5.23 without its
+# dependencies (they pin another torch and need a GPU), plus the modules that importing
+# sglang.srt.mem_cache.multimodal_cache needs on a CPU machine. Does nothing when it imports.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${MMCACHE_VENV:-$root/.venv}"
+python="${PYTHON:-python3}"
+
+if [ ! -x "$venv/bin/python" ]; then
+  "$python" -m venv "$venv"
+fi
+py="$venv/bin/python"
+probe="import sglang.srt.mem_cache.multimodal_cache"
+if "$py" -W error -c "$probe" >/dev/null 2>&1 \
+  && [ "$("$py" -c 'import importlib.metadata as m; print(m.version("sglang"))')" = "0.5.23" ]; then
+  exit 0
+fi
+if ! "$py" -c "import torch" >/dev/null 2>&1; then
+  # sglang's modules import torch: the same pinned build scripts/run would install.
+  read -r -a torch_args <<<"${MMCACHE_TORCH:-torch==2.13.0}"
+  "$py" -m pip install -q --disable-pip-version-check "${torch_args[@]}"
+fi
+echo "install_integrations.sh: installing sglang 0.5.23 (--no-deps) and its imports into $venv" >&2
+"$py" -m pip install -q --disable-pip-version-check --no-deps \
+  sglang==0.5.23 \
+  aiohappyeyeballs==2.7.1 aiohttp==3.14.5 aiosignal==1.4.0 anyio==4.16.0 attrs==26.1.0 \
+  certifi==2026.10.19.post1 charset-normalizer==3.5.3 frozenlist==1.8.0 idna==3.20 \
+  annotated-types==0.8.0 ipython==9.18.1 msgspec==0.23.0 multidict==7.2.1 numpy==2.4.6 packaging==26.4 orjson==3.13.0 pillow==13.0.0 \
+  propcache==0.5.4 psutil==7.2.2 pydantic==2.14.4 pydantic-core==2.50.5 pybase64==1.5.1 pygments==2.21.0 pyzmq==27.3.0 \
+  requests==2.34.2 starlette==1.10.0 tqdm==4.70.1 traitlets==5.16.1 triton==3.9.0 \
+  typing-extensions==4.16.0 typing-inspection==0.4.5 urllib3==2.8.0 yarl==1.25.1
+"$py" -W error -c "$probe"

@@ -1,0 +1,380 @@
+"""mmcache.integrations.sglang against the real sglang 0.5.23 (`integration` marker).
+
+SGLang's own MultiModalStaticCache is the reference: the adapter must answer every call
+as it does (host tier off, same byte budget), and never miss where it hits (host tier on).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import random
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+from mmcache import CacheClosedError, CacheSettings
+
+pytestmark = pytest.mark.integration
+
+pytest.importorskip(
+    "sglang.srt.mem_cache.multimodal_cache",
+    reason="sglang 0.5.23 is not installed (bash scripts/install_integrations.sh installs it)",
+)
+
+from sglang.srt.mem_cache.multimodal_cache import (  # noqa: E402
+    EmbeddingResult,
+    MultiModalStaticCache,
+)
+
+from mmcache.integrations import IntegrationError  # noqa: E402
+from mmcache.integrations.sglang import (  # noqa: E402
+    Installation,
+    MMCacheMultimodalCache,
+    install,
+)
+
+KiB = 1024
+HOST_OFF = CacheSettings(cpu_cache_mb=0)
+HOST_ON = CacheSettings(cpu_cache_mb=1)
+
+
+def adapter(max_size: int, settings: CacheSettings) -> MMCacheMultimodalCache:
+    return MMCacheMultimodalCache(
+        max_size, settings=settings, device="sim", registry=CollectorRegistry()
+    )
+
+
+def feature(key: int, rows: int, dtype: torch.dtype) -> torch.Tensor:
+    """The embedding of key: the same bytes whenever key is computed again (as in SGLang)."""
+    gen = torch.Generator().manual_seed(key & 0xFFFFFFFF)
+    return torch.randn(rows, 64, generator=gen).to(dtype)
+
+
+class Workload:
+    """A seeded random sequence of SGLang's cache calls over a small pool of keys."""
+
+    DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.items = list(range(1, 25))
+        # The requests' item lists, whose combined hashes get() looks up.
+        self.groups = [
+            [self.rng.choice(self.items) for _ in range(self.rng.randint(1, 3))] for _ in range(8)
+        ]
+        self.shape = {
+            k: (self.rng.randint(1, 48), self.rng.choice(self.DTYPES)) for k in self.items
+        }
+
+    def key(self) -> tuple[int, list[int]]:
+        """A key to set: an item's hash, or a request's combined hash (and its items)."""
+        if self.rng.random() < 0.3:
+            group = self.rng.choice(self.groups)
+            combined = MultiModalStaticCache.combine_hashes(group)
+            return combined, group
+        item = self.rng.choice(self.items)
+        return item, [item]
+
+    def value(self, key: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two equal embeddings for key, one per cache; sometimes views of a larger batch."""
+        rows, dtype = self.shape.get(key, (len(str(key)) % 40 + 1, torch.float32))
+        data = feature(key, rows, dtype)
+        if self.rng.random() < 0.3:
+            pad = self.rng.randint(1, 8)
+            batch = torch.cat([feature(key + 1, pad, dtype), data, feature(key + 2, pad, dtype)])
+            return batch[pad : pad + rows], batch.clone()[pad : pad + rows]
+        return data, data.clone()
+
+
+def results_equal(ours: Any, theirs: Any) -> bool:
+    if theirs is None or ours is None:
+        return ours is None and theirs is None
+    return type(ours) is type(theirs) and (
+        ours.embedding.dtype == theirs.embedding.dtype
+        and torch.equal(ours.embedding, theirs.embedding)
+    )
+
+
+def run_calls(seed: int, calls: int, ours: MMCacheMultimodalCache, ref: Any, *, exact: bool) -> int:
+    """Make the same calls on both; exact: every answer equal, else ours hits where ref hits."""
+    load = Workload(seed)
+    rng = load.rng
+    for step in range(calls):
+        roll = rng.random()
+        where = f"seed {seed}, call {step}"
+        if roll < 0.35:
+            key, _ = load.key()
+            theirs_value, ours_value = load.value(key)
+            set_ours = ours.set(key, EmbeddingResult(embedding=ours_value))
+            set_ref = ref.set(key, EmbeddingResult(embedding=theirs_value))
+            del ours_value, theirs_value
+            assert set_ours == set_ref or (not exact and set_ours), f"set at {where}"
+        elif roll < 0.55:
+            _, group = load.key()
+            got, want = ours.get(group), ref.get(group)
+            assert results_equal(got, want) or (not exact and want is None), f"get at {where}"
+        elif roll < 0.75:
+            item = rng.choice(load.items)
+            got, want = ours.get_single(item), ref.get_single(item)
+            assert results_equal(got, want) or (not exact and want is None), (
+                f"get_single at {where}"
+            )
+        elif roll < 0.85:
+            key, _ = load.key()
+            got_b, want_b = ours.has(key), ref.has(key)
+            assert got_b == want_b or (not exact and got_b), f"has at {where}"
+        elif roll < 0.97:
+            key, _ = load.key()
+            got_b, want_b = ours.free(key, None), ref.free(key, None)
+            assert got_b == want_b or (not exact and got_b), f"free at {where}"
+        elif roll < 0.995:
+            assert (len(ours), ours.available_size()) == (len(ref), ref.available_size()) or (
+                not exact and len(ours) >= len(ref)
+            ), f"len at {where}"
+        else:
+            ours.clear()
+            ref.clear()
+            assert len(ours) == 0
+    return calls
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_answers_as_sglangs_static_cache_call_by_call(seed: int) -> None:
+    budget = [64 * KiB, 96 * KiB, 100 * KiB + 3, 40 * KiB, 256 * KiB][seed]
+    with adapter(budget, HOST_OFF) as ours:
+        ref = MultiModalStaticCache(budget)
+        assert run_calls(seed, 2_000, ours, ref, exact=True) == 2_000  # 10,000 over the seeds
+        assert len(ours) == len(ref)
+        stats = ours.feature_cache.stats()
+        assert stats.gpu_bytes == ref.current_size <= budget
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_with_the_host_tier_every_sglang_hit_is_a_hit(seed: int) -> None:
+    budget = 48 * KiB
+    with adapter(budget, HOST_ON) as ours:
+        ref = MultiModalStaticCache(budget)
+        run_calls(100 + seed, 1_500, ours, ref, exact=False)
+        stats = ours.feature_cache.stats()
+        assert stats.evictions_gpu > 0 and stats.hits_cpu > 0  # the host tier did serve
+
+
+def test_host_tier_brings_back_what_sglang_drops() -> None:
+    with adapter(8 * KiB, HOST_ON) as ours:
+        ref = MultiModalStaticCache(8 * KiB)
+        for key in range(1, 5):  # 4 KiB each: two fit the GPU tier
+            ours.set(key, EmbeddingResult(embedding=feature(key, 16, torch.float32)))
+            ref.set(key, EmbeddingResult(embedding=feature(key, 16, torch.float32)))
+        assert ref.get_single(1) is None
+        back = ours.get_single(1)
+        assert back is not None and torch.equal(back.embedding, feature(1, 16, torch.float32))
+
+
+def test_set_keeps_an_embedding_results_own_fields() -> None:
+    from dataclasses import dataclass
+
+    @dataclass(kw_only=True)
+    class WithFrames(EmbeddingResult):  # type: ignore[misc]
+        frames: list[int]
+
+    with adapter(64 * KiB, HOST_OFF) as ours:
+        assert ours.set(7, WithFrames(embedding=feature(7, 4, torch.float32), frames=[1, 3]))
+        got = ours.get_single(7)
+        assert isinstance(got, WithFrames) and got.frames == [1, 3]
+        assert torch.equal(got.embedding, feature(7, 4, torch.float32))
+
+
+def test_refuses_what_sglang_refuses() -> None:
+    with adapter(4 * KiB, HOST_ON) as ours:
+        too_big = feature(1, 17, torch.float32)  # 4,352 bytes
+        assert not ours.set(1, EmbeddingResult(embedding=too_big))
+        assert not MultiModalStaticCache(4 * KiB).set(1, EmbeddingResult(embedding=too_big))
+        assert not ours.has(1) and len(ours) == 0
+        with pytest.raises(TypeError):
+            ours.set(2, too_big)
+
+
+def test_two_threads_at_once() -> None:
+    errors: list[BaseException] = []
+    with adapter(256 * KiB, HOST_ON) as ours:
+
+        def work(base: int) -> None:
+            try:
+                for i in range(300):
+                    key = base + i % 40
+                    if not ours.has(key):
+                        assert ours.set(
+                            key, EmbeddingResult(embedding=feature(key, 8, torch.float32))
+                        )
+                    got = ours.get_single(key)
+                    if got is not None:
+                        assert torch.equal(got.embedding, feature(key, 8, torch.float32))
+                    shared = ours.get_single(5_000 + i % 7)  # keys both threads set
+                    if shared is None:
+                        value = feature(5_000 + i % 7, 8, torch.float32)
+                        ours.set(5_000 + i % 7, EmbeddingResult(embedding=value))
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=work, args=(b,)) for b in (1_000, 2_000)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors
+        assert ours.feature_cache.stats().hits_gpu > 0
+
+
+def test_close_stops_the_loop_thread() -> None:
+    ours = adapter(16 * KiB, HOST_ON)
+    thread_names = {t.name for t in threading.enumerate()}
+    loop_threads = [name for name in thread_names if name.startswith("mmcache-sglang")]
+    assert loop_threads
+    ours.set(1, EmbeddingResult(embedding=feature(1, 4, torch.float32)))
+    ours.close()
+    ours.close()  # idempotent
+    assert not set(loop_threads) & {t.name for t in threading.enumerate()}
+    with pytest.raises(CacheClosedError):
+        ours.get_single(1)
+
+
+# --- install() on SGLang's own seam ---------------------------------------------------------
+
+SEAM = "sglang.srt.managers.mm_schedule"
+
+
+def _module(name: str, **attrs: object) -> ModuleType:
+    module = ModuleType(name)
+    module.__dict__.update(attrs)
+    return module
+
+
+@pytest.fixture
+def mm_schedule(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
+    """SGLang 0.5.23's own mm_schedule.py, loaded as sglang.srt.managers.mm_schedule.
+
+    Its imports that need a GPU build of torchvision and transformers' processors (model
+    configs, the scheduler's batch types) are replaced by small stand-ins: the seam itself,
+    the caller code and the cache class are SGLang's.
+    """
+    import sglang
+
+    path = Path(sglang.__file__).parent / "srt" / "managers" / "mm_schedule.py"
+
+    class EVSEmbeddingResult(EmbeddingResult):  # type: ignore[misc]
+        pass
+
+    stand_ins = {
+        "sglang.srt.managers.schedule_batch": _module("schedule_batch", MultimodalDataItem=object),
+        "sglang.srt.multimodal.evs": _module("evs", EVSEmbeddingResult=EVSEmbeddingResult),
+        "sglang.srt.multimodal.transport.cuda_ipc": _module(
+            "cuda_ipc", BORROW_CUDA_IPC_FEATURE_KEY="borrow"
+        ),
+        "sglang.srt.runtime_context": _module("runtime_context", get_schedule=lambda: None),
+        "sglang.srt.utils": _module(
+            "utils", is_hip=lambda: False, is_npu=lambda: False, is_xpu=lambda: False
+        ),
+        "sglang.srt.utils.async_probe": _module("async_probe", maybe_assert_sum=lambda *a: None),
+        "sglang.utils": _module("utils", logger=logging.getLogger("sglang")),
+    }
+    for name, module in stand_ins.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    spec = importlib.util.spec_from_file_location(SEAM, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, SEAM, module)
+    spec.loader.exec_module(module)
+    for name in stand_ins:  # SGLang's own modules again for everything after the load
+        monkeypatch.delitem(sys.modules, name)
+    yield module
+
+
+class Item:
+    """What mm_schedule reads of a MultimodalDataItem on the cached path."""
+
+    def __init__(self, hash: int) -> None:
+        self.hash = hash
+        self.feature = None
+
+
+def test_install_makes_sglang_build_and_use_the_adapter(
+    mm_schedule: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    original = mm_schedule.init_mm_embedding_cache
+    builder = _module("sglang.srt.mem_cache.kv_cache_builder", init_mm_embedding_cache=original)
+    monkeypatch.setitem(sys.modules, builder.__name__, builder)  # imported it by name
+    done = install(settings=HOST_ON, device="sim")
+    try:
+        assert isinstance(done, Installation) and builder in done.rebound
+        builder.init_mm_embedding_cache(64 * KiB)  # what SGLang's KV cache builder calls
+        cache = mm_schedule.embedding_cache
+        assert isinstance(cache, MMCacheMultimodalCache) and cache.max_size == 64 * KiB
+        calls: list[int] = []
+
+        def encode(items: list[Item]) -> torch.Tensor:
+            calls.append(len(items))
+            return torch.cat([feature(i.hash, 4, torch.float32) for i in items])
+
+        items = [Item(11), Item(12)]
+        for _ in range(2):  # SGLang's own caller: a miss that encodes, then a hit
+            chunk, _ids = mm_schedule._get_chunked_embedding_full(
+                encode, items, [(0, 3), (4, 7)], 0, 8, torch.zeros(8), torch.device("cpu")
+            )
+            assert torch.equal(chunk, encode(items)[:8])
+            calls.pop()
+        assert calls == [2]
+    finally:
+        done.uninstall()
+    assert mm_schedule.init_mm_embedding_cache is original
+    assert builder.init_mm_embedding_cache is original
+    assert isinstance(mm_schedule.embedding_cache, MultiModalStaticCache)
+    assert cache.feature_cache is not None
+    with pytest.raises(CacheClosedError):
+        cache.get_single(11)
+
+
+def test_install_takes_the_place_of_a_cache_already_built(mm_schedule: ModuleType) -> None:
+    mm_schedule.init_mm_embedding_cache(32 * KiB)
+    done = install(settings=HOST_OFF, device="sim", module=mm_schedule)
+    try:
+        assert isinstance(mm_schedule.embedding_cache, MMCacheMultimodalCache)
+        assert mm_schedule.embedding_cache.max_size == 32 * KiB
+        again = install(settings=HOST_OFF, device="sim", module=mm_schedule)
+        assert done.cache is None and isinstance(again.cache, MMCacheMultimodalCache)
+        again.uninstall()
+    finally:
+        done.uninstall()
+
+
+@pytest.mark.parametrize(
+    "seam",
+    [
+        _module("no_init", embedding_cache=None, MultiModalStaticCache=MultiModalStaticCache),
+        _module(
+            "no_global",
+            init_mm_embedding_cache=lambda max_size=0: None,
+            MultiModalStaticCache=MultiModalStaticCache,
+        ),
+        _module(
+            "other_signature",
+            init_mm_embedding_cache=lambda max_size=0, device="cuda": None,
+            embedding_cache=None,
+            MultiModalStaticCache=MultiModalStaticCache,
+        ),
+        _module("no_class", init_mm_embedding_cache=lambda max_size=0: None, embedding_cache=None),
+    ],
+    ids=lambda m: m.__name__,
+)
+def test_install_refuses_a_seam_that_differs(seam: ModuleType) -> None:
+    before = dict(seam.__dict__)
+    with pytest.raises(IntegrationError, match=r"0\.5\.23"):
+        install(device="sim", module=seam)
+    assert seam.__dict__ == before  # nothing changed
