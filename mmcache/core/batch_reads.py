@@ -57,6 +57,7 @@ class BatchReads:
         """The features of keys on the device, usable on stream; None for a miss."""
         out: list[torch.Tensor | None] = [None] * len(keys)
         waits: list[Fence] = []
+        used: list[torch.Tensor] = []  # one tensor per block of device memory served
         uploads: list[_Upload] = []
         first: dict[Hashable, int] = {}
         repeats: list[tuple[int, int]] = []
@@ -88,10 +89,9 @@ class BatchReads:
                     touch_gpu(entry.key)
                 tensor = entry.tensor
                 assert tensor is not None
-                if member is None:
-                    out[i] = tensor.detach()
-                else:
-                    out[i] = tensor[member.start : member.stop]
+                alias = tensor.detach() if member is None else tensor[member.start : member.stop]
+                out[i] = alias
+                used.append(alias)
                 if entry.ready.done():
                     raise_if_failed(entry.ready)
                 else:
@@ -101,15 +101,16 @@ class BatchReads:
                 touch_host(entry.key)
                 uploads.append((i, entry, member))
         if uploads:
-            fence = self._upload(uploads, out)
-            waits.append(fence)
-        await self._wait(waits, out, stream)
+            waits.append(self._upload(uploads, out, used))
+        await self._wait(waits, used, stream)
         for i, seen in repeats:
             found_tensor = out[seen]
             out[i] = None if found_tensor is None else found_tensor.detach()
         return out
 
-    def _upload(self, uploads: list[_Upload], out: list[torch.Tensor | None]) -> Fence:
+    def _upload(
+        self, uploads: list[_Upload], out: list[torch.Tensor | None], used: list[torch.Tensor]
+    ) -> Fence:
         """Queue the host hits' copies, behind one fence; promote those that fit."""
         reads = self._reads
         device = self._device
@@ -165,7 +166,9 @@ class BatchReads:
         read: set[int] = set()  # entries whose host block these copies read
         for (i, entry, member), dst, promote in zip(uploads, dsts, promoted, strict=True):
             # The caller's own alias: the tier's tensor object goes back to the device alone.
-            out[i] = dst.detach() if promote else dst
+            out[i] = alias = dst.detach() if promote else dst
+            if promote or buffer is None:
+                used.append(alias)
             nbytes_all += dst.nbytes
             if id(entry) not in read:  # members of one group share its block
                 read.add(id(entry))
@@ -177,15 +180,14 @@ class BatchReads:
                 if buffer is None:  # an empty feature: its own (empty) allocation
                     device.release(dst, after=reads.upload_fences(fence))
         if buffer is not None:
+            used.append(buffer)  # one record for every view of it
             # The outputs' views keep it alive for their holders.
             device.release(buffer, after=reads.upload_fences(fence))
         reads.track_upload(entries, fence, nbytes_all)
         return fence
 
-    async def _wait(
-        self, waits: list[Fence], out: list[torch.Tensor | None], stream: Stream
-    ) -> None:
-        """Order the outputs after the fences they depend on, on stream (or wait for them)."""
+    async def _wait(self, waits: list[Fence], used: list[torch.Tensor], stream: Stream) -> None:
+        """Order the served memory after the fences it depends on, on stream (or wait)."""
         device = self._device
         pending = [fence for fence in dict.fromkeys(waits) if not fence.done()]
         if device.stream_ordered_reads:
@@ -199,10 +201,5 @@ class BatchReads:
                 raise
         for fence in waits:
             raise_if_failed(fence)
-        used: set[int] = set()
-        for tensor in out:
-            if tensor is not None:
-                ptr = tensor.untyped_storage().data_ptr()
-                if ptr not in used:  # views of one buffer: one record for its block
-                    used.add(ptr)
-                    device.use_on(tensor, stream)
+        for tensor in used:
+            device.use_on(tensor, stream)
