@@ -78,6 +78,29 @@ async def test_with_no_server_puts_succeed_and_gets_miss_logged_once(
     assert len([m for m in _warnings(caplog) if "remote tier" in m]) == 1  # one burst, one line
 
 
+async def test_with_the_server_down_a_put_queues_no_write_and_one_probe_asks_after(
+    rig: Rig, make_cache: CacheFactory
+) -> None:
+    skip_without_redis()
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    cache = make_cache(gpu_mb=1, remote_url=url, remote_timeout_sec=0.2)
+    await put_feature(cache, rig, "first", 4)  # its write finds the server down
+    await cache.drain()
+    before = cache.stats()
+    assert before.remote_errors >= 1
+    for i in range(50):  # over 100 ms, past the first back-off, with the loop never idle
+        await put_feature(cache, rig, ("k", i), 4, seed=i)
+        assert cache.stats().remote_queued_bytes == 0  # no write queued, no host copy made
+        time.sleep(0.002)  # noqa: ASYNC251 - the loop must stay busy: no other task runs
+    await asyncio.sleep(0.3)  # past the first back-off: a put starts the one probe
+    await put_feature(cache, rig, "last", 4)
+    await cache.drain()
+    await asyncio.sleep(0.05)
+    after = cache.stats()
+    assert after.remote_dropped_writes - before.remote_dropped_writes == 51
+    assert 1 <= after.remote_errors - before.remote_errors <= 2  # the probe, not 51 writes
+
+
 async def test_a_paused_server_makes_gets_miss_within_the_timeout(
     rig: Rig, make_cache: CacheFactory, own_server: RedisServer
 ) -> None:

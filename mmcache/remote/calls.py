@@ -40,8 +40,12 @@ class ServerCalls:
         self._seconds = seconds
 
     def available(self) -> bool:
-        """Whether to try the server now (no back-off running)."""
+        """Whether to try the server now (no back-off running; after one, the one probe)."""
         return self.faults.available()
+
+    def in_burst(self) -> bool:
+        """Whether the server is being backed off from (its last operation failed)."""
+        return self.faults.in_burst
 
     async def __call__(self, op: str, call: Awaitable[_T]) -> _T | Failed:
         started = time.perf_counter()

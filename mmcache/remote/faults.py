@@ -38,7 +38,9 @@ class Faults:
     """Whether the remote tier should try the server now, and what went wrong so far.
 
     After an error, operations skip the server for a back-off that doubles with each
-    error in a row (BACKOFF_MIN_S to BACKOFF_MAX_S); the first success ends the burst.
+    error in a row (BACKOFF_MIN_S to BACKOFF_MAX_S); once it has passed, one operation
+    probes the server and the others go on skipping it until that one's answer (or for
+    probe_s at most); the first success ends the burst.
     The client reconnects on the first operation after the back-off. One warning
     starts a burst and one line ends it, however many calls failed between; a flapping
     server's further bursts within QUIET_S are logged at debug level and counted in the
@@ -53,14 +55,18 @@ class Faults:
         "_logged",
         "_logged_at",
         "_name",
+        "_probe_s",
+        "_probe_until",
         "_quiet_bursts",
         "_retry_at",
         "errors",
     )
 
-    def __init__(self, name: str, count: Callable[[str], None]) -> None:
+    def __init__(self, name: str, count: Callable[[str], None], probe_s: float = 1.0) -> None:
         self._name = name  # the server, as logs name it
         self._count = count
+        self._probe_s = probe_s  # how long one probe has to answer (an operation's timeout)
+        self._probe_until = 0.0
         self._clock = time.monotonic
         self._backoff = 0.0
         self._retry_at = 0.0
@@ -76,9 +82,24 @@ class Faults:
         """Errors so far, all kinds."""
         return sum(self.errors.values())
 
+    @property
+    def in_burst(self) -> bool:
+        """Whether the last operation failed (and none has succeeded since)."""
+        return self._burst > 0
+
     def available(self) -> bool:
-        """Whether to try the server now (no back-off running)."""
-        return self._burst == 0 or self._clock() >= self._retry_at
+        """Whether to try the server now: no burst, or the one probe after its back-off.
+
+        A server that is down must cost the calls in between next to nothing: without
+        the single probe, every put after a back-off would queue a write to it.
+        """
+        if self._burst == 0:
+            return True
+        now = self._clock()
+        if now < self._retry_at or now < self._probe_until:
+            return False
+        self._probe_until = now + self._probe_s
+        return True
 
     def failed(self, op: str, exc: BaseException) -> None:
         """An operation failed: count it, log it if it starts a burst, back off."""
@@ -90,6 +111,7 @@ class Faults:
         self._burst += 1
         self._backoff = min(BACKOFF_MAX_S, max(BACKOFF_MIN_S, self._backoff * 2))
         self._retry_at = self._clock() + self._backoff
+        self._probe_until = 0.0  # the probe answered
 
     def succeeded(self) -> None:
         """An operation succeeded: the burst, if any, is over."""
@@ -100,6 +122,7 @@ class Faults:
             )
             self._burst = 0
             self._backoff = 0.0
+            self._probe_until = 0.0
 
     def _burst_started(self, op: str, exc: BaseException) -> None:
         """Log a burst's first error: a warning, unless one was logged within QUIET_S."""

@@ -68,7 +68,7 @@ class RemoteTier:
         self._landing = HostLanding(
             device=device, host=core.host, index=index, ledger=core.ledger, changed=changed
         )
-        self._faults = faults = Faults(name, series.error)
+        self._faults = faults = Faults(name, series.error, settings.remote_timeout_sec)
         self._call = calls = ServerCalls(faults, settings.remote_timeout_sec, series.seconds)
         self._fetches: SingleFlight[None] = SingleFlight()
         self._writer = RemoteWriter(
@@ -225,6 +225,10 @@ class RemoteTier:
             with contextlib.suppress(BaseException):
                 await task
         self._writer.drop_all(await self._writer.queue.close(self._timeout), "closed")
+        probe = self._writer.stop_probing()
+        if probe is not None:
+            with contextlib.suppress(BaseException):
+                await probe
         for task in list(self._deletes):
             with contextlib.suppress(BaseException):
                 await asyncio.wait_for(task, self._timeout)

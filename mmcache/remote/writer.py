@@ -61,11 +61,12 @@ class RemoteWriter:
         self._copy_timeout = settings.copy_timeout_s
         self.queue = WriteQueue(self._send, settings.remote_queue_bytes, queued=series.set_queued)
         self.written_bytes = self.dropped = 0
+        self._probe: asyncio.Task[None] | None = None
 
     def put(self, key: Hashable) -> None:
         """Queue a write of key's feature, just put, from a host copy of it."""
-        if not self._calls.available():
-            self._drop("unavailable")  # first: a put costs the least while the server is down
+        if self._calls.in_burst():
+            self._unavailable()  # first: a put costs the least while the server is down
             return
         found = self._index.get(key)
         if found is None:
@@ -123,13 +124,33 @@ class RemoteWriter:
         if nbytes > self._max_bytes:
             self._drop("too_large")
             return False
-        if not self._calls.available():
-            self._drop("unavailable")
+        if self._calls.in_burst():
+            self._unavailable()
             return False
         if not self.queue.fits(nbytes):
             self._drop("queue_full")
             return False
         return True
+
+    def _unavailable(self) -> None:
+        """Drop a write while the server is backed off from; once the back-off is over, ask
+        the server (one small call) whether it is back, since no write goes to find out."""
+        self._drop("unavailable")
+        if self._probe is None and self._calls.available():
+            self._probe = asyncio.ensure_future(self._ask_server())
+
+    async def _ask_server(self) -> None:
+        try:
+            await self._calls("probe", self._store.exists(self._key("mmcache:probe")))
+        finally:
+            self._probe = None
+
+    def stop_probing(self) -> asyncio.Task[None] | None:
+        """The probe running, cancelled (close())."""
+        probe, self._probe = self._probe, None
+        if probe is not None:
+            probe.cancel()
+        return probe
 
     def _drop(self, reason: str) -> None:
         self.dropped += 1
@@ -140,6 +161,9 @@ class RemoteWriter:
         try:
             if write.fence is not None:
                 await wait_fences([write.fence], self._copy_timeout)
+            if not self._calls.available():  # before encoding: a down server costs nothing
+                self._drop("unavailable")
+                return
             if write.nbytes >= THREAD_FROM_BYTES:
                 value = await asyncio.to_thread(encode_value, write.tensor)
             else:
@@ -150,9 +174,6 @@ class RemoteWriter:
         except Exception as e:  # a failed copy: nothing to write
             log.debug("remote write of %r skipped: %s", write.key, e)
             self._drop("error")
-            return
-        if not self._calls.available():
-            self._drop("unavailable")
             return
         try:
             result = await self._calls(
