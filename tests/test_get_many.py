@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 from conftest import CacheFactory, Rig, assert_exact, feature, put_feature
 
-from mmcache import CopyFailedError, DeviceOutOfMemoryError, InvalidKeyError
+from mmcache import CopyFailedError, DeviceOutOfMemoryError, FeatureCache, InvalidKeyError
 from mmcache.device.sim import SimDevice
 
 
@@ -129,6 +130,18 @@ async def test_the_device_memory_of_a_batch_goes_back(rig: Rig, make_cache: Cach
     assert cache.stats().leaked_bytes == 0
 
 
+async def offloaded(
+    rig: Rig, make_cache: CacheFactory
+) -> tuple[FeatureCache, dict[str, torch.Tensor]]:
+    """A cache whose GPU tier (64 KiB, no promotion) holds the last four of six 16 KiB
+    features put, the host tier the first two; and the features, to compare with."""
+    cache = make_cache(gpu_mb=64 / 1024, cpu_mb=1, promote_on_hit=False)
+    assert await cache.wait_host_ready(5)
+    want = {f"f{i}": await put_feature(cache, rig, f"f{i}", 16, seed=i) for i in range(6)}
+    await cache.drain()
+    return cache, want
+
+
 def _sim(rig: Rig) -> SimDevice:
     """The rig's simulator (the test injects faults or holds copies: skipped on a GPU)."""
     if not isinstance(rig.device, SimDevice):
@@ -139,10 +152,7 @@ def _sim(rig: Rig) -> SimDevice:
 async def test_a_failed_batch_upload_raises_and_keeps_the_entries(
     rig: Rig, make_cache: CacheFactory
 ) -> None:
-    cache = make_cache(gpu_mb=64 / 1024, cpu_mb=1, promote_on_hit=False)
-    assert await cache.wait_host_ready(5)
-    want = {f"f{i}": await put_feature(cache, rig, f"f{i}", 16, seed=i) for i in range(6)}
-    await cache.drain()
+    cache, want = await offloaded(rig, make_cache)
     _sim(rig).inject("copy_fails")
     with pytest.raises(CopyFailedError):
         await cache.get_many(["f0", "f1", "f5"])
@@ -156,10 +166,7 @@ async def test_a_failed_batch_upload_raises_and_keeps_the_entries(
 async def test_out_of_memory_in_a_batch_raises_and_frees_what_it_took(
     rig: Rig, make_cache: CacheFactory
 ) -> None:
-    cache = make_cache(gpu_mb=64 / 1024, cpu_mb=1, promote_on_hit=False)
-    assert await cache.wait_host_ready(5)
-    want = {f"f{i}": await put_feature(cache, rig, f"f{i}", 16, seed=i) for i in range(6)}
-    await cache.drain()
+    cache, want = await offloaded(rig, make_cache)
     rig.settle()
     before = rig.allocated_bytes()
     _sim(rig).inject("alloc_fails")
@@ -174,10 +181,7 @@ async def test_out_of_memory_in_a_batch_raises_and_frees_what_it_took(
 
 async def test_a_batch_resolves_only_after_its_uploads(rig: Rig, make_cache: CacheFactory) -> None:
     _sim(rig)
-    cache = make_cache(gpu_mb=64 / 1024, cpu_mb=1, promote_on_hit=False)
-    assert await cache.wait_host_ready(5)
-    want = {f"f{i}": await put_feature(cache, rig, f"f{i}", 16, seed=i) for i in range(6)}
-    await cache.drain()
+    cache, want = await offloaded(rig, make_cache)
     with rig.hold():  # the batch's upload copies are held back
         read = asyncio.create_task(cache.get_many(["f0", "f1", "f5"]))
         await asyncio.sleep(0.02)
