@@ -165,9 +165,7 @@ def test_the_namespace_is_the_model(make: Make, redis_url: str) -> None:
     assert not other_model.has_cache_item("h")
 
 
-def test_an_output_gone_before_the_load_fails_only_its_request(
-    make: Make, redis_url: str
-) -> None:
+def test_an_output_gone_before_the_load_fails_only_its_request(make: Make, redis_url: str) -> None:
     producer = make("ec_producer", ECConnectorRole.WORKER, remote_url=redis_url)
     scheduler = make("ec_consumer", ECConnectorRole.SCHEDULER, remote_url=redis_url)
     consumer = make("ec_consumer", ECConnectorRole.WORKER, remote_url=redis_url)
@@ -221,7 +219,7 @@ def test_a_slow_server_answers_within_the_timeout(make: Make) -> None:
     with socket.socket() as listener:  # accepts connections, never answers
         listener.bind(("127.0.0.1", 0))
         listener.listen(8)
-        url = "redis://127.0.0.1:%d" % listener.getsockname()[1]
+        url = f"redis://127.0.0.1:{listener.getsockname()[1]}"
         scheduler = make(
             "ec_consumer", ECConnectorRole.SCHEDULER, remote_url=url, remote_timeout_sec=0.2
         )
@@ -259,7 +257,8 @@ def test_stats_aggregate_and_reach_prometheus(make: Make) -> None:
 
     class _Counter(Counter):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, registry=registry, **kwargs)
+            kwargs.setdefault("registry", registry)  # vLLM's own registry: not in this test
+            super().__init__(*args, **kwargs)
 
     a = MMCacheECConnector.build_ec_connector_stats({"loads": 2, "load_bytes": 10})
     b = MMCacheECConnector.build_ec_connector_stats({"loads": 1})
@@ -267,8 +266,10 @@ def test_stats_aggregate_and_reach_prometheus(make: Make) -> None:
     total = a.aggregate(b)
     assert total.reduce()["loads"] == 3 and not total.is_empty()
     prom = MMCacheECConnector.build_prom_metrics(
-        vllm_config("ec_both"), {Gauge: Gauge, Counter: _Counter, Histogram: Histogram},
-        ["engine"], {0: ["0"]},
+        vllm_config("ec_both"),
+        {Gauge: Gauge, Counter: _Counter, Histogram: Histogram},
+        ["engine"],
+        {0: ["0"]},
     )
     assert prom is not None
     prom.observe(total.data, 0)

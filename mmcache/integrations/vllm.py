@@ -151,7 +151,7 @@ class _PromMetrics(ECConnectorPromMetrics):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self._counters = {
+        self._counters: dict[str, Any] = {
             name: self._counter_cls(
                 name=f"vllm:mmcache_ec_{name}",
                 documentation=f"MMCacheECConnector: {name.replace('_', ' ')}",
@@ -192,9 +192,7 @@ class MMCacheECConnector(ECConnectorBase):
             )
         self._model = str(model)
         try:
-            self._settings = CacheSettings(
-                **{k: v for k, v in extra.items() if k not in _OWN_KEYS}
-            )
+            self._settings = CacheSettings(**{k: v for k, v in extra.items() if k not in _OWN_KEYS})
         except ValueError as exc:
             raise SettingsError(
                 f"ec_connector_extra_config holds CacheSettings fields plus 'device' and "
@@ -288,7 +286,9 @@ class MMCacheECConnector(ECConnectorBase):
             self._saving.add(future)
         future.add_done_callback(self._saved)
 
-    async def _save(self, cache: FeatureCache, key: Hashable, value: torch.Tensor, stream: Any) -> None:
+    async def _save(
+        self, cache: FeatureCache, key: Hashable, value: torch.Tensor, stream: Any
+    ) -> None:
         try:
             done = await cache.put(key, value, stream=stream)
         except MMCacheError as exc:
