@@ -4,6 +4,7 @@ outputs between a producer and a consumer through a real redis-server, bit-exact
 from __future__ import annotations
 
 import socket
+import threading
 import time
 import types
 from collections.abc import Callable, Iterator
@@ -274,3 +275,36 @@ def test_stats_aggregate_and_reach_prometheus(make: Make) -> None:
     assert prom is not None
     prom.observe(total.data, 0)
     assert registry.get_sample_value("vllm:mmcache_ec_loads_total", {"engine": "0"}) == 3
+
+
+def test_save_caches_returns_while_the_cache_loop_is_busy(make: Make, redis_url: str) -> None:
+    producer = make("ec_producer", ECConnectorRole.WORKER, remote_url=redis_url)
+    release = threading.Event()
+    producer._loop.loop.call_soon_threadsafe(release.wait, 10)  # the loop is held up
+    try:
+        started = time.monotonic()
+        producer.save_caches({"h": torch.ones(4, 4)}, "h")
+        assert time.monotonic() - started < 1
+    finally:
+        release.set()
+    producer.flush(10)
+    stats = producer.get_ec_connector_stats()
+    assert stats is not None and stats.reduce()["saves"] == 1
+
+
+def test_a_requests_items_are_asked_in_one_batch_per_step(
+    make: Make, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    scheduler = make("ec_consumer", ECConnectorRole.SCHEDULER, remote_url=redis_url)
+    batches: list[list[str]] = []
+    ask = scheduler._ask
+
+    def counted(ids: list[str]) -> list[bool]:
+        batches.append(ids)
+        return ask(ids)
+
+    monkeypatch.setattr(scheduler, "_ask", counted)
+    schedule(scheduler, request("r", "a", "b", "c"))
+    assert batches == [["a", "b", "c"]]
+    schedule(scheduler, request("r", "a", "b", "c"))  # a new step asks again
+    assert len(batches) == 2
