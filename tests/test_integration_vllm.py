@@ -21,6 +21,7 @@ pytest.importorskip(
     reason="vllm 0.33.0 is not importable here: bash scripts/install_vllm.sh installs it",
 )
 
+from redis_server import free_port
 from vllm.config import ECTransferConfig
 from vllm.distributed.ec_transfer import ensure_ec_transfer_initialized, ensure_ec_transfer_shutdown
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorBase, ECConnectorRole
@@ -107,14 +108,6 @@ def run_worker_step(output: SchedulerOutput, encoder_cache: dict[str, torch.Tens
     return connector_output
 
 
-def closed_port() -> int:
-    """A local TCP port nobody listens on."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-    return port
-
-
 def test_the_connector_implements_every_abstract_method() -> None:
     assert not MMCacheECConnector.__abstractmethods__
     assert issubclass(MMCacheECConnector, ECConnectorBase)
@@ -198,7 +191,7 @@ def test_an_output_gone_before_the_load_fails_only_its_request(make: Make, redis
 
 
 def test_a_down_server_answers_false_quickly_and_never_raises(make: Make) -> None:
-    url = f"redis://127.0.0.1:{closed_port()}"
+    url = f"redis://127.0.0.1:{free_port()}"  # nobody listens there
     scheduler = make("ec_consumer", ECConnectorRole.SCHEDULER, remote_url=url)
     producer = make("ec_producer", ECConnectorRole.WORKER, remote_url=url)
     producer.save_caches({"h": torch.ones(4, 4)}, "h")  # kept locally, not shared
