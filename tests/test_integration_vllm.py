@@ -32,6 +32,7 @@ from vllm.v1.outputs import ECConnectorOutput
 from vllm.v1.worker.ec_connector_model_runner_mixin import ECConnectorModelRunnerMixin
 
 from mmcache.integrations.vllm import (
+    MAX_PENDING_SAVES,
     MMCacheECConnector,
     MMCacheECConnectorMetadata,
     MMCacheECConnectorStats,
@@ -276,13 +277,18 @@ def test_save_caches_returns_while_the_cache_loop_is_busy(make: Make, redis_url:
     producer._loop.loop.call_soon_threadsafe(release.wait, 10)  # the loop is held up
     try:
         started = time.monotonic()
-        producer.save_caches({"h": torch.ones(4, 4)}, "h")
+        outputs = {f"h{i}": torch.full((4, 4), float(i)) for i in range(MAX_PENDING_SAVES + 3)}
+        for mm_hash in outputs:
+            producer.save_caches(outputs, mm_hash)
         assert time.monotonic() - started < 1
     finally:
         release.set()
     producer.flush(10)
     stats = producer.get_ec_connector_stats()
-    assert stats is not None and stats.reduce()["saves"] == 1
+    assert stats is not None
+    # Past MAX_PENDING_SAVES waiting on the loop, saves are dropped, not queued without bound.
+    assert stats.reduce()["saves"] == MAX_PENDING_SAVES
+    assert stats.reduce()["save_failures"] == 3
 
 
 def test_a_requests_items_are_asked_in_one_batch_per_step(

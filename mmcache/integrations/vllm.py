@@ -58,6 +58,7 @@ if TYPE_CHECKING:
     from mmcache.remote.store import RemoteStore
 
 __all__ = [
+    "MAX_PENDING_SAVES",
     "TESTED_VERSION",
     "MMCacheECConnector",
     "MMCacheECConnectorMetadata",
@@ -82,6 +83,9 @@ STAT_NAMES: Final = (
     "load_misses",
     "load_bytes",
 )
+#: Saves handed to the cache's loop and not done yet, at most; past it a save is dropped
+#: (counted in save_failures) so that a slow cache cannot pin the runner's outputs unbounded.
+MAX_PENDING_SAVES: Final = 64
 _BACKOFF_MIN_S: Final = 0.05
 _BACKOFF_MAX_S: Final = 5.0
 
@@ -273,8 +277,17 @@ class MMCacheECConnector(ECConnectorBase):
     def save_caches(
         self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any
     ) -> None:
-        """Put encoder_cache[mm_hash] into the cache on its loop; returns without waiting."""
+        """Put encoder_cache[mm_hash] into the cache on its loop; returns without waiting.
+
+        The cache holds the tensor itself (vLLM only reads it): on a GPU it counts against
+        gpu_cache_mb, memory vLLM's own profiling does not see.
+        """
         if not self.is_producer or self._cache is None or self._closed:
+            return
+        with self._lock:
+            full = len(self._saving) >= MAX_PENDING_SAVES
+        if full:
+            self._count("save_failures")
             return
         value = encoder_cache[mm_hash]
         stream = self._cache.device.current_stream()  # the runner's: streams are per thread
