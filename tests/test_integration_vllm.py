@@ -1,0 +1,309 @@
+"""MMCacheECConnector against vLLM 0.33.0: built by vLLM's ECConnectorFactory, sharing encoder
+outputs between a producer and a consumer through a real redis-server, bit-exact."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip(
+    "redis", reason="the redis package is not installed: pip install 'mmcache[remote]'"
+)
+pytest.importorskip(
+    "vllm.distributed.ec_transfer.ec_connector.factory",
+    reason="vllm 0.33.0 is not importable here: bash scripts/install_vllm.sh installs it",
+)
+
+from redis_server import free_port
+from vllm.config import ECTransferConfig
+from vllm.distributed.ec_transfer import ensure_ec_transfer_initialized, ensure_ec_transfer_shutdown
+from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorBase, ECConnectorRole
+from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
+from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.outputs import ECConnectorOutput
+from vllm.v1.worker.ec_connector_model_runner_mixin import ECConnectorModelRunnerMixin
+
+from mmcache.integrations.vllm import (
+    MAX_PENDING_SAVES,
+    MMCacheECConnector,
+    MMCacheECConnectorMetadata,
+    MMCacheECConnectorStats,
+)
+
+pytestmark = pytest.mark.vllm
+
+Make = Callable[..., MMCacheECConnector]
+
+
+def vllm_config(role: str, **extra: Any) -> Any:
+    """The parts of a VllmConfig the connector reads: a real ECTransferConfig, as
+    --ec-transfer-config builds it, and the model's name. (A whole VllmConfig cannot be
+    built on a CPU machine without vLLM's serving dependencies.)"""
+    extra = {"device": "sim", "gpu_cache_mb": 4, "cpu_cache_mb": 4, **extra}
+    transfer = ECTransferConfig(
+        ec_connector="MMCacheECConnector",
+        ec_connector_module_path="mmcache.integrations.vllm",
+        ec_role=role,  # type: ignore[arg-type]
+        ec_connector_extra_config=extra,
+    )
+    return types.SimpleNamespace(
+        ec_transfer_config=transfer, model_config=types.SimpleNamespace(model="org/vlm-7b")
+    )
+
+
+@pytest.fixture
+def make() -> Iterator[Make]:
+    """Connectors made through vLLM's factory, shut down after the test."""
+    made: list[ECConnectorBase] = []
+
+    def build(role: str, side: ECConnectorRole, **extra: Any) -> MMCacheECConnector:
+        connector = ECConnectorFactory.create_connector(vllm_config(role, **extra), side)
+        made.append(connector)
+        assert isinstance(connector, MMCacheECConnector)
+        return connector
+
+    yield build
+    for connector in made:
+        connector.shutdown()
+
+
+def request(request_id: str, *hashes: str) -> Any:
+    """A request as the scheduler passes it: its id and its items' MultiModalFeatureSpecs."""
+    features = [
+        MultiModalFeatureSpec(
+            data=None,
+            modality="image",
+            identifier=h,
+            mm_position=PlaceholderRange(offset=4 + 100 * i, length=16),
+        )
+        for i, h in enumerate(hashes)
+    ]
+    return types.SimpleNamespace(request_id=request_id, mm_features=features)
+
+
+def schedule(scheduler: MMCacheECConnector, req: Any) -> SchedulerOutput:
+    """One scheduler step for req as vLLM's Scheduler drives the connector: its metadata."""
+    assert scheduler.ensure_cache_available(req, 0)
+    for index, feature in enumerate(req.mm_features):
+        if scheduler.has_cache_item(feature.identifier):
+            scheduler.update_state_after_alloc(req, index)
+    output = SchedulerOutput.make_empty()
+    output.ec_connector_metadata = scheduler.build_connector_meta(output)
+    return output
+
+
+def run_worker_step(output: SchedulerOutput, encoder_cache: dict[str, torch.Tensor]) -> Any:
+    """The model runner's EC step (vLLM's own mixin) on the process's worker connector."""
+    with ECConnectorModelRunnerMixin.maybe_get_ec_connector_output(
+        output, encoder_cache
+    ) as connector_output:
+        pass
+    return connector_output
+
+
+def test_the_connector_implements_every_abstract_method() -> None:
+    assert not MMCacheECConnector.__abstractmethods__
+    assert issubclass(MMCacheECConnector, ECConnectorBase)
+
+
+def test_a_consumer_loads_what_a_producer_saved_bit_exact(make: Make, redis_url: str) -> None:
+    producer = make("ec_producer", ECConnectorRole.WORKER, remote_url=redis_url)
+    scheduler = make("ec_consumer", ECConnectorRole.SCHEDULER, remote_url=redis_url)
+    outputs = {
+        "img-a": torch.randn(16, 64, dtype=torch.bfloat16),
+        "img-b": torch.randn(8, 32, 2)[:, :, 0],  # a view, as a split batch output is
+    }
+    expected = {h: t.clone() for h, t in outputs.items()}
+    for mm_hash in outputs:
+        producer.save_caches(outputs, mm_hash)
+    producer.flush(10)
+    req = request("req-1", "img-a", "img-b", "img-missing")
+
+    output = schedule(scheduler, req)
+    meta = output.ec_connector_metadata
+    assert isinstance(meta, MMCacheECConnectorMetadata)
+    assert [item.mm_hash for item in meta.loads] == ["img-a", "img-b"]
+
+    config = vllm_config("ec_consumer", remote_url=redis_url)
+    ensure_ec_transfer_initialized(config)  # vLLM's worker-side construction, by the factory
+    try:
+        encoder_cache: dict[str, torch.Tensor] = {}
+        connector_output = run_worker_step(output, encoder_cache)
+    finally:
+        ensure_ec_transfer_shutdown()
+    assert sorted(encoder_cache) == ["img-a", "img-b"]
+    for mm_hash, tensor in encoder_cache.items():
+        assert tensor.dtype == expected[mm_hash].dtype
+        assert torch.equal(tensor, expected[mm_hash])
+    assert connector_output.finished_recving == {"req-1"}
+    assert connector_output.ec_connector_worker_meta is None
+    stats = scheduler.get_ec_connector_stats()
+    assert isinstance(stats, MMCacheECConnectorStats)
+    assert stats.reduce()["lookups"] == 3 and stats.reduce()["lookup_hits"] == 2
+
+
+def test_the_namespace_is_the_model(make: Make, redis_url: str) -> None:
+    producer = make("ec_producer", ECConnectorRole.WORKER, remote_url=redis_url)
+    other_model = make("ec_consumer", ECConnectorRole.SCHEDULER, remote_url=redis_url, model="x")
+    same_model = make("ec_consumer", ECConnectorRole.SCHEDULER, remote_url=redis_url)
+    producer.save_caches({"h": torch.ones(4, 4)}, "h")
+    producer.flush(10)
+    assert same_model.has_cache_item("h")
+    assert not other_model.has_cache_item("h")
+
+
+def test_an_output_gone_before_the_load_fails_only_its_request(make: Make, redis_url: str) -> None:
+    producer = make("ec_producer", ECConnectorRole.WORKER, remote_url=redis_url)
+    scheduler = make("ec_consumer", ECConnectorRole.SCHEDULER, remote_url=redis_url)
+    consumer = make("ec_consumer", ECConnectorRole.WORKER, remote_url=redis_url)
+    producer.save_caches({"kept": torch.ones(4, 4), "gone": torch.zeros(4, 4)}, "kept")
+    producer.save_caches({"kept": torch.ones(4, 4), "gone": torch.zeros(4, 4)}, "gone")
+    producer.flush(10)
+    a, b = request("req-a", "kept"), request("req-b", "gone")
+    scheduler.ensure_cache_available(a, 0)
+    scheduler.ensure_cache_available(b, 0)
+    scheduler.update_state_after_alloc(a, 0)
+    scheduler.update_state_after_alloc(b, 0)
+    meta = scheduler.build_connector_meta(SchedulerOutput.make_empty())
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    client.delete(producer.cache.remote_key(producer.cache_key("gone")))  # type: ignore[union-attr]
+    client.close()
+
+    encoder_cache: dict[str, torch.Tensor] = {}
+    consumer.bind_connector_metadata(meta)
+    consumer.start_load_caches(encoder_cache)
+    assert consumer.get_finished(set()) == (None, {"req-a"})
+    worker_meta = consumer.build_connector_worker_meta()
+    consumer.clear_connector_metadata()
+    assert list(encoder_cache) == ["kept"]
+    scheduler.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=worker_meta))
+    assert scheduler.take_unavailable_requests() == {"req-b"}
+    assert scheduler.take_unavailable_requests() == set()
+
+
+def test_a_down_server_answers_false_quickly_and_never_raises(make: Make) -> None:
+    url = f"redis://127.0.0.1:{free_port()}"  # nobody listens there
+    scheduler = make("ec_consumer", ECConnectorRole.SCHEDULER, remote_url=url)
+    producer = make("ec_producer", ECConnectorRole.WORKER, remote_url=url)
+    producer.save_caches({"h": torch.ones(4, 4)}, "h")  # kept locally, not shared
+    producer.flush(10)
+    started = time.monotonic()
+    for i in range(50):
+        req = request(f"r{i}", f"h{i}", "h")
+        output = schedule(scheduler, req)
+        meta = output.ec_connector_metadata
+        assert isinstance(meta, MMCacheECConnectorMetadata) and meta.loads == []
+    assert time.monotonic() - started < 2 * scheduler._settings.remote_timeout_sec + 1
+    stats = scheduler.get_ec_connector_stats()
+    assert stats is not None and stats.reduce()["lookup_hits"] == 0
+    # Backed off: far fewer attempts than lookups.
+    assert 1 <= stats.reduce()["lookup_errors"] < 50
+
+
+def test_a_slow_server_answers_within_the_timeout(make: Make) -> None:
+    with socket.socket() as listener:  # accepts connections, never answers
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        url = f"redis://127.0.0.1:{listener.getsockname()[1]}"
+        scheduler = make(
+            "ec_consumer", ECConnectorRole.SCHEDULER, remote_url=url, remote_timeout_sec=0.2
+        )
+        started = time.monotonic()
+        assert not scheduler.has_cache_item("h")
+        assert time.monotonic() - started < 1.5
+
+
+def test_without_a_remote_server_nothing_is_shared(make: Make) -> None:
+    scheduler = make("ec_consumer", ECConnectorRole.SCHEDULER)
+    assert not scheduler.has_cache_item("h")
+
+
+def test_a_consumer_only_instance_saves_nothing(make: Make, redis_url: str) -> None:
+    consumer = make("ec_consumer", ECConnectorRole.WORKER, remote_url=redis_url)
+    scheduler = make("ec_consumer", ECConnectorRole.SCHEDULER, remote_url=redis_url)
+    consumer.save_caches({"h": torch.ones(4, 4)}, "h")
+    consumer.flush(10)
+    assert not scheduler.has_cache_item("h")
+
+
+def test_bad_extra_config_is_a_clear_error() -> None:
+    from mmcache import SettingsError
+
+    with pytest.raises(SettingsError, match="gpu_cache_mbb"):
+        ECConnectorFactory.create_connector(
+            vllm_config("ec_both", gpu_cache_mbb=1), ECConnectorRole.WORKER
+        )
+
+
+def test_stats_aggregate_and_reach_prometheus(make: Make) -> None:
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    registry = CollectorRegistry()
+
+    class _Counter(Counter):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs.setdefault("registry", registry)  # vLLM's own registry: not in this test
+            super().__init__(*args, **kwargs)
+
+    a = MMCacheECConnector.build_ec_connector_stats({"loads": 2, "load_bytes": 10})
+    b = MMCacheECConnector.build_ec_connector_stats({"loads": 1})
+    assert a is not None and b is not None
+    total = a.aggregate(b)
+    assert total.reduce()["loads"] == 3 and not total.is_empty()
+    prom = MMCacheECConnector.build_prom_metrics(
+        vllm_config("ec_both"),
+        {Gauge: Gauge, Counter: _Counter, Histogram: Histogram},
+        ["engine"],
+        {0: ["0"]},
+    )
+    assert prom is not None
+    prom.observe(total.data, 0)
+    assert registry.get_sample_value("vllm:mmcache_ec_loads_total", {"engine": "0"}) == 3
+
+
+def test_save_caches_returns_while_the_cache_loop_is_busy(make: Make, redis_url: str) -> None:
+    producer = make("ec_producer", ECConnectorRole.WORKER, remote_url=redis_url)
+    release = threading.Event()
+    producer._loop.loop.call_soon_threadsafe(release.wait, 10)  # the loop is held up
+    try:
+        started = time.monotonic()
+        outputs = {f"h{i}": torch.full((4, 4), float(i)) for i in range(MAX_PENDING_SAVES + 3)}
+        for mm_hash in outputs:
+            producer.save_caches(outputs, mm_hash)
+        assert time.monotonic() - started < 1
+    finally:
+        release.set()
+    producer.flush(10)
+    stats = producer.get_ec_connector_stats()
+    assert stats is not None
+    # Past MAX_PENDING_SAVES waiting on the loop, saves are dropped, not queued without bound.
+    assert stats.reduce()["saves"] == MAX_PENDING_SAVES
+    assert stats.reduce()["save_failures"] == 3
+
+
+def test_a_requests_items_are_asked_in_one_batch_per_step(
+    make: Make, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    scheduler = make("ec_consumer", ECConnectorRole.SCHEDULER, remote_url=redis_url)
+    batches: list[list[str]] = []
+    ask = scheduler._ask
+
+    def counted(ids: list[str]) -> list[bool]:
+        batches.append(ids)
+        return ask(ids)
+
+    monkeypatch.setattr(scheduler, "_ask", counted)
+    schedule(scheduler, request("r", "a", "b", "c"))
+    assert batches == [["a", "b", "c"]]
+    schedule(scheduler, request("r", "a", "b", "c"))  # a new step asks again
+    assert len(batches) == 2
