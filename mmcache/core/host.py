@@ -65,8 +65,8 @@ class HostTier:
         self._complete = False  # the whole arena is pinned
         self._waiters: deque[asyncio.Future[None]] = deque()
         self._closed = False
-        #: told of each entry the tier drops for room, before it goes (the remote tier's)
-        self.on_evict: Callable[[Entry], None] | None = None
+        # Told of each entry the tier drops for room, before it goes (tell_evictions).
+        self._on_evict: Callable[[Entry], None] | None = None
 
     @property
     def waiting(self) -> bool:
@@ -99,6 +99,11 @@ class HostTier:
     def limit(self) -> int:
         """The largest feature the host tier can take."""
         return self.capacity if self.pool is None else self.pool.max_block_bytes
+
+    def tell_evictions(self, on_evict: Callable[[Entry], None]) -> None:
+        """Call on_evict(entry) for each entry the host tier drops to make room, before it
+        goes (the remote tier's remote_write=evict writes them)."""
+        self._on_evict = on_evict
 
     def start(
         self,
@@ -298,8 +303,8 @@ class HostTier:
         """Drop the host entry the policy gives up first (counted as a host-tier eviction)."""
         victim = self.order.evict()
         self._counters.evicted_cpu(victim.count)
-        if self.on_evict is not None:
-            self.on_evict(victim)
+        if self._on_evict is not None:
+            self._on_evict(victim)
         self._unlink(victim)
 
     def _allocate_all(self, sizes: Sequence[int]) -> list[HostBlock] | None:

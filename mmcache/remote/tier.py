@@ -254,5 +254,5 @@ def remote_tier_for(
         settings, name=name, core=core, device=device, changed=changed, series=metrics.remote()
     )
     if tier.writes_on_evict:
-        core.host.on_evict = tier.evicted
+        core.host.tell_evictions(tier.evicted)
     return tier
