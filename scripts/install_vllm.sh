@@ -28,7 +28,7 @@ echo "install_vllm.sh: installing vllm 0.33.0 (--no-deps) and its imports into $
 "$py" -m pip install -q --disable-pip-version-check --no-deps \
   vllm==0.33.0 \
   aiohappyeyeballs==2.7.1 aiohttp==3.14.5 aiosignal==1.4.0 annotated-types==0.8.0 anyio==4.16.0 \
-  attrs==26.1.0 cbor2==6.3.0 certifi==2026.10.19.post1 charset-normalizer==3.5.3 \
+  attrs==26.1.0 cachetools==8.0.2 cbor2==6.3.0 certifi==2026.10.19.post1 charset-normalizer==3.5.3 \
   frozenlist==1.8.0 h11==0.16.0 httpcore2==2.16.2 httpx2==2.16.2 huggingface_hub==2.4.0 \
   idna==3.20 multidict==7.2.1 numpy==2.4.6 openai==3.57.0 oss-harmony==0.0.11 packaging==26.4 \
   pillow==13.0.0 propcache==0.5.4 psutil==7.2.2 pybase64==1.5.1 pydantic==2.14.4 \
