@@ -199,8 +199,7 @@ class FeatureCache:
             await self._remote.drain()
 
     def remote_key(self, key: Hashable) -> bytes:
-        """The key under which the remote tier stores key's feature: <namespace>: + a stable
-        encoding of key (the same in every process; with or without a remote tier)."""
+        """The remote tier's key of key: <namespace>: + a stable encoding, in any process."""
         check_key(key)
         return server_key(self.settings.remote_namespace, key)
 
