@@ -380,9 +380,8 @@ class FeatureCache:
     ) -> torch.Tensor:
         """get(key), or compute it once for all concurrent callers, cache it and return it.
 
-        fn() returns a device tensor (or an awaitable of one). The computation is
-        shared: a caller that is cancelled does not cancel it, and its result is
-        cached even if every caller went away.
+        fn() returns a device tensor (or an awaitable of one). A caller that is cancelled
+        does not cancel the shared computation; its result is cached even with no caller left.
         """
         if stream is None:
             stream = self._device.current_stream()
