@@ -4,24 +4,10 @@
 # dependencies (they pin another torch and need a GPU), plus the modules that importing
 # sglang.srt.mem_cache.multimodal_cache needs on a CPU machine. Does nothing when it imports.
 set -euo pipefail
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-venv="${MMCACHE_VENV:-$root/.venv}"
-python="${PYTHON:-python3}"
-
-if [ ! -x "$venv/bin/python" ]; then
-  "$python" -m venv "$venv"
-fi
-py="$venv/bin/python"
+# shellcheck source=scripts/engine_venv.sh
+source "$(dirname "${BASH_SOURCE[0]}")/engine_venv.sh"
 probe="import sglang.srt.mem_cache.multimodal_cache"
-if "$py" -W error -c "$probe" >/dev/null 2>&1 \
-  && [ "$("$py" -c 'import importlib.metadata as m; print(m.version("sglang"))')" = "0.5.23" ]; then
-  exit 0
-fi
-if ! "$py" -c "import torch" >/dev/null 2>&1; then
-  # sglang's modules import torch: the same pinned build scripts/run would install.
-  read -r -a torch_args <<<"${MMCACHE_TORCH:-torch==2.13.0}"
-  "$py" -m pip install -q --disable-pip-version-check "${torch_args[@]}"
-fi
+engine_venv sglang 0.5.23 "$probe" -W error || exit 0
 echo "install_integrations.sh: installing sglang 0.5.23 (--no-deps) and its imports into $venv" >&2
 "$py" -m pip install -q --disable-pip-version-check --no-deps \
   sglang==0.5.23 \

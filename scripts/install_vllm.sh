@@ -4,24 +4,10 @@
 # another torch and need a GPU), plus the modules that importing vLLM's EC connector base,
 # factory, config and model-runner mixin needs on a CPU machine. Does nothing when they import.
 set -euo pipefail
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-venv="${MMCACHE_VENV:-$root/.venv}"
-python="${PYTHON:-python3}"
-
-if [ ! -x "$venv/bin/python" ]; then
-  "$python" -m venv "$venv"
-fi
-py="$venv/bin/python"
+# shellcheck source=scripts/engine_venv.sh
+source "$(dirname "${BASH_SOURCE[0]}")/engine_venv.sh"
 probe="import vllm.distributed.ec_transfer.ec_connector.factory, vllm.config, vllm.v1.worker.ec_connector_model_runner_mixin"
-if "$py" -c "$probe" >/dev/null 2>&1 \
-  && [ "$("$py" -c 'import importlib.metadata as m; print(m.version("vllm"))')" = "0.33.0" ]; then
-  exit 0
-fi
-if ! "$py" -c "import torch" >/dev/null 2>&1; then
-  # vLLM's modules import torch: the same pinned build scripts/run would install.
-  read -r -a torch_args <<<"${MMCACHE_TORCH:-torch==2.13.0}"
-  "$py" -m pip install -q --disable-pip-version-check "${torch_args[@]}"
-fi
+engine_venv vllm 0.33.0 "$probe" || exit 0
 echo "install_vllm.sh: installing vllm 0.33.0 (--no-deps) and its imports into $venv" >&2
 # The versions vLLM 0.33.0's requirements allow (transformers <5.21, oss-harmony for
 # openai_harmony), pinned so CI imports the same modules every run.
