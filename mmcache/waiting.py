@@ -225,9 +225,7 @@ class FenceWatcher:
             try:
                 callback()
             finally:
-                self.outstanding -= 1
-                if self.outstanding == 0:
-                    self._idle.set()
+                self._one_done()
 
         check = _LoopCheck(self._loop, pending, all_done)
         for f in pending:
@@ -259,14 +257,18 @@ class FenceWatcher:
                 except Exception:
                     log.exception("a fence callback raised")
                 finally:
-                    self.outstanding -= 1
-                    if self.outstanding == 0:
-                        self._idle.set()
+                    self._one_done()
         except Exception:  # looked at again at the next turn
             log.exception("looking at a fence failed")
         if lazy:
             self._lazy_delay = min(2 * self._lazy_delay, LOOP_CHECK_MAX_S)
             self._lazy_handle = self._loop.call_later(self._lazy_delay, self._look)
+
+    def _one_done(self) -> None:
+        """One outstanding callback has run (or raised)."""
+        self.outstanding -= 1
+        if self.outstanding == 0:
+            self._idle.set()
 
     async def idle(self) -> None:
         """Wait until no callback is outstanding."""
