@@ -617,6 +617,8 @@ class _Soak:
         else:
             torch.cuda.synchronize()
         await cache.drain()
+        for _ in range(3):  # done callbacks of finished tasks (and their tracebacks) run next turn
+            await asyncio.sleep(0)
         gc.collect()
         self.model.prune()
         self.report.model_versions = sum(len(km.versions) for km in self.model.per_key)
