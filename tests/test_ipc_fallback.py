@@ -71,7 +71,9 @@ def _handles(tr: Transport) -> list[FeatureHandle]:
     """The handles of the sends not yet released, in order (the test kept none)."""
     ledger = tr.sender._ledger
     assert ledger is not None
-    return [lease.handle for lease in sorted(ledger, key=lambda lease: lease.handle.seq)]
+    handles = [lease.handle for lease in sorted(ledger, key=lambda lease: lease.handle.seq)]
+    assert all(isinstance(h, FeatureHandle) for h in handles)
+    return handles  # type: ignore[return-value]
 
 
 async def test_seed_regression_test_catches_a_fallback_that_keeps_the_source(

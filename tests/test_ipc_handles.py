@@ -88,7 +88,7 @@ def _bad_forms(data: bytes) -> Iterator[tuple[str, object]]:
     yield "wrong magic", b"XMCH" + data[4:]
     for version in (0, FORMAT_VERSION + 1, 255):
         yield f"version {version}", data[:4] + bytes([version]) + data[5:]
-    yield "not JSON", data[:5] + b"\xff\xfe not json"
+    yield "garbage fields", data[:5] + b"\xff\xfe not a handle"
     yield "a JSON list", data[:5] + b"[1, 2, 3]"
     yield "nested a million deep", data[:5] + b"[" * 1_000_000
     yield "not bytes", data.decode("latin-1")

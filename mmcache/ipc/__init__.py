@@ -13,12 +13,13 @@ from mmcache.ipc.errors import (
     TransportFullError,
     UnknownSenderError,
 )
-from mmcache.ipc.handle import FeatureHandle, SenderEndpoint
+from mmcache.ipc.handle import FeatureBatch, FeatureHandle, SenderEndpoint
 from mmcache.ipc.receiver import FeatureReceiver
 from mmcache.ipc.sender import FeatureSender
 from mmcache.ipc.stats import TransportStats
 
 __all__ = [
+    "FeatureBatch",
     "FeatureHandle",
     "FeatureReceiver",
     "FeatureSender",

@@ -1,16 +1,21 @@
 """What crosses the process boundary: the sender's endpoint and one handle per send, as plain data.
 
-Both are frozen records of plain fields with a versioned byte form
-(to_bytes / from_bytes: a magic, a version byte and a JSON object) that
-mmcache parses without ever unpickling. Pickling them works too, through the
-same byte form, for callers that already pickle what they send.
+All are frozen records of plain fields with a versioned byte form (to_bytes /
+from_bytes, starting with a magic and a version byte) that mmcache parses
+without ever unpickling: the endpoint as a JSON object, a handle (one feature)
+or a batch handle (the features of one send_many) as packed binary fields
+followed by their endpoint's bytes. A receiver parses each endpoint once and
+reuses it for every handle that carries the same bytes. Pickling works too,
+through the same byte form, for callers that already pickle what they send.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
+import struct
 from dataclasses import dataclass
 from typing import Final, Literal, final
 
@@ -20,6 +25,7 @@ from mmcache.errors import InvalidHandleError
 
 __all__ = [
     "FORMAT_VERSION",
+    "FeatureBatch",
     "FeatureHandle",
     "SenderEndpoint",
     "dtype_from_name",
@@ -28,12 +34,13 @@ __all__ = [
 
 _MiB: Final = 1 << 20
 #: The byte form's version; from_bytes refuses any other.
-FORMAT_VERSION: Final = 1
+FORMAT_VERSION: Final = 2
 _MAGIC: Final = b"MMCH"
 _MAX_BYTES: Final = 64 << 10  # far above any real handle: a bound on what is parsed
 _MAX_TEXT: Final = 4096
 _MAX_BLOB: Final = 256  # CUDA IPC handles are 64 bytes
 _MAX_DIMS: Final = 64
+_MAX_PARTS: Final = 4096  # features in one batch handle
 _INT64: Final = (1 << 63) - 1
 
 
@@ -212,7 +219,7 @@ class SenderEndpoint:
 
     def digest(self) -> int:
         """A 64-bit digest of every field, as the sender publishes it."""
-        return _digest(self.to_bytes())
+        return _digest(_endpoint_bytes(self))
 
     def __reduce__(self) -> tuple[object, tuple[bytes]]:
         return _endpoint_from_bytes, (self.to_bytes(),)
@@ -231,6 +238,133 @@ _ENDPOINT_KEYS: Final = frozenset(
         "fallback_nbytes",
     )
 )
+
+
+#: Packed fields of a handle after the magic and version: kind, seq, slot, where code,
+#: offset, number of parts, then the CUDA event's and the endpoint's lengths.
+_FIXED: Final = struct.Struct("<BqqBqIHI")
+_PART: Final = struct.Struct("<qBB")  # a part's offset in the slice, dtype name length, ndim
+_KIND_HANDLE: Final = 1
+_KIND_BATCH: Final = 2
+_WHERE: Final = {"pool": 1, "host": 2}
+_WHERE_NAMES: Final = {code: name for name, code in _WHERE.items()}
+_MAX_ENDPOINTS: Final = 256  # endpoints a process keeps parsed (one per sender it hears of)
+_parsed_endpoints: dict[bytes, SenderEndpoint] = {}
+
+#: One feature of a send: its offset in the slice, its shape and its dtype's name.
+Part = tuple[int, tuple[int, ...], str]
+
+
+@functools.lru_cache(maxsize=_MAX_ENDPOINTS)
+def _endpoint_bytes(endpoint: SenderEndpoint) -> bytes:
+    """endpoint.to_bytes(), made once per endpoint (a sender's handles all carry it)."""
+    return endpoint.to_bytes()
+
+
+def _endpoint_of(data: bytes) -> SenderEndpoint:
+    """The endpoint whose bytes are data, parsed and checked once per process."""
+    endpoint = _parsed_endpoints.get(data)
+    if endpoint is None:
+        endpoint = SenderEndpoint.from_bytes(data)
+        if len(_parsed_endpoints) >= _MAX_ENDPOINTS:
+            _parsed_endpoints.clear()
+        _parsed_endpoints[data] = endpoint
+    return endpoint
+
+
+def _part_nbytes(shape: tuple[int, ...], dtype: str) -> int:
+    return math.prod(shape) * dtype_from_name(dtype).itemsize
+
+
+def _check_slice(
+    seq: object, slot: object, where: object, offset: object, cuda_event: object
+) -> None:
+    """The fields a handle and a batch handle share, but for the endpoint."""
+    _int(seq, "seq", 1)
+    _int(slot, "slot", 0, (1 << 31) - 1)
+    if where not in ("pool", "host"):
+        raise InvalidHandleError(f"where must be 'pool' or 'host', not {where!r:.40}")
+    _int(offset, "offset")
+    _blob(cuda_event, "cuda_event")
+
+
+def _check_part(shape: object, dtype: str) -> int:
+    """Raise InvalidHandleError unless shape and dtype describe a feature; its bytes."""
+    if not isinstance(shape, tuple) or len(shape) > _MAX_DIMS:
+        raise InvalidHandleError(f"shape must be a tuple of at most {_MAX_DIMS} sizes")
+    for size in shape:
+        _int(size, "a shape's size")
+    nbytes = math.prod(shape) * dtype_from_name(dtype).itemsize
+    if nbytes > _INT64:
+        raise InvalidHandleError("the handle's shape and dtype are larger than any memory")
+    return nbytes
+
+
+def _pack(
+    kind: int,
+    sender: SenderEndpoint,
+    fields: tuple[int, int, str, int],
+    parts: tuple[Part, ...],
+    cuda_event: bytes,
+) -> bytes:
+    seq, slot, where, offset = fields
+    endpoint = _endpoint_bytes(sender)
+    out = [
+        _MAGIC,
+        bytes([FORMAT_VERSION]),
+        _FIXED.pack(
+            kind, seq, slot, _WHERE[where], offset, len(parts), len(cuda_event), len(endpoint)
+        ),
+    ]
+    for at, shape, dtype in parts:
+        name = dtype.encode()
+        out += [_PART.pack(at, len(name), len(shape)), name, struct.pack(f"<{len(shape)}q", *shape)]
+    out += [cuda_event, endpoint]
+    return b"".join(out)
+
+
+def _unpack(
+    data: object, kind: int, what: str
+) -> tuple[SenderEndpoint, tuple[int, int, str, int], tuple[Part, ...], bytes]:
+    """(endpoint, (seq, slot, where, offset), parts, cuda_event) of a packed handle of kind."""
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise InvalidHandleError(f"{what} must be bytes, not {type(data).__name__}")
+    raw = bytes(data)
+    if len(raw) > _MAX_BYTES + 64 * _MAX_PARTS:
+        raise InvalidHandleError(f"{what} of {len(raw)} bytes is longer than any valid one")
+    start = len(_MAGIC) + 1
+    if len(raw) < start or not raw.startswith(_MAGIC):
+        raise InvalidHandleError(f"these bytes are not an mmcache {what}")
+    if raw[len(_MAGIC)] != FORMAT_VERSION:
+        raise InvalidHandleError(
+            f"{what} of format version {raw[len(_MAGIC)]}; this mmcache reads version "
+            f"{FORMAT_VERSION}: run the same mmcache version on both sides"
+        )
+    try:
+        found, seq, slot, where, offset, count, n_event, n_endpoint = _FIXED.unpack_from(raw, start)
+        if found != kind:
+            other = "batch handle" if found == _KIND_BATCH else "handle"
+            raise InvalidHandleError(f"these bytes are an IPC {other}, not an {what}")
+        if where not in _WHERE_NAMES or not 1 <= count <= _MAX_PARTS:
+            raise InvalidHandleError(f"{what} bytes are corrupt")
+        at = start + _FIXED.size
+        parts: list[Part] = []
+        for _ in range(count):
+            part_offset, n_name, ndim = _PART.unpack_from(raw, at)
+            at += _PART.size
+            name = raw[at : at + n_name].decode("ascii")
+            at += n_name
+            shape = struct.unpack_from(f"<{ndim}q", raw, at)
+            at += 8 * ndim
+            parts.append((part_offset, shape, name))
+    except (struct.error, UnicodeDecodeError):
+        raise InvalidHandleError(f"{what} bytes are truncated or corrupt") from None
+    cuda_event = raw[at : at + n_event]
+    endpoint = raw[at + n_event : at + n_event + n_endpoint]
+    if len(cuda_event) != n_event or at + n_event + n_endpoint != len(raw):
+        raise InvalidHandleError(f"{what} bytes are truncated or corrupt")
+    fields = (seq, slot, _WHERE_NAMES[where], offset)
+    return _endpoint_of(endpoint), fields, tuple(parts), cuda_event
 
 
 @final
@@ -255,7 +389,12 @@ class FeatureHandle:
     @property
     def nbytes(self) -> int:
         """Bytes of the feature."""
-        return math.prod(self.shape) * dtype_from_name(self.dtype).itemsize
+        return _part_nbytes(self.shape, self.dtype)
+
+    @property
+    def parts(self) -> tuple[Part, ...]:
+        """The one feature, as a batch handle lists its features."""
+        return ((0, self.shape, self.dtype),)
 
     def describe(self) -> str:
         """One line naming the handle, for logs and errors (also for a malformed one)."""
@@ -270,7 +409,7 @@ class FeatureHandle:
             f"{self.offset!r:.24}, {size}{self.dtype!r:.24}[{shape:.80}]) of sender pid {pid!r:.24}"
         )
 
-    def check(self) -> None:
+    def check(self, *, endpoint_checked: bool = False) -> None:
         """Raise InvalidHandleError unless every field has its type and range.
 
         That a handle is well formed says nothing of whether its sender published
@@ -280,20 +419,10 @@ class FeatureHandle:
             raise InvalidHandleError(f"expected a FeatureHandle, got {type(self).__name__}")
         if not isinstance(self.sender, SenderEndpoint):
             raise InvalidHandleError("a handle's sender must be a SenderEndpoint")
-        self.sender.check()
-        _int(self.seq, "seq", 1)
-        _int(self.slot, "slot", 0, (1 << 31) - 1)
-        if self.where not in ("pool", "host"):
-            raise InvalidHandleError(f"where must be 'pool' or 'host', not {self.where!r:.40}")
-        _int(self.offset, "offset")
-        if not isinstance(self.shape, tuple) or len(self.shape) > _MAX_DIMS:
-            raise InvalidHandleError(f"shape must be a tuple of at most {_MAX_DIMS} sizes")
-        for size in self.shape:
-            _int(size, "a shape's size")
-        itemsize = dtype_from_name(self.dtype).itemsize
-        if math.prod(self.shape) * itemsize > _INT64:
-            raise InvalidHandleError("the handle's shape and dtype are larger than any memory")
-        _blob(self.cuda_event, "cuda_event")
+        if not endpoint_checked:
+            self.sender.check()
+        _check_slice(self.seq, self.slot, self.where, self.offset, self.cuda_event)
+        _check_part(self.shape, self.dtype)
 
     def slice_digest(self) -> int:
         """A 64-bit digest of the dtype, shape and CUDA event, as the sender publishes them."""
@@ -302,18 +431,8 @@ class FeatureHandle:
 
     def to_bytes(self) -> bytes:
         """The versioned byte form (from_bytes reads it back); about 600 bytes."""
-        return _encode(
-            {
-                "sender": self.sender.fields(),
-                "seq": self.seq,
-                "slot": self.slot,
-                "where": self.where,
-                "offset": self.offset,
-                "shape": list(self.shape),
-                "dtype": self.dtype,
-                "cuda_event": self.cuda_event.hex(),
-            }
-        )
+        fields = (self.seq, self.slot, self.where, self.offset)
+        return _pack(_KIND_HANDLE, self.sender, fields, self.parts, self.cuda_event)
 
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview) -> FeatureHandle:
@@ -322,35 +441,111 @@ class FeatureHandle:
         Only the form is checked here; whether the sender published this slice is
         checked by the receiver that serves it.
         """
-        fields = _decode(data, "IPC handle")
-        _exact_keys(fields, _HANDLE_KEYS, "IPC handle")
-        shape = fields["shape"]
-        if not isinstance(shape, list):
-            raise InvalidHandleError("a handle's shape must be a list of sizes")
-        handle = cls(
-            sender=SenderEndpoint.from_fields(fields["sender"]),
-            seq=fields["seq"],  # type: ignore[arg-type]  # check() below
-            slot=fields["slot"],  # type: ignore[arg-type]
-            where=fields["where"],  # type: ignore[arg-type]
-            offset=fields["offset"],  # type: ignore[arg-type]
-            shape=tuple(shape),
-            dtype=fields["dtype"],  # type: ignore[arg-type]
-            cuda_event=_hex_blob(fields["cuda_event"], "cuda_event"),
-        )
-        handle.check()
+        sender, (seq, slot, where, offset), parts, event = _unpack(data, _KIND_HANDLE, "IPC handle")
+        if len(parts) != 1 or parts[0][0] != 0:
+            raise InvalidHandleError("IPC handle bytes are corrupt")
+        _, shape, dtype = parts[0]
+        handle = cls(sender, seq, slot, where, offset, shape, dtype, event)  # type: ignore[arg-type]
+        handle.check(endpoint_checked=True)
         return handle
 
     def __reduce__(self) -> tuple[object, tuple[bytes]]:
         return _handle_from_bytes, (self.to_bytes(),)
 
 
-_HANDLE_KEYS: Final = frozenset(
-    ("sender", "seq", "slot", "where", "offset", "shape", "dtype", "cuda_event")
-)
+@final
+@dataclass(frozen=True, slots=True)
+class FeatureBatch:
+    """The features of one send_many: one slice, one slot, one publication, one release.
+
+    parts lists each feature as (its offset in the slice, shape, dtype name), in
+    the order they were sent; where, offset and cuda_event are as for a FeatureHandle.
+    """
+
+    sender: SenderEndpoint
+    seq: int
+    slot: int
+    where: Literal["pool", "host"]
+    offset: int
+    parts: tuple[Part, ...]
+    cuda_event: bytes = b""
+
+    def __len__(self) -> int:
+        return len(self.parts)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the slice the features span (from the first's offset to the last's end)."""
+        return max(at + _part_nbytes(shape, dtype) for at, shape, dtype in self.parts)
+
+    def describe(self) -> str:
+        """One line naming the batch, for logs and errors (also for a malformed one)."""
+        try:
+            size = f"{self.nbytes / _MiB:.2f} MiB"
+        except (InvalidHandleError, TypeError, ValueError, OverflowError):
+            size = "?"
+        count = len(self.parts) if isinstance(self.parts, tuple) else "?"
+        pid = getattr(self.sender, "pid", "?")
+        return (
+            f"IPC batch #{self.seq!r:.24} of {count} features ({self.where!r:.24} slot "
+            f"{self.slot!r:.24}, offset {self.offset!r:.24}, {size}) of sender pid {pid!r:.24}"
+        )
+
+    def check(self, *, endpoint_checked: bool = False) -> None:
+        """Raise InvalidHandleError unless every field has its type and range, and the
+        features lie in order without overlapping, each aligned to its dtype."""
+        if not isinstance(self, FeatureBatch):
+            raise InvalidHandleError(f"expected a FeatureBatch, got {type(self).__name__}")
+        if not isinstance(self.sender, SenderEndpoint):
+            raise InvalidHandleError("a batch handle's sender must be a SenderEndpoint")
+        if not endpoint_checked:
+            self.sender.check()
+        _check_slice(self.seq, self.slot, self.where, self.offset, self.cuda_event)
+        if not isinstance(self.parts, tuple) or not 1 <= len(self.parts) <= _MAX_PARTS:
+            raise InvalidHandleError(f"a batch handle holds 1 to {_MAX_PARTS} features")
+        end = 0
+        for part in self.parts:
+            if not isinstance(part, tuple) or len(part) != 3:
+                raise InvalidHandleError("a batch handle's part is (offset, shape, dtype)")
+            at, shape, dtype = part
+            nbytes = _check_part(shape, dtype)
+            _int(at, "a part's offset", end)
+            if at % dtype_from_name(dtype).itemsize:
+                raise InvalidHandleError(f"a {dtype} part at offset {at} is not aligned")
+            end = at + nbytes
+
+    def slice_digest(self) -> int:
+        """A 64-bit digest of every part and the CUDA event, as the sender publishes them."""
+        text = ";".join(
+            f"{at}|{dtype}|{','.join(map(str, shape))}" for at, shape, dtype in self.parts
+        )
+        return _digest(f"{text}|{self.cuda_event.hex()}".encode())
+
+    def to_bytes(self) -> bytes:
+        """The versioned byte form (from_bytes reads it back)."""
+        fields = (self.seq, self.slot, self.where, self.offset)
+        return _pack(_KIND_BATCH, self.sender, fields, self.parts, self.cuda_event)
+
+    @classmethod
+    def from_bytes(cls, data: bytes | bytearray | memoryview) -> FeatureBatch:
+        """The batch handle whose to_bytes() is data; InvalidHandleError for anything else."""
+        sender, (seq, slot, where, offset), parts, event = _unpack(
+            data, _KIND_BATCH, "IPC batch handle"
+        )
+        batch = cls(sender, seq, slot, where, offset, parts, event)  # type: ignore[arg-type]
+        batch.check(endpoint_checked=True)
+        return batch
+
+    def __reduce__(self) -> tuple[object, tuple[bytes]]:
+        return _batch_from_bytes, (self.to_bytes(),)
 
 
 def _handle_from_bytes(data: bytes) -> FeatureHandle:
     return FeatureHandle.from_bytes(data)
+
+
+def _batch_from_bytes(data: bytes) -> FeatureBatch:
+    return FeatureBatch.from_bytes(data)
 
 
 def _endpoint_from_bytes(data: bytes) -> SenderEndpoint:

@@ -23,7 +23,7 @@ from typing import final
 from mmcache.device.base import Fence
 from mmcache.host_pool import HostBlock
 from mmcache.ipc.control import ControlBlock, LaneInfo
-from mmcache.ipc.handle import FeatureHandle
+from mmcache.ipc.handle import FeatureBatch, FeatureHandle
 from mmcache.ipc.pool import SliceArena
 
 __all__ = ["Lease", "LeaseLedger", "Sweep"]
@@ -36,7 +36,7 @@ Receiver = tuple[int, int]
 class Lease:
     """One send whose bytes are held for its receivers."""
 
-    handle: FeatureHandle
+    handle: FeatureHandle | FeatureBatch
     arena: SliceArena
     block: HostBlock
     written: Fence

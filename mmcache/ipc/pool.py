@@ -103,10 +103,12 @@ class SliceArena:
             self._device.poison_host(self.tensor[start:stop])
             self._committed.add(chunk)
 
-    def view(self, block: HostBlock, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        """The first bytes of block as a contiguous tensor of shape and dtype."""
+    def view(
+        self, block: HostBlock, shape: Sequence[int], dtype: torch.dtype, at: int = 0
+    ) -> torch.Tensor:
+        """block's bytes from at as a contiguous tensor of shape and dtype."""
         nbytes = torch.Size(shape).numel() * dtype.itemsize
-        return block.view[:nbytes].view(dtype).view(tuple(shape))
+        return block.view[at : at + nbytes].view(dtype).view(tuple(shape))
 
 
 @final

@@ -19,7 +19,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextvars import ContextVar
 from typing import Final, Literal
 
@@ -38,9 +38,9 @@ from mmcache.ipc.errors import (
     SenderGoneError,
     UnknownSenderError,
 )
-from mmcache.ipc.handle import FeatureHandle, SenderEndpoint, dtype_from_name
+from mmcache.ipc.handle import FeatureBatch, FeatureHandle, Part, SenderEndpoint, dtype_from_name
 from mmcache.ipc.shm import SharedSegment
-from mmcache.waiting import wait_fences
+from mmcache.waiting import FenceWatcher, wait_fences
 
 __all__ = ["FeatureReceiver"]
 
@@ -55,11 +55,14 @@ _POLL_MIN_S: Final = 50e-6
 _POLL_MAX_S: Final = 2e-3
 _SENDER_CHECK_S: Final = 0.1
 _CLOSE_POLL_S: Final = 0.005  # close() looks this often for receives and leases to finish
+_KNOWN_ENDPOINTS: Final = 64
 #: The receives and leases the current context is inside (tasks started there inherit
 #: them): a close() awaited inside a lease must not wait for that lease.
 _OPEN_READS: ContextVar[frozenset[object]] = ContextVar(
     "mmcache_ipc_open_reads", default=frozenset()
 )
+#: One send as a receiver reads it: a feature, or the features of one send_many.
+Sent = FeatureHandle | FeatureBatch
 
 
 class _Channel:
@@ -87,7 +90,8 @@ class _Channel:
         # under way (counted on the loop's thread), copies queued out of it (any thread,
         # under lock). close() waits for them, or keeps the channel.
         self.readers = 0
-        self.pending: set[Fence] = set()
+        #: Copies out not yet reported done, each with what to run once it is (once only).
+        self.pending: dict[Fence, Callable[[], None]] = {}
         self.lock = threading.Lock()
         self.kept = False  # close() timed out on it: closed once nothing reads it
         self._when_kept_read = when_kept_read  # a read of a kept channel ended
@@ -107,7 +111,15 @@ class _Channel:
             copies = bool(self.pending)
         return self.readers > 0 or copies
 
-    def release(self, handle: FeatureHandle) -> None:
+    def report_from_threads(self) -> None:
+        """Have device threads report the copies still pending too: the loop that looks at
+        them may end before they do (whichever report comes first releases)."""
+        with self.lock:
+            still = list(self.pending.items())
+        for fence, report in still:
+            fence.add_done_callback(report)
+
+    def release(self, handle: Sent) -> None:
         """Tell the sender we are done with handle's bytes (any thread)."""
         self.control.release(handle.slot, self.lane, handle.seq)
 
@@ -210,6 +222,9 @@ class FeatureReceiver:
         self._kept_lock = threading.Lock()
         self._unclosed = 0
         self.received = 0
+        #: id -> (endpoint, its channel) for endpoint objects already matched (kept alive here).
+        self._known_endpoints: dict[int, tuple[SenderEndpoint, _Channel]] = {}
+        self._watcher: FenceWatcher | None = None  # releases after copies, on the loop
 
     @property
     def device(self) -> Device:
@@ -232,39 +247,60 @@ class FeatureReceiver:
         """
         if stream is None:
             stream = self._device.current_stream()  # read before any await: it is per thread
+        (out,) = await self._receive(handle, FeatureHandle, stream)
+        return out
+
+    async def receive_many(
+        self, batch: FeatureBatch, *, stream: Stream | None = None
+    ) -> list[torch.Tensor]:
+        """The features of a send_many, in the order sent, as new tensors on this device.
+
+        As receive(), for the whole batch at once: one copy of its slice (the tensors
+        are views of one new buffer), one ordering, one release.
+        """
+        if stream is None:
+            stream = self._device.current_stream()
+        return await self._receive(batch, FeatureBatch, stream)
+
+    async def _receive(
+        self, sent: Sent, kind: type[FeatureHandle] | type[FeatureBatch], stream: Stream
+    ) -> list[torch.Tensor]:
         self._check_open()
-        channel = self._verified_channel(handle)
-        self._open(channel, handle)
+        if self._watcher is not None:
+            self._watcher.reap()  # slices whose copies are done go back before we take another
+        channel = self._verified_channel(sent, kind)
+        self._open(channel, sent)
         with self._reading(channel):
             try:
-                await self._wait_ready(channel, handle, stream)
-                src = await self._source(channel, handle)
+                await self._wait_ready(channel, sent, stream)
+                src = await self._region(channel, sent)
                 dst, fence = self._copy_out(src, stream)
                 del src
             except BaseException:
-                channel.release(handle)  # nothing of ours reads the slice
+                channel.release(sent)  # nothing of ours reads the slice
                 raise
-            out = dst.detach()  # the caller's own alias: ours goes back to the device below
-            self._device.release(dst, [fence])
+            out = _split(dst.detach(), sent.parts)  # the caller's views: ours goes back below
+            # On CUDA the copy already keeps dst's block for its stream (record_stream).
+            self._device.release(dst, () if self._device.stream_ordered_reads else [fence])
             del dst
             if self._device.stream_ordered_reads:
-                self._release_after(channel, handle, fence, verify=True)
-                self.received += 1
+                self._release_after(channel, sent, fence, verify=True)
+                self.received += len(out)
                 return out
             try:
                 await wait_fences([fence])
             except BaseException:
-                self._release_after(channel, handle, fence, verify=False)
+                self._release_after(channel, sent, fence, verify=False)
                 raise
-            intact = channel.control.slot_seq(handle.slot) == handle.seq
-            channel.release(handle)
+            intact = channel.control.slot_seq(sent.slot) == sent.seq
+            channel.release(sent)
             if not intact:
                 raise HandleExpiredError(
-                    f"{handle.describe()} was reclaimed by its sender while it was being "
+                    f"{sent.describe()} was reclaimed by its sender while it was being "
                     "read; the data read is not trustworthy (see the sender's log for why it "
                     "reclaimed it)"
                 )
-            self.received += 1
+            self.received += len(out)
             return out
 
     @contextlib.asynccontextmanager
@@ -280,21 +316,40 @@ class FeatureReceiver:
         """
         if stream is None:
             stream = self._device.current_stream()
+        async with self._lease(handle, FeatureHandle, stream) as views:
+            yield views[0]
+
+    @contextlib.asynccontextmanager
+    async def lease_many(
+        self, batch: FeatureBatch, *, stream: Stream | None = None
+    ) -> AsyncIterator[list[torch.Tensor]]:
+        """Zero-copy: the features of a send_many where they are, as lease() gives one."""
+        if stream is None:
+            stream = self._device.current_stream()
+        async with self._lease(batch, FeatureBatch, stream) as views:
+            yield views
+
+    @contextlib.asynccontextmanager
+    async def _lease(
+        self, sent: Sent, kind: type[FeatureHandle] | type[FeatureBatch], stream: Stream
+    ) -> AsyncIterator[list[torch.Tensor]]:
         self._check_open()
-        channel = self._verified_channel(handle)
-        self._open(channel, handle)
+        if self._watcher is not None:
+            self._watcher.reap()  # slices whose copies are done go back before we take another
+        channel = self._verified_channel(sent, kind)
+        self._open(channel, sent)
         with self._reading(channel):
             try:
-                await self._wait_ready(channel, handle, stream)
-                view = await self._source(channel, handle)
+                await self._wait_ready(channel, sent, stream)
+                views = _split(await self._region(channel, sent), sent.parts)
             except BaseException:
-                channel.release(handle)
+                channel.release(sent)
                 raise
             try:
-                yield view
+                yield views
             finally:
-                del view
-                self._release_after(channel, handle, self._device.record(stream), verify=True)
+                del views
+                self._release_after(channel, sent, self._device.record(stream), verify=True)
 
     async def close(self, timeout: float | None = 10.0) -> None:  # noqa: ASYNC109
         """Wait (up to timeout s in all) for receives and leases under way and for copies
@@ -320,6 +375,7 @@ class FeatureReceiver:
         deadline = None if timeout is None else time.monotonic() + timeout
         channels = list(self._channels.values())
         self._channels.clear()
+        self._known_endpoints.clear()
         with self._kept_lock:
             self._unclosed = len(channels)
         # A receive under way may still start a copy out of a sender's memory, a lease's
@@ -335,6 +391,7 @@ class FeatureReceiver:
             for channel in channels:
                 with self._kept_lock:
                     channel.kept = True
+                channel.report_from_threads()
                 self._close_kept(channel)
             raise
         steps: list[Callable[[], object]] = []
@@ -342,6 +399,7 @@ class FeatureReceiver:
             with self._kept_lock:  # a copy reported meanwhile finds the mark set, or not
                 channel.kept = channel.busy()
             if channel.kept:
+                channel.report_from_threads()
                 log.warning(
                     "FeatureReceiver closed while the memory of the IPC sender (pid %d) was "
                     "still read; it stays mapped and leased until that read ends",
@@ -416,13 +474,27 @@ class FeatureReceiver:
         if self._closed:
             raise CacheClosedError("this FeatureReceiver is closed")
 
-    def _verified_channel(self, handle: FeatureHandle) -> _Channel:
-        """The channel to handle's sender, once the handle is well formed and its
-        endpoint is the one the sender published (InvalidHandleError otherwise)."""
-        if not isinstance(handle, FeatureHandle):
-            raise InvalidHandleError(f"expected a FeatureHandle, got {type(handle).__name__}")
-        handle.check()
-        return self._channel(handle.sender)
+    def _verified_channel(
+        self, sent: Sent, kind: type[FeatureHandle] | type[FeatureBatch]
+    ) -> _Channel:
+        """The channel to the sender of sent, once sent is well formed and its endpoint
+        is the one the sender published (InvalidHandleError otherwise)."""
+        if not isinstance(sent, kind):
+            what = "FeatureHandle" if kind is FeatureHandle else "FeatureBatch"
+            hint = " (receive_many / lease_many take one)" if isinstance(sent, FeatureBatch) else ""
+            raise InvalidHandleError(f"expected a {what}, got {type(sent).__name__}{hint}")
+        # An endpoint object already matched to its channel (handles parsed from bytes
+        # share one per sender) is not checked field by field again.
+        known = self._known_endpoints.get(id(sent.sender))
+        if known is not None and known[0] is sent.sender:
+            sent.check(endpoint_checked=True)
+            return known[1]
+        sent.check()
+        channel = self._channel(sent.sender)
+        if len(self._known_endpoints) >= _KNOWN_ENDPOINTS:
+            self._known_endpoints.clear()
+        self._known_endpoints[id(sent.sender)] = (sent.sender, channel)
+        return channel
 
     def _channel(self, endpoint: SenderEndpoint) -> _Channel:
         if not isinstance(endpoint, SenderEndpoint):
@@ -470,7 +542,7 @@ class FeatureReceiver:
             return False
         return sender == index or bool(torch.cuda.can_device_access_peer(index, sender))
 
-    def _open(self, channel: _Channel, handle: FeatureHandle) -> None:
+    def _open(self, channel: _Channel, handle: Sent) -> None:
         """Check handle against the slice its sender published, lease its slot, then check
         the slot still holds this send."""
         control, slot = channel.control, handle.slot
@@ -503,7 +575,7 @@ class FeatureReceiver:
                 "receiver that died with what it owed), or the sender closed"
             )
 
-    async def _wait_ready(self, channel: _Channel, handle: FeatureHandle, stream: Stream) -> None:
+    async def _wait_ready(self, channel: _Channel, handle: Sent, stream: Stream) -> None:
         """Order stream after the sender's copy (CUDA IPC event), or wait for its ready mark."""
         if handle.where == "pool" and handle.cuda_event and self._kind == "cuda":
             event = channel.cuda_pool(self._device).event(handle.cuda_event)
@@ -532,21 +604,18 @@ class FeatureReceiver:
             self._check_open()
             delay = min(_POLL_MAX_S, max(_POLL_MIN_S, delay * 2))
 
-    async def _source(self, channel: _Channel, handle: FeatureHandle) -> torch.Tensor:
-        """handle's bytes where they are, as a tensor of its shape and dtype."""
+    async def _region(self, channel: _Channel, handle: Sent) -> torch.Tensor:
+        """handle's bytes where they are, as a flat uint8 tensor."""
         if handle.where == "host":
             arena = await channel.fallback_tensor(self._device)
         elif handle.sender.device_kind == "sim":
             arena = channel.sim_pool_tensor()
         else:
-            pool = channel.cuda_pool(self._device)
-            arena = pool.tensor
-        dtype = dtype_from_name(handle.dtype)
+            arena = channel.cuda_pool(self._device).tensor
         end = handle.offset + handle.nbytes
         if end > arena.numel():  # the published record says otherwise: never read past it
             raise InvalidHandleError(f"{handle.describe()} reaches past its sender's memory")
-        flat = arena[handle.offset : end]
-        return flat.view(dtype).view(handle.shape)
+        return arena[handle.offset : end]
 
     def _copy_out(self, src: torch.Tensor, stream: Stream) -> tuple[torch.Tensor, Fence]:
         """Queue src -> a new tensor on this device, usable on stream; return it and its fence."""
@@ -569,11 +638,15 @@ class FeatureReceiver:
         raise NoPeerAccessError(f"a receiver on {device.name} cannot read memory on {src.device}")
 
     def _release_after(
-        self, channel: _Channel, handle: FeatureHandle, fence: Fence, *, verify: bool
+        self, channel: _Channel, handle: Sent, fence: Fence, *, verify: bool
     ) -> None:
-        """Release handle's slice once fence (the last read of it) is done."""
+        """Release handle's slice once fence (the last read of it) is done: found by this
+        loop's own looks and by the next receive, no device thread woken per slice."""
 
         def done() -> None:
+            with channel.lock:  # reported by this loop's look, or by a device thread (close)
+                if channel.pending.pop(fence, None) is None:
+                    return
             if verify and channel.control.slot_seq(handle.slot) != handle.seq:
                 log.error(
                     "%s was reclaimed by its sender while it was read: the tensor received "
@@ -581,15 +654,27 @@ class FeatureReceiver:
                     handle.describe(),
                 )
             channel.release(handle)
-            with channel.lock:
-                channel.pending.discard(fence)
             # Not `if channel.kept`: unlocked, that read could miss a mark close() is
             # setting just now; _close_kept looks under the lock.
             self._close_kept(channel)
 
+        with channel.lock:
+            channel.pending[fence] = done
         if fence.done():
             done()
             return
-        with channel.lock:
-            channel.pending.add(fence)
-        fence.add_done_callback(done)
+        if self._watcher is None:
+            self._watcher = FenceWatcher(asyncio.get_running_loop())
+        self._watcher.when_done_lazily(fence, done)
+
+
+def _split(flat: torch.Tensor, parts: Sequence[Part]) -> list[torch.Tensor]:
+    """Each part's bytes in flat (a uint8 tensor of the whole slice) as a tensor of its shape."""
+    out = []
+    for at, shape, dtype in parts:
+        kind = dtype_from_name(dtype)
+        nbytes = kind.itemsize
+        for size in shape:
+            nbytes *= size
+        out.append(flat[at : at + nbytes].view(kind).view(shape))
+    return out

@@ -35,13 +35,13 @@ from mmcache.errors import (
 )
 from mmcache.ipc.control import LIVE, ControlBlock, LaneInfo
 from mmcache.ipc.errors import TransportFullError
-from mmcache.ipc.handle import FeatureHandle, SenderEndpoint
+from mmcache.ipc.handle import FeatureBatch, FeatureHandle, SenderEndpoint
 from mmcache.ipc.leases import Lease, LeaseLedger
 from mmcache.ipc.memory import SenderMemory
 from mmcache.ipc.reclaim import LeaseReclaimer
 from mmcache.ipc.room import Placement, SendRoom
 from mmcache.ipc.stats import TransportStats
-from mmcache.ipc.writer import SliceWriter, Source
+from mmcache.ipc.writer import MAX_BATCH, SliceWriter, Source, part_offsets, release_all
 from mmcache.layouts import check_strided
 from mmcache.metrics import CacheMetrics, DeferredPush
 from mmcache.settings import CacheSettings
@@ -306,11 +306,53 @@ class FeatureSender:
         """
         if stream is None:
             stream = self._device.current_stream()  # read before any await: it is per thread
-        check_strided(tensor, "send()")
+        taken = [tensor]
+        del tensor  # _send empties taken: no frame of ours keeps the tensor alive
+        handle = await self._send(taken, stream, wait, batch=False)
+        assert isinstance(handle, FeatureHandle)
+        return handle
+
+    async def send_many(
+        self,
+        tensors: Sequence[torch.Tensor],
+        *,
+        stream: Stream | None = None,
+        wait: bool = True,
+    ) -> FeatureBatch:
+        """Hand several tensors (a request's features) to the consumers in one publication.
+
+        As send(), for all of them at once: one slice holds them back to back, one
+        slot and one handle (a FeatureBatch: receive_many / lease_many read it) track
+        them, and the receivers release them together. Takes ownership of every
+        tensor; they all go through the pool or all through the host fallback.
+        """
+        if stream is None:
+            stream = self._device.current_stream()
+        taken = list(tensors)
+        del tensors
+        if not taken:
+            raise InvalidValueError("send_many() needs at least one tensor")
+        if len(taken) > MAX_BATCH:
+            raise InvalidValueError(
+                f"send_many() takes at most {MAX_BATCH} tensors at once, not {len(taken)}"
+            )
+        batch = await self._send(taken, stream, wait, batch=True)
+        assert isinstance(batch, FeatureBatch)
+        return batch
+
+    async def _send(
+        self, tensors: list[torch.Tensor], stream: Stream, wait: bool, *, batch: bool
+    ) -> FeatureHandle | FeatureBatch:
+        """Send the tensors (emptied here once owned: the caller's frames keep none)."""
+        caller = "send_many()" if batch else "send()"
+        for tensor in tensors:
+            check_strided(tensor, caller)
         await self._ready_to_serve()
-        nbytes = feature_bytes(self._device, tensor, "send()")
-        ready = self._device.record(stream)
-        own = Source(self._device.adopt(tensor, stream), self._release_source)
+        sizes = [feature_bytes(self._device, tensor, caller) for tensor in tensors]
+        offsets, nbytes = part_offsets(sizes)
+        ready = self._device.record(stream)  # the tensors' makers: what a release waits for
+        owns = [Source(self._device.adopt(t, stream), self._release_source) for t in tensors]
+        tensors.clear()
         del tensor
         try:
             assert self._control is not None
@@ -320,25 +362,28 @@ class FeatureSender:
             needed = self._ledger.needed(len(owed))
             placement, reason = await self._place(nbytes, lanes, wait)
         except BaseException:
-            own.release([ready])
+            release_all(owns, [ready])
             raise
         # From here on every way out either leases the room or gives it back.
         try:
             if self._closed:  # room granted, then close() began before this send resumed
                 raise CacheClosedError("the IPC sender closed while send waited for room")
+            pieces = list(zip(owns, offsets, strict=True))
             if placement.where == "pool":
-                handle = self._writer.write_pool(own, placement, ready, stream, (owed, needed))
+                sent = self._writer.write_pool(
+                    pieces, placement, ready, stream, (owed, needed), batch
+                )
             else:
                 self._count_fallback(reason)
-                handle = await self._writer.write_host(
-                    own, placement, ready, stream, (owed, needed)
+                sent = await self._writer.write_host(
+                    pieces, placement, ready, stream, (owed, needed), batch
                 )
         except BaseException:
             self._room.abort(placement, ())  # nothing once it is a lease
-            own.release(placement.after or [ready])
+            release_all(owns, placement.after or [ready])
             raise
         self._sends += 1
-        return handle
+        return sent
 
     def stats(self) -> TransportStats:
         """A snapshot of the pool, the fallback, the leases and the receivers."""

@@ -4,23 +4,40 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from typing import Final
 
 import torch
 
 from mmcache.device import Device, Fence, Stream
 from mmcache.errors import CacheClosedError, CopyFailedError
 from mmcache.ipc.control import ControlBlock
-from mmcache.ipc.handle import FeatureHandle, SenderEndpoint, dtype_name
+from mmcache.ipc.handle import FeatureBatch, FeatureHandle, Part, SenderEndpoint, dtype_name
 from mmcache.ipc.leases import Lease, LeaseLedger
 from mmcache.ipc.memory import SenderMemory
 from mmcache.ipc.room import Placement, SendRoom
 from mmcache.metrics import CacheMetrics, DeferredPush
 from mmcache.waiting import FenceWatcher, wait_fences
 
-__all__ = ["Owed", "SliceWriter", "Source"]
+__all__ = ["MAX_BATCH", "Owed", "SliceWriter", "Source", "part_offsets", "release_all"]
 
 #: The receivers registered at send, and how many releases the send is owed.
 Owed = tuple[frozenset[tuple[int, int]], int]
+#: Features of one send_many at most (each is a part of one published record).
+MAX_BATCH: Final = 1024
+#: Where each feature of a batch starts in its slice: a multiple of this (every dtype's
+#: alignment, and a whole number of the GPU's memory transactions).
+PART_ALIGNMENT: Final = 256
+
+
+def part_offsets(sizes: Sequence[int]) -> tuple[list[int], int]:
+    """Each feature's offset in a slice holding features of sizes back to back, aligned;
+    and the slice's bytes."""
+    offsets, end = [], 0
+    for size in sizes:
+        at = -(-end // PART_ALIGNMENT) * PART_ALIGNMENT
+        offsets.append(at)
+        end = at + size
+    return offsets, end
 
 
 class Source:
@@ -44,6 +61,16 @@ class Source:
         """Release the alias held after the fences, and hold tensor instead."""
         self.release(after)
         self.tensor = tensor
+
+
+def release_all(owns: Sequence[Source], after: Sequence[Fence]) -> None:
+    """Give every source back after the fences."""
+    for own in owns:
+        own.release(after)
+
+
+#: A sent tensor and where it starts in its slice.
+Piece = tuple[Source, int]
 
 
 class SliceWriter:
@@ -88,59 +115,75 @@ class SliceWriter:
 
     def write_pool(
         self,
-        own: Source,
+        pieces: Sequence[Piece],
         placement: Placement,
         ready: Fence,
         stream: Stream,
         owed: Owed,
-    ) -> FeatureHandle:
-        """Queue own -> pool slice on the producer's stream; the handle goes out at once."""
-        assert own.tensor is not None
-        shape, dtype = tuple(own.tensor.shape), own.tensor.dtype
+        batch: bool,
+    ) -> FeatureHandle | FeatureBatch:
+        """Queue each piece -> its part of a pool slice on the producer's stream; the handle
+        goes out at once."""
+        owns = [own for own, _ in pieces]
         try:
-            dst = placement.arena.view(placement.block, shape, dtype)
-            # On the producer's stream: ordered after the work that made the tensor.
-            written = self._device.copy_d2d(own.tensor, dst, stream)
-            del dst
-            placement.after.append(written)
+            parts = self._parts(pieces)
+            written: Fence | None = None
+            for (own, at), (_, shape, _name) in zip(pieces, parts, strict=True):
+                assert own.tensor is not None
+                dst = placement.arena.view(placement.block, shape, own.tensor.dtype, at)
+                # On the producer's stream: ordered after the work that made the tensor.
+                written = self._device.copy_d2d(own.tensor, dst, stream)
+                del dst
+                placement.after.append(written)
+            assert written is not None  # the last copy on the stream: after all of them
             event = self._record_event(placement.slot, stream)
-            handle = self.publish(placement, shape, dtype, event)
+            handle = self.publish(placement, parts, event, batch)
         except BaseException:
             self._room.abort(placement, ())
-            own.release(placement.after or [ready])
+            release_all(owns, placement.after or [ready])
             raise
-        seq = handle.seq
-        written.add_done_callback(functools.partial(self._mark_ready, placement.slot, seq, written))
-        own.release([written])
+        mark = functools.partial(self._mark_ready, placement.slot, handle.seq, written)
+        if event:  # receivers order on the event: the mark is for those that cannot open it
+            assert self._watcher is not None
+            self._watcher.when_done_lazily(written, mark)
+        else:
+            written.add_done_callback(mark)
+        release_all(owns, self._after_copy(written))
         return self.lease(placement, handle, written, owed)
 
     async def write_host(
         self,
-        own: Source,
+        pieces: Sequence[Piece],
         placement: Placement,
         ready: Fence,
         stream: Stream,
         owed: Owed,
-    ) -> FeatureHandle:
-        """Copy own into a shared host block, release it, and only then hand out the handle."""
-        assert self._control is not None and own.tensor is not None
-        shape, dtype = tuple(own.tensor.shape), own.tensor.dtype
-        after: list[Fence] = [ready]
+        batch: bool,
+    ) -> FeatureHandle | FeatureBatch:
+        """Copy the pieces into a shared host block, release them, and only then hand out
+        the handle."""
+        assert self._control is not None
+        owns = [own for own, _ in pieces]
+        after: list[Fence] = [ready]  # the copies wait for the tensors' makers
         try:
+            parts = self._parts(pieces)
             placement.arena.commit(placement.block)
-            if not own.tensor.is_contiguous():
-                # A device-to-host copy needs one dense range: pack the view on the device.
-                packed = self._device.empty(shape, dtype, stream)
-                compacted = self._device.copy_d2d(own.tensor, packed, stream)
-                own.replace(packed, [compacted])
-                after = [compacted]
-            dst = placement.arena.view(placement.block, shape, dtype)
-            copied = self._device.copy_d2h(own.tensor, dst, after)
-            del dst
+            for own, _ in pieces:
+                assert own.tensor is not None
+                if not own.tensor.is_contiguous():
+                    # A device-to-host copy needs one dense range: pack the view on the device.
+                    packed = self._device.empty(own.tensor.shape, own.tensor.dtype, stream)
+                    compacted = self._device.copy_d2d(own.tensor, packed, stream)
+                    own.replace(packed, [compacted])
+                    after = [compacted]  # the last on stream: after the tensors' makers too
+            srcs = [own.tensor for own in owns if own.tensor is not None]
+            copied = self._device.copy_d2h_batch(
+                srcs, placement.block.view, [at for _, at in pieces], after
+            )
             placement.after.append(copied)
         except BaseException:
             self._room.abort(placement, ())
-            own.release(after)
+            release_all(owns, after)
             raise
         self.host_copies.add(copied)  # close() waits for it before freeing the fallback
         try:
@@ -151,17 +194,31 @@ class SliceWriter:
             if isinstance(exc, CopyFailedError):
                 self._metrics.fault("copy_failed")
             self._room.abort(placement, ())
-            own.release([copied])
+            release_all(owns, [copied])
             raise
         finally:
             # Forgotten once landed, also when this send was cancelled while it copied.
             assert self._watcher is not None
             self._watcher.when_done([copied], functools.partial(self.host_copies.discard, copied))
         # The device memory goes back before the handle exists: the seed bug kept it.
-        own.release([copied])
-        handle = self.publish(placement, shape, dtype, b"")
+        release_all(owns, [copied])
+        handle = self.publish(placement, parts, b"", batch)
         self._control.mark_ready(placement.slot, handle.seq, True)
         return self.lease(placement, handle, copied, owed)
+
+    @staticmethod
+    def _parts(pieces: Sequence[Piece]) -> tuple[Part, ...]:
+        """What the handle says of each piece: its offset in the slice, shape and dtype."""
+        parts = []
+        for own, at in pieces:
+            assert own.tensor is not None
+            parts.append((at, tuple(own.tensor.shape), dtype_name(own.tensor.dtype)))
+        return tuple(parts)
+
+    def _after_copy(self, written: Fence) -> list[Fence]:
+        """What a source copied by copy_d2d is released after: on CUDA nothing (the copy
+        already keeps its block for the stream), elsewhere the copy's fence."""
+        return [] if self._device.stream_ordered_reads else [written]
 
     def _record_event(self, slot: int, stream: Stream) -> bytes:
         """Record the slot's CUDA IPC event after the copy (b"" on the simulator)."""
@@ -176,24 +233,27 @@ class SliceWriter:
             self._control.mark_ready(slot, seq, written.exception() is None)
 
     def publish(
-        self, placement: Placement, shape: tuple[int, ...], dtype: torch.dtype, event: bytes
-    ) -> FeatureHandle:
+        self, placement: Placement, parts: tuple[Part, ...], event: bytes, batch: bool
+    ) -> FeatureHandle | FeatureBatch:
         """The handle of a new send into placement, its slice published in the slot."""
         assert self._endpoint is not None and self._control is not None
-        handle = FeatureHandle(
-            sender=self._endpoint,
-            seq=self._next_seq(),
-            slot=placement.slot,
-            where=placement.where,
-            offset=placement.block.offset,
-            shape=shape,
-            dtype=dtype_name(dtype),
-            cuda_event=event,
-        )
-        placement.seq = handle.seq  # set first: a failure in arm() still invalidates the slot
+        seq = self._next_seq()
+        handle: FeatureHandle | FeatureBatch
+        if batch:
+            handle = FeatureBatch(
+                self._endpoint, seq, placement.slot, placement.where, placement.block.offset,
+                parts, event,
+            )  # fmt: skip
+        else:
+            ((_, shape, dtype),) = parts
+            handle = FeatureHandle(
+                self._endpoint, seq, placement.slot, placement.where, placement.block.offset,
+                shape, dtype, event,
+            )  # fmt: skip
+        placement.seq = seq  # set first: a failure in arm() still invalidates the slot
         self._control.arm(
             placement.slot,
-            handle.seq,
+            seq,
             placement.where,
             handle.offset,
             handle.nbytes,
@@ -202,8 +262,12 @@ class SliceWriter:
         return handle
 
     def lease(
-        self, placement: Placement, handle: FeatureHandle, written: Fence, owed: Owed
-    ) -> FeatureHandle:
+        self,
+        placement: Placement,
+        handle: FeatureHandle | FeatureBatch,
+        written: Fence,
+        owed: Owed,
+    ) -> FeatureHandle | FeatureBatch:
         """Hold placement for handle's receivers (the send's room becomes a lease)."""
         assert self._ledger is not None
         self._ledger.add(Lease(handle, placement.arena, placement.block, written, *owed))
