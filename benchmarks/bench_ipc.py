@@ -55,11 +55,16 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 
 from _common import MiB, gbps, markdown_table, percentile, write_json  # noqa: E402
 
-import mmcache.ipc  # noqa: E402
 from mmcache import CacheSettings  # noqa: E402
 from mmcache.device import SimDevice  # noqa: E402
 from mmcache.device.cuda import CudaDevice  # noqa: E402
-from mmcache.ipc import FeatureHandle, FeatureReceiver, FeatureSender, SenderEndpoint  # noqa: E402
+from mmcache.ipc import (  # noqa: E402
+    FeatureBatch,
+    FeatureHandle,
+    FeatureReceiver,
+    FeatureSender,
+    SenderEndpoint,
+)
 
 #: name -> bytes of one feature (bf16 rows of 4096: 8 MB is a 1000-token image).
 SIZES = {"64KB": 64 << 10, "1MB": 1 << 20, "8MB": 8 << 20}
@@ -69,10 +74,7 @@ PATHS = (RECEIVE, LEASE, FALLBACK, TORCH)
 VARIANTS = 8  # feature i holds content i % VARIANTS
 TOUCH = 256  # values of each leased view the receiver reads
 STEADY_SHARE = 0.8  # the steady stream's pace, of the pool's measured 1 MB throughput
-REPLY_TIMEOUT_S = 300.0
-#: The batch API (send_many, receive_many, lease_many and its handle), where this mmcache has it.
-FeatureBatch: Any = getattr(mmcache.ipc, "FeatureBatch", None)
-BATCHED = FeatureBatch is not None and hasattr(FeatureSender, "send_many")
+REPLY_TIMEOUT_S = 120.0
 
 
 def make_device(kind: str, gpu: int) -> SimDevice | CudaDevice:
@@ -240,13 +242,13 @@ class Consumer:
                 async with receiver.lease(FeatureHandle.from_bytes(data)) as view:
                     self.held_at = time.perf_counter()
                     return self.read([view], first, checks, expected)
-            async with receiver.lease_many(FeatureBatch.from_bytes(data)) as views:  # type: ignore[attr-defined]
+            async with receiver.lease_many(FeatureBatch.from_bytes(data)) as views:
                 self.held_at = time.perf_counter()
                 return self.read(views, first, checks, expected)
         if batch == 1:
             tensors = [await receiver.receive(FeatureHandle.from_bytes(data))]
         else:
-            tensors = await receiver.receive_many(FeatureBatch.from_bytes(data))  # type: ignore[attr-defined]
+            tensors = await receiver.receive_many(FeatureBatch.from_bytes(data))
         self.held_at = time.perf_counter()
         return self.wrong(tensors, first, checks, expected)
 
@@ -288,7 +290,9 @@ class Consumer:
 
 def settings(kind: str, pool: bool) -> CacheSettings:
     """The transport's settings for one path."""
-    mb = 512 if kind == "cuda" else 64
+    # The simulator's pool and fallback hold two of the largest batches (a batch must fit
+    # whole), the GPU's several.
+    mb = 512 if kind == "cuda" else max(64, 2 * max(BATCHES) * max(SIZES.values()) // MiB)
     return CacheSettings(
         use_cuda_ipc=pool, ipc_pool_mb=mb, ipc_fallback_mb=mb, ipc_recycle_interval_s=0.001
     )
@@ -342,41 +346,37 @@ class Bench:
         )
         async with sender:
             await self.ask(("connect", sender.endpoint.to_bytes()))
-            try:
-                yield sender
-            finally:
-                await sender.drain(timeout=30)
-                await self.ask(("leave",))
+            yield sender  # after a failure the receivers may be mid-run: main ends them
+            await sender.drain(timeout=30)
+            await self.ask(("leave",))
 
     # what the runs send
 
-    def prepare(self, nbytes: int, count: int) -> list[torch.Tensor | None]:
-        """count features to send (distinct tensors: send takes ownership of each)."""
+    def prepare(self, nbytes: int, count: int, batch: int) -> list[list[torch.Tensor] | None]:
+        """count features to send, batch per message (distinct tensors: send owns each)."""
         bases = features(nbytes, self.where, self._bases)
-        tensors: list[torch.Tensor | None] = [bases[i % VARIANTS].clone() for i in range(count)]
+        messages: list[list[torch.Tensor] | None] = [
+            [bases[i % VARIANTS].clone() for i in range(first, min(count, first + batch))]
+            for first in range(0, count, batch)
+        ]
         self.device.synchronize()
-        return tensors
+        return messages
 
     async def post(
-        self,
-        sender: FeatureSender | None,
-        tensors: list[torch.Tensor | None],
-        first: int,
-        batch: int,
+        self, sender: FeatureSender | None, messages: list[list[torch.Tensor] | None], j: int
     ) -> None:
-        """Send tensors[first:first + batch] to every receiver in one message; let go of them."""
-        group = tensors[first : first + batch]
-        tensors[first : first + batch] = [None] * batch
+        """Send message j to every receiver, letting go of its tensors."""
+        group, messages[j] = messages[j], None
+        assert group is not None
         if sender is None:
-            item: Any = group if batch > 1 else group[0]
+            item: object = group if len(group) > 1 else group[0]
             for queue in self.queues:
                 queue.put(item)
             return
-        if batch == 1:
-            assert group[0] is not None
-            data = (await sender.send(group[0])).to_bytes()
+        if len(group) == 1:
+            data = (await sender.send(group.pop())).to_bytes()
         else:
-            data = (await sender.send_many(group)).to_bytes()  # type: ignore[attr-defined]
+            data = (await sender.send_many(group)).to_bytes()
         del group
         for inbox in self.inboxes:
             inbox.send_bytes(data)
@@ -406,16 +406,16 @@ class Bench:
         rate: send at most this many features per second (a steady stream), else at once.
         """
         nbytes = SIZES[size]
-        tensors = self.prepare(nbytes, count)
+        messages = self.prepare(nbytes, count, batch)
         await self.ask(("run", path, nbytes, batch, count))  # each answers once it is ready
         before = sender.stats() if sender is not None else None
         started = time.perf_counter()
-        for first in range(0, count, batch):
+        for j in range(len(messages)):
             if rate is not None:
-                lag = started + first / rate - time.perf_counter()
+                lag = started + j * batch / rate - time.perf_counter()
                 if lag > 0:
                     await asyncio.sleep(lag)
-            await self.post(sender, tensors, first, batch)
+            await self.post(sender, messages, j)
         sent = time.perf_counter()
         done = await self.replies()
         seconds = max(d[1] for d in done) - started
@@ -463,13 +463,13 @@ class Bench:
         """One 1 MB feature at a time: from just before send to each receiver holding it."""
         warm, pings = (5, 40) if self.quick else (30, 300)
         nbytes = SIZES["1MB"]
-        tensors = self.prepare(nbytes, warm + pings)
+        messages = self.prepare(nbytes, warm + pings, 1)
         await self.ask(("ping", path, nbytes, warm + pings))
         held: list[float] = []
         done: list[float] = []
         for i in range(warm + pings):
             started = time.perf_counter()
-            await self.post(sender, tensors, i, 1)
+            await self.post(sender, messages, i)
             stamps = []
             for outbox in self.outboxes:
                 await readable(outbox)
@@ -522,14 +522,13 @@ async def main(kind: str, receivers: int, quick: bool, out: str | None) -> int:
     for process in processes:
         process.start()
     bench = Bench(kind, quick, device, wires, queues)
-    batches = BATCHES if BATCHED else BATCHES[:1]
     rows: list[dict[str, Any]] = []
     latency: list[dict[str, Any]] = []
     steady: dict[str, Any] = {}
     try:
         async with bench.sender(pool=True) as sender:
             for size in SIZES:
-                for batch in batches:
+                for batch in BATCHES:
                     for path in (RECEIVE, LEASE):
                         rows.append(await bench.measure(path, sender, size, batch))
             for path in (RECEIVE, LEASE):
@@ -540,7 +539,7 @@ async def main(kind: str, receivers: int, quick: bool, out: str | None) -> int:
             steady = await bench.steady(sender, STEADY_SHARE * pace["features_per_s"])
         async with bench.sender(pool=False) as sender:
             for size in SIZES:
-                for batch in batches:
+                for batch in BATCHES:
                     rows.append(await bench.measure(FALLBACK, sender, size, batch))
             latency.append(await bench.latency(FALLBACK, sender))
         for size in SIZES:
@@ -548,17 +547,19 @@ async def main(kind: str, receivers: int, quick: bool, out: str | None) -> int:
                 rows.append(await bench.measure(TORCH, None, size, batch))
         latency.append(await bench.latency(TORCH, None))
         facts = device.describe()
-    finally:
         bench.tell(("stop",))
         for process in processes:
             process.join(30)
+    finally:
+        for process in processes:
+            if process.is_alive():  # a failed run left it waiting for features
+                process.terminate()
         device.close()
     write_json(
         out,
         {
             "device": facts,
             "receivers": gpus,
-            "batches": list(batches),
             "rows": rows,
             "latency": latency,
             "steady": steady,
@@ -606,7 +607,7 @@ def report(
                 "GB/s",
                 "vs fallback",
                 "vs torch.mp",
-                "fallbacks",
+                "sends fallen back",
                 "leaked bytes",
                 "wrong",
             ],
@@ -628,8 +629,6 @@ def report(
             ],
         )
     )
-    if not BATCHED:
-        print("\nbatches of 16 through mmcache: n/a (this mmcache has no FeatureSender.send_many)")
     print(f"\nLatency of one 1 MB feature at a time ({latency[0]['pings']} after a warm-up):\n")
     print(
         markdown_table(
