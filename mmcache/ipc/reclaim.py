@@ -16,8 +16,11 @@ __all__ = ["LeaseReclaimer"]
 
 log = logging.getLogger("mmcache.ipc")
 
-# A send that finds no room sweeps first, at most this often (a sweep reads every lease).
+# A send that finds no room sweeps first, at most this often.
 _MIN_SWEEP_GAP_S: Final = 0.001
+# Sweeps in between read only the oldest leases (LeaseLedger.quick_sweep); a full one,
+# which reads every lease, runs at most this often unless asked for.
+FULL_SWEEP_GAP_S: Final = 0.05
 
 
 class LeaseReclaimer:
@@ -31,15 +34,24 @@ class LeaseReclaimer:
         self._room = room
         self._gauges = gauges
         self.last_sweep = 0.0
+        self.last_full_sweep = 0.0
 
     def due(self) -> bool:
         """Whether a send that found no room may sweep now."""
         return time.monotonic() - self.last_sweep >= _MIN_SWEEP_GAP_S
 
-    def sweep(self, ledger: LeaseLedger) -> None:
-        """Reclaim what receivers released or left behind; flag late leases; wake waiters."""
-        result = ledger.sweep()
-        self.last_sweep = time.monotonic()
+    def sweep(self, ledger: LeaseLedger, *, full: bool = True) -> None:
+        """Reclaim what receivers released or left behind; flag late leases; wake waiters.
+
+        full=False: a quick sweep, unless the last full one is FULL_SWEEP_GAP_S old.
+        """
+        now = time.monotonic()
+        if full or now - self.last_full_sweep >= FULL_SWEEP_GAP_S:
+            result = ledger.sweep(now)
+            self.last_full_sweep = now
+        else:
+            result = ledger.quick_sweep()
+        self.last_sweep = now
         timeout_env = self.settings.env_name("ipc_lease_timeout_s")
         for lease in result.recycled:
             if lease.timed_out:
