@@ -9,7 +9,7 @@ from typing import Final
 from mmcache.ipc.control import LIVE
 from mmcache.ipc.leases import LeaseLedger
 from mmcache.ipc.room import SendRoom
-from mmcache.metrics import DeferredPush
+from mmcache.metrics import CacheMetrics, DeferredPush
 from mmcache.settings import CacheSettings
 
 __all__ = ["LeaseReclaimer"]
@@ -29,8 +29,15 @@ class LeaseReclaimer:
     It owns when the last sweep ran (a send that finds no room sweeps at most so often).
     """
 
-    def __init__(self, settings: CacheSettings, room: SendRoom, gauges: DeferredPush) -> None:
+    def __init__(
+        self,
+        settings: CacheSettings,
+        room: SendRoom,
+        gauges: DeferredPush,
+        metrics: CacheMetrics,
+    ) -> None:
         self.settings = settings
+        self._metrics = metrics
         self._room = room
         self._gauges = gauges
         self.last_sweep = 0.0
@@ -62,6 +69,7 @@ class LeaseReclaimer:
                 )
             # After the sender's own copy into it too: a receiver that died may not have waited.
             lease.arena.free(lease.block, [lease.written])
+            self._metrics.ipc_recycled(now - lease.sent_at)
             self._room.give_slot(lease.handle.slot)
         for lease in result.timed_out:
             owing = ", ".join(f"pid {i.pid}" for i in ledger.owing(lease)) or "none registered"

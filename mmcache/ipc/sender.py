@@ -108,7 +108,7 @@ class FeatureSender:
         self._gauges = DeferredPush(self._push_gauges)
         self._memory = SenderMemory(self._device, self._kind, self.settings, alignment)
         self._room = SendRoom(self._memory, self.settings, max_slices)
-        self._reclaimer = LeaseReclaimer(self.settings, self._room, self._gauges)
+        self._reclaimer = LeaseReclaimer(self.settings, self._room, self._gauges, self._metrics)
         self._writer = SliceWriter(
             self._device,
             self._memory,
