@@ -199,6 +199,12 @@ METRICS_TABLE: Final[list[MetricInfo]] = [
         "Sends that fell back to host memory, by reason.",
     ),
     MetricInfo(
+        "mmcache_ipc_recycle_seconds",
+        "histogram",
+        ("cache",),
+        "Time from an IPC send to its slice's reuse (every receiver done with it).",
+    ),
+    MetricInfo(
         "mmcache_faults_total",
         "counter",
         ("cache", "kind"),
@@ -286,6 +292,7 @@ class _Families:
         self.leaked_bytes = _gauge("mmcache_leaked_bytes", registry)
         self.ipc_pool_bytes = _gauge("mmcache_ipc_pool_bytes", registry)
         self.ipc_fallbacks = _counter("mmcache_ipc_fallbacks_total", registry)
+        self.ipc_recycle = _histogram("mmcache_ipc_recycle_seconds", registry)
         self.faults = _counter("mmcache_faults_total", registry)
         self.remote_lookups = _counter("mmcache_remote_lookups_total", registry)
         self.remote_errors = _counter("mmcache_remote_errors_total", registry)
@@ -407,6 +414,7 @@ class CacheMetrics:
             for d in DIRECTIONS
         }
         self._get_wait = self._bind(families.get_wait)
+        self._ipc_recycle = self._bind(families.ipc_recycle)
         self._leaked = {t: self._bind(families.leaked_bytes, t) for t in LEAK_TIERS}
         self._ipc_pool = {s: self._bind(families.ipc_pool_bytes, s) for s in IPC_POOL_STATES}
         self._fallbacks = {r: self._bind(families.ipc_fallbacks, r) for r in IPC_FALLBACK_REASONS}
@@ -498,6 +506,10 @@ class CacheMetrics:
     def get_wait(self, seconds: float) -> None:
         """Record how long a get waited on pending copies."""
         self._get_wait.observe(seconds)
+
+    def ipc_recycled(self, seconds: float) -> None:
+        """Record how long an IPC slice was held, from its send to its reuse."""
+        self._ipc_recycle.observe(seconds)
 
     def set_leaked(self, tier: str, nbytes: int) -> None:
         """Report bytes owned by nothing in a ledger: tier is gpu, cpu or ipc."""

@@ -53,6 +53,7 @@ async def test_a_batch_arrives_whole_in_order_and_frees_everything(rig: Rig, pat
         assert (stats.live_leases, stats.leaked_bytes, stats.sends) == (0, 0, 1)
         assert stats.fallbacks == (path == "host")
         assert (stats.pool_used_bytes, stats.fallback_used_bytes) == (0, 0)
+        assert tr.metric("mmcache_ipc_recycle_seconds_count") == 1  # one slice, reused once
         assert await settled_bytes(rig, baseline) == baseline
 
 

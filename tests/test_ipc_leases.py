@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from conftest import Rig
 from test_ipc_support import dead_pid, new_receiver, transport
 
 from mmcache.device import SimDevice
-from mmcache.ipc import HandleExpiredError, SenderGoneError
+from mmcache.ipc import HandleExpiredError, SenderGoneError, reclaim
 from mmcache.ipc.control import ControlBlock
 
 
@@ -164,3 +165,27 @@ async def test_registration_records_the_receivers_pid(sim_rig: Rig) -> None:
         assert [lane.pid for lane in lanes] == [os.getpid(), os.getpid()]
         assert tr.sender.stats().receivers == 2
         control.close(unlink=False)
+
+
+async def test_a_quick_sweep_reads_the_oldest_leases_and_a_full_one_all(
+    sim_rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Receivers release mostly in send order: a quick sweep stops at a run of leases
+    still held, so its cost follows what it reclaims; a full sweep finds the rest."""
+    monkeypatch.setattr(reclaim, "FULL_SWEEP_GAP_S", 3600.0)  # only sweep() runs a full one
+    async with transport(sim_rig, consumers=1, ipc_recycle_interval_s=60) as tr:
+        handles = [await tr.sender.send(torch.full((64,), float(i))) for i in range(3 + 20)]
+        receiver = tr.receivers[0]
+        for handle in handles[:3] + handles[-5:]:  # the 3 oldest, then 5 behind 15 held
+            await receiver.receive(handle)
+        await asyncio.sleep(0.01)  # the copies' releases are reported by the loop's looks
+        tr.sender._reclaimer.last_full_sweep = time.monotonic()
+        tr.sender._sweep(full=False)
+        assert tr.sender.stats().live_leases == 20
+        tr.sender.sweep()
+        assert tr.sender.stats().live_leases == 15
+        for handle in handles[3:-5]:
+            await receiver.receive(handle)
+        assert await tr.sender.drain(timeout=5)
+        stats = tr.sender.stats()
+        assert (stats.leaked_bytes, stats.pool_used_bytes) == (0, 0)

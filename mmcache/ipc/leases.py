@@ -11,6 +11,11 @@ for the slices it had opened. A slice is reused only once enough releases
 came, no known consumer is still to come, and no live receiver holds it
 open. A lease past its timeout counts as leaked until it is released late or
 its receivers are gone; it is never reused before.
+
+Receivers mostly release in the order sends were made, so a quick sweep reads
+the oldest leases only, until several in a row may not end yet: its cost
+follows what it reclaims, not how many sends are outstanding. A full sweep
+reads every lease, credits receivers that died or closed and flags late leases.
 """
 
 from __future__ import annotations
@@ -18,15 +23,18 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import final
+from typing import Final, final
 
 from mmcache.device.base import Fence
 from mmcache.host_pool import HostBlock
-from mmcache.ipc.control import ControlBlock, LaneInfo
+from mmcache.ipc.control import LIVE, ControlBlock, LaneInfo
 from mmcache.ipc.handle import FeatureBatch, FeatureHandle
 from mmcache.ipc.pool import SliceArena
 
 __all__ = ["Lease", "LeaseLedger", "Sweep"]
+
+#: A quick sweep stops after this many leases in a row that may not end yet.
+QUICK_SWEEP_MISSES: Final = 8
 
 #: (lane, epoch): one receiver, even after its lane is reused by another.
 Receiver = tuple[int, int]
@@ -71,7 +79,10 @@ class LeaseLedger:
     __slots__ = (
         "_control",
         "_gone",
+        "_held",
+        "_late",
         "_leases",
+        "_open",
         "_seated",
         "consumers",
         "lost_receivers",
@@ -86,6 +97,10 @@ class LeaseLedger:
         self._seated = 0  # most consumers ever registered at once
         self._gone: set[Receiver] = set()  # every receiver found dead or closed
         self.lost_receivers = 0
+        # Kept as leases come and go, so gauges read them per send without a pass:
+        self._held: dict[int, int] = {}  # id(arena) -> bytes of its leases
+        self._open: dict[int, int] = {}  # id(arena) -> bytes held open (as of the last sweep)
+        self._late = 0  # bytes of leases past their timeout
 
     def needed(self, registered: int) -> int:
         """Releases a send owes now that `registered` receivers are registered.
@@ -103,6 +118,16 @@ class LeaseLedger:
         if len(lease.owed_by) <= self.consumers:
             lease.released_by |= lease.owed_by & self._gone
         self._leases[lease.handle.seq] = lease
+        key = id(lease.arena)
+        self._held[key] = self._held.get(key, 0) + lease.nbytes
+
+    def _forget(self, lease: Lease) -> None:
+        del self._leases[lease.handle.seq]
+        self._held[id(lease.arena)] -= lease.nbytes
+        if lease.timed_out:
+            self._late -= lease.nbytes
+        if lease.open_by:
+            self._open[id(lease.arena)] -= lease.nbytes
 
     def __len__(self) -> int:
         return len(self._leases)
@@ -112,15 +137,62 @@ class LeaseLedger:
 
     def leaked_bytes(self) -> int:
         """Bytes of leases past their timeout."""
-        return sum(lease.nbytes for lease in self._leases.values() if lease.timed_out)
+        return self._late
+
+    def held_bytes(self, arena: SliceArena) -> int:
+        """Bytes of arena's slices that leases hold."""
+        return self._held.get(id(arena), 0)
 
     def open_bytes(self, arena: SliceArena) -> int:
-        """Bytes of arena's slices that a live receiver holds open."""
-        return sum(
-            lease.nbytes
-            for lease in self._leases.values()
-            if lease.arena is arena and lease.open_by
-        )
+        """Bytes of arena's slices that a live receiver holds open (as of the last sweep)."""
+        return self._open.get(id(arena), 0)
+
+    def _read(self, lease: Lease, lanes: list[LaneInfo], live_ids: set[Receiver]) -> None:
+        """Read the receivers' cells of lease: who released it, who holds it open."""
+        control = self._control
+        seq, slot = lease.handle.seq, lease.handle.slot
+        was_open = bool(lease.open_by)
+        lease.open_by.clear()
+        # A receiver that released just before it died still released: read every lane.
+        for info in lanes:
+            who = (info.lane, info.epoch)
+            if who in lease.released_by:
+                continue
+            if control.released(slot, info.lane) == seq:
+                lease.released_by.add(who)
+            elif who in live_ids and control.leased(slot, info.lane) == seq:
+                lease.open_by.add(who)
+        if was_open != bool(lease.open_by):
+            key = id(lease.arena)
+            self._open[key] = self._open.get(key, 0) + (
+                lease.nbytes if lease.open_by else -lease.nbytes
+            )
+
+    def _reclaim(self, lease: Lease, result: Sweep) -> None:
+        # Before the bytes are reused: a reader that comes late sees its slot gone.
+        self._control.invalidate(lease.handle.slot, lease.handle.seq)
+        self._forget(lease)
+        result.recycled.append(lease)
+
+    def quick_sweep(self) -> Sweep:
+        """Reclaim the oldest leases that may end, stopping after QUICK_SWEEP_MISSES in a
+        row that may not (receivers that died and late leases wait for a full sweep)."""
+        result = Sweep()
+        lanes = self._control.lanes()
+        # Registered counts as live here (no process lookups): one that died only waits
+        # longer, for the full sweep that credits it.
+        live_ids = {(i.lane, i.epoch) for i in lanes if i.state == LIVE}
+        misses = 0
+        for lease in list(self._leases.values()):
+            self._read(lease, lanes, live_ids)
+            if self._may_reuse(lease, live_ids):
+                self._reclaim(lease, result)
+                misses = 0
+            else:
+                misses += 1
+                if misses >= QUICK_SWEEP_MISSES:
+                    break
+        return result
 
     def sweep(self, now: float | None = None) -> Sweep:
         """Read every receiver's cells; end the leases that may end; flag the late ones."""
@@ -133,17 +205,7 @@ class LeaseLedger:
         gone = [i for i in lanes if (i.lane, i.epoch) not in live_ids]
         leases = list(self._leases.values())
         for lease in leases:
-            seq, slot = lease.handle.seq, lease.handle.slot
-            lease.open_by.clear()
-            # A receiver that released just before it died still released: read every lane.
-            for info in lanes:
-                who = (info.lane, info.epoch)
-                if who in lease.released_by:
-                    continue
-                if control.released(slot, info.lane) == seq:
-                    lease.released_by.add(who)
-                elif who in live_ids and control.leased(slot, info.lane) == seq:
-                    lease.open_by.add(who)
+            self._read(lease, lanes, live_ids)
         for info in gone:
             who = (info.lane, info.epoch)
             credited = 0
@@ -162,12 +224,10 @@ class LeaseLedger:
             result.lost.append((info, credited))
         for lease in leases:
             if self._may_reuse(lease, live_ids):
-                # Before the bytes are reused: a reader that comes late sees its slot gone.
-                control.invalidate(lease.handle.slot, lease.handle.seq)
-                del self._leases[lease.handle.seq]
-                result.recycled.append(lease)
+                self._reclaim(lease, result)
             elif not lease.timed_out and now - lease.sent_at > self.timeout_s:
                 lease.timed_out = True
+                self._late += lease.nbytes
                 result.timed_out.append(lease)
         return result
 
@@ -193,4 +253,7 @@ class LeaseLedger:
         """Forget every lease (the sender is closing); return them."""
         leases = list(self._leases.values())
         self._leases.clear()
+        self._held.clear()
+        self._open.clear()
+        self._late = 0
         return leases

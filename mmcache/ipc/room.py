@@ -191,11 +191,9 @@ class SendRoom:
             for placement in self._granted
             if placement.owner is None or placement.owner.done()
         )
-        leases = list(ledger)
         for where, arena in (("pool", self._memory.pool), ("host", self._memory.fallback)):
             if arena is None:
                 continue
-            owned = sum(lease.nbytes for lease in leases if lease.arena is arena)
-            owned += self._inflight[where] + arena.freeing_bytes
+            owned = ledger.held_bytes(arena) + self._inflight[where] + arena.freeing_bytes
             leaked += arena.used_bytes - owned
         return leaked

@@ -108,7 +108,7 @@ class FeatureSender:
         self._gauges = DeferredPush(self._push_gauges)
         self._memory = SenderMemory(self._device, self._kind, self.settings, alignment)
         self._room = SendRoom(self._memory, self.settings, max_slices)
-        self._reclaimer = LeaseReclaimer(self.settings, self._room, self._gauges)
+        self._reclaimer = LeaseReclaimer(self.settings, self._room, self._gauges, self._metrics)
         self._writer = SliceWriter(
             self._device,
             self._memory,
@@ -461,7 +461,7 @@ class FeatureSender:
             owner = asyncio.current_task()
             placement = self._room.try_place(nbytes, pool_ok, owner)
             if placement is None and self._reclaimer.due():
-                self._sweep()
+                self._sweep(full=False)
                 placement = self._room.try_place(nbytes, pool_ok, owner)
             if placement is not None:
                 return placement, reason
@@ -500,16 +500,17 @@ class FeatureSender:
                 await asyncio.wait_for(self._poke.wait(), delay)
             self._poke.clear()
             try:
-                self._sweep()
+                self._sweep(full=False)
             except Exception:
                 log.exception("IPC sender %r: a recycler sweep failed", self.name)
 
-    def _sweep(self) -> None:
-        """Reclaim what receivers released or left behind; flag late leases; wake waiters."""
+    def _sweep(self, *, full: bool = True) -> None:
+        """Reclaim what receivers released or left behind; flag late leases; wake waiters
+        (full=False: a quick sweep, see LeaseReclaimer.sweep)."""
         ledger = self._ledger
         if ledger is None:
             return
-        self._reclaimer.sweep(ledger)
+        self._reclaimer.sweep(ledger, full=full)
 
     def _on_space(self) -> None:
         """A slice went back to an arena (maybe after its fences): room for waiting sends."""
