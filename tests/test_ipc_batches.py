@@ -47,7 +47,7 @@ async def test_a_batch_arrives_whole_in_order_and_frees_everything(rig: Rig, pat
         async with second.lease_many(batch) as views:
             for v, w in zip(views, wants, strict=True):
                 assert same_bytes(v.cpu(), w)
-        del got, views
+        del got, views, g, v  # the loops' last views hold their buffers too
         assert await tr.sender.drain(timeout=5)
         stats = tr.sender.stats()
         assert (stats.live_leases, stats.leaked_bytes, stats.sends) == (0, 0, 1)
