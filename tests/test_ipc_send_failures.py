@@ -89,7 +89,7 @@ _POINTS: dict[str, tuple[dict[str, Any], _Injector]] = {
     ),
     "fallback copy": (
         {"use_cuda_ipc": False},
-        lambda mp, s: mp.setattr(s.device, "copy_d2h", _fail),
+        lambda mp, s: mp.setattr(s.device, "copy_d2h_batch", _fail),
     ),
     "fallback slot publish": (
         {"use_cuda_ipc": False},
