@@ -2,11 +2,15 @@
 # Install vLLM for tests/test_integration_vllm.py into the project's venv (.venv or
 # $MMCACHE_VENV, created here if missing): vllm 0.33.0 without its dependencies (they pin
 # another torch and need a GPU), plus the modules that importing vLLM's EC connector base,
-# factory, config and model-runner mixin needs on a CPU machine. Does nothing when they import.
+# factory, config and model-runner mixin, and building a VllmConfig on vLLM's CPU platform
+# (VLLM_TARGET_DEVICE=cpu), need on a CPU machine. Does nothing when they work.
 set -euo pipefail
 # shellcheck source=scripts/engine_venv.sh
 source "$(dirname "${BASH_SOURCE[0]}")/engine_venv.sh"
-probe="import vllm.distributed.ec_transfer.ec_connector.factory, vllm.config, vllm.v1.worker.ec_connector_model_runner_mixin"
+probe="import vllm.distributed.ec_transfer.ec_connector.factory, vllm.v1.worker.ec_connector_model_runner_mixin
+from vllm.config import VllmConfig
+VllmConfig()"
+export VLLM_TARGET_DEVICE=cpu
 engine_venv vllm 0.33.0 "$probe" || exit 0
 echo "install_vllm.sh: installing vllm 0.33.0 (--no-deps) and its imports into $venv" >&2
 # The versions vLLM 0.33.0's requirements allow (transformers <5.21, oss-harmony for
@@ -21,5 +25,8 @@ echo "install_vllm.sh: installing vllm 0.33.0 (--no-deps) and its imports into $
   pydantic-core==2.50.5 pyyaml==6.0.4 pyzmq==27.3.0 regex==2026.11.19 requests==2.34.2 \
   safetensors==0.8.0 sniffio==1.3.1 tokenizers==0.23.3 tqdm==4.70.1 transformers==5.20.2 \
   truststore==0.10.5 typing-extensions==4.16.0 typing-inspection==0.4.5 urllib3==2.8.0 \
-  yarl==1.25.1
+  yarl==1.25.1 \
+  annotated-doc==0.0.7 apache-tvm-ffi==0.1.15.post2 cloudpickle==3.1.3 fastapi==0.165.0 \
+  llguidance==1.9.1 msgspec==0.23.0 opentelemetry-api==1.45.2 partial-json-parser==0.2.1.1.post7 \
+  prometheus-client==0.26.0 py-cpuinfo==9.0.0 starlette==1.10.0 uvloop==0.23.0 xgrammar==0.2.9
 "$py" -c "$probe"

@@ -3,6 +3,8 @@ outputs between a producer and a consumer through a real redis-server, bit-exact
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import socket
 import threading
 import time
@@ -13,6 +15,8 @@ from typing import Any
 import pytest
 import torch
 
+# vLLM picks its platform once, on first use: its CPU platform here (no GPU, no CUDA build).
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 pytest.importorskip(
     "redis", reason="the redis package is not installed: pip install 'mmcache[remote]'"
 )
@@ -22,7 +26,7 @@ pytest.importorskip(
 )
 
 from redis_server import free_port
-from vllm.config import ECTransferConfig
+from vllm.config import ECTransferConfig, VllmConfig
 from vllm.distributed.ec_transfer import ensure_ec_transfer_initialized, ensure_ec_transfer_shutdown
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorBase, ECConnectorRole
 from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
@@ -43,20 +47,23 @@ pytestmark = pytest.mark.vllm
 Make = Callable[..., MMCacheECConnector]
 
 
-def vllm_config(role: str, **extra: Any) -> Any:
-    """The parts of a VllmConfig the connector reads: a real ECTransferConfig, as
-    --ec-transfer-config builds it, and the model's name. (A whole VllmConfig cannot be
-    built on a CPU machine without vLLM's serving dependencies.)"""
-    extra = {"device": "sim", "gpu_cache_mb": 4, "cpu_cache_mb": 4, **extra}
+def vllm_config(role: str, **extra: Any) -> VllmConfig:
+    """A VllmConfig as `vllm serve --ec-transfer-config` builds it (no model loaded: the
+    model's name comes in the connector's extra config)."""
+    extra = {"device": "sim", "gpu_cache_mb": 4, "cpu_cache_mb": 4, "model": "org/vlm-7b", **extra}
     transfer = ECTransferConfig(
         ec_connector="MMCacheECConnector",
         ec_connector_module_path="mmcache.integrations.vllm",
         ec_role=role,  # type: ignore[arg-type]
         ec_connector_extra_config=extra,
     )
-    return types.SimpleNamespace(
-        ec_transfer_config=transfer, model_config=types.SimpleNamespace(model="org/vlm-7b")
-    )
+    if role != "ec_producer":
+        return VllmConfig(ec_transfer_config=transfer)
+    # vLLM refuses a producer-only config without a multimodal model loaded, which a CPU
+    # machine cannot do: the config is validated as ec_both, then given the producer's.
+    config = VllmConfig(ec_transfer_config=dataclasses.replace(transfer, ec_role="ec_both"))
+    config.ec_transfer_config = transfer
+    return config
 
 
 @pytest.fixture
