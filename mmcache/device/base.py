@@ -246,6 +246,13 @@ class Device(abc.ABC):
     def copy_d2d(self, src: torch.Tensor, dst: torch.Tensor, stream: Stream) -> Fence:
         """Queue src -> dst on stream (compaction of views at put); return its fence."""
 
+    def copy_d2d_many(
+        self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], stream: Stream
+    ) -> Fence:
+        """Queue each src -> dst of pairs on stream; one fence, failed if any copy fails."""
+        fences = [self.copy_d2d(src, dst, stream) for src, dst in pairs]
+        return fences[0] if len(fences) == 1 else AllFences(fences)
+
     def pack(self, srcs: Sequence[torch.Tensor], stream: Stream) -> tuple[torch.Tensor, Fence]:
         """A new device tensor holding srcs' rows back to back, filled on stream.
 

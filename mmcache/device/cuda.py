@@ -306,6 +306,12 @@ class CudaDevice(Device):
         """Queue src -> dst (both on this GPU; src may be strided) on stream."""
         return self._copies.copy_d2d(src, dst, stream)
 
+    def copy_d2d_many(
+        self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], stream: Stream
+    ) -> CudaFence:
+        """Queue each src -> dst of pairs on stream behind one fence."""
+        return self._copies.copy_d2d_many(pairs, stream)
+
     def pack(self, srcs: Sequence[torch.Tensor], stream: Stream) -> tuple[torch.Tensor, CudaFence]:
         """srcs' rows back to back in a new tensor: one torch.cat kernel on stream."""
         return self._copies.pack(srcs, stream)

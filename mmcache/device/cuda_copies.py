@@ -189,29 +189,37 @@ class CudaCopies:
 
     def copy_d2d(self, src: torch.Tensor, dst: torch.Tensor, stream: Stream) -> CudaFence:
         """Queue src -> dst (both on this GPU; src may be strided) on stream."""
+        return self.copy_d2d_many(((src, dst),), stream)
+
+    def copy_d2d_many(
+        self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], stream: Stream
+    ) -> CudaFence:
+        """Queue each src -> dst of pairs on stream behind one fence (one event recorded)."""
         self.check_open()
         cuda_stream = as_cuda_stream(stream)
-        for tensor, role in ((src, "source"), (dst, "destination")):
-            if not self._memory.is_device_tensor(tensor):
-                raise InvalidValueError(f"copy {role} is on {tensor.device}, not {self._name}")
-        same_layout = src.shape == dst.shape and src.dtype == dst.dtype
-        if not same_layout and src.nbytes != dst.nbytes:
-            raise InvalidValueError(
-                f"copy of {src.nbytes} bytes into a {dst.nbytes}-byte destination"
-            )
+        for src, dst in pairs:
+            for tensor, role in ((src, "source"), (dst, "destination")):
+                if not self._memory.is_device_tensor(tensor):
+                    raise InvalidValueError(f"copy {role} is on {tensor.device}, not {self._name}")
+            if (src.shape != dst.shape or src.dtype != dst.dtype) and src.nbytes != dst.nbytes:
+                raise InvalidValueError(
+                    f"copy of {src.nbytes} bytes into a {dst.nbytes}-byte destination"
+                )
         try:
             with OnStream(cuda_stream):
-                if same_layout:
-                    dst.copy_(src, non_blocking=True)
-                else:
-                    flat_bytes(dst, "destination").copy_(
-                        flat_bytes(src, "source"), non_blocking=True
-                    )
-                src.record_stream(cuda_stream)
-                dst.record_stream(cuda_stream)
+                for src, dst in pairs:
+                    if src.shape == dst.shape and src.dtype == dst.dtype:
+                        dst.copy_(src, non_blocking=True)
+                    else:
+                        flat_bytes(dst, "destination").copy_(
+                            flat_bytes(src, "source"), non_blocking=True
+                        )
+                    src.record_stream(cuda_stream)
+                    dst.record_stream(cuda_stream)
                 return self.record(cuda_stream)
         except RuntimeError as exc:
-            raise enqueue_error("device-to-device", src.nbytes, exc) from exc
+            nbytes = sum(src.nbytes for src, _ in pairs)
+            raise enqueue_error("device-to-device", nbytes, exc) from exc
 
     def pack(self, srcs: Sequence[torch.Tensor], stream: Stream) -> tuple[torch.Tensor, CudaFence]:
         """srcs' rows back to back in a new tensor: one torch.cat kernel on stream.

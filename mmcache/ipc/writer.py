@@ -127,15 +127,15 @@ class SliceWriter:
         owns = [own for own, _ in pieces]
         try:
             parts = self._parts(pieces)
-            written: Fence | None = None
+            pairs = []
             for (own, at), (_, shape, _name) in zip(pieces, parts, strict=True):
                 assert own.tensor is not None
                 dst = placement.arena.view(placement.block, shape, own.tensor.dtype, at)
-                # On the producer's stream: ordered after the work that made the tensor.
-                written = self._device.copy_d2d(own.tensor, dst, stream)
-                del dst
-                placement.after.append(written)
-            assert written is not None  # the last copy on the stream: after all of them
+                pairs.append((own.tensor, dst))
+            # On the producer's stream: ordered after the work that made the tensors.
+            written = self._device.copy_d2d_many(pairs, stream)
+            del pairs
+            placement.after.append(written)
             event = self._record_event(placement.slot, stream)
             handle = self.publish(placement, parts, event, batch)
         except BaseException:
