@@ -246,9 +246,8 @@ class FenceWatcher:
             self._lazy_delay = LOOP_CHECK_S
             self._lazy_handle = self._loop.call_later(LOOP_CHECK_S, self._look)
 
-    def reap(self) -> None:
-        """Run now the lazy callbacks whose fences are done (a caller about to need their
-        outcome looks sooner than the loop's next look would)."""
+    def _look(self) -> None:
+        self._lazy_handle = None
         lazy = self._lazy
         try:
             while lazy and lazy[0][0].done():
@@ -261,11 +260,6 @@ class FenceWatcher:
                     self._one_done()
         except Exception:  # looked at again at the next turn
             log.exception("looking at a fence failed")
-
-    def _look(self) -> None:
-        self._lazy_handle = None
-        lazy = self._lazy
-        self.reap()
         if lazy:
             self._lazy_delay = min(2 * self._lazy_delay, LOOP_CHECK_MAX_S)
             self._lazy_handle = self._loop.call_later(self._lazy_delay, self._look)

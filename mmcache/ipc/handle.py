@@ -330,7 +330,7 @@ def _unpack(
     if not isinstance(data, bytes | bytearray | memoryview):
         raise InvalidHandleError(f"{what} must be bytes, not {type(data).__name__}")
     raw = bytes(data)
-    if len(raw) > _MAX_BYTES + 64 * _MAX_PARTS:
+    if len(raw) > _MAX_BYTES + _MAX_PARTS * (_PART.size + 32 + 8 * _MAX_DIMS):
         raise InvalidHandleError(f"{what} of {len(raw)} bytes is longer than any valid one")
     start = len(_MAGIC) + 1
     if len(raw) < start or not raw.startswith(_MAGIC):

@@ -40,7 +40,7 @@ from mmcache.ipc.errors import (
 )
 from mmcache.ipc.handle import FeatureBatch, FeatureHandle, Part, SenderEndpoint, dtype_from_name
 from mmcache.ipc.shm import SharedSegment
-from mmcache.waiting import FenceWatcher, wait_fences
+from mmcache.waiting import wait_fences
 
 __all__ = ["FeatureReceiver"]
 
@@ -90,8 +90,7 @@ class _Channel:
         # under way (counted on the loop's thread), copies queued out of it (any thread,
         # under lock). close() waits for them, or keeps the channel.
         self.readers = 0
-        #: Copies out not yet reported done, each with what to run once it is (once only).
-        self.pending: dict[Fence, Callable[[], None]] = {}
+        self.pending: set[Fence] = set()
         self.lock = threading.Lock()
         self.kept = False  # close() timed out on it: closed once nothing reads it
         self._when_kept_read = when_kept_read  # a read of a kept channel ended
@@ -110,14 +109,6 @@ class _Channel:
         with self.lock:
             copies = bool(self.pending)
         return self.readers > 0 or copies
-
-    def report_from_threads(self) -> None:
-        """Have device threads report the copies still pending too: the loop that looks at
-        them may end before they do (whichever report comes first releases)."""
-        with self.lock:
-            still = list(self.pending.items())
-        for fence, report in still:
-            fence.add_done_callback(report)
 
     def release(self, handle: Sent) -> None:
         """Tell the sender we are done with handle's bytes (any thread)."""
@@ -224,7 +215,6 @@ class FeatureReceiver:
         self.received = 0
         #: id -> (endpoint, its channel) for endpoint objects already matched (kept alive here).
         self._known_endpoints: dict[int, tuple[SenderEndpoint, _Channel]] = {}
-        self._watcher: FenceWatcher | None = None  # releases after copies, on the loop
 
     @property
     def device(self) -> Device:
@@ -266,8 +256,6 @@ class FeatureReceiver:
         self, sent: Sent, kind: type[FeatureHandle] | type[FeatureBatch], stream: Stream
     ) -> list[torch.Tensor]:
         self._check_open()
-        if self._watcher is not None:
-            self._watcher.reap()  # slices whose copies are done go back before we take another
         channel = self._verified_channel(sent, kind)
         self._open(channel, sent)
         with self._reading(channel):
@@ -279,9 +267,15 @@ class FeatureReceiver:
             except BaseException:
                 channel.release(sent)  # nothing of ours reads the slice
                 raise
-            out = _split(dst.detach(), sent.parts)  # the caller's views: ours goes back below
-            # On CUDA the copy already keeps dst's block for its stream (record_stream).
-            self._device.release(dst, () if self._device.stream_ordered_reads else [fence])
+            # Our alias goes back: on CUDA the copy keeps dst's block for its stream already.
+            after = () if self._device.stream_ordered_reads else (fence,)
+            try:
+                out = _split(dst.detach(), sent.parts)  # the caller's views
+            except BaseException:
+                self._device.release(dst, after)
+                self._release_after(channel, sent, fence, verify=False)
+                raise
+            self._device.release(dst, after)
             del dst
             if self._device.stream_ordered_reads:
                 self._release_after(channel, sent, fence, verify=True)
@@ -334,8 +328,6 @@ class FeatureReceiver:
         self, sent: Sent, kind: type[FeatureHandle] | type[FeatureBatch], stream: Stream
     ) -> AsyncIterator[list[torch.Tensor]]:
         self._check_open()
-        if self._watcher is not None:
-            self._watcher.reap()  # slices whose copies are done go back before we take another
         channel = self._verified_channel(sent, kind)
         self._open(channel, sent)
         with self._reading(channel):
@@ -391,7 +383,6 @@ class FeatureReceiver:
             for channel in channels:
                 with self._kept_lock:
                     channel.kept = True
-                channel.report_from_threads()
                 self._close_kept(channel)
             raise
         steps: list[Callable[[], object]] = []
@@ -399,7 +390,6 @@ class FeatureReceiver:
             with self._kept_lock:  # a copy reported meanwhile finds the mark set, or not
                 channel.kept = channel.busy()
             if channel.kept:
-                channel.report_from_threads()
                 log.warning(
                     "FeatureReceiver closed while the memory of the IPC sender (pid %d) was "
                     "still read; it stays mapped and leased until that read ends",
@@ -640,13 +630,10 @@ class FeatureReceiver:
     def _release_after(
         self, channel: _Channel, handle: Sent, fence: Fence, *, verify: bool
     ) -> None:
-        """Release handle's slice once fence (the last read of it) is done: found by this
-        loop's own looks and by the next receive, no device thread woken per slice."""
+        """Release handle's slice once fence (the last read of it) is done (reported by a
+        device thread: also after this loop ended, and whatever other reads still run)."""
 
         def done() -> None:
-            with channel.lock:  # reported by this loop's look, or by a device thread (close)
-                if channel.pending.pop(fence, None) is None:
-                    return
             if verify and channel.control.slot_seq(handle.slot) != handle.seq:
                 log.error(
                     "%s was reclaimed by its sender while it was read: the tensor received "
@@ -654,18 +641,18 @@ class FeatureReceiver:
                     handle.describe(),
                 )
             channel.release(handle)
+            with channel.lock:  # after the release: a close() must not leave before it
+                channel.pending.discard(fence)
             # Not `if channel.kept`: unlocked, that read could miss a mark close() is
             # setting just now; _close_kept looks under the lock.
             self._close_kept(channel)
 
-        with channel.lock:
-            channel.pending[fence] = done
         if fence.done():
             done()
             return
-        if self._watcher is None:
-            self._watcher = FenceWatcher(asyncio.get_running_loop())
-        self._watcher.when_done_lazily(fence, done)
+        with channel.lock:
+            channel.pending.add(fence)
+        fence.add_done_callback(done)
 
 
 def _split(flat: torch.Tensor, parts: Sequence[Part]) -> list[torch.Tensor]:

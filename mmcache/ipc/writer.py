@@ -142,12 +142,9 @@ class SliceWriter:
             self._room.abort(placement, ())
             release_all(owns, placement.after or [ready])
             raise
-        mark = functools.partial(self._mark_ready, placement.slot, handle.seq, written)
-        if event:  # receivers order on the event: the mark is for those that cannot open it
-            assert self._watcher is not None
-            self._watcher.when_done_lazily(written, mark)
-        else:
-            written.add_done_callback(mark)
+        written.add_done_callback(
+            functools.partial(self._mark_ready, placement.slot, handle.seq, written)
+        )
         release_all(owns, self._after_copy(written))
         return self.lease(placement, handle, written, owed)
 
