@@ -39,6 +39,7 @@ from mmcache.ipc.errors import (
     UnknownSenderError,
 )
 from mmcache.ipc.handle import FeatureBatch, FeatureHandle, Part, SenderEndpoint, dtype_from_name
+from mmcache.ipc.releases import ReleaseReaper
 from mmcache.ipc.shm import SharedSegment
 from mmcache.waiting import wait_fences
 
@@ -213,6 +214,7 @@ class FeatureReceiver:
         self._kept_lock = threading.Lock()
         self._unclosed = 0
         self.received = 0
+        self._releases = ReleaseReaper()  # slices released once the copies out are done
         #: id -> (endpoint, its channel) for endpoint objects already matched (kept alive here).
         self._known_endpoints: dict[int, tuple[SenderEndpoint, _Channel]] = {}
 
@@ -256,6 +258,7 @@ class FeatureReceiver:
         self, sent: Sent, kind: type[FeatureHandle] | type[FeatureBatch], stream: Stream
     ) -> list[torch.Tensor]:
         self._check_open()
+        self._releases.reap()  # slices whose copies are done go back before we take another
         channel = self._verified_channel(sent, kind)
         self._open(channel, sent)
         with self._reading(channel):
@@ -328,6 +331,7 @@ class FeatureReceiver:
         self, sent: Sent, kind: type[FeatureHandle] | type[FeatureBatch], stream: Stream
     ) -> AsyncIterator[list[torch.Tensor]]:
         self._check_open()
+        self._releases.reap()  # slices whose copies are done go back before we take another
         channel = self._verified_channel(sent, kind)
         self._open(channel, sent)
         with self._reading(channel):
@@ -379,6 +383,7 @@ class FeatureReceiver:
                 if deadline is not None and time.monotonic() >= deadline:
                     break
                 await asyncio.sleep(_CLOSE_POLL_S)
+                self._releases.reap()
         except BaseException:  # cancelled as the loop shuts down: each goes once unread
             for channel in channels:
                 with self._kept_lock:
@@ -630,8 +635,8 @@ class FeatureReceiver:
     def _release_after(
         self, channel: _Channel, handle: Sent, fence: Fence, *, verify: bool
     ) -> None:
-        """Release handle's slice once fence (the last read of it) is done (reported by a
-        device thread: also after this loop ended, and whatever other reads still run)."""
+        """Release handle's slice once fence (the last read of it) is done (ReleaseReaper:
+        found by this loop, or by device threads once the loop stops looking)."""
 
         def done() -> None:
             if verify and channel.control.slot_seq(handle.slot) != handle.seq:
@@ -652,7 +657,7 @@ class FeatureReceiver:
             return
         with channel.lock:
             channel.pending.add(fence)
-        fence.add_done_callback(done)
+        self._releases.add(fence, done)
 
 
 def _split(flat: torch.Tensor, parts: Sequence[Part]) -> list[torch.Tensor]:
