@@ -39,7 +39,7 @@ from mmcache.ipc.errors import (
     UnknownSenderError,
 )
 from mmcache.ipc.handle import FeatureBatch, FeatureHandle, Part, SenderEndpoint, dtype_from_name
-from mmcache.ipc.releases import ReleaseReaper
+from mmcache.ipc.reaper import FenceReaper
 from mmcache.ipc.shm import SharedSegment
 from mmcache.waiting import wait_fences
 
@@ -214,7 +214,7 @@ class FeatureReceiver:
         self._kept_lock = threading.Lock()
         self._unclosed = 0
         self.received = 0
-        self._releases = ReleaseReaper()  # slices released once the copies out are done
+        self._releases = FenceReaper()  # slices released once their reads are done
         #: id -> (endpoint, its channel) for endpoint objects already matched (kept alive here).
         self._known_endpoints: dict[int, tuple[SenderEndpoint, _Channel]] = {}
 
@@ -635,7 +635,7 @@ class FeatureReceiver:
     def _release_after(
         self, channel: _Channel, handle: Sent, fence: Fence, *, verify: bool
     ) -> None:
-        """Release handle's slice once fence (the last read of it) is done (ReleaseReaper:
+        """Release handle's slice once fence (the last read of it) is done (FenceReaper:
         found by this loop, or by device threads once the loop stops looking)."""
 
         def done() -> None:

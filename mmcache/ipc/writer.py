@@ -14,6 +14,7 @@ from mmcache.ipc.control import ControlBlock
 from mmcache.ipc.handle import FeatureBatch, FeatureHandle, Part, SenderEndpoint, dtype_name
 from mmcache.ipc.leases import Lease, LeaseLedger
 from mmcache.ipc.memory import SenderMemory
+from mmcache.ipc.reaper import FenceReaper
 from mmcache.ipc.room import Placement, SendRoom
 from mmcache.metrics import CacheMetrics, DeferredPush
 from mmcache.waiting import FenceWatcher, wait_fences
@@ -97,6 +98,7 @@ class SliceWriter:
         self._closed = closed  # whether the sender closed
         self._seq = 0
         self.host_copies: set[Fence] = set()  # copies into the fallback not yet landed
+        self._marks = FenceReaper()  # ready marks of pool slices, once their copies are done
         self._control: ControlBlock | None = None
         self._ledger: LeaseLedger | None = None
         self._endpoint: SenderEndpoint | None = None
@@ -142,9 +144,11 @@ class SliceWriter:
             self._room.abort(placement, ())
             release_all(owns, placement.after or [ready])
             raise
-        written.add_done_callback(
-            functools.partial(self._mark_ready, placement.slot, handle.seq, written)
-        )
+        mark = functools.partial(self._mark_ready, placement.slot, handle.seq, written)
+        if event:  # receivers order on the event: the mark is for those that cannot open it
+            self._marks.add(written, mark)
+        else:  # receivers poll the mark: published as soon as a device thread sees the copy
+            written.add_done_callback(mark)
         release_all(owns, self._after_copy(written))
         return self.lease(placement, handle, written, owed)
 

@@ -1,4 +1,4 @@
-"""ReleaseReaper: a receiver's slice releases run once each, after their own fence, always."""
+"""FenceReaper: a receiver's slice releases run once each, after their own fence, always."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from conftest import TimedFence
 
-from mmcache.ipc.releases import WATCHDOG_S, ReleaseReaper
+from mmcache.ipc.reaper import WATCHDOG_S, FenceReaper
 
 
 class CountingFence(TimedFence):
@@ -39,7 +39,7 @@ def _recorder() -> tuple[dict[str, float], Callable[[str], Callable[[], None]]]:
 
 
 async def test_a_slow_fence_does_not_hold_back_releases_behind_it() -> None:
-    reaper = ReleaseReaper()
+    reaper = FenceReaper()
     times, released = _recorder()
     start = time.monotonic()
     slow, quick = CountingFence(0.5), CountingFence(0.01)
@@ -54,7 +54,7 @@ async def test_a_slow_fence_does_not_hold_back_releases_behind_it() -> None:
 
 
 async def test_each_release_runs_once_however_many_look() -> None:
-    reaper = ReleaseReaper()
+    reaper = FenceReaper()
     runs = [0]
 
     def release() -> None:
@@ -74,7 +74,7 @@ async def test_each_release_runs_once_however_many_look() -> None:
 
 
 def test_a_release_still_pending_when_the_loop_ends_runs_anyway() -> None:
-    reaper = ReleaseReaper()
+    reaper = FenceReaper()
     times, released = _recorder()
     fence = CountingFence(0.2)
 

@@ -1,18 +1,20 @@
-"""ReleaseReaper: a receiver's slice releases, run once the reads of each slice are done.
+"""FenceReaper: per-feature bookkeeping of the IPC transport, run once each fence is done.
 
-A device thread's report per slice would wake a thread and take the GIL from the
-receiver's loop for every feature received. Instead the loop looks at the fences
-itself, at each receive and on a short timer while any is pending, and runs the
-release of every one that is done (in any order: fences of different streams complete
-in any order). Where the loop stops looking (it ended, or the receiver is used from
-another loop), a watchdog thread, running while releases are pending, hands them to
-device threads, so a release is never lost.
+A receiver releases each slice once its copy out (or its lease's stream work) is done;
+a sender publishes each pool slice's ready mark once its copy in is done. A device
+thread's report per feature would wake a thread and take the GIL from the loop for
+every feature. Instead the loop looks at the fences itself, at each call and on a
+short timer while any is pending, and runs the callback of every one that is done (in
+any order: fences of different streams complete in any order). Where the loop stops
+looking (it ended, or the object is used from another loop), a watchdog thread,
+running while callbacks are pending, hands them to device threads, so none is lost.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -20,16 +22,18 @@ from typing import Final
 
 from mmcache.device import Fence
 
-__all__ = ["ReleaseReaper"]
+__all__ = ["FenceReaper"]
 
-_LOOK_MIN_S: Final = 0.001  # the loop's first look after a release is queued
+log = logging.getLogger("mmcache.ipc")
+
+_LOOK_MIN_S: Final = 0.001  # the loop's first look after a callback is queued
 _LOOK_MAX_S: Final = 0.01  # looks back off to this while fences stay pending
 #: A loop that has not looked for this long is taken to have stopped.
 WATCHDOG_S: Final = 0.05
 
 
-class ReleaseReaper:
-    """Runs each queued release exactly once, after its fence is done."""
+class FenceReaper:
+    """Runs each queued callback exactly once, after its fence is done."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -42,14 +46,14 @@ class ReleaseReaper:
         self._watchdog: threading.Thread | None = None
         self._wake = threading.Event()
 
-    def add(self, fence: Fence, release: Callable[[], None]) -> None:
-        """Run release() once fence is done (call on the receiver's loop)."""
+    def add(self, fence: Fence, callback: Callable[[], None]) -> None:
+        """Run callback() once fence is done (call on the owner's loop)."""
         with self._lock:
-            self._pending[fence] = release
+            self._pending[fence] = callback
             start = self._watchdog is None
             if start:
                 self._watchdog = threading.Thread(
-                    target=self._watch, name="mmcache-ipc-releases", daemon=True
+                    target=self._watch, name="mmcache-ipc-reaper", daemon=True
                 )
         loop = asyncio.get_running_loop()
         if loop is not self._loop or self._timer is None:
@@ -61,7 +65,7 @@ class ReleaseReaper:
             self._watchdog.start()
 
     def reap(self) -> None:
-        """Run the releases whose fences are done now (any thread)."""
+        """Run the callbacks whose fences are done now (any thread)."""
         self._last_look = time.monotonic()
         with self._lock:
             done = [fence for fence in self._pending if fence.done()]
@@ -70,10 +74,10 @@ class ReleaseReaper:
 
     def _run(self, fence: Fence) -> None:
         with self._lock:
-            release = self._pending.pop(fence, None)
+            callback = self._pending.pop(fence, None)
             self._handed.discard(fence)
-        if release is not None:  # the loop's look or a device thread, whichever came first
-            release()
+        if callback is not None:  # the loop's look or a device thread, whichever came first
+            callback()
 
     def _look(self, loop: asyncio.AbstractEventLoop) -> None:
         if loop is not self._loop:
@@ -91,7 +95,7 @@ class ReleaseReaper:
             self._wake.wait(WATCHDOG_S)
             self._wake.clear()
             with self._lock:
-                if not self._pending:  # the next release starts another
+                if not self._pending:  # the next callback starts another
                     self._watchdog = None
                     return
                 if time.monotonic() - self._last_look < WATCHDOG_S:
@@ -99,4 +103,7 @@ class ReleaseReaper:
                 stale = [fence for fence in self._pending if fence not in self._handed]
                 self._handed.update(stale)
             for fence in stale:
-                fence.add_done_callback(functools.partial(self._run, fence))
+                try:
+                    fence.add_done_callback(functools.partial(self._run, fence))
+                except Exception:  # its device closed under it: nothing will report it
+                    log.exception("handing a fence to the device's threads failed")
