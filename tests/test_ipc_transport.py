@@ -244,3 +244,27 @@ async def test_a_closed_sender_unlinks_its_memory_and_refuses_sends(sim_rig: Rig
         with pytest.raises(Exception, match="gone"):
             await late.connect(endpoint)
         await late.close()
+
+
+async def test_a_receiver_reads_each_handle_once_even_while_another_still_holds_it(
+    rig: Rig,
+) -> None:
+    """A second read by the same receiver would still be reading the slice once its first
+    read's release lets the sender reuse it: it is refused, at once or concurrently."""
+    async with transport(rig, consumers=2) as tr:
+        first, second = tr.receivers
+        want = rig.tensor(64, 32, seed=3)
+        handle = await tr.sender.send(want.clone())
+        reads = await asyncio.gather(
+            first.receive(handle), first.receive(handle), return_exceptions=True
+        )
+        served = [r for r in reads if isinstance(r, torch.Tensor)]
+        refused = [r for r in reads if isinstance(r, HandleExpiredError)]
+        assert len(served) == 1 and len(refused) == 1, reads
+        assert "already received" in str(refused[0])
+        assert same_bytes(served[0], want)
+        with pytest.raises(HandleExpiredError, match="already received"):
+            async with first.lease(handle):
+                pass
+        assert same_bytes(await second.receive(handle), want)  # the other consumer still can
+        assert await tr.sender.drain(timeout=5)

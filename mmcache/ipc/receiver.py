@@ -562,6 +562,13 @@ class FeatureReceiver:
                 "send (where, offset, size, dtype, shape or event differ); the handle was "
                 "altered. Nothing was read"
             )
+        if control.leased(slot, channel.lane) == handle.seq:
+            # Read once per receiver: our release of the first read lets the sender reuse
+            # the slice while a second one would still be reading it.
+            raise HandleExpiredError(
+                f"{handle.describe()} was already received or leased by this receiver; "
+                "each receiver reads a handle once (keep the tensor received)"
+            )
         control.lease(slot, channel.lane, handle.seq)
         if control.slot_seq(slot) != handle.seq:
             raise HandleExpiredError(
