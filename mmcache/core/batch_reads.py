@@ -178,11 +178,11 @@ class BatchReads:
             else:
                 entries.append(entry)
                 if buffer is None:  # an empty feature: its own (empty) allocation
-                    device.release(dst, after=reads.upload_fences(fence))
+                    device.release(dst, after=device.after_copy(fence))
         if buffer is not None:
             used.append(buffer)  # one record for every view of it
             # The outputs' views keep it alive for their holders.
-            device.release(buffer, after=reads.upload_fences(fence))
+            device.release(buffer, after=device.after_copy(fence))
         reads.track_upload(entries, fence, nbytes_all)
         return fence
 

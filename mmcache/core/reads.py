@@ -266,11 +266,6 @@ class Reads:
         # Lazily: a read waits on the fence itself, so only accounting waits on this.
         self._when_done_lazily(fence, lambda: self._upload_done(entries, fence, nbytes, started))
 
-    def upload_fences(self, fence: Fence) -> tuple[Fence, ...]:
-        """The fences a release of an upload's destination must wait for: none where the
-        device's copy keeps its destination until done."""
-        return () if self._device.copies_keep_destinations else (fence,)
-
     async def upload(
         self,
         entry: Entry,
@@ -306,7 +301,7 @@ class Reads:
             raise
         finally:
             # The caller's alias keeps it alive.
-            self._device.release(dst, after=self.upload_fences(fence))
+            self._device.release(dst, after=self._device.after_copy(fence))
 
     def _upload_done(
         self, entries: Sequence[Entry], fence: Fence, nbytes: int, started: float

@@ -87,9 +87,10 @@ class Device(abc.ABC):
     #: (the simulator): then the cache awaits the fence before handing out data.
     stream_ordered_reads: bool
 
-    #: True when copy_h2d itself keeps its destination's memory from reuse until the
-    #: copy is done (CUDA: record_stream on the copy stream), so dropping the cache's
-    #: alias at once is safe; False when release() must be given the copy's fence.
+    #: True when copy_h2d and copy_d2d themselves keep their destination's (and copy_d2d
+    #: its source's) memory from reuse until the copy is done (CUDA: record_stream on the
+    #: copy's stream), so dropping an alias at once is safe; False when release() must be
+    #: given the copy's fence (see after_copy).
     copies_keep_destinations: bool = False
 
     # --- streams and fences -------------------------------------------------
@@ -134,6 +135,11 @@ class Device(abc.ABC):
         """Whether a host tensor of the arena lies in one pinned range, so that one device
         copy may read or write it whole (the driver refuses a copy over two registrations)."""
         return True
+
+    def after_copy(self, fence: Fence) -> tuple[Fence, ...]:
+        """The fences a release() of a tensor this device's copy (fence) reads or writes
+        must wait for: none where the copy keeps its memory until done."""
+        return () if self.copies_keep_destinations else (fence,)
 
     @abc.abstractmethod
     def release(self, tensor: torch.Tensor, after: Sequence[Fence]) -> None:

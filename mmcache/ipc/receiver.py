@@ -270,8 +270,7 @@ class FeatureReceiver:
             except BaseException:
                 channel.release(sent)  # nothing of ours reads the slice
                 raise
-            # Our alias goes back: on CUDA the copy keeps dst's block for its stream already.
-            after = () if self._device.stream_ordered_reads else (fence,)
+            after = self._device.after_copy(fence)  # what our alias of dst goes back after
             try:
                 out = _split(dst.detach(), sent.parts)  # the caller's views
             except BaseException:

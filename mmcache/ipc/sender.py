@@ -347,13 +347,13 @@ class FeatureSender:
         caller = "send_many()" if batch else "send()"
         for tensor in tensors:
             check_strided(tensor, caller)
+        del tensor  # the loop's last: no frame of ours keeps a sent tensor alive
         await self._ready_to_serve()
         sizes = [feature_bytes(self._device, tensor, caller) for tensor in tensors]
         offsets, nbytes = part_offsets(sizes)
         ready = self._device.record(stream)  # the tensors' makers: what a release waits for
         owns = [Source(self._device.adopt(t, stream), self._release_source) for t in tensors]
         tensors.clear()
-        del tensor
         try:
             assert self._control is not None
             assert self._ledger is not None

@@ -149,7 +149,7 @@ class SliceWriter:
             self._marks.add(written, mark)
         else:  # receivers poll the mark: published as soon as a device thread sees the copy
             written.add_done_callback(mark)
-        release_all(owns, self._after_copy(written))
+        release_all(owns, self._device.after_copy(written))
         return self.lease(placement, handle, written, owed)
 
     async def write_host(
@@ -215,11 +215,6 @@ class SliceWriter:
             assert own.tensor is not None
             parts.append((at, tuple(own.tensor.shape), dtype_name(own.tensor.dtype)))
         return tuple(parts)
-
-    def _after_copy(self, written: Fence) -> list[Fence]:
-        """What a source copied by copy_d2d is released after: on CUDA nothing (the copy
-        already keeps its block for the stream), elsewhere the copy's fence."""
-        return [] if self._device.stream_ordered_reads else [written]
 
     def _record_event(self, slot: int, stream: Stream) -> bytes:
         """Record the slot's CUDA IPC event after the copy (b"" on the simulator)."""
