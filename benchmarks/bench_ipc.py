@@ -386,7 +386,7 @@ class Bench:
     def count(self, nbytes: int) -> int:
         """Features per run of one size: enough bytes to reach a steady state, a multiple of 16."""
         if self.kind == "cuda":
-            per_run = (256 if self.quick else 2048) * MiB
+            per_run = (256 if self.quick else 8192) * MiB
         else:
             per_run = (8 if self.quick else 64) * MiB
         count = max(16 if self.quick else 32, min(10_000, per_run // nbytes))

@@ -93,6 +93,11 @@ class CacheSettings(BaseSettings):
     ipc_fallback_mb: Annotated[float, _Env(("MMCACHE_IPC_FALLBACK_MB",))] = Field(
         default=1024, ge=0, description="host memory in MiB for IPC handoffs when the pool is full"
     )
+    ipc_pool_wait_s: Annotated[float, _Env(("MMCACHE_IPC_POOL_WAIT_SEC",))] = Field(
+        default=0.002,
+        ge=0,
+        description="seconds a send waits for receivers to free pool room before the host fallback",
+    )
     promote_on_hit: Annotated[bool, _Env(("MMCACHE_PROMOTE_ON_HIT",))] = Field(
         default=True,
         description="move host tier hits back to the GPU tier when they fit without waiting",

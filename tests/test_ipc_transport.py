@@ -147,6 +147,58 @@ async def test_a_full_pool_falls_back_with_reason_pool_full(rig: Rig) -> None:
         assert (await tr.sender.send(tr.on_device(torch.ones(128, 1024)))).where == "pool"
 
 
+async def test_a_send_that_finds_the_pool_full_waits_for_a_release_instead_of_falling_back(
+    rig: Rig,
+) -> None:
+    async with transport(rig, consumers=1, pool_mb=1, ipc_pool_wait_s=10.0) as tr:
+        half = (128, 1024)  # 512 KiB: two fill the pool
+        held = [await tr.sender.send(tr.on_device(torch.full(half, float(i)))) for i in range(2)]
+        third = asyncio.create_task(tr.sender.send(tr.on_device(torch.full(half, 2.0))))
+        await asyncio.sleep(0.05)
+        assert not third.done(), "the send fell back instead of waiting for the pool"
+        got = await tr.receivers[0].receive(held[0])  # frees the first slice once read
+        handle = await asyncio.wait_for(third, 5)
+        assert handle.where == "pool"
+        assert tr.sender.stats().fallbacks == 0
+        assert torch.equal(got.cpu(), torch.zeros(half))
+        for i, h in ((1, held[1]), (2, handle)):
+            assert torch.equal((await tr.receivers[0].receive(h)).cpu(), torch.full(half, i))
+        assert await tr.sender.drain(timeout=5)
+
+
+async def test_a_pool_held_by_its_readers_costs_one_wait_then_falls_back_at_once(
+    rig: Rig,
+) -> None:
+    wait_s = 0.3
+    async with transport(rig, consumers=1, pool_mb=1, ipc_pool_wait_s=wait_s) as tr:
+        half = (128, 1024)
+        held = [await tr.sender.send(tr.on_device(torch.full(half, float(i)))) for i in range(2)]
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        first = await tr.sender.send(tr.on_device(torch.ones(half)))
+        waited = loop.time() - began
+        began = loop.time()
+        second = await tr.sender.send(tr.on_device(torch.ones(half)))
+        again = loop.time() - began
+        began = loop.time()
+        third = await tr.sender.send(tr.on_device(torch.ones(half)), wait=False)
+        unwaited = loop.time() - began
+        assert (first.where, second.where, third.where) == ("host", "host", "host")
+        assert waited >= wait_s
+        assert again < wait_s / 2, "a second send waited for a pool nobody has freed"
+        assert unwaited < wait_s / 2
+        assert tr.sender.stats().fallbacks_by_reason == {"pool_full": 3}
+        for handle in (*held, first, second, third):
+            await tr.receivers[0].receive(handle)
+        assert await tr.sender.drain(timeout=5)
+        # The pool freed room: the next full pool is waited for again.
+        refill = [await tr.sender.send(tr.on_device(torch.ones(half))) for _ in range(2)]
+        assert [h.where for h in refill] == ["pool", "pool"]
+        began = loop.time()
+        assert (await tr.sender.send(tr.on_device(torch.ones(half)))).where == "host"
+        assert loop.time() - began >= wait_s
+
+
 async def test_a_receiver_without_peer_access_makes_sends_fall_back(sim_rig: Rig) -> None:
     async with transport(sim_rig, consumers=1) as tr:
         # A receiver that registered as unable to read the sender's pool (another GPU).

@@ -56,6 +56,7 @@ OWN_NAMES: list[tuple[str, str, str, object]] = [
     ("ipc_recycle_interval_s", "MMCACHE_IPC_RECYCLE_INTERVAL_SEC", "0.5", 0.5),
     ("ipc_lease_timeout_s", "MMCACHE_IPC_LEASE_TIMEOUT_SEC", "5", 5.0),
     ("ipc_fallback_mb", "MMCACHE_IPC_FALLBACK_MB", "128", 128.0),
+    ("ipc_pool_wait_s", "MMCACHE_IPC_POOL_WAIT_SEC", "0.01", 0.01),
     ("promote_on_hit", "MMCACHE_PROMOTE_ON_HIT", "0", False),
     ("metrics_port", "MMCACHE_METRICS_PORT", "9090", 9090),
     ("small_copy_bytes", "MMCACHE_SMALL_COPY_BYTES", "4096", 4096),

@@ -120,16 +120,20 @@ class SendRoom:
         )
 
     def try_place(
-        self, nbytes: int, pool_ok: bool, owner: asyncio.Task[object] | None
+        self,
+        nbytes: int,
+        pool_ok: bool,
+        owner: asyncio.Task[object] | None,
+        host_ok: bool = True,
     ) -> Placement | None:
         """Room for nbytes now, for the send running as task owner: a pool slice if
-        allowed, else a fallback block; None if full."""
+        pool_ok, else a fallback block if host_ok; None if full."""
         slot = self._slots.take()
         if slot is None:
             return None
         choices: tuple[tuple[Where, SliceArena | None], ...] = (
             ("pool", self._memory.pool if pool_ok else None),
-            ("host", self._memory.fallback),
+            ("host", self._memory.fallback if host_ok else None),
         )
         for where, arena in choices:
             if arena is None:

@@ -131,6 +131,9 @@ class FeatureSender:
         self._start_failed = False
         self._sends = 0
         self._fallbacks: dict[str, int] = {}
+        # Pool bytes in use when a wait for pool room last timed out (None: none did, or
+        # the pool took a send since): sends skip the wait until the pool frees some.
+        self._pool_stalled_at: int | None = None
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -459,15 +462,67 @@ class FeatureSender:
         reason = refusal or "pool_full"
         if not self._room.waiters:
             owner = asyncio.current_task()
-            placement = self._room.try_place(nbytes, pool_ok, owner)
-            if placement is None and self._reclaimer.due():
-                self._sweep(full=False)
-                placement = self._room.try_place(nbytes, pool_ok, owner)
+            placement = None
+            if pool_ok:
+                # Also after a short wait for receivers' releases: in a burst they free a
+                # slice within a receive or two, far sooner than the fallback's two trips
+                # over PCIe would take.
+                placement = self._try_place(nbytes, owner, pool=True)
+                if placement is not None:
+                    self._pool_stalled_at = None
+                elif wait and self._pool_wait_worthwhile():
+                    placement = await self._wait_for_pool(nbytes, owner)
+            if placement is None:
+                placement = self._try_place(nbytes, owner, pool=False)
             if placement is not None:
                 return placement, reason
         if not wait:
             raise TransportFullError(self._room.full_message(nbytes, None))
         return await self._wait_for_room(nbytes, pool_ok), reason
+
+    def _try_place(
+        self, nbytes: int, owner: asyncio.Task[object] | None, *, pool: bool
+    ) -> Placement | None:
+        """A pool slice (pool) or a fallback block now, after a quick sweep if it is due."""
+        placement = self._room.try_place(nbytes, pool, owner, host_ok=not pool)
+        if placement is None and self._reclaimer.due():
+            self._sweep(full=False)
+            placement = self._room.try_place(nbytes, pool, owner, host_ok=not pool)
+        return placement
+
+    def _pool_wait_worthwhile(self) -> bool:
+        """Whether a send that found the pool full should wait for it: not when waiting is
+        off, and not again before a slice was freed since the last wait that timed out
+        (a pool held by slow readers would make every send pay the whole wait)."""
+        pool = self._memory.pool
+        if pool is None or self.settings.ipc_pool_wait_s <= 0:
+            return False
+        return self._pool_stalled_at is None or pool.used_bytes < self._pool_stalled_at
+
+    async def _wait_for_pool(
+        self, nbytes: int, owner: asyncio.Task[object] | None
+    ) -> Placement | None:
+        """A pool slice freed within ipc_pool_wait_s, or None (then the fallback is used).
+
+        Receivers release slices by writing shared cells, which wake nobody: the loop
+        looks again each time it has run what else is ready, as a slice's fences landing
+        do, for this short while only.
+        """
+        assert self._loop is not None
+        pool = self._memory.pool
+        assert pool is not None
+        deadline = self._loop.time() + self.settings.ipc_pool_wait_s
+        while True:
+            await asyncio.sleep(0)
+            if self._closed:
+                raise CacheClosedError("the IPC sender closed while send waited for room")
+            self._sweep(full=False)
+            placement = self._room.try_place(nbytes, True, owner, host_ok=False)
+            if placement is not None:
+                return placement
+            if self._room.waiters or self._loop.time() >= deadline:
+                self._pool_stalled_at = pool.used_bytes
+                return None
 
     async def _wait_for_room(self, nbytes: int, pool_ok: bool) -> Placement:
         assert self._loop is not None and self._poke is not None
