@@ -22,10 +22,10 @@ ARGUMENTS: dict[str, list[str]] = {
 #: Examples that start a server of their own, and the program they need for it.
 NEEDS: dict[str, str] = {"two_nodes.py": "redis-server", "vllm_ec_connector.py": "redis-server"}
 #: Examples that run inside a serving engine: the module each needs (skipped where absent).
-ENGINE_MODULES = {"vllm_ec_connector.py": "vllm.distributed.ec_transfer.ec_connector.factory"}
-
-#: Examples that run inside a serving engine: the module each needs (skipped where absent).
-ENGINE_MODULES = {"sglang_embedding_cache.py": "sglang.srt.mem_cache.multimodal_cache"}
+ENGINE_MODULES = {
+    "vllm_ec_connector.py": "vllm.distributed.ec_transfer.ec_connector.factory",
+    "sglang_embedding_cache.py": "sglang.srt.mem_cache.multimodal_cache",
+}
 
 
 def _scripts() -> list[str]:
