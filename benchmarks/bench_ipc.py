@@ -1,6 +1,6 @@
 """IPC transport benchmark: mmcache's pool and host fallback beside a torch.multiprocessing queue.
 
-Run from the repository root (about a minute on an H200; --quick on the simulator: seconds):
+Run from the repository root (a few minutes on an H200; --quick on the simulator: seconds):
 
     python benchmarks/bench_ipc.py [--device cuda|sim] [--receivers 1|2] [--quick] [--out JSON]
 

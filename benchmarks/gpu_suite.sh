@@ -41,9 +41,9 @@ if [ "$what" = profile ]; then
 fi
 if [ "$what" = ipc ] || [ "$what" = all ]; then
   timeout 120 python3 examples/encoder_to_scheduler_ipc.py --device cuda 2>&1 | tail -5
-  timeout 120 python3 benchmarks/bench_ipc.py --device cuda --out "$out/ipc.json" 2>&1 | tee "$out/ipc.log" | tail -15
+  timeout 300 python3 benchmarks/bench_ipc.py --device cuda --out "$out/ipc.json" 2>&1 | tee "$out/ipc.log" | tail -15
   if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
-    timeout 120 python3 benchmarks/bench_ipc.py --device cuda --receivers 2 --out "$out/ipc2.json" 2>&1 | tee "$out/ipc2.log" | tail -15
+    timeout 300 python3 benchmarks/bench_ipc.py --device cuda --receivers 2 --out "$out/ipc2.json" 2>&1 | tee "$out/ipc2.log" | tail -15
   fi
 fi
 if [ "$what" = soak ] || [ "$what" = all ]; then
