@@ -100,7 +100,8 @@ async def test_a_sender_and_two_receiver_processes_survive_a_killed_receiver(kin
     ctx = multiprocessing.get_context("spawn")
     second_gpu = 1 if kind == "cuda" and torch.cuda.device_count() >= 2 else 0
     device = _make_device(kind, 0)
-    settings = ipc_settings(pool_mb=4, fallback_mb=24, ipc_lease_timeout_s=60)
+    # No wait for pool room: the stream must exhaust the pool and fall back.
+    settings = ipc_settings(pool_mb=4, fallback_mb=24, ipc_lease_timeout_s=60, ipc_pool_wait_s=0)
     registry = CollectorRegistry()
     sender = FeatureSender(settings, device=device, consumers=2, registry=registry)
     await sender.start()
