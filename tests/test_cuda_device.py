@@ -291,6 +291,23 @@ def test_copy_waits_for_a_producer_on_a_side_stream(device: CudaDevice) -> None:
     assert bool((arena == 9).all())
 
 
+def test_copy_d2d_new_is_exact_and_ordered_after_its_streams_work(device: CudaDevice) -> None:
+    src = torch.zeros(4 * MiB, dtype=torch.float32, device="cuda:0")
+    torch.cuda.synchronize()
+    side = side_stream()
+    with torch.cuda.stream(side):
+        stall(torch.cuda.current_stream(), HOLD_SECONDS)
+        src.fill_(9)  # the producer's kernel is still queued when the copy is
+    dst, fence = device.copy_d2d_new(src.view(1024, 4096), side)
+    assert not fence.done()
+    assert fence.wait(30)
+    assert (dst.shape, dst.dtype, dst.device) == ((1024, 4096), torch.float32, src.device)
+    assert dst.is_contiguous() and dst.data_ptr() != src.data_ptr()
+    assert bool((dst == 9).all())
+    with pytest.raises(InvalidValueError, match="not cuda"):
+        device.copy_d2d_new(torch.zeros(4), side)
+
+
 def test_consumer_stream_waits_on_an_upload(device: CudaDevice) -> None:
     n = 8 * MiB
     arena = device.host_arena(n)

@@ -259,6 +259,17 @@ class Device(abc.ABC):
         fences = [self.copy_d2d(src, dst, stream) for src, dst in pairs]
         return fences[0] if len(fences) == 1 else AllFences(fences)
 
+    def copy_d2d_new(self, src: torch.Tensor, stream: Stream) -> tuple[torch.Tensor, Fence]:
+        """A new device tensor of src's shape and dtype, allocated for stream and filled from
+        src (this device, contiguous) on stream: empty() then copy_d2d(), as one step a
+        device may make cheaper. The caller keeps src valid until the fence is done."""
+        dst = self.empty(src.shape, src.dtype, stream)
+        try:
+            return dst, self.copy_d2d(src, dst, stream)
+        except BaseException:
+            self.release(dst, after=())  # nothing was queued: nothing reads it
+            raise
+
     def pack(self, srcs: Sequence[torch.Tensor], stream: Stream) -> tuple[torch.Tensor, Fence]:
         """A new device tensor holding srcs' rows back to back, filled on stream.
 

@@ -312,6 +312,10 @@ class CudaDevice(Device):
         """Queue each src -> dst of pairs on stream behind one fence."""
         return self._copies.copy_d2d_many(pairs, stream)
 
+    def copy_d2d_new(self, src: torch.Tensor, stream: Stream) -> tuple[torch.Tensor, CudaFence]:
+        """A new tensor filled from src: allocated and copied in one switch to stream."""
+        return self._copies.copy_d2d_new(src, stream)
+
     def pack(self, srcs: Sequence[torch.Tensor], stream: Stream) -> tuple[torch.Tensor, CudaFence]:
         """srcs' rows back to back in a new tensor: one torch.cat kernel on stream."""
         return self._copies.pack(srcs, stream)

@@ -221,6 +221,25 @@ class CudaCopies:
             nbytes = sum(src.nbytes for src, _ in pairs)
             raise enqueue_error("device-to-device", nbytes, exc) from exc
 
+    def copy_d2d_new(self, src: torch.Tensor, stream: Stream) -> tuple[torch.Tensor, CudaFence]:
+        """A new tensor of this GPU filled from src (this GPU, contiguous) on stream.
+
+        Allocated from stream's pool, in the same stream switch as the copy: the allocator
+        then orders its reuse after the copy with no record_stream. src gets none either:
+        the caller keeps it valid until the fence is done.
+        """
+        self.check_open()
+        if not self._memory.is_device_tensor(src):
+            raise InvalidValueError(f"copy source is on {src.device}, not {self._name}")
+        cuda_stream = as_cuda_stream(stream)
+        try:
+            with OnStream(cuda_stream):
+                dst = self._memory.empty_here(src.shape, src.dtype)
+                dst.copy_(src, non_blocking=True)
+                return dst, self.record_on(cuda_stream)
+        except RuntimeError as exc:
+            raise enqueue_error("device-to-device", src.nbytes, exc) from exc
+
     def pack(self, srcs: Sequence[torch.Tensor], stream: Stream) -> tuple[torch.Tensor, CudaFence]:
         """srcs' rows back to back in a new tensor: one torch.cat kernel on stream.
 

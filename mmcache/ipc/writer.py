@@ -129,11 +129,11 @@ class SliceWriter:
         owns = [own for own, _ in pieces]
         try:
             parts = self._parts(pieces)
+            view, block = placement.arena.view, placement.block
             pairs = []
             for (own, at), (_, shape, _name) in zip(pieces, parts, strict=True):
                 assert own.tensor is not None
-                dst = placement.arena.view(placement.block, shape, own.tensor.dtype, at)
-                pairs.append((own.tensor, dst))
+                pairs.append((own.tensor, view(block, shape, own.tensor.dtype, at)))
             # On the producer's stream: ordered after the work that made the tensors.
             written = self._device.copy_d2d_many(pairs, stream)
             del pairs
