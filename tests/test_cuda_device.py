@@ -274,6 +274,39 @@ def test_source_survives_release_right_after_queuing(device: CudaDevice) -> None
     assert bool((arena == 7).all())
 
 
+def test_copies_into_held_memory_keep_each_source_block_once(
+    device: CudaDevice, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """copy_d2d_many(dsts_held=True), as the IPC sender writes a batch into its pool: the
+    allocator keeps the sources' block (one record_stream for views of one tensor) until
+    the copies ran, and nothing is recorded for the destinations the caller keeps."""
+    recorded: list[int] = []
+    record_stream = torch.Tensor.record_stream
+
+    def counted(tensor: torch.Tensor, stream: torch.cuda.Stream) -> None:
+        recorded.append(tensor.untyped_storage().data_ptr())
+        record_stream(tensor, stream)
+
+    monkeypatch.setattr(torch.Tensor, "record_stream", counted)
+    n = 64 * MiB
+    src = torch.full((4, n // 4), 7, dtype=torch.uint8, device="cuda:0")
+    src_ptr = src.data_ptr()
+    held = torch.zeros(n, dtype=torch.uint8, device="cuda:0")
+    torch.cuda.synchronize()
+    side = side_stream()
+    hold(side)
+    pairs = [(src[i], held[i * (n // 4) : (i + 1) * (n // 4)]) for i in range(4)]
+    fence = device.copy_d2d_many(pairs, side, dsts_held=True)
+    del pairs, src  # the sender releases its sources as soon as the copies are queued
+    assert recorded == [src_ptr]
+    newcomers = [torch.empty(n, dtype=torch.uint8, device="cuda:0") for _ in range(2)]
+    for t in newcomers:
+        t.fill_(1)
+    assert all(t.data_ptr() != src_ptr for t in newcomers)
+    assert fence.wait(30)
+    assert bool((held == 7).all())
+
+
 def test_copy_waits_for_a_producer_on_a_side_stream(device: CudaDevice) -> None:
     n = 8 * MiB
     arena = device.host_arena(n)

@@ -253,9 +253,18 @@ class Device(abc.ABC):
         """Queue src -> dst on stream (compaction of views at put); return its fence."""
 
     def copy_d2d_many(
-        self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], stream: Stream
+        self,
+        pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        stream: Stream,
+        *,
+        dsts_held: bool = False,
     ) -> Fence:
-        """Queue each src -> dst of pairs on stream; one fence, failed if any copy fails."""
+        """Queue each src -> dst of pairs on stream; one fence, failed if any copy fails.
+
+        dsts_held: the caller keeps every destination valid until the fence is done (memory
+        outside the device's allocator, such as the IPC pool), so a device may skip keeping
+        them for the copies.
+        """
         fences = [self.copy_d2d(src, dst, stream) for src, dst in pairs]
         return fences[0] if len(fences) == 1 else AllFences(fences)
 

@@ -134,8 +134,9 @@ class SliceWriter:
             for (own, at), (_, shape, _name) in zip(pieces, parts, strict=True):
                 assert own.tensor is not None
                 pairs.append((own.tensor, view(block, shape, own.tensor.dtype, at)))
-            # On the producer's stream: ordered after the work that made the tensors.
-            written = self._device.copy_d2d_many(pairs, stream)
+            # On the producer's stream: ordered after the work that made the tensors. The
+            # slice is the pool's, kept until the copy is done (placement.after).
+            written = self._device.copy_d2d_many(pairs, stream, dsts_held=True)
             del pairs
             placement.after.append(written)
             event = self._record_event(placement.slot, stream)
