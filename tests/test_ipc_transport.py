@@ -113,6 +113,31 @@ async def test_a_receiver_that_skips_the_ready_signal_reads_poison(
         assert torch.isnan(got).all(), "the early read should have seen the pool's poison"
 
 
+async def test_a_pool_send_records_no_fence_of_its_producers(
+    sim_rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A copy into the pool is ordered on the producer's stream itself: the fence of the
+    tensors' makers is recorded only where a failure or the host fallback needs it."""
+    device = sim_rig.device
+    assert isinstance(device, SimDevice)
+    async with transport(sim_rig, consumers=1) as tr:
+        producer = device.stream("encoder")
+        want = sim_rig.tensor(128, 64)
+        recorded: list[object] = []
+        record = device.record
+
+        def counted(stream: Any) -> Any:
+            recorded.append(stream)
+            return record(stream)
+
+        monkeypatch.setattr(device, "record", counted)
+        handle = await tr.sender.send(want.clone(), stream=producer)
+        assert handle.where == "pool"
+        assert producer not in recorded
+        monkeypatch.undo()
+        assert same_bytes(await tr.receivers[0].receive(handle), want)
+
+
 @pytest.mark.parametrize(
     ("settings", "nbytes", "reason"),
     [
