@@ -24,8 +24,10 @@ from conftest import stall
 from prometheus_client import CollectorRegistry
 
 from mmcache import CacheSettings, CacheStats, FeatureCache
+from mmcache.device import cuda_streams
 from mmcache.device.cuda import ArenaMethod, CudaDevice, CudaFence
 from mmcache.device.cuda_driver import BatchCopier, CudaDriver
+from mmcache.device.cuda_streams import OnStream
 from mmcache.errors import CacheClosedError, CopyFailedError, InvalidValueError, MMCacheError
 
 pytestmark = [
@@ -305,6 +307,29 @@ def test_copies_into_held_memory_keep_each_source_block_once(
     assert all(t.data_ptr() != src_ptr for t in newcomers)
     assert fence.wait(30)
     assert bool((held == 7).all())
+
+
+def test_on_stream_switches_only_to_another_stream_and_back(
+    device: CudaDevice, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    switches: list[int] = []
+    set_stream = cuda_streams._set_current_stream
+    assert set_stream is not None
+
+    def counted(**stream: int) -> None:
+        switches.append(stream["stream_id"])
+        set_stream(**stream)
+
+    monkeypatch.setattr(cuda_streams, "_set_current_stream", counted)
+    current = torch.cuda.current_stream()
+    with OnStream(current):  # the caller's own stream: nothing to switch
+        assert torch.cuda.current_stream() == current
+    assert switches == []
+    side = side_stream()
+    with OnStream(side):
+        assert torch.cuda.current_stream() == side
+    assert torch.cuda.current_stream() == current
+    assert switches == [side.stream_id, current.stream_id]
 
 
 def test_copy_waits_for_a_producer_on_a_side_stream(device: CudaDevice) -> None:
