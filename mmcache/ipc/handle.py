@@ -246,6 +246,7 @@ _ENDPOINT_KEYS: Final = frozenset(
 #: offset, number of parts, then the CUDA event's and the endpoint's lengths.
 _FIXED: Final = struct.Struct("<BqqBqIHI")
 _PART: Final = struct.Struct("<qBB")  # a part's offset in the slice, dtype name length, ndim
+_SHAPES: Final = tuple(struct.Struct(f"<{ndim}q") for ndim in range(256))  # by ndim (a byte)
 _KIND_HANDLE: Final = 1
 _KIND_BATCH: Final = 2
 _WHERE: Final = {"pool": 1, "host": 2}
@@ -357,7 +358,7 @@ def _unpack(
             at += _PART.size
             name = raw[at : at + n_name].decode("ascii")
             at += n_name
-            shape = struct.unpack_from(f"<{ndim}q", raw, at)
+            shape = _SHAPES[ndim].unpack_from(raw, at)
             at += 8 * ndim
             parts.append((part_offset, shape, name))
     except (struct.error, UnicodeDecodeError):

@@ -647,27 +647,27 @@ class FeatureReceiver:
     ) -> None:
         """Release handle's slice once fence (the last read of it) is done (FenceReaper:
         found by this loop, or by device threads once the loop stops looking)."""
-
-        def done() -> None:
-            if verify and channel.control.slot_seq(handle.slot) != handle.seq:
-                log.error(
-                    "%s was reclaimed by its sender while it was read: the tensor received "
-                    "may hold other data",
-                    handle.describe(),
-                )
-            channel.release(handle)
-            with channel.lock:  # after the release: a close() must not leave before it
-                channel.pending.discard(fence)
-            # Not `if channel.kept`: unlocked, that read could miss a mark close() is
-            # setting just now; _close_kept looks under the lock.
-            self._close_kept(channel)
-
         if fence.done():
-            done()
+            self._released(channel, handle, fence, verify)
             return
         with channel.lock:
             channel.pending.add(fence)
-        self._releases.add(fence, done)
+        self._releases.add(fence, functools.partial(self._released, channel, handle, fence, verify))
+
+    def _released(self, channel: _Channel, handle: Sent, fence: Fence, verify: bool) -> None:
+        """fence is done: release handle's slice (any thread)."""
+        if verify and channel.control.slot_seq(handle.slot) != handle.seq:
+            log.error(
+                "%s was reclaimed by its sender while it was read: the tensor received "
+                "may hold other data",
+                handle.describe(),
+            )
+        channel.release(handle)
+        with channel.lock:  # after the release: a close() must not leave before it
+            channel.pending.discard(fence)
+        # Not `if channel.kept`: unlocked, that read could miss a mark close() is
+        # setting just now; _close_kept looks under the lock.
+        self._close_kept(channel)
 
 
 def _features(arena: ArenaViews, offset: int, parts: Sequence[Part]) -> list[torch.Tensor]:
