@@ -24,8 +24,10 @@ from conftest import stall
 from prometheus_client import CollectorRegistry
 
 from mmcache import CacheSettings, CacheStats, FeatureCache
+from mmcache.device import cuda_streams
 from mmcache.device.cuda import ArenaMethod, CudaDevice, CudaFence
 from mmcache.device.cuda_driver import BatchCopier, CudaDriver
+from mmcache.device.cuda_streams import OnStream
 from mmcache.errors import CacheClosedError, CopyFailedError, InvalidValueError, MMCacheError
 
 pytestmark = [
@@ -274,6 +276,62 @@ def test_source_survives_release_right_after_queuing(device: CudaDevice) -> None
     assert bool((arena == 7).all())
 
 
+def test_copies_into_held_memory_keep_each_source_block_once(
+    device: CudaDevice, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """copy_d2d_many(dsts_held=True), as the IPC sender writes a batch into its pool: the
+    allocator keeps the sources' block (one record_stream for views of one tensor) until
+    the copies ran, and nothing is recorded for the destinations the caller keeps."""
+    recorded: list[int] = []
+    record_stream = torch.Tensor.record_stream
+
+    def counted(tensor: torch.Tensor, stream: torch.cuda.Stream) -> None:
+        recorded.append(tensor.untyped_storage().data_ptr())
+        record_stream(tensor, stream)
+
+    monkeypatch.setattr(torch.Tensor, "record_stream", counted)
+    n = 64 * MiB
+    src = torch.full((4, n // 4), 7, dtype=torch.uint8, device="cuda:0")
+    src_ptr = src.data_ptr()
+    held = torch.zeros(n, dtype=torch.uint8, device="cuda:0")
+    torch.cuda.synchronize()
+    side = side_stream()
+    hold(side)
+    pairs = [(src[i], held[i * (n // 4) : (i + 1) * (n // 4)]) for i in range(4)]
+    fence = device.copy_d2d_many(pairs, side, dsts_held=True)
+    del pairs, src  # the sender releases its sources as soon as the copies are queued
+    assert recorded == [src_ptr]
+    newcomers = [torch.empty(n, dtype=torch.uint8, device="cuda:0") for _ in range(2)]
+    for t in newcomers:
+        t.fill_(1)
+    assert all(t.data_ptr() != src_ptr for t in newcomers)
+    assert fence.wait(30)
+    assert bool((held == 7).all())
+
+
+def test_on_stream_switches_only_to_another_stream_and_back(
+    device: CudaDevice, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    switches: list[int] = []
+    set_stream = cuda_streams._set_current_stream
+    assert set_stream is not None
+
+    def counted(**stream: int) -> None:
+        switches.append(stream["stream_id"])
+        set_stream(**stream)
+
+    monkeypatch.setattr(cuda_streams, "_set_current_stream", counted)
+    current = torch.cuda.current_stream()
+    with OnStream(current):  # the caller's own stream: nothing to switch
+        assert torch.cuda.current_stream() == current
+    assert switches == []
+    side = side_stream()
+    with OnStream(side):
+        assert torch.cuda.current_stream() == side
+    assert torch.cuda.current_stream() == current
+    assert switches == [side.stream_id, current.stream_id]
+
+
 def test_copy_waits_for_a_producer_on_a_side_stream(device: CudaDevice) -> None:
     n = 8 * MiB
     arena = device.host_arena(n)
@@ -289,6 +347,23 @@ def test_copy_waits_for_a_producer_on_a_side_stream(device: CudaDevice) -> None:
     assert not ready.done()
     assert fence.wait(30)
     assert bool((arena == 9).all())
+
+
+def test_copy_d2d_new_is_exact_and_ordered_after_its_streams_work(device: CudaDevice) -> None:
+    src = torch.zeros(4 * MiB, dtype=torch.float32, device="cuda:0")
+    torch.cuda.synchronize()
+    side = side_stream()
+    with torch.cuda.stream(side):
+        stall(torch.cuda.current_stream(), HOLD_SECONDS)
+        src.fill_(9)  # the producer's kernel is still queued when the copy is
+    dst, fence = device.copy_d2d_new(src.view(1024, 4096), side)
+    assert not fence.done()
+    assert fence.wait(30)
+    assert (dst.shape, dst.dtype, dst.device) == ((1024, 4096), torch.float32, src.device)
+    assert dst.is_contiguous() and dst.data_ptr() != src.data_ptr()
+    assert bool((dst == 9).all())
+    with pytest.raises(InvalidValueError, match="not cuda"):
+        device.copy_d2d_new(torch.zeros(4), side)
 
 
 def test_consumer_stream_waits_on_an_upload(device: CudaDevice) -> None:

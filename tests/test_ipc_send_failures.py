@@ -5,6 +5,7 @@ test_ipc_fallback.py::test_a_cancelled_send_leaves_nothing_behind.)"""
 from __future__ import annotations
 
 import asyncio
+import threading
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -14,6 +15,7 @@ import torch
 from conftest import Rig
 from test_ipc_support import Transport, same_bytes, settled_bytes, transport
 
+from mmcache.device import SimDevice
 from mmcache.errors import InvalidValueError
 from mmcache.ipc import FeatureSender
 from mmcache.ipc.control import ControlBlock
@@ -114,6 +116,33 @@ async def test_a_send_that_fails_after_reserving_gives_everything_back(
             for seed in range(3):  # repeatedly: each failure gives back all it took
                 with pytest.raises(RuntimeError, match="injected failure"):
                     await tr.sender.send(rig.tensor(128, 64, seed=seed))
+        await _assert_all_given_back(tr, baseline)
+
+
+@pytest.mark.parametrize("point", ["pool copy", "pool slot publish", "fallback copy"])
+async def test_a_failed_send_gives_its_source_back_only_after_its_producer(
+    sim_rig: Rig, monkeypatch: pytest.MonkeyPatch, point: str
+) -> None:
+    """The source of a send that fails is released after the work queued on its stream
+    before the send (the kernel that made it), however late that work ends."""
+    settings, inject = _POINTS[point]
+    device = sim_rig.device
+    assert isinstance(device, SimDevice)
+    async with transport(sim_rig, consumers=1, **settings) as tr:
+        baseline = sim_rig.allocated_bytes()
+        producer = device.stream("encoder")
+        gate = threading.Event()
+        device.launch(producer, lambda: gate.wait(10))
+        value = sim_rig.tensor(128, 64)
+        nbytes = value.untyped_storage().nbytes()
+        with monkeypatch.context() as patched:
+            inject(patched, tr.sender)
+            with pytest.raises(RuntimeError, match="injected failure"):
+                await tr.sender.send(value, stream=producer)
+        del value
+        await asyncio.sleep(0.05)
+        assert sim_rig.allocated_bytes() == baseline + nbytes  # held behind its producer
+        gate.set()
         await _assert_all_given_back(tr, baseline)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import pickle
 from typing import Any
@@ -23,6 +24,7 @@ from mmcache.device import SimDevice
 from mmcache.errors import CacheClosedError, InvalidValueError
 from mmcache.ipc import FeatureHandle, FeatureReceiver, FeatureSender, HandleExpiredError
 from mmcache.ipc.control import ControlBlock
+from mmcache.ipc.pool import ArenaViews
 
 
 def _mixed_features() -> list[torch.Tensor]:
@@ -109,6 +111,31 @@ async def test_a_receiver_that_skips_the_ready_signal_reads_poison(
         got = await reader
         assert early
         assert torch.isnan(got).all(), "the early read should have seen the pool's poison"
+
+
+async def test_a_pool_send_records_no_fence_of_its_producers(
+    sim_rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A copy into the pool is ordered on the producer's stream itself: the fence of the
+    tensors' makers is recorded only where a failure or the host fallback needs it."""
+    device = sim_rig.device
+    assert isinstance(device, SimDevice)
+    async with transport(sim_rig, consumers=1) as tr:
+        producer = device.stream("encoder")
+        want = sim_rig.tensor(128, 64)
+        recorded: list[object] = []
+        record = device.record
+
+        def counted(stream: Any) -> Any:
+            recorded.append(stream)
+            return record(stream)
+
+        monkeypatch.setattr(device, "record", counted)
+        handle = await tr.sender.send(want.clone(), stream=producer)
+        assert handle.where == "pool"
+        assert producer not in recorded
+        monkeypatch.undo()
+        assert same_bytes(await tr.receivers[0].receive(handle), want)
 
 
 @pytest.mark.parametrize(
@@ -320,3 +347,28 @@ async def test_a_receiver_reads_each_handle_once_even_while_another_still_holds_
                 pass
         assert same_bytes(await second.receive(handle), want)  # the other consumer still can
         assert await tr.sender.drain(timeout=5)
+
+
+_VIEW_DTYPES = [torch.bfloat16, torch.float32, torch.int64, torch.complex128, torch.bool]
+
+
+@pytest.mark.parametrize("arena_bytes", [4096, 4093], ids=["whole-items", "odd-size"])
+@pytest.mark.parametrize("dtype", _VIEW_DTYPES, ids=str)
+def test_arena_views_are_the_bytes_at_their_offset(dtype: torch.dtype, arena_bytes: int) -> None:
+    """A feature's view of the pool is the same tensor as its bytes sliced and viewed,
+    for every dtype, offset and shape (also one that an arena cannot view whole)."""
+    flat = torch.arange(arena_bytes, dtype=torch.int32).to(torch.uint8)
+    views = ArenaViews(flat)
+    size = dtype.itemsize
+    for offset in (0, 256, 3 * size, 1):
+        for shape in [(), (0,), (3, 0, 2), (4, 5), (1, 1, 7), (2, 3, 4)]:
+            if offset % size:
+                continue
+            nbytes = size * math.prod(shape)
+            want = flat[offset : offset + nbytes].view(dtype).view(shape)
+            got = views.view(offset, shape, dtype)
+            assert (got.shape, got.dtype, got.stride()) == (want.shape, want.dtype, want.stride())
+            assert got.is_contiguous() and got.data_ptr() == want.data_ptr()
+            assert got.nbytes == want.nbytes  # the same bytes (NaN payloads compare unequal)
+    with pytest.raises(RuntimeError):  # past the arena's storage
+        views.view(arena_bytes - size, (2,), dtype)

@@ -253,11 +253,31 @@ class Device(abc.ABC):
         """Queue src -> dst on stream (compaction of views at put); return its fence."""
 
     def copy_d2d_many(
-        self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], stream: Stream
+        self,
+        pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        stream: Stream,
+        *,
+        dsts_held: bool = False,
     ) -> Fence:
-        """Queue each src -> dst of pairs on stream; one fence, failed if any copy fails."""
+        """Queue each src -> dst of pairs on stream; one fence, failed if any copy fails.
+
+        dsts_held: the caller keeps every destination valid until the fence is done (memory
+        outside the device's allocator, such as the IPC pool), so a device may skip keeping
+        them for the copies.
+        """
         fences = [self.copy_d2d(src, dst, stream) for src, dst in pairs]
         return fences[0] if len(fences) == 1 else AllFences(fences)
+
+    def copy_d2d_new(self, src: torch.Tensor, stream: Stream) -> tuple[torch.Tensor, Fence]:
+        """A new device tensor of src's shape and dtype, allocated for stream and filled from
+        src (this device, contiguous) on stream: empty() then copy_d2d(), as one step a
+        device may make cheaper. The caller keeps src valid until the fence is done."""
+        dst = self.empty(src.shape, src.dtype, stream)
+        try:
+            return dst, self.copy_d2d(src, dst, stream)
+        except BaseException:
+            self.release(dst, after=())  # nothing was queued: nothing reads it
+            raise
 
     def pack(self, srcs: Sequence[torch.Tensor], stream: Stream) -> tuple[torch.Tensor, Fence]:
         """A new device tensor holding srcs' rows back to back, filled on stream.

@@ -307,10 +307,19 @@ class CudaDevice(Device):
         return self._copies.copy_d2d(src, dst, stream)
 
     def copy_d2d_many(
-        self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], stream: Stream
+        self,
+        pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        stream: Stream,
+        *,
+        dsts_held: bool = False,
     ) -> CudaFence:
-        """Queue each src -> dst of pairs on stream behind one fence."""
-        return self._copies.copy_d2d_many(pairs, stream)
+        """Queue each src -> dst of pairs on stream behind one fence (dsts_held: no
+        record_stream for the destinations, which the caller keeps)."""
+        return self._copies.copy_d2d_many(pairs, stream, dsts_held=dsts_held)
+
+    def copy_d2d_new(self, src: torch.Tensor, stream: Stream) -> tuple[torch.Tensor, CudaFence]:
+        """A new tensor filled from src: allocated and copied in one switch to stream."""
+        return self._copies.copy_d2d_new(src, stream)
 
     def pack(self, srcs: Sequence[torch.Tensor], stream: Stream) -> tuple[torch.Tensor, CudaFence]:
         """srcs' rows back to back in a new tensor: one torch.cat kernel on stream."""

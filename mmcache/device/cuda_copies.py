@@ -192,9 +192,18 @@ class CudaCopies:
         return self.copy_d2d_many(((src, dst),), stream)
 
     def copy_d2d_many(
-        self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], stream: Stream
+        self,
+        pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        stream: Stream,
+        *,
+        dsts_held: bool = False,
     ) -> CudaFence:
-        """Queue each src -> dst of pairs on stream behind one fence (one event recorded)."""
+        """Queue each src -> dst of pairs on stream behind one fence (one event recorded).
+
+        The caching allocator keeps each source's block (once per block: views of one
+        tensor share it) and, unless dsts_held (the caller keeps them, as the IPC pool,
+        which is not the allocator's), each destination's until the copies are done.
+        """
         self.check_open()
         cuda_stream = as_cuda_stream(stream)
         for src, dst in pairs:
@@ -207,6 +216,7 @@ class CudaCopies:
                 )
         try:
             with OnStream(cuda_stream):
+                recorded: set[int] = set()
                 for src, dst in pairs:
                     if src.shape == dst.shape and src.dtype == dst.dtype:
                         dst.copy_(src, non_blocking=True)
@@ -214,12 +224,34 @@ class CudaCopies:
                         flat_bytes(dst, "destination").copy_(
                             flat_bytes(src, "source"), non_blocking=True
                         )
-                    src.record_stream(cuda_stream)
-                    dst.record_stream(cuda_stream)
-                return self.record(cuda_stream)
+                    for tensor in (src,) if dsts_held else (src, dst):
+                        block = tensor.untyped_storage().data_ptr()
+                        if block not in recorded:
+                            recorded.add(block)
+                            tensor.record_stream(cuda_stream)
+                return self.record_on(cuda_stream)
         except RuntimeError as exc:
             nbytes = sum(src.nbytes for src, _ in pairs)
             raise enqueue_error("device-to-device", nbytes, exc) from exc
+
+    def copy_d2d_new(self, src: torch.Tensor, stream: Stream) -> tuple[torch.Tensor, CudaFence]:
+        """A new tensor of this GPU filled from src (this GPU, contiguous) on stream.
+
+        Allocated from stream's pool, in the same stream switch as the copy: the allocator
+        then orders its reuse after the copy with no record_stream. src gets none either:
+        the caller keeps it valid until the fence is done.
+        """
+        self.check_open()
+        if not self._memory.is_device_tensor(src):
+            raise InvalidValueError(f"copy source is on {src.device}, not {self._name}")
+        cuda_stream = as_cuda_stream(stream)
+        try:
+            with OnStream(cuda_stream):
+                dst = self._memory.empty_here(src.shape, src.dtype)
+                dst.copy_(src, non_blocking=True)
+                return dst, self.record_on(cuda_stream)
+        except RuntimeError as exc:
+            raise enqueue_error("device-to-device", src.nbytes, exc) from exc
 
     def pack(self, srcs: Sequence[torch.Tensor], stream: Stream) -> tuple[torch.Tensor, CudaFence]:
         """srcs' rows back to back in a new tensor: one torch.cat kernel on stream.

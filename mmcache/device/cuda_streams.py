@@ -52,11 +52,21 @@ class OnStream:
             self._fallback = torch.cuda.stream(stream)
             self._fallback.__enter__()
             return
+        device_index = stream.device_index
         self._prev_device = _get_current_device()
-        self._prev_stream = _get_current_stream(stream.device_index)
+        prev_stream = _get_current_stream(device_index)
+        if self._prev_device == device_index and prev_stream == (
+            stream.stream_id,
+            device_index,
+            stream.device_type,
+        ):
+            # Already current (the caller's own stream, most often): nothing to switch back.
+            self._prev_stream = None
+            return
+        self._prev_stream = prev_stream
         _set_current_stream(
             stream_id=stream.stream_id,
-            device_index=stream.device_index,
+            device_index=device_index,
             device_type=stream.device_type,
         )
 
@@ -64,7 +74,9 @@ class OnStream:
         if self._fallback is not None:
             self._fallback.__exit__(*exc_info)
             return
-        assert self._prev_stream is not None and _set_current_stream is not None
+        if self._prev_stream is None:
+            return
+        assert _set_current_stream is not None
         stream_id, device_index, device_type = self._prev_stream
         _set_current_stream(stream_id=stream_id, device_index=device_index, device_type=device_type)
         if self._prev_device != device_index:

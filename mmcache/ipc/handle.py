@@ -54,11 +54,13 @@ def _dtype_table() -> dict[str, torch.dtype]:
 
 
 _DTYPES: Final = _dtype_table()
+_DTYPE_NAMES: Final = {dtype: name for name, dtype in _DTYPES.items()}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     """The name a handle carries for dtype ("bfloat16", ...); dtype_from_name reverses it."""
-    return str(dtype).removeprefix("torch.")
+    name = _DTYPE_NAMES.get(dtype)
+    return name if name is not None else str(dtype).removeprefix("torch.")
 
 
 def dtype_from_name(name: str) -> torch.dtype:
@@ -244,11 +246,13 @@ _ENDPOINT_KEYS: Final = frozenset(
 #: offset, number of parts, then the CUDA event's and the endpoint's lengths.
 _FIXED: Final = struct.Struct("<BqqBqIHI")
 _PART: Final = struct.Struct("<qBB")  # a part's offset in the slice, dtype name length, ndim
+_SHAPES: Final = tuple(struct.Struct(f"<{ndim}q") for ndim in range(256))  # by ndim (a byte)
 _KIND_HANDLE: Final = 1
 _KIND_BATCH: Final = 2
 _WHERE: Final = {"pool": 1, "host": 2}
 _WHERE_NAMES: Final = {code: name for name, code in _WHERE.items()}
 _MAX_ENDPOINTS: Final = 256  # endpoints a process keeps parsed (one per sender it hears of)
+_MAX_DIGESTS: Final = 4096  # slice digests a process keeps made
 _parsed_endpoints: dict[bytes, SenderEndpoint] = {}
 
 #: One feature of a send: its offset in the slice, its shape and its dtype's name.
@@ -354,7 +358,7 @@ def _unpack(
             at += _PART.size
             name = raw[at : at + n_name].decode("ascii")
             at += n_name
-            shape = struct.unpack_from(f"<{ndim}q", raw, at)
+            shape = _SHAPES[ndim].unpack_from(raw, at)
             at += 8 * ndim
             parts.append((part_offset, shape, name))
     except (struct.error, UnicodeDecodeError):
@@ -426,8 +430,7 @@ class FeatureHandle:
 
     def slice_digest(self) -> int:
         """A 64-bit digest of the dtype, shape and CUDA event, as the sender publishes them."""
-        text = f"{self.dtype}|{','.join(map(str, self.shape))}|{self.cuda_event.hex()}"
-        return _digest(text.encode())
+        return _feature_digest(self.dtype, self.shape, self.cuda_event)
 
     def to_bytes(self) -> bytes:
         """The versioned byte form (from_bytes reads it back); about 600 bytes."""
@@ -516,10 +519,7 @@ class FeatureBatch:
 
     def slice_digest(self) -> int:
         """A 64-bit digest of every part and the CUDA event, as the sender publishes them."""
-        text = ";".join(
-            f"{at}|{dtype}|{','.join(map(str, shape))}" for at, shape, dtype in self.parts
-        )
-        return _digest(f"{text}|{self.cuda_event.hex()}".encode())
+        return _batch_digest(self.parts, self.cuda_event)
 
     def to_bytes(self) -> bytes:
         """The versioned byte form (from_bytes reads it back)."""
@@ -538,6 +538,19 @@ class FeatureBatch:
 
     def __reduce__(self) -> tuple[object, tuple[bytes]]:
         return _batch_from_bytes, (self.to_bytes(),)
+
+
+# A sender's sends and a receiver's handles repeat a few shapes and one event per slot: each
+# digest is made once (the arguments are checked, hashable fields by then).
+@functools.lru_cache(maxsize=_MAX_DIGESTS)
+def _feature_digest(dtype: str, shape: tuple[int, ...], cuda_event: bytes) -> int:
+    return _digest(f"{dtype}|{','.join(map(str, shape))}|{cuda_event.hex()}".encode())
+
+
+@functools.lru_cache(maxsize=_MAX_DIGESTS)
+def _batch_digest(parts: tuple[Part, ...], cuda_event: bytes) -> int:
+    text = ";".join(f"{at}|{dtype}|{','.join(map(str, shape))}" for at, shape, dtype in parts)
+    return _digest(f"{text}|{cuda_event.hex()}".encode())
 
 
 def _handle_from_bytes(data: bytes) -> FeatureHandle:

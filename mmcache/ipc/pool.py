@@ -10,6 +10,7 @@ clean error at send, never SIGBUS.
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Callable, Sequence
 from typing import Final, final
 
@@ -19,10 +20,47 @@ from mmcache.device.base import Device, Fence
 from mmcache.host_pool import Defer, HostBlock, HostPool
 from mmcache.ipc.shm import SharedSegment
 
-__all__ = ["COMMIT_CHUNK", "SliceArena", "SlotAllocator"]
+__all__ = ["COMMIT_CHUNK", "ArenaViews", "SliceArena", "SlotAllocator"]
 
 #: Granularity of lazy /dev/shm reservation.
 COMMIT_CHUNK: Final = 2 << 20
+
+
+@final
+class ArenaViews:
+    """A flat uint8 tensor's features as tensors of their own dtype and shape, each made
+    by one tensor operation (as_strided of the whole arena viewed as that dtype)."""
+
+    __slots__ = ("_typed", "flat")
+
+    def __init__(self, flat: torch.Tensor) -> None:
+        self.flat = flat
+        # None: this dtype cannot view the whole arena; its features are sliced instead.
+        self._typed: dict[torch.dtype, torch.Tensor | None] = {}
+
+    def view(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The bytes from offset as a contiguous tensor of shape and dtype; the caller has
+        checked that they lie in the arena (as_strided checks only its storage's bounds)."""
+        try:
+            typed = self._typed[dtype]
+        except KeyError:
+            typed = self._typed[dtype] = self._typed_alias(dtype)
+        itemsize = dtype.itemsize
+        if typed is None or offset % itemsize:
+            nbytes = math.prod(shape) * itemsize
+            return self.flat[offset : offset + nbytes].view(dtype).view(shape)
+        strides = [1] * len(shape)
+        step = 1
+        for dim in range(len(shape) - 1, -1, -1):
+            strides[dim] = step
+            step *= max(shape[dim], 1)
+        return typed.as_strided(shape, strides, typed.storage_offset() + offset // itemsize)
+
+    def _typed_alias(self, dtype: torch.dtype) -> torch.Tensor | None:
+        try:
+            return self.flat.view(dtype)
+        except RuntimeError:  # a size or start that is not a whole number of items
+            return None
 
 
 @final
@@ -35,6 +73,7 @@ class SliceArena:
         "_device",
         "_hint",
         "_segment",
+        "_views",
         "tensor",
     )
 
@@ -50,6 +89,7 @@ class SliceArena:
         lazy_commit_hint: str | None = None,
     ) -> None:
         self.tensor = tensor
+        self._views = ArenaViews(tensor)
         self._device = device
         self._segment = segment
         self._hint = lazy_commit_hint
@@ -104,11 +144,10 @@ class SliceArena:
             self._committed.add(chunk)
 
     def view(
-        self, block: HostBlock, shape: Sequence[int], dtype: torch.dtype, at: int = 0
+        self, block: HostBlock, shape: tuple[int, ...], dtype: torch.dtype, at: int = 0
     ) -> torch.Tensor:
-        """block's bytes from at as a contiguous tensor of shape and dtype."""
-        nbytes = torch.Size(shape).numel() * dtype.itemsize
-        return block.view[at : at + nbytes].view(dtype).view(tuple(shape))
+        """block's bytes from at as a contiguous tensor of shape and dtype (which fit in it)."""
+        return self._views.view(block.offset + at, shape, dtype)
 
 
 @final

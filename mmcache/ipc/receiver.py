@@ -19,9 +19,9 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextvars import ContextVar
-from typing import Final, Literal
+from typing import Final, Literal, final
 
 import torch
 
@@ -39,6 +39,7 @@ from mmcache.ipc.errors import (
     UnknownSenderError,
 )
 from mmcache.ipc.handle import FeatureBatch, FeatureHandle, Part, SenderEndpoint, dtype_from_name
+from mmcache.ipc.pool import ArenaViews
 from mmcache.ipc.reaper import FenceReaper
 from mmcache.ipc.shm import SharedSegment
 from mmcache.waiting import wait_fences
@@ -81,9 +82,10 @@ class _Channel:
         self.control = control
         self.lane = lane
         self.epoch = epoch
-        self.sim_pool: torch.Tensor | None = None
-        self.fallback: torch.Tensor | None = None
+        self.sim_pool: ArenaViews | None = None
+        self.fallback: ArenaViews | None = None
         self.peer_pool: PeerPool | None = None
+        self.peer_views: ArenaViews | None = None  # the peer pool's memory
         self._segments: list[SharedSegment] = []
         self._unpin: Callable[[], None] | None = None
         self._mapping_fallback: asyncio.Future[None] | None = None
@@ -115,12 +117,18 @@ class _Channel:
         """Tell the sender we are done with handle's bytes (any thread)."""
         self.control.release(handle.slot, self.lane, handle.seq)
 
-    def sim_pool_tensor(self) -> torch.Tensor:
+    def sim_pool_views(self) -> ArenaViews:
         if self.sim_pool is None:
-            self.sim_pool = self._map(self.endpoint.pool_path, "pool", self.endpoint.pool_nbytes)
+            e = self.endpoint
+            self.sim_pool = ArenaViews(self._map(e.pool_path, "pool", e.pool_nbytes))
         return self.sim_pool
 
-    async def fallback_tensor(self, device: Device) -> torch.Tensor:
+    def cuda_pool_views(self, device: Device) -> ArenaViews:
+        if self.peer_views is None:
+            self.peer_views = ArenaViews(self.cuda_pool(device).tensor)
+        return self.peer_views
+
+    async def fallback_views(self, device: Device) -> ArenaViews:
         if self.fallback is None:
             # Mapped and pinned once, also for receives that ask meanwhile; counted as a
             # reader until pinned, wherever the receive that started it went.
@@ -142,7 +150,7 @@ class _Channel:
                     self._unpin = await pin_off_the_loop(index, tensor, read_only=True)
                 except Exception as exc:
                     log.warning("cannot pin the IPC host fallback (%s); copies are slower", exc)
-            self.fallback = tensor
+            self.fallback = ArenaViews(tensor)
         finally:
             self._mapping_fallback = None
             self.stop_reading()
@@ -164,7 +172,7 @@ class _Channel:
         """Leave the sender (it reclaims what we still owed) and unmap its memory."""
         peer_pool, self.peer_pool = self.peer_pool, None
         unpin, self._unpin = self._unpin, None
-        self.sim_pool = self.fallback = None
+        self.sim_pool = self.fallback = self.peer_views = None
         steps: list[Callable[[], object]] = [
             functools.partial(self.control.leave, self.lane, self.epoch)
         ]
@@ -261,10 +269,14 @@ class FeatureReceiver:
         self._releases.reap()  # slices whose copies are done go back before we take another
         channel = self._verified_channel(sent, kind)
         self._open(channel, sent)
-        with self._reading(channel):
+        with _Read(self._reads, channel, in_context=False):
             try:
                 await self._wait_ready(channel, sent, stream)
-                src = await self._region(channel, sent)
+                arena = await self._arena(channel, sent)
+                if isinstance(sent, FeatureHandle):  # copied as the feature itself
+                    src = arena.view(sent.offset, sent.shape, dtype_from_name(sent.dtype))
+                else:  # one copy of the whole slice, split below
+                    src = arena.flat[sent.offset : sent.offset + sent.nbytes]
                 dst, fence = self._copy_out(src, stream)
                 del src
             except BaseException:
@@ -272,7 +284,11 @@ class FeatureReceiver:
                 raise
             after = self._device.after_copy(fence)  # what our alias of dst goes back after
             try:
-                out = _split(dst.detach(), sent.parts)  # the caller's views
+                # The caller's tensors: aliases of dst, never dst itself (released below).
+                if isinstance(sent, FeatureHandle):
+                    out = [dst.detach()]
+                else:
+                    out = _features(ArenaViews(dst.detach()), 0, sent.parts)
             except BaseException:
                 self._device.release(dst, after)
                 self._release_after(channel, sent, fence, verify=False)
@@ -333,10 +349,11 @@ class FeatureReceiver:
         self._releases.reap()  # slices whose copies are done go back before we take another
         channel = self._verified_channel(sent, kind)
         self._open(channel, sent)
-        with self._reading(channel):
+        # Tagged in the context: a close() awaited inside the lease does not wait for it.
+        with _Read(self._reads, channel, in_context=True):
             try:
                 await self._wait_ready(channel, sent, stream)
-                views = _split(await self._region(channel, sent), sent.parts)
+                views = _features(await self._arena(channel, sent), sent.offset, sent.parts)
             except BaseException:
                 channel.release(sent)
                 raise
@@ -448,21 +465,6 @@ class FeatureReceiver:
         await self.close()
 
     # --- internals ------------------------------------------------------------------------
-
-    @contextlib.contextmanager
-    def _reading(self, channel: _Channel) -> Iterator[None]:
-        """Count a receive or lease under way on channel: close() waits for them."""
-        read = object()
-        channel.start_reading()
-        self._reads.add(read)
-        _OPEN_READS.set(_OPEN_READS.get() | {read})
-        try:
-            yield
-        finally:
-            # Not reset to a token: a lease may end in another context than it began in.
-            _OPEN_READS.set(_OPEN_READS.get() - {read})
-            self._reads.discard(read)
-            channel.stop_reading()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -605,28 +607,30 @@ class FeatureReceiver:
             self._check_open()
             delay = min(_POLL_MAX_S, max(_POLL_MIN_S, delay * 2))
 
-    async def _region(self, channel: _Channel, handle: Sent) -> torch.Tensor:
-        """handle's bytes where they are, as a flat uint8 tensor."""
+    async def _arena(self, channel: _Channel, handle: Sent) -> ArenaViews:
+        """The sender's memory that holds handle's bytes, once they are checked to lie in it."""
         if handle.where == "host":
-            arena = await channel.fallback_tensor(self._device)
+            arena = await channel.fallback_views(self._device)
         elif handle.sender.device_kind == "sim":
-            arena = channel.sim_pool_tensor()
+            arena = channel.sim_pool_views()
         else:
-            arena = channel.cuda_pool(self._device).tensor
-        end = handle.offset + handle.nbytes
-        if end > arena.numel():  # the published record says otherwise: never read past it
+            arena = channel.cuda_pool_views(self._device)
+        if handle.offset + handle.nbytes > arena.flat.numel():
+            # The published record says otherwise: never read past it.
             raise InvalidHandleError(f"{handle.describe()} reaches past its sender's memory")
-        return arena[handle.offset : end]
+        return arena
 
     def _copy_out(self, src: torch.Tensor, stream: Stream) -> tuple[torch.Tensor, Fence]:
-        """Queue src -> a new tensor on this device, usable on stream; return it and its fence."""
+        """Queue src -> a new tensor on this device, usable on stream; return it and its fence.
+
+        src is the sender's memory, which stays mapped (and the slice leased) until the
+        fence is done: the copies need not keep it for the allocator.
+        """
         device = self._device
         if device.is_device_tensor(src):
-            dst = device.empty(src.shape, src.dtype, stream)
-            return dst, device.copy_d2d(src, dst, stream)
+            return device.copy_d2d_new(src, stream)
         if src.device.type == "cpu":
-            dst = device.empty(src.shape, src.dtype)
-            fence = device.copy_h2d(src, dst, ())
+            dst, fence = device.copy_h2d_new(src, src.shape, src.dtype, ())
             device.wait_on(stream, fence)
             device.use_on(dst, stream)
             return dst, fence
@@ -643,36 +647,55 @@ class FeatureReceiver:
     ) -> None:
         """Release handle's slice once fence (the last read of it) is done (FenceReaper:
         found by this loop, or by device threads once the loop stops looking)."""
-
-        def done() -> None:
-            if verify and channel.control.slot_seq(handle.slot) != handle.seq:
-                log.error(
-                    "%s was reclaimed by its sender while it was read: the tensor received "
-                    "may hold other data",
-                    handle.describe(),
-                )
-            channel.release(handle)
-            with channel.lock:  # after the release: a close() must not leave before it
-                channel.pending.discard(fence)
-            # Not `if channel.kept`: unlocked, that read could miss a mark close() is
-            # setting just now; _close_kept looks under the lock.
-            self._close_kept(channel)
-
         if fence.done():
-            done()
+            self._released(channel, handle, fence, verify)
             return
         with channel.lock:
             channel.pending.add(fence)
-        self._releases.add(fence, done)
+        self._releases.add(fence, functools.partial(self._released, channel, handle, fence, verify))
+
+    def _released(self, channel: _Channel, handle: Sent, fence: Fence, verify: bool) -> None:
+        """fence is done: release handle's slice (any thread)."""
+        if verify and channel.control.slot_seq(handle.slot) != handle.seq:
+            log.error(
+                "%s was reclaimed by its sender while it was read: the tensor received "
+                "may hold other data",
+                handle.describe(),
+            )
+        channel.release(handle)
+        with channel.lock:  # after the release: a close() must not leave before it
+            channel.pending.discard(fence)
+        # Not `if channel.kept`: unlocked, that read could miss a mark close() is
+        # setting just now; _close_kept looks under the lock.
+        self._close_kept(channel)
 
 
-def _split(flat: torch.Tensor, parts: Sequence[Part]) -> list[torch.Tensor]:
-    """Each part's bytes in flat (a uint8 tensor of the whole slice) as a tensor of its shape."""
-    out = []
-    for at, shape, dtype in parts:
-        kind = dtype_from_name(dtype)
-        nbytes = kind.itemsize
-        for size in shape:
-            nbytes *= size
-        out.append(flat[at : at + nbytes].view(kind).view(shape))
-    return out
+def _features(arena: ArenaViews, offset: int, parts: Sequence[Part]) -> list[torch.Tensor]:
+    """Each part of a slice at offset in arena as a tensor of its shape and dtype."""
+    return [arena.view(offset + at, shape, dtype_from_name(dtype)) for at, shape, dtype in parts]
+
+
+@final
+class _Read:
+    """A receive or lease under way on a channel, as a context manager: close() waits for
+    it (in_context: not a close() awaited in the context it was entered in)."""
+
+    __slots__ = ("_channel", "_in_context", "_reads")
+
+    def __init__(self, reads: set[object], channel: _Channel, *, in_context: bool) -> None:
+        self._reads = reads
+        self._channel = channel
+        self._in_context = in_context
+
+    def __enter__(self) -> None:
+        self._channel.start_reading()
+        self._reads.add(self)
+        if self._in_context:
+            _OPEN_READS.set(_OPEN_READS.get() | {self})
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._in_context:
+            # Not reset to a token: a lease may end in another context than it began in.
+            _OPEN_READS.set(_OPEN_READS.get() - {self})
+        self._reads.discard(self)
+        self._channel.stop_reading()

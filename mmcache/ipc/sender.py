@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry
 
 from mmcache.closing import CloseOnce, off_the_loop, run_each
 from mmcache.device import Device, Fence, SimDevice, Stream, resolve_device
-from mmcache.device.base import feature_bytes
+from mmcache.device.base import DeferredFence, feature_bytes
 from mmcache.errors import (
     CacheClosedError,
     CopyFailedError,
@@ -354,7 +354,10 @@ class FeatureSender:
         await self._ready_to_serve()
         sizes = [feature_bytes(self._device, tensor, caller) for tensor in tensors]
         offsets, nbytes = part_offsets(sizes)
-        ready = self._device.record(stream)  # the tensors' makers: what a release waits for
+        # The tensors' makers: what a release or a copy to the host waits for. Recorded when
+        # first needed (a copy into the pool is ordered on stream itself and needs none):
+        # later on the same stream, it waits for no less.
+        ready = DeferredFence(self._device, stream)
         owns = [Source(self._device.adopt(t, stream), self._release_source) for t in tensors]
         tensors.clear()
         try:

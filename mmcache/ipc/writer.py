@@ -129,13 +129,14 @@ class SliceWriter:
         owns = [own for own, _ in pieces]
         try:
             parts = self._parts(pieces)
+            view, block = placement.arena.view, placement.block
             pairs = []
             for (own, at), (_, shape, _name) in zip(pieces, parts, strict=True):
                 assert own.tensor is not None
-                dst = placement.arena.view(placement.block, shape, own.tensor.dtype, at)
-                pairs.append((own.tensor, dst))
-            # On the producer's stream: ordered after the work that made the tensors.
-            written = self._device.copy_d2d_many(pairs, stream)
+                pairs.append((own.tensor, view(block, shape, own.tensor.dtype, at)))
+            # On the producer's stream: ordered after the work that made the tensors. The
+            # slice is the pool's, kept until the copy is done (placement.after).
+            written = self._device.copy_d2d_many(pairs, stream, dsts_held=True)
             del pairs
             placement.after.append(written)
             event = self._record_event(placement.slot, stream)
