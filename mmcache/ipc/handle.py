@@ -478,14 +478,16 @@ class FeatureBatch:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the slice the features span (from the first's offset to the last's end)."""
-        return max(at + _part_nbytes(shape, dtype) for at, shape, dtype in self.parts)
+        """Bytes of the slice the features span (from the first's offset to the last's end:
+        check() refuses parts out of order)."""
+        at, shape, dtype = self.parts[-1]
+        return at + _part_nbytes(shape, dtype)
 
     def describe(self) -> str:
         """One line naming the batch, for logs and errors (also for a malformed one)."""
         try:
             size = f"{self.nbytes / _MiB:.2f} MiB"
-        except (InvalidHandleError, TypeError, ValueError, OverflowError):
+        except (InvalidHandleError, TypeError, ValueError, OverflowError, IndexError):
             size = "?"
         count = len(self.parts) if isinstance(self.parts, tuple) else "?"
         pid = getattr(self.sender, "pid", "?")
