@@ -250,6 +250,15 @@ def test_round_trip_is_bit_exact(
     assert torch.equal(as_bytes(back), as_bytes(src))
 
 
+def assert_block_kept(n: int, ptr: int) -> None:
+    """Allocations of n bytes made while a copy is queued get anything but the block at
+    ptr, which the allocator keeps for that copy."""
+    newcomers = [torch.empty(n, dtype=torch.uint8, device="cuda:0") for _ in range(2)]
+    for t in newcomers:
+        t.fill_(1)
+    assert all(t.data_ptr() != ptr for t in newcomers)
+
+
 def test_source_survives_release_right_after_queuing(device: CudaDevice) -> None:
     n = 64 * MiB
     # Control: without record_stream the allocator hands a freed block straight back.
@@ -268,10 +277,7 @@ def test_source_survives_release_right_after_queuing(device: CudaDevice) -> None
     gate = device.record(side)
     fence = device.copy_d2h(src, arena, [gate])
     del src  # the cache releases its alias as soon as the copy is queued
-    newcomers = [torch.empty(n, dtype=torch.uint8, device="cuda:0") for _ in range(2)]
-    for t in newcomers:
-        t.fill_(1)
-    assert all(t.data_ptr() != src_ptr for t in newcomers)
+    assert_block_kept(n, src_ptr)
     assert fence.wait(30)
     assert bool((arena == 7).all())
 
@@ -301,10 +307,7 @@ def test_copies_into_held_memory_keep_each_source_block_once(
     fence = device.copy_d2d_many(pairs, side, dsts_held=True)
     del pairs, src  # the sender releases its sources as soon as the copies are queued
     assert recorded == [src_ptr]
-    newcomers = [torch.empty(n, dtype=torch.uint8, device="cuda:0") for _ in range(2)]
-    for t in newcomers:
-        t.fill_(1)
-    assert all(t.data_ptr() != src_ptr for t in newcomers)
+    assert_block_kept(n, src_ptr)
     assert fence.wait(30)
     assert bool((held == 7).all())
 

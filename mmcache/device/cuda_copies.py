@@ -206,19 +206,22 @@ class CudaCopies:
         """
         self.check_open()
         cuda_stream = as_cuda_stream(stream)
+        alike = []  # per pair: the same shape and dtype (an element-wise copy)
         for src, dst in pairs:
             for tensor, role in ((src, "source"), (dst, "destination")):
                 if not self._memory.is_device_tensor(tensor):
                     raise InvalidValueError(f"copy {role} is on {tensor.device}, not {self._name}")
-            if (src.shape != dst.shape or src.dtype != dst.dtype) and src.nbytes != dst.nbytes:
+            same = src.shape == dst.shape and src.dtype == dst.dtype
+            if not same and src.nbytes != dst.nbytes:
                 raise InvalidValueError(
                     f"copy of {src.nbytes} bytes into a {dst.nbytes}-byte destination"
                 )
+            alike.append(same)
         try:
             with OnStream(cuda_stream):
                 recorded: set[int] = set()
-                for src, dst in pairs:
-                    if src.shape == dst.shape and src.dtype == dst.dtype:
+                for (src, dst), same in zip(pairs, alike, strict=True):
+                    if same:
                         dst.copy_(src, non_blocking=True)
                     else:
                         flat_bytes(dst, "destination").copy_(

@@ -292,16 +292,19 @@ def _check_slice(
     _blob(cuda_event, "cuda_event")
 
 
-def _check_part(shape: object, dtype: str) -> int:
-    """Raise InvalidHandleError unless shape and dtype describe a feature; its bytes."""
+def _check_part(shape: object, dtype: str) -> tuple[int, int]:
+    """Raise InvalidHandleError unless shape and dtype describe a feature; its bytes and
+    its dtype's item size."""
     if not isinstance(shape, tuple) or len(shape) > _MAX_DIMS:
         raise InvalidHandleError(f"shape must be a tuple of at most {_MAX_DIMS} sizes")
     for size in shape:
-        _int(size, "a shape's size")
-    nbytes = math.prod(shape) * dtype_from_name(dtype).itemsize
+        if type(size) is not int or not 0 <= size <= _INT64:
+            _int(size, "a shape's size")  # raises, saying why
+    itemsize = dtype_from_name(dtype).itemsize
+    nbytes = math.prod(shape) * itemsize
     if nbytes > _INT64:
         raise InvalidHandleError("the handle's shape and dtype are larger than any memory")
-    return nbytes
+    return nbytes, itemsize
 
 
 def _pack(
@@ -478,14 +481,16 @@ class FeatureBatch:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the slice the features span (from the first's offset to the last's end)."""
-        return max(at + _part_nbytes(shape, dtype) for at, shape, dtype in self.parts)
+        """Bytes of the slice the features span (from the first's offset to the last's end:
+        check() refuses parts out of order)."""
+        at, shape, dtype = self.parts[-1]
+        return at + _part_nbytes(shape, dtype)
 
     def describe(self) -> str:
         """One line naming the batch, for logs and errors (also for a malformed one)."""
         try:
             size = f"{self.nbytes / _MiB:.2f} MiB"
-        except (InvalidHandleError, TypeError, ValueError, OverflowError):
+        except (InvalidHandleError, TypeError, ValueError, OverflowError, IndexError):
             size = "?"
         count = len(self.parts) if isinstance(self.parts, tuple) else "?"
         pid = getattr(self.sender, "pid", "?")
@@ -511,9 +516,9 @@ class FeatureBatch:
             if not isinstance(part, tuple) or len(part) != 3:
                 raise InvalidHandleError("a batch handle's part is (offset, shape, dtype)")
             at, shape, dtype = part
-            nbytes = _check_part(shape, dtype)
+            nbytes, itemsize = _check_part(shape, dtype)
             _int(at, "a part's offset", end)
-            if at % dtype_from_name(dtype).itemsize:
+            if at % itemsize:
                 raise InvalidHandleError(f"a {dtype} part at offset {at} is not aligned")
             end = at + nbytes
 

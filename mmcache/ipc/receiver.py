@@ -328,8 +328,12 @@ class FeatureReceiver:
         """
         if stream is None:
             stream = self._device.current_stream()
-        async with self._lease(handle, FeatureHandle, stream) as views:
+        read, views = await self._lease_begin(handle, FeatureHandle, stream)
+        try:
             yield views[0]
+        finally:
+            del views
+            self._lease_end(read, handle, stream)
 
     @contextlib.asynccontextmanager
     async def lease_many(
@@ -338,30 +342,41 @@ class FeatureReceiver:
         """Zero-copy: the features of a send_many where they are, as lease() gives one."""
         if stream is None:
             stream = self._device.current_stream()
-        async with self._lease(batch, FeatureBatch, stream) as views:
+        read, views = await self._lease_begin(batch, FeatureBatch, stream)
+        try:
             yield views
+        finally:
+            del views
+            self._lease_end(read, batch, stream)
 
-    @contextlib.asynccontextmanager
-    async def _lease(
+    async def _lease_begin(
         self, sent: Sent, kind: type[FeatureHandle] | type[FeatureBatch], stream: Stream
-    ) -> AsyncIterator[list[torch.Tensor]]:
+    ) -> tuple[_Read, list[torch.Tensor]]:
+        """A lease's start: its read entered (_lease_end exits it) and its views."""
         self._check_open()
         self._releases.reap()  # slices whose copies are done go back before we take another
         channel = self._verified_channel(sent, kind)
         self._open(channel, sent)
         # Tagged in the context: a close() awaited inside the lease does not wait for it.
-        with _Read(self._reads, channel, in_context=True):
+        read = _Read(self._reads, channel, in_context=True)
+        read.__enter__()
+        try:
+            await self._wait_ready(channel, sent, stream)
+            views = _features(await self._arena(channel, sent), sent.offset, sent.parts)
+        except BaseException:
             try:
-                await self._wait_ready(channel, sent, stream)
-                views = _features(await self._arena(channel, sent), sent.offset, sent.parts)
-            except BaseException:
                 channel.release(sent)
-                raise
-            try:
-                yield views
             finally:
-                del views
-                self._release_after(channel, sent, self._device.record(stream), verify=True)
+                read.__exit__()
+            raise
+        return read, views
+
+    def _lease_end(self, read: _Read, sent: Sent, stream: Stream) -> None:
+        """A lease's end: its slice released after the work queued on stream meanwhile."""
+        try:
+            self._release_after(read.channel, sent, self._device.record(stream), verify=True)
+        finally:
+            read.__exit__()
 
     async def close(self, timeout: float | None = 10.0) -> None:  # noqa: ASYNC109
         """Wait (up to timeout s in all) for receives and leases under way and for copies
@@ -680,15 +695,15 @@ class _Read:
     """A receive or lease under way on a channel, as a context manager: close() waits for
     it (in_context: not a close() awaited in the context it was entered in)."""
 
-    __slots__ = ("_channel", "_in_context", "_reads")
+    __slots__ = ("_in_context", "_reads", "channel")
 
     def __init__(self, reads: set[object], channel: _Channel, *, in_context: bool) -> None:
         self._reads = reads
-        self._channel = channel
+        self.channel = channel
         self._in_context = in_context
 
     def __enter__(self) -> None:
-        self._channel.start_reading()
+        self.channel.start_reading()
         self._reads.add(self)
         if self._in_context:
             _OPEN_READS.set(_OPEN_READS.get() | {self})
@@ -698,4 +713,4 @@ class _Read:
             # Not reset to a token: a lease may end in another context than it began in.
             _OPEN_READS.set(_OPEN_READS.get() - {self})
         self._reads.discard(self)
-        self._channel.stop_reading()
+        self.channel.stop_reading()
