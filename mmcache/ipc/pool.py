@@ -9,6 +9,7 @@ clean error at send, never SIGBUS.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from collections.abc import Callable, Sequence
@@ -35,8 +36,9 @@ class ArenaViews:
 
     def __init__(self, flat: torch.Tensor) -> None:
         self.flat = flat
-        # None: this dtype cannot view the whole arena; its features are sliced instead.
-        self._typed: dict[torch.dtype, torch.Tensor | None] = {}
+        # dtype -> the arena viewed as it and that view's storage offset; None: this dtype
+        # cannot view the whole arena, its features are sliced instead.
+        self._typed: dict[torch.dtype, tuple[torch.Tensor, int] | None] = {}
 
     def view(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """The bytes from offset as a contiguous tensor of shape and dtype; the caller has
@@ -49,18 +51,26 @@ class ArenaViews:
         if typed is None or offset % itemsize:
             nbytes = math.prod(shape) * itemsize
             return self.flat[offset : offset + nbytes].view(dtype).view(shape)
-        strides = [1] * len(shape)
-        step = 1
-        for dim in range(len(shape) - 1, -1, -1):
-            strides[dim] = step
-            step *= max(shape[dim], 1)
-        return typed.as_strided(shape, strides, typed.storage_offset() + offset // itemsize)
+        alias, base = typed
+        return alias.as_strided(shape, contiguous_strides(shape), base + offset // itemsize)
 
-    def _typed_alias(self, dtype: torch.dtype) -> torch.Tensor | None:
+    def _typed_alias(self, dtype: torch.dtype) -> tuple[torch.Tensor, int] | None:
         try:
-            return self.flat.view(dtype)
+            alias = self.flat.view(dtype)
         except RuntimeError:  # a size or start that is not a whole number of items
             return None
+        return alias, int(alias.storage_offset())
+
+
+@functools.lru_cache(maxsize=1024)
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of shape (features repeat a few shapes)."""
+    strides = [1] * len(shape)
+    step = 1
+    for dim in range(len(shape) - 1, -1, -1):
+        strides[dim] = step
+        step *= max(shape[dim], 1)
+    return tuple(strides)
 
 
 @final
