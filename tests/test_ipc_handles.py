@@ -433,7 +433,9 @@ def _mutations_of(handle: FeatureHandle, peers: list[FeatureHandle], rng: random
         others = [getattr(peer.sender, name)]
         new = rng.choice(_field_mutations(name, value, others))
         return dataclasses.replace(handle, sender=_replaced(handle.sender, name, new))
-    name = rng.choice([f.name for f in dataclasses.fields(FeatureHandle) if f.name != "sender"])
+    name = rng.choice(
+        [f.name for f in dataclasses.fields(FeatureHandle) if f.init and f.name != "sender"]
+    )
     value = getattr(handle, name)
     new = rng.choice(_field_mutations(name, value, [getattr(peer, name)]))
     return _replaced(handle, name, new)
@@ -441,7 +443,7 @@ def _mutations_of(handle: FeatureHandle, peers: list[FeatureHandle], rng: random
 
 def _replaced(record: Any, name: str, value: object) -> Any:
     """record with field name set to value, whatever its type (as a forger would)."""
-    fields = {f.name: getattr(record, f.name) for f in dataclasses.fields(record)}
+    fields = {f.name: getattr(record, f.name) for f in dataclasses.fields(record) if f.init}
     fields[name] = value
     return type(record)(**fields)
 

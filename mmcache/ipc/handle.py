@@ -16,7 +16,7 @@ import hashlib
 import json
 import math
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final, Literal, final
 
 import torch
@@ -392,6 +392,10 @@ class FeatureHandle:
     shape: tuple[int, ...]
     dtype: str
     cuda_event: bytes = b""
+    # Set by from_bytes once check(endpoint_checked=True) passed: the fields cannot change
+    # after, so a receiver's check of it again is skipped (a handle made otherwise, also
+    # by dataclasses.replace, is checked in full).
+    _formed: bool = field(default=False, init=False, repr=False, compare=False)
 
     @property
     def nbytes(self) -> int:
@@ -424,6 +428,8 @@ class FeatureHandle:
         """
         if not isinstance(self, FeatureHandle):
             raise InvalidHandleError(f"expected a FeatureHandle, got {type(self).__name__}")
+        if self._formed and endpoint_checked:
+            return
         if not isinstance(self.sender, SenderEndpoint):
             raise InvalidHandleError("a handle's sender must be a SenderEndpoint")
         if not endpoint_checked:
@@ -453,6 +459,7 @@ class FeatureHandle:
         _, shape, dtype = parts[0]
         handle = cls(sender, seq, slot, where, offset, shape, dtype, event)  # type: ignore[arg-type]
         handle.check(endpoint_checked=True)
+        object.__setattr__(handle, "_formed", True)
         return handle
 
     def __reduce__(self) -> tuple[object, tuple[bytes]]:
@@ -475,6 +482,7 @@ class FeatureBatch:
     offset: int
     parts: tuple[Part, ...]
     cuda_event: bytes = b""
+    _formed: bool = field(default=False, init=False, repr=False, compare=False)  # as a handle's
 
     def __len__(self) -> int:
         return len(self.parts)
@@ -504,6 +512,8 @@ class FeatureBatch:
         features lie in order without overlapping, each aligned to its dtype."""
         if not isinstance(self, FeatureBatch):
             raise InvalidHandleError(f"expected a FeatureBatch, got {type(self).__name__}")
+        if self._formed and endpoint_checked:
+            return
         if not isinstance(self.sender, SenderEndpoint):
             raise InvalidHandleError("a batch handle's sender must be a SenderEndpoint")
         if not endpoint_checked:
@@ -539,6 +549,7 @@ class FeatureBatch:
         )
         batch = cls(sender, seq, slot, where, offset, parts, event)  # type: ignore[arg-type]
         batch.check(endpoint_checked=True)
+        object.__setattr__(batch, "_formed", True)
         return batch
 
     def __reduce__(self) -> tuple[object, tuple[bytes]]:
