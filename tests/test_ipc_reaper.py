@@ -53,6 +53,20 @@ async def test_a_slow_fence_does_not_hold_back_releases_behind_it() -> None:
     assert (slow.reports, quick.reports) == (0, 0)  # the loop found both: no thread woken
 
 
+async def test_a_quick_look_stops_at_the_oldest_fence_still_running() -> None:
+    reaper = FenceReaper()
+    times, released = _recorder()
+    first, second, third = CountingFence(0.01), CountingFence(0.5), CountingFence(0.01)
+    for name, fence in (("first", first), ("second", second), ("third", third)):
+        reaper.add(fence, released(name))
+    time.sleep(0.03)  # noqa: ASYNC251 - blocks the loop: first and third done, no timer look
+    assert first.done() and third.done() and not times
+    reaper.reap(full=False)  # a call's look: in queue order, up to the first still running
+    assert set(times) == {"first"}
+    reaper.reap()  # the timer's look: every fence
+    assert "third" in times and "second" not in times
+
+
 async def test_each_release_runs_once_however_many_look() -> None:
     reaper = FenceReaper()
     runs = [0]

@@ -64,11 +64,21 @@ class FenceReaper:
             assert self._watchdog is not None
             self._watchdog.start()
 
-    def reap(self) -> None:
-        """Run the callbacks whose fences are done now (any thread)."""
+    def reap(self, *, full: bool = True) -> None:
+        """Run the callbacks whose fences are done now (any thread).
+
+        full=False looks at the oldest only, up to the first still running: fences of one
+        stream complete in the order they were queued, and the timer's full looks find
+        those of other streams that completed earlier.
+        """
         self._last_look = time.monotonic()
         with self._lock:
-            done = [fence for fence in self._pending if fence.done()]
+            done = []
+            for fence in self._pending:
+                if fence.done():
+                    done.append(fence)
+                elif not full:
+                    break
         for fence in done:
             self._run(fence)
 

@@ -266,7 +266,7 @@ class FeatureReceiver:
         self, sent: Sent, kind: type[FeatureHandle] | type[FeatureBatch], stream: Stream
     ) -> list[torch.Tensor]:
         self._check_open()
-        self._releases.reap()  # slices whose copies are done go back before we take another
+        self._releases.reap(full=False)  # slices read by now go back before we take another
         channel = self._verified_channel(sent, kind)
         self._open(channel, sent)
         with _Read(self._reads, channel, in_context=False):
@@ -354,7 +354,7 @@ class FeatureReceiver:
     ) -> tuple[_Read, list[torch.Tensor]]:
         """A lease's start: its read entered (_lease_end exits it) and its views."""
         self._check_open()
-        self._releases.reap()  # slices whose copies are done go back before we take another
+        self._releases.reap(full=False)  # slices read by now go back before we take another
         channel = self._verified_channel(sent, kind)
         self._open(channel, sent)
         # Tagged in the context: a close() awaited inside the lease does not wait for it.
