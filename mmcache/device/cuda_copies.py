@@ -219,22 +219,14 @@ class CudaCopies:
             alike.append(same)
         try:
             with OnStream(cuda_stream):
-                if len(pairs) > 1 and all(alike):
-                    # One call for the lot: torch fuses dense copies of one dtype into a few
-                    # kernel launches, and loops in C++ over the rest.
-                    torch._foreach_copy_(
-                        [dst for _, dst in pairs], [src for src, _ in pairs], non_blocking=True
-                    )
-                else:
-                    for (src, dst), same in zip(pairs, alike, strict=True):
-                        if same:
-                            dst.copy_(src, non_blocking=True)
-                        else:
-                            flat_bytes(dst, "destination").copy_(
-                                flat_bytes(src, "source"), non_blocking=True
-                            )
                 recorded: set[int] = set()
-                for src, dst in pairs:
+                for (src, dst), same in zip(pairs, alike, strict=True):
+                    if same:
+                        dst.copy_(src, non_blocking=True)
+                    else:
+                        flat_bytes(dst, "destination").copy_(
+                            flat_bytes(src, "source"), non_blocking=True
+                        )
                     for tensor in (src,) if dsts_held else (src, dst):
                         block = tensor.untyped_storage().data_ptr()
                         if block not in recorded:
