@@ -302,10 +302,12 @@ class FeatureSender:
         processes (FeatureHandle.from_bytes() reads it there). Sparse, mkldnn and
         nested tensors are refused (InvalidValueError) before anything is reserved.
 
-        The pool is used when it can take the tensor now; otherwise the host
-        fallback, counted in mmcache_ipc_fallbacks_total{reason}. When neither has
-        room, send waits (up to the lease timeout) unless wait=False, and then
-        raises TransportFullError; the tensor is released either way.
+        The pool is used when it can take the tensor now, or within ipc_pool_wait_s
+        when it is full (receivers release slices meanwhile; wait=False does not wait);
+        otherwise the host fallback, counted in mmcache_ipc_fallbacks_total{reason}.
+        When neither has room, send waits (up to the lease timeout) unless
+        wait=False, and then raises TransportFullError; the tensor is released
+        either way.
         """
         if stream is None:
             stream = self._device.current_stream()  # read before any await: it is per thread
