@@ -562,8 +562,22 @@ async def serve(
         "front_end_units_per_s": w.units / wall_s,
         "gpu_backlog_ms": backlog_s * 1e3,
         "wrong_values": features.take_wrong(),
+        "gpu_hit_share": gpu_hit_share(extra),
         **extra,
     }
+
+
+def gpu_hit_share(figures: dict[str, Any]) -> float:
+    """The share of lookups the GPU tier served, over the whole run (warm-up included), as
+    the design counts its lookups (mmcache's get_many counts a miss again in the
+    get_or_compute that follows it)."""
+    if "counts" in figures:
+        counts = figures["counts"]
+        gpu, others = counts["gpu_hits"], counts["host_hits"] + counts["misses"]
+    else:
+        stats = figures["stats"]
+        gpu, others = stats["hits_gpu"], stats["hits_cpu"] + stats["remote_hits"] + stats["misses"]
+    return gpu / (gpu + others) if gpu + others else math.nan
 
 
 # --- mmcache's calls one at a time ----------------------------------------------------------
@@ -780,6 +794,7 @@ def report(results: dict[str, Any]) -> str:
         "loop busy",
         "loop lag ms p50 / p99 / max",
         "front-end units/s",
+        "GPU-tier hits",
         "wrong",
         "leaked bytes",
     ]
@@ -799,6 +814,7 @@ def report(results: dict[str, Any]) -> str:
                     f"{row['loop_busy']:.0%}",
                     f"{fmt(lag['p50'])} / {fmt(lag['p99'])} / {fmt(lag['max'])}",
                     fmt(row["front_end_units_per_s"], 0),
+                    f"{row['gpu_hit_share']:.0%}",
                     row["wrong_values"],
                     row.get("leaked_bytes", "-"),
                 ]

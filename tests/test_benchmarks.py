@@ -181,6 +181,7 @@ def test_bench_serving_reports_every_design_exact_on_the_simulator(tmp_path: Pat
         assert figures["wrong_values"] == 0, name
         assert figures["requests"] > 0 and figures["requests_per_s"] > 0, name
         assert figures["front_end_units"] > 0, name
+        assert 0 < figures["gpu_hit_share"] <= 1, name
     for name in (serving.MM_GET, serving.MM_MANY):
         if "skipped" not in row["strategies"][name]:
             assert row["strategies"][name]["leaked_bytes"] == 0
