@@ -64,6 +64,9 @@ ROW_INTS = ROW_BYTES // 8
 INDEX_BITS = 24
 DTYPES = (torch.int64, torch.float32, torch.bfloat16, torch.uint8)
 SIM_FAULTS = ("copy_fails", "alloc_fails")
+#: How long the audit lets callbacks that device threads queued run before it counts the
+#: entry objects still alive beyond the index (one that stays longer is retained).
+RETAIN_SETTLE_S = 1.0
 
 
 @dataclass
@@ -129,6 +132,8 @@ class SoakReport:
     model_versions: int = 0
     #: Entry objects alive after the drain beyond those in the index (timers, closures...)
     entries_retained: int = 0
+    #: the types of what refers to each of them
+    retained_by: list[str] = field(default_factory=list)
     stats: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -184,7 +189,11 @@ class SoakReport:
                 + ("" if self.device.startswith("sim") else " (incl. allocator rounding)"),
                 self.device_bytes_unowned,
             ],
-            ["entry objects retained after drain", self.entries_retained],
+            [
+                "entry objects retained after drain",
+                f"{self.entries_retained}"
+                + (f" (referred to by {', '.join(self.retained_by)})" if self.retained_by else ""),
+            ],
             ["mismatches", self.mismatches],
             ["unexpected errors", len(self.errors)],
             ["verdict", "PASS" if self.ok else "FAIL"],
@@ -598,6 +607,24 @@ class _Soak:
             await self.settle()
         return self.report
 
+    @staticmethod
+    async def retained(cache: FeatureCache) -> tuple[int, list[str]]:
+        """Entry objects alive beyond those the index holds, once what device threads
+        queued meanwhile has run; and the types of what refers to those that stay."""
+        deadline = time.monotonic() + RETAIN_SETTLE_S
+        while True:
+            gc.collect()
+            held = {id(entry) for entry in cache._core.index.held()}
+            extra = [o for o in gc.get_objects() if type(o) is Entry and id(o) not in held]
+            if not extra or time.monotonic() >= deadline:
+                break
+            del extra
+            await asyncio.sleep(0.01)
+        holders = {
+            type(r).__name__ for entry in extra for r in gc.get_referrers(entry) if r is not extra
+        }
+        return len(extra), sorted(holders)
+
     async def settle(self) -> None:
         """Drain, then audit: what is left must be owned by entries, exactly."""
         cache = self.cache
@@ -626,9 +653,8 @@ class _Soak:
         self.report.stats = s.as_dict()
         self.report.leaked_bytes = s.leaked_bytes
         self.report.pending_copies_after_drain = s.pending_copies
-        alive = sum(type(o) is Entry for o in gc.get_objects())
+        self.report.entries_retained, self.report.retained_by = await self.retained(cache)
         held = cache._core.index.held()
-        self.report.entries_retained = alive - len(held)
         gpu_entries = [e for e in held if e.state is State.GPU]
         if self.sim is not None:
             self.report.gpu_entry_bytes = sum(e.nbytes for e in gpu_entries)
