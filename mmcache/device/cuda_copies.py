@@ -37,6 +37,17 @@ def flat_bytes(tensor: torch.Tensor, role: str) -> torch.Tensor:
     return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
 
 
+def keep_blocks(tensors: Sequence[torch.Tensor], stream: torch.cuda.Stream) -> None:
+    """record_stream once per block of device memory among tensors (views of one buffer
+    share it): the allocator keeps each block until the work queued on stream is done."""
+    recorded: set[int] = set()
+    for tensor in tensors:
+        block = tensor.untyped_storage().data_ptr()
+        if block not in recorded:
+            recorded.add(block)
+            tensor.record_stream(stream)
+
+
 def enqueue_error(direction: str, nbytes: int, exc: RuntimeError) -> MMCacheError:
     """The mmcache error for a copy that CUDA refused at enqueue."""
     if isinstance(exc, torch.OutOfMemoryError):
@@ -176,13 +187,7 @@ class CudaCopies:
                 order_after(stream, after)
                 for dst_bytes, src_bytes in pairs:
                     self.copy_bytes(dst_bytes, src_bytes, host=src_bytes)
-                # Once per block of device memory: views of one buffer share it.
-                recorded: set[int] = set()
-                for dst in dsts:
-                    ptr = dst.untyped_storage().data_ptr()
-                    if ptr not in recorded:
-                        recorded.add(ptr)
-                        dst.record_stream(stream)
+                keep_blocks(dsts, stream)
                 return self.record_on(stream)
         except RuntimeError as exc:
             raise enqueue_error("host-to-device", nbytes, exc) from exc
@@ -219,7 +224,6 @@ class CudaCopies:
             alike.append(same)
         try:
             with OnStream(cuda_stream):
-                recorded: set[int] = set()
                 for (src, dst), same in zip(pairs, alike, strict=True):
                     if same:
                         dst.copy_(src, non_blocking=True)
@@ -227,11 +231,8 @@ class CudaCopies:
                         flat_bytes(dst, "destination").copy_(
                             flat_bytes(src, "source"), non_blocking=True
                         )
-                    for tensor in (src,) if dsts_held else (src, dst):
-                        block = tensor.untyped_storage().data_ptr()
-                        if block not in recorded:
-                            recorded.add(block)
-                            tensor.record_stream(cuda_stream)
+                kept = [src for src, _ in pairs] if dsts_held else [t for p in pairs for t in p]
+                keep_blocks(kept, cuda_stream)
                 return self.record_on(cuda_stream)
         except RuntimeError as exc:
             nbytes = sum(src.nbytes for src, _ in pairs)
