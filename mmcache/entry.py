@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mmcache.device.base import Fence
+from mmcache.device.base import Fence, Stream
 from mmcache.errors import InvalidKeyError, InvalidRowsError
 from mmcache.host_pool import HostBlock
 
@@ -43,6 +43,10 @@ class Entry:
     # entry holds is one more for the cyclic garbage collector to walk while it lives.
     #: fences of copies that read the host block (uploads of host hits)
     host_readers: list[Fence] | None = None
+    #: streams that queued copies reading the host block without a fence of their own
+    #: (uploads on the reader's stream): a fence recorded on each at the block's free
+    #: comes after them
+    host_streams: list[Stream] | None = None
     #: fences of copies that read the device tensor (downloads for host gets)
     device_readers: list[Fence] | None = None
     #: a group (put_many, put_split): the features whose rows it holds (None: one feature)
@@ -114,6 +118,7 @@ class Entry:
         if self.state is State.D2H:  # a copy is writing it
             raise _illegal(self, "give up its host block")
         block, self.block = self.block, None
+        self.host_streams = None  # they read that block
         return block
 
     def add_members(self, members: list[Member]) -> None:
@@ -148,6 +153,14 @@ class Entry:
     def add_host_reader(self, fence: Fence) -> None:
         """Record a copy that reads the host block: it is freed only after it."""
         self.host_readers = [*self.readers_pending(), fence]
+
+    def add_host_stream(self, stream: Stream) -> None:
+        """Record a stream that queued a copy reading the host block (once per stream)."""
+        streams = self.host_streams
+        if streams is None:
+            self.host_streams = [stream]
+        elif stream not in streams:
+            streams.append(stream)
 
     def add_device_reader(self, fence: Fence) -> None:
         """Record a copy that reads the device tensor: it is released only after it."""

@@ -503,6 +503,14 @@ class CacheMetrics:
         copied.inc(nbytes)
         duration.observe(seconds)
 
+    def copy_on_reader_stream(self, direction: str, nbytes: int) -> None:
+        """Count the bytes of a copy queued on its reader's stream: never pending to the
+        cache (the reader's own stream orders it), so it has no latency of ours either."""
+        try:
+            self._copies[direction][1].inc(nbytes)
+        except KeyError:
+            raise _unknown("copy direction", direction, DIRECTIONS) from None
+
     def get_wait(self, seconds: float) -> None:
         """Record how long a get waited on pending copies."""
         self._get_wait.observe(seconds)

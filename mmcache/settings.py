@@ -116,7 +116,10 @@ class CacheSettings(BaseSettings):
     small_copy_bytes: Annotated[int, _Env(("MMCACHE_SMALL_COPY_BYTES",))] = Field(
         default=4 * _MiB,
         ge=0,
-        description="features smaller than this many bytes are batched into one copy",
+        description=(
+            "features smaller than this many bytes are offloaded in batched copies and, "
+            "as host hits not promoted, uploaded on the reader's stream"
+        ),
     )
     host_alignment: Annotated[int, _Env(("MMCACHE_HOST_ALIGNMENT",))] = Field(
         default=512,

@@ -224,9 +224,10 @@ async def test_a_failed_download_raises_and_keeps_the_entry(sim_rig: Rig) -> Non
         await settled(sim_rig, cache)
 
 
-@pytest.mark.parametrize("how", ["rows", "no-promotion"])
+@pytest.mark.parametrize("how", ["rows", "no-promotion", "on-the-readers-stream"])
 async def test_a_failed_upload_raises_and_keeps_the_entry(sim_rig: Rig, how: str) -> None:
-    async with make(sim_rig, 8, 64, small_copy_bytes=0, promote_on_hit=False) as cache:
+    small = 1 << 20 if how == "on-the-readers-stream" else 0
+    async with make(sim_rig, 8, 64, small_copy_bytes=small, promote_on_hit=False) as cache:
         await host_resident(sim_rig, cache, "a", 1)
         sim(sim_rig).inject("copy_fails")
         rows = slice(1, 7) if how == "rows" else None

@@ -277,7 +277,7 @@ async def test_a_put_cancelled_while_it_waits_for_room_gives_back_what_it_was_gr
 
 
 @pytest.mark.parametrize("promote", [True, False])
-@pytest.mark.parametrize("fault", ["copy_h2d", "empty"])
+@pytest.mark.parametrize("fault", ["copy_on", "empty"])
 async def test_a_read_whose_upload_cannot_be_queued_frees_its_device_memory(
     sim: SimDevice, caches: Any, monkeypatch: pytest.MonkeyPatch, promote: bool, fault: str
 ) -> None:

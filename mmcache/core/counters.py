@@ -128,6 +128,11 @@ class Counters:
         """Bytes an upload copy moved to the device."""
         self.h2d_bytes += nbytes
 
+    def uploaded_on_reader_stream(self, nbytes: int) -> None:
+        """An upload queued on the reader's stream: counted as moved once queued."""
+        self.h2d_bytes += nbytes
+        self._metrics.copy_on_reader_stream("h2d", nbytes)
+
     def copy_failed(self, what: str, key: Hashable | None, exc: BaseException | None) -> None:
         """A device copy that failed (every direction), for stats and operators."""
         # A string, not the exception: a log handler keeping the record would otherwise keep

@@ -232,10 +232,14 @@ class HostTier:
 
     def free_block(self, entry: Entry) -> None:
         """Release entry's host block, if any, after its readers; it leaves the tier's count."""
+        streams = entry.host_streams
         block = entry.take_block()
         if block is not None and self.pool is not None:
             self._ledger.host_left(entry.count)
-            self.pool.free(block, after=entry.readers_pending())
+            after = entry.readers_pending()
+            if streams:  # their copies were queued before these fences: covered by them
+                after.extend(self._device.record(stream) for stream in streams)
+            self.pool.free(block, after=after)
 
     async def reserve(
         self, sizes: Sequence[int], wait: bool, blocks: list[HostBlock], landings: _Landings

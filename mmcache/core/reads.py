@@ -57,6 +57,7 @@ class Reads:
         when_done_lazily: Callable[[Fence, Callable[[], None]], None],
         promote: bool,
         copy_timeout: float,
+        small_copy_bytes: int,
     ) -> None:
         self._device = device
         self._counters = counters
@@ -70,6 +71,9 @@ class Reads:
         self._when_done_lazily = when_done_lazily
         self._promote = promote
         self._copy_timeout = copy_timeout
+        # A small upload that stays the reader's is copied on the reader's stream: for it,
+        # a copy stream's switch, event and wait cost more than the copy itself.
+        self._small = small_copy_bytes
 
     async def serve(
         self,
@@ -285,6 +289,8 @@ class Reads:
         else:
             src = entry.host_bytes(*span)
             shape = (span[1] - span[0], *entry.shape[1:])
+        if not promote and src.nbytes < self._small:
+            return await self._upload_on(entry, src, shape, stream)
         with self._counters.counting_oom():
             dst, fence = self._device.copy_h2d_new(src, shape, entry.dtype, [entry.copy_fence])
         del src
@@ -296,6 +302,31 @@ class Reads:
             return await self.serve_device(dst, fence, None, stream)
         try:
             return await self.serve_device(dst, fence, None, stream)
+        except CopyTimeoutError:
+            self._counters.quarantined()  # dst and the host block stay pinned by it
+            raise
+        finally:
+            # The caller's alias keeps it alive.
+            self._device.release(dst, after=self._device.after_copy(fence))
+
+    async def _upload_on(
+        self, entry: Entry, src: torch.Tensor, shape: tuple[int, ...], stream: Stream
+    ) -> torch.Tensor:
+        """upload() of bytes that stay the reader's: copied on its stream, which the entry
+        remembers instead of a fence (its block's free records one there)."""
+        assert entry.copy_fence is not None
+        with self._counters.counting_oom():
+            dst, fence = self._device.upload_on(src, shape, entry.dtype, stream, [entry.copy_fence])
+        del src
+        entry.add_host_stream(stream)
+        self._counters.uploaded_on_reader_stream(dst.nbytes)
+        if fence is None:  # stream order covers it, and the tensor is the reader's
+            return dst
+        try:
+            return await self.serve_device(dst, fence, None, stream)
+        except CopyFailedError as e:
+            self._counters.copy_failed("upload", entry.key, e)
+            raise
         except CopyTimeoutError:
             self._counters.quarantined()  # dst and the host block stay pinned by it
             raise

@@ -137,6 +137,7 @@ class Tiers:
             when_done_lazily=when_done_lazily,
             promote=settings.promote_on_hit,
             copy_timeout=settings.copy_timeout_s,
+            small_copy_bytes=settings.small_copy_bytes,
         )
         self.batch_reads = BatchReads(
             device=device,

@@ -211,6 +211,25 @@ class Device(abc.ABC):
             self.release(dst, after=())  # nothing was queued: nothing reads it
             raise
 
+    def upload_on(
+        self,
+        src: torch.Tensor,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        stream: Stream,
+        after: Sequence[Fence],
+    ) -> tuple[torch.Tensor, Fence | None]:
+        """A new device tensor of shape and dtype filled from src (host) for a reader on
+        stream, after the fences; copied on stream itself where the device can.
+
+        Returns the tensor and the fence readers must still order after, or None where the
+        copy is queued on stream, stream order alone covers it and the tensor is the
+        caller's (nothing to release). Either way the copy reads src until work queued on
+        stream so far is done: a fence recorded on stream later covers that read. This
+        default copies on the H2D stream (copy_h2d_new) and returns its fence.
+        """
+        return self.copy_h2d_new(src, shape, dtype, after)
+
     def copy_h2d_many(
         self, srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], after: Sequence[Fence]
     ) -> Fence:

@@ -296,6 +296,18 @@ class CudaDevice(Device):
         """A new tensor filled from src: allocated and copied in one switch to the H2D stream."""
         return self._copies.copy_h2d_new(src, shape, dtype, after)
 
+    def upload_on(
+        self,
+        src: torch.Tensor,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        stream: Stream,
+        after: Sequence[Fence],
+    ) -> tuple[torch.Tensor, None]:
+        """Allocated and copied on the reader's stream: ordered before its later work,
+        with no event, stream switch or record_stream of ours."""
+        return self._copies.upload_on(src, shape, dtype, stream, after), None
+
     def copy_h2d_many(
         self, srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], after: Sequence[Fence]
     ) -> CudaFence:

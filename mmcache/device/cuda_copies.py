@@ -153,6 +153,41 @@ class CudaCopies:
         Allocated from the H2D stream's own pool, in the same stream switch as the copy:
         the allocator then orders its reuse after the copy with no record_stream.
         """
+        stream = self._h2d
+        with OnStream(stream):
+            dst = self._new_from_host(src, shape, dtype, stream, after)
+            try:
+                return dst, self.record_on(stream)
+            except RuntimeError as exc:
+                raise enqueue_error("host-to-device", dst.nbytes, exc) from exc
+
+    def upload_on(
+        self,
+        src: torch.Tensor,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        stream: Stream,
+        after: Sequence[Fence],
+    ) -> torch.Tensor:
+        """A new tensor of this GPU filled from src (pinned host) on the reader's stream.
+
+        Allocated from that stream's pool and copied there: the reader's later work is
+        ordered after the copy, and the memory is the reader's like any it allocated.
+        """
+        cuda_stream = as_cuda_stream(stream)
+        with OnStream(cuda_stream):
+            return self._new_from_host(src, shape, dtype, cuda_stream, after)
+
+    def _new_from_host(
+        self,
+        src: torch.Tensor,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        stream: torch.cuda.Stream,
+        after: Sequence[Fence],
+    ) -> torch.Tensor:
+        """Allocate on the current stream (the caller switched to stream) and queue a copy
+        of src into it there, after the fences."""
         self.check_open()
         src_bytes = flat_bytes(src, "source")
         if src.device.type != "cpu":
@@ -162,15 +197,13 @@ class CudaCopies:
             raise InvalidValueError(
                 f"copy of {src_bytes.numel()} bytes into a {nbytes}-byte destination"
             )
-        stream = self._h2d
         try:
-            with OnStream(stream):
-                dst = self._memory.empty_here(shape, dtype)
-                order_after(stream, after)
-                self.copy_bytes(flat_bytes(dst, "destination"), src_bytes, host=src_bytes)
-                return dst, self.record_on(stream)
+            dst = self._memory.empty_here(shape, dtype)
+            order_after(stream, after)
+            self.copy_bytes(flat_bytes(dst, "destination"), src_bytes, host=src_bytes)
         except RuntimeError as exc:
             raise enqueue_error("host-to-device", nbytes, exc) from exc
+        return dst
 
     def copy_h2d_many(
         self, srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], after: Sequence[Fence]

@@ -341,13 +341,30 @@ class SimDevice(Device):
     # --- copies ---------------------------------------------------------------
 
     def copy_d2h(self, src: torch.Tensor, dst: torch.Tensor, after: Sequence[Fence]) -> Fence:
-        return self._copy(self.d2h_stream, src, dst, after)
+        return self.copy_on(self.d2h_stream, src, dst, after)
 
     def copy_h2d(self, src: torch.Tensor, dst: torch.Tensor, after: Sequence[Fence]) -> Fence:
-        return self._copy(self.h2d_stream, src, dst, after)
+        return self.copy_on(self.h2d_stream, src, dst, after)
 
     def copy_d2d(self, src: torch.Tensor, dst: torch.Tensor, stream: Stream) -> Fence:
-        return self._copy(self._as_sim_stream(stream), src, dst, ())
+        return self.copy_on(self._as_sim_stream(stream), src, dst, ())
+
+    def upload_on(
+        self,
+        src: torch.Tensor,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        stream: Stream,
+        after: Sequence[Fence],
+    ) -> tuple[torch.Tensor, Fence | None]:
+        """Queued on the reader's stream; reads here are not stream-ordered, so its fence."""
+        sim_stream = self._as_sim_stream(stream)
+        dst = self.empty(shape, dtype)
+        try:
+            return dst, self.copy_on(sim_stream, src, dst, after)
+        except BaseException:
+            self.release(dst, after=())  # nothing was queued: nothing reads it
+            raise
 
     def close(self) -> None:
         self._arenas.close()
@@ -379,9 +396,11 @@ class SimDevice(Device):
         self._faults[kind] = left - 1
         return True
 
-    def _copy(
+    def copy_on(
         self, stream: SimStream, src: torch.Tensor, dst: torch.Tensor, after: Sequence[Fence]
     ) -> Fence:
+        """Queue src -> dst (same byte size, either side) on stream after the fences: every
+        copy of the simulator, whichever stream it is queued on."""
         if src.nbytes != dst.nbytes:
             raise ValueError(f"copy of {src.nbytes} bytes into {dst.nbytes} bytes")
 
