@@ -131,11 +131,16 @@ async def test_the_device_memory_of_a_batch_goes_back(rig: Rig, make_cache: Cach
 
 
 async def offloaded(
-    rig: Rig, make_cache: CacheFactory
+    rig: Rig, make_cache: CacheFactory, small_copy_bytes: int = 4 << 20
 ) -> tuple[FeatureCache, dict[str, torch.Tensor]]:
     """A cache whose GPU tier (64 KiB, no promotion) holds the last four of six 16 KiB
-    features put, the host tier the first two; and the features, to compare with."""
-    cache = make_cache(gpu_mb=64 / 1024, cpu_mb=1, promote_on_hit=False)
+    features put, the host tier the first two; and the features, to compare with.
+
+    Host hits below small_copy_bytes are uploaded on the reader's stream, the others on
+    the cache's H2D stream."""
+    cache = make_cache(
+        gpu_mb=64 / 1024, cpu_mb=1, promote_on_hit=False, small_copy_bytes=small_copy_bytes
+    )
     assert await cache.wait_host_ready(5)
     want = {f"f{i}": await put_feature(cache, rig, f"f{i}", 16, seed=i) for i in range(6)}
     await cache.drain()
@@ -149,10 +154,11 @@ def _sim(rig: Rig) -> SimDevice:
     return rig.device
 
 
+@pytest.mark.parametrize("small_copy_bytes", [4 << 20, 0])
 async def test_a_failed_batch_upload_raises_and_keeps_the_entries(
-    rig: Rig, make_cache: CacheFactory
+    rig: Rig, make_cache: CacheFactory, small_copy_bytes: int
 ) -> None:
-    cache, want = await offloaded(rig, make_cache)
+    cache, want = await offloaded(rig, make_cache, small_copy_bytes)
     _sim(rig).inject("copy_fails")
     with pytest.raises(CopyFailedError):
         await cache.get_many(["f0", "f1", "f5"])
@@ -163,10 +169,11 @@ async def test_a_failed_batch_upload_raises_and_keeps_the_entries(
     assert cache.stats().leaked_bytes == 0
 
 
+@pytest.mark.parametrize("small_copy_bytes", [4 << 20, 0])
 async def test_out_of_memory_in_a_batch_raises_and_frees_what_it_took(
-    rig: Rig, make_cache: CacheFactory
+    rig: Rig, make_cache: CacheFactory, small_copy_bytes: int
 ) -> None:
-    cache, want = await offloaded(rig, make_cache)
+    cache, want = await offloaded(rig, make_cache, small_copy_bytes)
     rig.settle()
     before = rig.allocated_bytes()
     _sim(rig).inject("alloc_fails")
@@ -179,9 +186,12 @@ async def test_out_of_memory_in_a_batch_raises_and_frees_what_it_took(
         assert_exact(await cache.get(key), value)
 
 
-async def test_a_batch_resolves_only_after_its_uploads(rig: Rig, make_cache: CacheFactory) -> None:
+@pytest.mark.parametrize("small_copy_bytes", [4 << 20, 0])
+async def test_a_batch_resolves_only_after_its_uploads(
+    rig: Rig, make_cache: CacheFactory, small_copy_bytes: int
+) -> None:
     _sim(rig)
-    cache, want = await offloaded(rig, make_cache)
+    cache, want = await offloaded(rig, make_cache, small_copy_bytes)
     with rig.hold():  # the batch's upload copies are held back
         read = asyncio.create_task(cache.get_many(["f0", "f1", "f5"]))
         await asyncio.sleep(0.02)

@@ -101,7 +101,7 @@ class BatchReads:
                 touch_host(entry.key)
                 uploads.append((i, entry, member))
         if uploads:
-            waits.append(self._upload(uploads, out, used))
+            waits.extend(self._upload(uploads, out, used, stream))
         await self._wait(waits, used, stream)
         for i, seen in repeats:
             found_tensor = out[seen]
@@ -109,22 +109,92 @@ class BatchReads:
         return out
 
     def _upload(
-        self, uploads: list[_Upload], out: list[torch.Tensor | None], used: list[torch.Tensor]
-    ) -> Fence:
-        """Queue the host hits' copies, behind one fence; promote those that fit."""
-        reads = self._reads
-        device = self._device
-        budget = reads.promotion_room()
+        self,
+        uploads: list[_Upload],
+        out: list[torch.Tensor | None],
+        used: list[torch.Tensor],
+        stream: Stream,
+    ) -> list[Fence]:
+        """Queue the host hits' copies; promote those that fit. Small ones that stay the
+        reader's share one buffer copied on its stream, the rest go behind one fence on
+        the H2D stream; returns the fences the reads must order after."""
+        budget = self._reads.promotion_room()
+        small = self._reads.small_copy_bytes
+        on_reader: list[_Upload] = []
+        on_copy_stream: list[_Upload] = []
         promoted: list[bool] = []
         shared = 0
-        for _, entry, member in uploads:
+        for upload in uploads:
+            _, entry, member = upload
             nbytes = entry.nbytes if member is None else member.nbytes
             promote = budget >= nbytes > 0  # in order: the first ones take the room
             if promote:
                 budget -= nbytes
+            elif nbytes < small:
+                on_reader.append(upload)
+                continue
             else:
                 shared += -(-nbytes // UPLOAD_ALIGNMENT) * UPLOAD_ALIGNMENT
+            on_copy_stream.append(upload)
             promoted.append(promote)
+        fences: list[Fence] = []
+        if on_reader:
+            fence = self._upload_on_reader(on_reader, out, stream)
+            if fence is not None:
+                fences.append(fence)
+        if on_copy_stream:
+            fences.append(self._upload_on_copy_stream(on_copy_stream, promoted, shared, out, used))
+        return fences
+
+    def _upload_on_reader(
+        self, uploads: list[_Upload], out: list[torch.Tensor | None], stream: Stream
+    ) -> Fence | None:
+        """Copy host hits that stay the reader's into one buffer on its stream; the fence
+        to order after, or None where stream order covers them."""
+        device = self._device
+        srcs: list[torch.Tensor] = []
+        offsets: list[int] = []
+        after: list[Fence] = []
+        nbytes_all = 0
+        for _, entry, member in uploads:
+            if member is None:
+                src = entry.host_bytes()
+            else:
+                src = entry.host_bytes(member.start, member.stop)
+            srcs.append(src)
+            offsets.append(nbytes_all)
+            nbytes_all += -(-src.numel() // UPLOAD_ALIGNMENT) * UPLOAD_ALIGNMENT
+            copy_fence = entry.copy_fence
+            if copy_fence is not None and copy_fence not in after:
+                after.append(copy_fence)
+        with self._counters.counting_oom():
+            buffer, fence = device.upload_packed_on(srcs, offsets, nbytes_all, stream, after)
+        entries: list[Entry] = []
+        for (i, entry, member), src, offset in zip(uploads, srcs, offsets, strict=True):
+            shape = entry.shape if member is None else member.shape
+            out[i] = buffer[offset : offset + src.numel()].view(entry.dtype).view(shape)
+            entry.add_host_stream(stream)  # the block's free records a fence there
+            entries.append(entry)
+        del srcs
+        if fence is None:  # stream order alone covers them; the buffer is the reader's
+            self._counters.uploaded_on_reader_stream(nbytes_all)
+            return None
+        self._reads.track_upload(entries, fence, nbytes_all)
+        device.release(buffer, after=device.after_copy(fence))  # the outputs keep it alive
+        return fence
+
+    def _upload_on_copy_stream(
+        self,
+        uploads: list[_Upload],
+        promoted: list[bool],
+        shared: int,
+        out: list[torch.Tensor | None],
+        used: list[torch.Tensor],
+    ) -> Fence:
+        """Queue host hits' copies on the H2D stream behind one fence: the promoted ones
+        into memory of their own, the others into one shared buffer."""
+        reads = self._reads
+        device = self._device
         srcs: list[torch.Tensor] = []
         dsts: list[torch.Tensor] = []
         owned: list[torch.Tensor] = []  # allocations of ours, released if queuing fails

@@ -73,7 +73,7 @@ class Reads:
         self._copy_timeout = copy_timeout
         # A small upload that stays the reader's is copied on the reader's stream: for it,
         # a copy stream's switch, event and wait cost more than the copy itself.
-        self._small = small_copy_bytes
+        self.small_copy_bytes = small_copy_bytes
 
     async def serve(
         self,
@@ -289,12 +289,24 @@ class Reads:
         else:
             src = entry.host_bytes(*span)
             shape = (span[1] - span[0], *entry.shape[1:])
-        if not promote and src.nbytes < self._small:
-            return await self._upload_on(entry, src, shape, stream)
+        after = [entry.copy_fence]
+        # A small one that stays the reader's is copied on its stream, where the device can.
+        on_reader = not promote and src.nbytes < self.small_copy_bytes
+        fence: Fence | None
         with self._counters.counting_oom():
-            dst, fence = self._device.copy_h2d_new(src, shape, entry.dtype, [entry.copy_fence])
+            if on_reader:
+                dst, fence = self._device.upload_on(src, shape, entry.dtype, stream, after)
+            else:
+                dst, fence = self._device.copy_h2d_new(src, shape, entry.dtype, after)
         del src
-        entry.add_host_reader(fence)
+        if not on_reader:
+            assert fence is not None
+            entry.add_host_reader(fence)
+        else:
+            entry.add_host_stream(stream)  # the block's free records a fence there
+            if fence is None:  # stream order alone covers it; dst is the reader's
+                self._counters.uploaded_on_reader_stream(dst.nbytes)
+                return dst
         if promote:
             entry = self.promote(entry, member, dst, fence)
         self.track_upload([entry], fence, dst.nbytes)
@@ -302,31 +314,6 @@ class Reads:
             return await self.serve_device(dst, fence, None, stream)
         try:
             return await self.serve_device(dst, fence, None, stream)
-        except CopyTimeoutError:
-            self._counters.quarantined()  # dst and the host block stay pinned by it
-            raise
-        finally:
-            # The caller's alias keeps it alive.
-            self._device.release(dst, after=self._device.after_copy(fence))
-
-    async def _upload_on(
-        self, entry: Entry, src: torch.Tensor, shape: tuple[int, ...], stream: Stream
-    ) -> torch.Tensor:
-        """upload() of bytes that stay the reader's: copied on its stream, which the entry
-        remembers instead of a fence (its block's free records one there)."""
-        assert entry.copy_fence is not None
-        with self._counters.counting_oom():
-            dst, fence = self._device.upload_on(src, shape, entry.dtype, stream, [entry.copy_fence])
-        del src
-        entry.add_host_stream(stream)
-        self._counters.uploaded_on_reader_stream(dst.nbytes)
-        if fence is None:  # stream order covers it, and the tensor is the reader's
-            return dst
-        try:
-            return await self.serve_device(dst, fence, None, stream)
-        except CopyFailedError as e:
-            self._counters.copy_failed("upload", entry.key, e)
-            raise
         except CopyTimeoutError:
             self._counters.quarantined()  # dst and the host block stay pinned by it
             raise

@@ -230,6 +230,29 @@ class Device(abc.ABC):
         """
         return self.copy_h2d_new(src, shape, dtype, after)
 
+    def upload_packed_on(
+        self,
+        srcs: Sequence[torch.Tensor],
+        offsets: Sequence[int],
+        nbytes: int,
+        stream: Stream,
+        after: Sequence[Fence],
+    ) -> tuple[torch.Tensor, Fence | None]:
+        """upload_on for several host sources (flat bytes) packed into one new flat uint8
+        device buffer of nbytes, each at its offset: one allocation, one ordering.
+
+        Returns the buffer and the fence of its copies, or None as upload_on does. This
+        default copies on the H2D stream (copy_h2d_many) and returns its fence.
+        """
+        buffer = self.empty((nbytes,), torch.uint8)
+        dsts = [buffer[o : o + src.numel()] for src, o in zip(srcs, offsets, strict=True)]
+        try:
+            return buffer, self.copy_h2d_many(srcs, dsts, after)
+        except BaseException:
+            del dsts
+            self.release(buffer, after=())  # nothing was queued: nothing reads it
+            raise
+
     def copy_h2d_many(
         self, srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], after: Sequence[Fence]
     ) -> Fence:

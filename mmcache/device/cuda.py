@@ -308,6 +308,17 @@ class CudaDevice(Device):
         with no event, stream switch or record_stream of ours."""
         return self._copies.upload_on(src, shape, dtype, stream, after), None
 
+    def upload_packed_on(
+        self,
+        srcs: Sequence[torch.Tensor],
+        offsets: Sequence[int],
+        nbytes: int,
+        stream: Stream,
+        after: Sequence[Fence],
+    ) -> tuple[torch.Tensor, None]:
+        """One buffer allocated and filled on the reader's stream, as upload_on does."""
+        return self._copies.upload_packed_on(srcs, offsets, nbytes, stream, after), None
+
     def copy_h2d_many(
         self, srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], after: Sequence[Fence]
     ) -> CudaFence:

@@ -178,6 +178,37 @@ class CudaCopies:
         with OnStream(cuda_stream):
             return self._new_from_host(src, shape, dtype, cuda_stream, after)
 
+    def upload_packed_on(
+        self,
+        srcs: Sequence[torch.Tensor],
+        offsets: Sequence[int],
+        nbytes: int,
+        stream: Stream,
+        after: Sequence[Fence],
+    ) -> torch.Tensor:
+        """A new flat uint8 buffer of nbytes filled from srcs (pinned host, flat bytes) at
+        offsets, allocated and copied on the reader's stream (see upload_on)."""
+        self.check_open()
+        for src, offset in zip(srcs, offsets, strict=True):
+            if src.device.type != "cpu":
+                raise InvalidValueError(f"copy source is on {src.device}, not host memory")
+            if offset < 0 or offset + src.nbytes > nbytes:
+                raise InvalidValueError(
+                    f"a {src.nbytes}-byte source at offset {offset} overruns {nbytes} bytes"
+                )
+        cuda_stream = as_cuda_stream(stream)
+        try:
+            with OnStream(cuda_stream):
+                buffer = self._memory.empty_here((nbytes,), torch.uint8)
+                order_after(cuda_stream, after)
+                for src, offset in zip(srcs, offsets, strict=True):
+                    src_bytes = flat_bytes(src, "source")
+                    dst = buffer[offset : offset + src_bytes.numel()]
+                    self.copy_bytes(dst, src_bytes, host=src_bytes)
+        except RuntimeError as exc:
+            raise enqueue_error("host-to-device", nbytes, exc) from exc
+        return buffer
+
     def _new_from_host(
         self,
         src: torch.Tensor,

@@ -21,7 +21,14 @@ from typing import Any, Literal
 
 import torch
 
-from mmcache.device.base import ArenaProgress, Device, Fence, Stream, storage_use_count
+from mmcache.device.base import (
+    AllFences,
+    ArenaProgress,
+    Device,
+    Fence,
+    Stream,
+    storage_use_count,
+)
 from mmcache.device.sim_arena import ARENA_PAGE, POISON_BYTE, SimArenas
 from mmcache.errors import CopyFailedError, DeviceOutOfMemoryError, InvalidValueError
 
@@ -395,6 +402,27 @@ class SimDevice(Device):
             return False
         self._faults[kind] = left - 1
         return True
+
+    def upload_packed_on(
+        self,
+        srcs: Sequence[torch.Tensor],
+        offsets: Sequence[int],
+        nbytes: int,
+        stream: Stream,
+        after: Sequence[Fence],
+    ) -> tuple[torch.Tensor, Fence | None]:
+        """Queued on the reader's stream, behind one fence for all (reads wait for it)."""
+        sim_stream = self._as_sim_stream(stream)
+        buffer = self.empty((nbytes,), torch.uint8)
+        fences: list[Fence] = []
+        try:
+            for src, offset in zip(srcs, offsets, strict=True):
+                dst = buffer[offset : offset + src.numel()]
+                fences.append(self.copy_on(sim_stream, src, dst, after))
+        except BaseException:
+            self.release(buffer, after=fences)  # after the copies queued before the failure
+            raise
+        return buffer, fences[0] if len(fences) == 1 else AllFences(fences)
 
     def copy_on(
         self, stream: SimStream, src: torch.Tensor, dst: torch.Tensor, after: Sequence[Fence]
