@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
-from collections.abc import Hashable, Iterator
-from typing import Any, final
+from collections.abc import Hashable
+from typing import Any, Literal, final
 
 from mmcache.errors import DeviceOutOfMemoryError
 from mmcache.metrics import CacheMetrics
@@ -41,6 +40,7 @@ class Counters:
     """
 
     __slots__ = (
+        "_counting_oom",
         "_hit_cpu",
         "_hit_gpu",
         "_metrics",
@@ -63,6 +63,7 @@ class Counters:
 
     def __init__(self, metrics: CacheMetrics) -> None:
         self._metrics = metrics
+        self._counting_oom = _CountingOom(self)
         # Bound series: a lookup is counted on every get, with no name to look up.
         self._hit_gpu = metrics.lookup_counter("hit_gpu").inc
         self._hit_cpu = metrics.lookup_counter("hit_cpu").inc
@@ -146,14 +147,9 @@ class Counters:
         self.alloc_failures += 1
         self._metrics.fault("oom")
 
-    @contextlib.contextmanager
-    def counting_oom(self) -> Iterator[None]:
+    def counting_oom(self) -> _CountingOom:
         """Count a device allocation that fails for lack of memory, then let it raise."""
-        try:
-            yield
-        except DeviceOutOfMemoryError:
-            self.alloc_failed()
-            raise
+        return self._counting_oom
 
     def quarantined(self) -> None:
         """A copy past copy_timeout_s whose bytes stay reserved."""
@@ -179,3 +175,24 @@ class Counters:
         """A get waited seconds on pending copies (0: it did not wait)."""
         if seconds:
             self._metrics.get_wait(seconds)
+
+
+@final
+class _CountingOom:
+    """counting_oom()'s context manager: one per Counters, reused (it keeps no state);
+    a class, since a generator-based one costs a generator per upload."""
+
+    __slots__ = ("_counters",)
+
+    def __init__(self, counters: Counters) -> None:
+        self._counters = counters
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: object
+    ) -> Literal[False]:
+        if kind is not None and issubclass(kind, DeviceOutOfMemoryError):
+            self._counters.alloc_failed()
+        return False  # let it raise
