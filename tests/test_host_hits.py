@@ -11,7 +11,16 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import CacheFactory, KiB, Rig, assert_exact, needs_hold, put_feature, stall
+from conftest import (
+    CacheFactory,
+    KiB,
+    Rig,
+    assert_exact,
+    needs_hold,
+    put_feature,
+    served_from,
+    stall,
+)
 
 from mmcache.device import SimDevice
 
@@ -98,3 +107,24 @@ async def test_a_host_block_freed_under_a_queued_upload_is_reused_only_after_it(
     rig.settle()
     await cache.drain()
     assert cache.stats().leaked_bytes == 0
+
+
+async def test_a_batch_on_the_readers_stream_counts_the_features_bytes_not_its_padding(
+    rig: Rig, make_cache: CacheFactory
+) -> None:
+    # A GPU tier of two features: "a" and "b" go to the host tier.
+    cache = make_cache(gpu_mb=1200 / (KiB * KiB), cpu_mb=1, promote_on_hit=False)
+    want = {}
+    for i, key in enumerate("abcd"):  # 600 bytes each: not a multiple of the alignment
+        value = rig.tensor(3, 50, dtype=torch.float32, seed=i)
+        want[key] = value.cpu().clone()
+        assert await cache.put(key, value)
+        del value
+    await cache.drain()
+    assert await served_from(cache, "a") == "cpu" and await served_from(cache, "b") == "cpu"
+    before = cache.stats()
+    got = await cache.get_many(["a", "b"])
+    for key, value in zip("ab", got, strict=True):
+        assert_exact(value, want[key])
+    await cache.drain()
+    assert cache.stats().h2d_bytes == before.h2d_bytes + 2 * 600

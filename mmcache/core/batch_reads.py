@@ -25,6 +25,25 @@ UPLOAD_ALIGNMENT = 256
 _Upload = tuple[int, Entry, Member | None]
 
 
+def _aligned(nbytes: int) -> int:
+    """nbytes rounded up to UPLOAD_ALIGNMENT: a feature's room in a shared buffer."""
+    return -(-nbytes // UPLOAD_ALIGNMENT) * UPLOAD_ALIGNMENT
+
+
+def _host_source(entry: Entry, member: Member | None) -> torch.Tensor:
+    """The host bytes an upload copies: the entry's, or its member's rows."""
+    return entry.host_bytes() if member is None else entry.host_bytes(member.start, member.stop)
+
+
+def _offload_fences(uploads: list[_Upload]) -> list[Fence]:
+    """The distinct offload fences the uploads' host copies were written behind."""
+    after: list[Fence] = []
+    for _, entry, _ in uploads:
+        if entry.copy_fence is not None and entry.copy_fence not in after:
+            after.append(entry.copy_fence)
+    return after
+
+
 @final
 class BatchReads:
     """get_many on the device: every key looked up first, then one copy batch for the host
@@ -134,7 +153,7 @@ class BatchReads:
                 on_reader.append(upload)
                 continue
             else:
-                shared += -(-nbytes // UPLOAD_ALIGNMENT) * UPLOAD_ALIGNMENT
+                shared += _aligned(nbytes)
             on_copy_stream.append(upload)
             promoted.append(promote)
         fences: list[Fence] = []
@@ -152,34 +171,29 @@ class BatchReads:
         """Copy host hits that stay the reader's into one buffer on its stream; the fence
         to order after, or None where stream order covers them."""
         device = self._device
-        srcs: list[torch.Tensor] = []
+        srcs = [_host_source(entry, member) for _, entry, member in uploads]
         offsets: list[int] = []
-        after: list[Fence] = []
-        nbytes_all = 0
-        for _, entry, member in uploads:
-            if member is None:
-                src = entry.host_bytes()
-            else:
-                src = entry.host_bytes(member.start, member.stop)
-            srcs.append(src)
-            offsets.append(nbytes_all)
-            nbytes_all += -(-src.numel() // UPLOAD_ALIGNMENT) * UPLOAD_ALIGNMENT
-            copy_fence = entry.copy_fence
-            if copy_fence is not None and copy_fence not in after:
-                after.append(copy_fence)
+        size = 0  # the buffer's, each feature's room aligned
+        for src in srcs:
+            offsets.append(size)
+            size += _aligned(src.numel())
         with self._counters.counting_oom():
-            buffer, fence = device.upload_packed_on(srcs, offsets, nbytes_all, stream, after)
+            buffer, fence = device.upload_packed_on(
+                srcs, offsets, size, stream, _offload_fences(uploads)
+            )
         entries: list[Entry] = []
+        moved = 0  # the features' bytes, padding left out
         for (i, entry, member), src, offset in zip(uploads, srcs, offsets, strict=True):
             shape = entry.shape if member is None else member.shape
             out[i] = buffer[offset : offset + src.numel()].view(entry.dtype).view(shape)
             entry.add_host_stream(stream)  # the block's free records a fence there
             entries.append(entry)
+            moved += src.numel()
         del srcs
         if fence is None:  # stream order alone covers them; the buffer is the reader's
-            self._counters.uploaded_on_reader_stream(nbytes_all)
+            self._counters.uploaded_on_reader_stream(moved)
             return None
-        self._reads.track_upload(entries, fence, nbytes_all)
+        self._reads.track_upload(entries, fence, moved)
         device.release(buffer, after=device.after_copy(fence))  # the outputs keep it alive
         return fence
 
@@ -205,11 +219,7 @@ class BatchReads:
                     owned.append(buffer)
                 offset = 0
                 for (_, entry, member), promote in zip(uploads, promoted, strict=True):
-                    srcs.append(
-                        entry.host_bytes()
-                        if member is None
-                        else entry.host_bytes(member.start, member.stop)
-                    )
+                    srcs.append(_host_source(entry, member))
                     nbytes = srcs[-1].numel()
                     shape = entry.shape if member is None else member.shape
                     if promote or buffer is None:
@@ -219,12 +229,8 @@ class BatchReads:
                     else:
                         piece = buffer[offset : offset + nbytes]
                         dsts.append(piece.view(entry.dtype).view(shape))
-                        offset += -(-nbytes // UPLOAD_ALIGNMENT) * UPLOAD_ALIGNMENT
-            after: list[Fence] = []
-            for _, entry, _ in uploads:
-                if entry.copy_fence is not None and entry.copy_fence not in after:
-                    after.append(entry.copy_fence)
-            fence = device.copy_h2d_many(srcs, dsts, after=after)
+                        offset += _aligned(nbytes)
+            fence = device.copy_h2d_many(srcs, dsts, after=_offload_fences(uploads))
         except BaseException:
             del dsts
             for tensor in owned:
