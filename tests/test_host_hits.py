@@ -124,7 +124,7 @@ async def test_a_batch_on_the_readers_stream_counts_the_features_bytes_not_its_p
     assert await served_from(cache, "a") == "cpu" and await served_from(cache, "b") == "cpu"
     before = cache.stats()
     got = await cache.get_many(["a", "b"])
-    for key, value in zip("ab", got, strict=True):
-        assert_exact(value, want[key])
+    for key, read in zip("ab", got, strict=True):
+        assert_exact(read, want[key])
     await cache.drain()
     assert cache.stats().h2d_bytes == before.h2d_bytes + 2 * 600
