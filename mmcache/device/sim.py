@@ -347,83 +347,6 @@ class SimDevice(Device):
 
     # --- copies ---------------------------------------------------------------
 
-    def copy_d2h(self, src: torch.Tensor, dst: torch.Tensor, after: Sequence[Fence]) -> Fence:
-        return self.copy_on(self.d2h_stream, src, dst, after)
-
-    def copy_h2d(self, src: torch.Tensor, dst: torch.Tensor, after: Sequence[Fence]) -> Fence:
-        return self.copy_on(self.h2d_stream, src, dst, after)
-
-    def copy_d2d(self, src: torch.Tensor, dst: torch.Tensor, stream: Stream) -> Fence:
-        return self.copy_on(self._as_sim_stream(stream), src, dst, ())
-
-    def upload_on(
-        self,
-        src: torch.Tensor,
-        shape: Sequence[int],
-        dtype: torch.dtype,
-        stream: Stream,
-        after: Sequence[Fence],
-    ) -> tuple[torch.Tensor, Fence | None]:
-        """Queued on the reader's stream; reads here are not stream-ordered, so its fence."""
-        sim_stream = self._as_sim_stream(stream)
-        dst = self.empty(shape, dtype)
-        try:
-            return dst, self.copy_on(sim_stream, src, dst, after)
-        except BaseException:
-            self.release(dst, after=())  # nothing was queued: nothing reads it
-            raise
-
-    def close(self) -> None:
-        self._arenas.close()
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-        worker = self._worker
-        if worker is not None and worker is not threading.current_thread():
-            worker.join(timeout=5)
-
-    def describe(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "bandwidth_gbps": self.bandwidth_gbps,
-            "latency_s": self.latency_s,
-        }
-
-    # --- internals --------------------------------------------------------------
-
-    def _as_sim_stream(self, stream: Stream) -> SimStream:
-        if not isinstance(stream, SimStream):
-            raise InvalidValueError(f"SimDevice needs a SimStream, got {type(stream).__name__}")
-        return stream
-
-    def _take_fault(self, kind: FaultKind) -> bool:
-        left = self._faults.get(kind, 0)
-        if left <= 0:
-            return False
-        self._faults[kind] = left - 1
-        return True
-
-    def upload_packed_on(
-        self,
-        srcs: Sequence[torch.Tensor],
-        offsets: Sequence[int],
-        nbytes: int,
-        stream: Stream,
-        after: Sequence[Fence],
-    ) -> tuple[torch.Tensor, Fence | None]:
-        """Queued on the reader's stream, behind one fence for all (reads wait for it)."""
-        sim_stream = self._as_sim_stream(stream)
-        buffer = self.empty((nbytes,), torch.uint8)
-        fences: list[Fence] = []
-        try:
-            for src, offset in zip(srcs, offsets, strict=True):
-                dst = buffer[offset : offset + src.numel()]
-                fences.append(self.copy_on(sim_stream, src, dst, after))
-        except BaseException:
-            self.release(buffer, after=fences)  # after the copies queued before the failure
-            raise
-        return buffer, fences[0] if len(fences) == 1 else AllFences(fences)
-
     def copy_on(
         self, stream: SimStream, src: torch.Tensor, dst: torch.Tensor, after: Sequence[Fence]
     ) -> Fence:
@@ -454,6 +377,83 @@ class SimDevice(Device):
             if self._take_fault("fence_never_completes"):
                 op.stuck = True
         return op.fence
+
+    def copy_d2h(self, src: torch.Tensor, dst: torch.Tensor, after: Sequence[Fence]) -> Fence:
+        return self.copy_on(self.d2h_stream, src, dst, after)
+
+    def copy_h2d(self, src: torch.Tensor, dst: torch.Tensor, after: Sequence[Fence]) -> Fence:
+        return self.copy_on(self.h2d_stream, src, dst, after)
+
+    def copy_d2d(self, src: torch.Tensor, dst: torch.Tensor, stream: Stream) -> Fence:
+        return self.copy_on(self._as_sim_stream(stream), src, dst, ())
+
+    def upload_on(
+        self,
+        src: torch.Tensor,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        stream: Stream,
+        after: Sequence[Fence],
+    ) -> tuple[torch.Tensor, Fence | None]:
+        """Queued on the reader's stream; reads here are not stream-ordered, so its fence."""
+        sim_stream = self._as_sim_stream(stream)
+        dst = self.empty(shape, dtype)
+        try:
+            return dst, self.copy_on(sim_stream, src, dst, after)
+        except BaseException:
+            self.release(dst, after=())  # nothing was queued: nothing reads it
+            raise
+
+    def upload_packed_on(
+        self,
+        srcs: Sequence[torch.Tensor],
+        offsets: Sequence[int],
+        nbytes: int,
+        stream: Stream,
+        after: Sequence[Fence],
+    ) -> tuple[torch.Tensor, Fence | None]:
+        """Queued on the reader's stream, behind one fence for all (reads wait for it)."""
+        sim_stream = self._as_sim_stream(stream)
+        buffer = self.empty((nbytes,), torch.uint8)
+        fences: list[Fence] = []
+        try:
+            for src, offset in zip(srcs, offsets, strict=True):
+                dst = buffer[offset : offset + src.numel()]
+                fences.append(self.copy_on(sim_stream, src, dst, after))
+        except BaseException:
+            self.release(buffer, after=fences)  # after the copies queued before the failure
+            raise
+        return buffer, fences[0] if len(fences) == 1 else AllFences(fences)
+
+    def close(self) -> None:
+        self._arenas.close()
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        worker = self._worker
+        if worker is not None and worker is not threading.current_thread():
+            worker.join(timeout=5)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "bandwidth_gbps": self.bandwidth_gbps,
+            "latency_s": self.latency_s,
+        }
+
+    # --- internals --------------------------------------------------------------
+
+    def _as_sim_stream(self, stream: Stream) -> SimStream:
+        if not isinstance(stream, SimStream):
+            raise InvalidValueError(f"SimDevice needs a SimStream, got {type(stream).__name__}")
+        return stream
+
+    def _take_fault(self, kind: FaultKind) -> bool:
+        left = self._faults.get(kind, 0)
+        if left <= 0:
+            return False
+        self._faults[kind] = left - 1
+        return True
 
     def _enqueue(
         self,
