@@ -190,6 +190,10 @@ def test_bench_serving_reports_every_design_exact_on_the_simulator(tmp_path: Pat
     classes = row["operations"]["classes"]
     for name in ("GPU hit", "host hit -> device", "put that evicts"):
         assert classes[name]["calls"] > 0 and classes[name]["median_us"] > 0, name
+    full = row["operations"]["full_tier_puts"]
+    # The catalogue is put once into a GPU tier of a fifth of it: most puts evict.
+    assert full["features_evicted"] >= 0.7 * 32 and full["us_per_feature_evicted"] > 0
+    assert serving.FULL_TIER_PUTS in done.stdout
     assert row["operations"]["wrong_values"] == 0 and row["operations"]["leaked_bytes"] == 0
 
 

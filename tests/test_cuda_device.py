@@ -312,6 +312,82 @@ def test_copies_into_held_memory_keep_each_source_block_once(
     assert bool((held == 7).all())
 
 
+@pytest.mark.parametrize("batch_copies", [True, False], ids=["driver-batch", "torch-copy"])
+def test_copies_within_the_gpu_are_exact_and_wait_for_the_stream(
+    batch_copies: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """copy_d2d_many of dense pairs goes to the driver as one batch where it has batched
+    copies, a strided source or a lone pair through torch; either way every byte lands,
+    after the work queued on the stream before (a rewrite of the sources behind a hold)."""
+    device = CudaDevice(0, batch_copies=batch_copies)
+    if batch_copies:
+        needs_driver_batches(device)
+    copier = device._copies.d2d_batches
+    assert (copier is not None) == batch_copies
+    batches: list[int] = []
+    if copier is not None:
+        queue = BatchCopier.copy
+
+        def counted(self: BatchCopier, *args: Any) -> None:
+            if self is copier:
+                batches.append(len(args[2]))
+            queue(self, *args)
+
+        monkeypatch.setattr(BatchCopier, "copy", counted)
+    specs: list[tuple[tuple[int, ...], torch.dtype]] = [
+        ((1000, 4096), torch.bfloat16),  # 8 MB
+        ((7,), torch.int8),
+        ((), torch.float32),
+        ((0, 16), torch.float16),  # no bytes
+        ((128, 4096), torch.bfloat16),
+    ]
+    srcs = [random_tensor(shape, dtype, seed=i) for i, (shape, dtype) in enumerate(specs)]
+    held = torch.zeros(sum(s.nbytes for s in srcs) + 8192, dtype=torch.uint8, device="cuda:0")
+    dsts, at = [], 0
+    for src in srcs:
+        dsts.append(held[at : at + src.nbytes].view(src.dtype).view(src.shape))
+        at = (at + src.nbytes + 1023) // 512 * 512  # gaps, as a pool slice's alignment leaves
+    gate, expected = rewritten_behind_a_hold(device, srcs, seed=50)
+    stream = side_stream()
+    device.wait_on(stream, gate)
+    fence = device.copy_d2d_many(list(zip(srcs, dsts, strict=True)), stream, dsts_held=True)
+    assert not fence.done()
+    assert fence.wait(30)
+    for dst, want in zip(dsts, expected, strict=True):
+        assert torch.equal(as_bytes(dst).cpu(), want)
+    assert batches == ([4] if batch_copies else [])  # the empty pair needs no range
+    # A strided source cannot be copied as bytes: the whole batch goes through torch.
+    strided = random_tensor((64, 32), torch.float32, seed=9).t()
+    out = [torch.empty((32, 64), dtype=torch.float32, device="cuda:0") for _ in range(2)]
+    pairs = [(strided, out[0]), (strided.contiguous(), out[1])]
+    assert device.copy_d2d_many(pairs, stream).wait(30)
+    assert torch.equal(out[0], strided) and torch.equal(out[1], strided)
+    assert len(batches) == (1 if batch_copies else 0)
+    device.close()
+
+
+def test_a_batch_within_the_gpu_the_driver_refuses_goes_through_torch(
+    device: CudaDevice, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    needs_driver_batches(device)
+    copier = device._copies.d2d_batches
+    assert copier is not None
+    queue = BatchCopier.copy
+
+    def refuse(self: BatchCopier, *args: Any) -> None:
+        if self is copier:
+            raise CopyFailedError("cuMemcpyBatchAsync of 2 copies failed: refused for the test")
+        queue(self, *args)
+
+    monkeypatch.setattr(BatchCopier, "copy", refuse)
+    srcs = [random_tensor((256, 1024), torch.bfloat16, seed=i) for i in range(2)]
+    dsts = [torch.zeros_like(s) for s in srcs]
+    assert device.copy_d2d_many(list(zip(srcs, dsts, strict=True)), side_stream()).wait(30)
+    assert all(torch.equal(s, d) for s, d in zip(srcs, dsts, strict=True))
+    assert device.describe()["batched_copies_within_gpu"] == "torch copy_"  # from then on
+    assert device.describe()["batched_copies"] == "cuMemcpyBatchAsync"  # offloads keep theirs
+
+
 def test_on_stream_switches_only_to_another_stream_and_back(
     device: CudaDevice, monkeypatch: pytest.MonkeyPatch
 ) -> None:

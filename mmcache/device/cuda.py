@@ -106,9 +106,11 @@ class CudaDevice(Device):
         self.index: int = self._device.index if self._device.index is not None else 0
         self._driver = _LazyDriver()
         copier: BatchCopier | None = None
+        d2d_copier: BatchCopier | None = None
         if batch_copies:
             try:
                 copier = self._driver().batch_copier(self.index)
+                d2d_copier = self._driver().batch_copier(self.index, to_host=False)
             except Exception as exc:  # copies still work through torch
                 _log.warning("%s: no batched copies through the driver (%s)", self.name, exc)
         with torch.cuda.device(self._device):
@@ -128,7 +130,7 @@ class CudaDevice(Device):
         )
         self._memory = DeviceMemory(self._device, self.name, h2d)
         self._copies = CudaCopies(
-            self._device, self.name, self._memory, self._arena, self._waiters, d2h, h2d
+            self._device, self.name, self._memory, self._arena, self._waiters, d2h, h2d, d2d_copier
         )
         self._batches = BatchedCopies(
             self.name, self._memory, self._arena, self._copies, copier, pack_max_bytes
@@ -390,6 +392,9 @@ class CudaDevice(Device):
             "pack_max_bytes": self.pack_max_bytes,
             "batched_copies": (
                 "torch copy_" if self._batches.copier is None else "cuMemcpyBatchAsync"
+            ),
+            "batched_copies_within_gpu": (
+                "torch copy_" if self._copies.d2d_batches is None else "cuMemcpyBatchAsync"
             ),
         }
         if self._driver.instance is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import final
 
@@ -9,6 +10,7 @@ import torch
 
 from mmcache.device.base import Fence, Stream, packed_shape
 from mmcache.device.cuda_arena import PinnedArena
+from mmcache.device.cuda_driver import BatchCopier
 from mmcache.device.cuda_fence import CudaFence, order_after, record_fence
 from mmcache.device.cuda_memory import DeviceMemory
 from mmcache.device.cuda_streams import OnStream, as_cuda_stream
@@ -22,6 +24,8 @@ from mmcache.errors import (
 )
 
 __all__ = ["CudaCopies", "enqueue_error", "flat_bytes"]
+
+_log = logging.getLogger(__name__)
 
 
 def flat_bytes(tensor: torch.Tensor, role: str) -> torch.Tensor:
@@ -74,6 +78,7 @@ class CudaCopies:
         waiters: FenceWaiters,
         d2h: torch.cuda.Stream,
         h2d: torch.cuda.Stream,
+        d2d_batches: BatchCopier | None = None,
     ) -> None:
         self._device = device
         self._name = name
@@ -82,7 +87,14 @@ class CudaCopies:
         self._waiters = waiters
         self._d2h = d2h
         self._h2d = h2d
+        # Several copies within the GPU by one driver call, where the driver has them.
+        self._d2d_batches = d2d_batches
         self._closed = False
+
+    @property
+    def d2d_batches(self) -> BatchCopier | None:
+        """The driver's batched copies within the GPU; None without them, or once refused."""
+        return self._d2d_batches
 
     @property
     def d2h(self) -> torch.cuda.Stream:
@@ -287,20 +299,54 @@ class CudaCopies:
                 )
             alike.append(same)
         try:
-            with OnStream(cuda_stream):
-                for (src, dst), same in zip(pairs, alike, strict=True):
-                    if same:
-                        dst.copy_(src, non_blocking=True)
-                    else:
-                        flat_bytes(dst, "destination").copy_(
-                            flat_bytes(src, "source"), non_blocking=True
-                        )
-                kept = [src for src, _ in pairs] if dsts_held else [t for p in pairs for t in p]
-                keep_blocks(kept, cuda_stream)
-                return self.record_on(cuda_stream)
+            if not self._batched_d2d(pairs, cuda_stream):
+                with OnStream(cuda_stream):
+                    for (src, dst), same in zip(pairs, alike, strict=True):
+                        if same:
+                            dst.copy_(src, non_blocking=True)
+                        else:
+                            flat_bytes(dst, "destination").copy_(
+                                flat_bytes(src, "source"), non_blocking=True
+                            )
+            kept = [src for src, _ in pairs] if dsts_held else [t for p in pairs for t in p]
+            keep_blocks(kept, cuda_stream)
+            return self.record_on(cuda_stream)
         except RuntimeError as exc:
             nbytes = sum(src.nbytes for src, _ in pairs)
             raise enqueue_error("device-to-device", nbytes, exc) from exc
+
+    def _batched_d2d(
+        self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], stream: torch.cuda.Stream
+    ) -> bool:
+        """Queue pairs (checked: this GPU, equal sizes) as one driver batch on stream, if
+        the driver has batched copies and every pair is a copy of dense bytes; False where
+        torch must copy them (one pair, a strided or lazily conjugated or negated view, or
+        a driver that refused a batch: torch copies from then on)."""
+        copier = self._d2d_batches
+        if copier is None or len(pairs) < 2:
+            return False
+        dsts: list[int] = []
+        srcs: list[int] = []
+        sizes: list[int] = []
+        for src, dst in pairs:
+            for t in (src, dst):
+                if not t.is_contiguous() or t.is_conj() or t.is_neg():
+                    return False
+            if src.nbytes:
+                dsts.append(dst.data_ptr())
+                srcs.append(src.data_ptr())
+                sizes.append(src.nbytes)
+        if not sizes:
+            return True
+        try:
+            copier.copy(dsts, srcs, sizes, stream.cuda_stream)
+        except CopyFailedError as exc:
+            # Refused as a call (its ranges are this GPU's own tensors): nothing of it is
+            # queued, and copying the same pairs through torch is harmless.
+            _log.warning("%s: %s; copies within the GPU through torch from now on", self._name, exc)
+            self._d2d_batches = None
+            return False
+        return True
 
     def copy_d2d_new(self, src: torch.Tensor, stream: Stream) -> tuple[torch.Tensor, CudaFence]:
         """A new tensor of this GPU filled from src (this GPU, contiguous) on stream.

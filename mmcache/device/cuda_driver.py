@@ -199,11 +199,12 @@ class CudaDriver:
 
     # --- batched copies ---------------------------------------------------------------
 
-    def batch_copier(self, ordinal: int) -> BatchCopier | None:
-        """Copies from GPU ordinal to pinned host memory, many in one call; None before 12.8."""
+    def batch_copier(self, ordinal: int, *, to_host: bool = True) -> BatchCopier | None:
+        """Copies from GPU ordinal to pinned host memory (or, to_host=False, to the same
+        GPU's memory), many in one call; None before CUDA 12.8."""
         if self._batch_copy is None:
             return None
-        return BatchCopier(self, self._context(ordinal), ordinal)
+        return BatchCopier(self, self._context(ordinal), ordinal, to_host=to_host)
 
     # --- device memory shared across processes ----------------------------------------
 
@@ -335,7 +336,7 @@ def _bind_batch_copy(lib: ctypes.CDLL, version: int) -> tuple[Any, bool]:
 
 @final
 class BatchCopier:
-    """cuMemcpyBatchAsync from one GPU's memory to pinned host memory.
+    """cuMemcpyBatchAsync from one GPU's memory to pinned host memory, or to the same GPU.
 
     One driver call queues every range of a batch, where torch queues one copy per copy_
     call, and needs no gather kernel in front of it: less host time per batch than
@@ -344,25 +345,33 @@ class BatchCopier:
 
     __slots__ = ("_attrs", "_call", "_context", "_driver", "_fail_index", "_index")
 
-    def __init__(self, driver: CudaDriver, context: ctypes.c_void_p, ordinal: int) -> None:
+    def __init__(
+        self, driver: CudaDriver, context: ctypes.c_void_p, ordinal: int, *, to_host: bool
+    ) -> None:
         self._driver = driver
         self._call = driver._batch_copy
         self._fail_index = driver._batch_fail_index
         self._context = context
-        # One set of attributes for every copy: read in stream order, from the GPU to the
-        # host, on copy engines rather than SMs (compute runs beside the offloads).
+        # One set of attributes for every copy, read in stream order. Offloads go on copy
+        # engines rather than SMs (compute runs beside them); copies within the GPU are
+        # left to the driver, whose SM copies outrun a copy engine there.
+        if to_host:
+            dst = _MemLocation(_CU_MEM_LOCATION_TYPE_HOST, 0)
+            flags = _CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE
+        else:
+            dst, flags = _MemLocation(_CU_MEM_LOCATION_TYPE_DEVICE, ordinal), 0
         self._attrs = _MemcpyAttributes(
             _CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
             _MemLocation(_CU_MEM_LOCATION_TYPE_DEVICE, ordinal),
-            _MemLocation(_CU_MEM_LOCATION_TYPE_HOST, 0),
-            _CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE,
+            dst,
+            flags,
         )
         self._index = (ctypes.c_size_t * 1)(0)
 
     def copy(
         self, dsts: Sequence[int], srcs: Sequence[int], sizes: Sequence[int], stream: int
     ) -> None:
-        """Queue sizes[i] bytes from device address srcs[i] to host address dsts[i] on stream.
+        """Queue sizes[i] bytes from device address srcs[i] to address dsts[i] on stream.
 
         Raises CopyFailedError if the driver refuses the batch (nothing is then known to be
         queued; copying the same ranges again is harmless).
