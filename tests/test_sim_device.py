@@ -10,7 +10,7 @@ import torch
 
 from mmcache.device import SimDevice, storage_use_count
 from mmcache.device.sim import ARENA_PAGE, POISON_BYTE
-from mmcache.errors import MMCacheError
+from mmcache.errors import InvalidValueError, MMCacheError
 from mmcache.host_pool import HostPool
 
 
@@ -107,6 +107,30 @@ def test_hold_keeps_copies_pending_until_the_block_exits() -> None:
         assert not fence.wait(0.05)
         assert not later.done()
     assert fence.wait(5) and later.wait(5)
+    dev.close()
+
+
+def test_copies_into_a_flat_buffer_land_at_their_offsets_in_stream_order() -> None:
+    dev = SimDevice()
+    stream = dev.stream("producer")
+    srcs = [
+        dev.adopt(torch.arange(6, dtype=torch.float32).view(2, 3), stream),
+        dev.adopt(torch.arange(10, dtype=torch.int8), stream),
+        dev.adopt(torch.arange(8, dtype=torch.float64).view(4, 2).t(), stream),  # strided
+    ]
+    dst = dev.adopt(torch.zeros(256, dtype=torch.uint8), stream)
+    offsets = [0, 64, 128]
+    with dev.hold():
+        fence = dev.copy_d2d_into(srcs, dst, offsets, stream)
+        srcs[0].fill_(7.0)  # the copy reads its source when it runs
+    assert fence.wait(5)
+    for src, at in zip(srcs, offsets, strict=True):
+        got = dst[at : at + src.nbytes].view(src.dtype).view(src.shape)
+        assert torch.equal(got, src)
+    with pytest.raises(InvalidValueError, match="falls outside the 256-byte destination"):
+        dev.copy_d2d_into(srcs[:1], dst, [240], stream)
+    with pytest.raises(InvalidValueError, match="flat uint8"):
+        dev.copy_d2d_into(srcs[:1], dst.view(torch.float32), [0], stream)
     dev.close()
 
 

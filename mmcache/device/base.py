@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import abc
+import functools
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -20,9 +22,12 @@ __all__ = [
     "Device",
     "Fence",
     "Stream",
+    "Views",
     "batch_order",
+    "check_flat_destination",
     "feature_bytes",
     "storage_use_count",
+    "typed_view",
 ]
 
 
@@ -63,6 +68,9 @@ class Fence(abc.ABC):
 
 #: on_pinned(arena, ready): the host arena's first ready bytes are pinned (any thread).
 ArenaProgress = Callable[[torch.Tensor, int], None]
+
+#: views(offset, shape, dtype): the bytes of a flat buffer from offset as a typed tensor.
+Views = Callable[[int, tuple[int, ...], torch.dtype], torch.Tensor]
 
 
 def storage_use_count(tensor: torch.Tensor) -> int:
@@ -310,6 +318,26 @@ class Device(abc.ABC):
         fences = [self.copy_d2d(src, dst, stream) for src, dst in pairs]
         return fences[0] if len(fences) == 1 else AllFences(fences)
 
+    def copy_d2d_into(
+        self,
+        srcs: Sequence[torch.Tensor],
+        dst: torch.Tensor,
+        offsets: Sequence[int],
+        stream: Stream,
+        views: Views | None = None,
+    ) -> Fence:
+        """Queue each of srcs (this device, any layout) into the bytes of dst (a flat uint8
+        tensor of this device, kept valid by the caller until the fence is done, as the IPC
+        pool) at offsets, on stream; one fence. views(offset, shape, dtype) makes a typed
+        destination where a copy needs one (default: a slice of dst viewed as it)."""
+        check_flat_destination(srcs, dst, offsets)
+        make = views if views is not None else functools.partial(typed_view, dst)
+        pairs = [
+            (src, make(offset, tuple(src.shape), src.dtype))
+            for src, offset in zip(srcs, offsets, strict=True)
+        ]
+        return self.copy_d2d_many(pairs, stream, dsts_held=True)
+
     def copy_d2d_new(self, src: torch.Tensor, stream: Stream) -> tuple[torch.Tensor, Fence]:
         """A new device tensor of src's shape and dtype, allocated for stream and filled from
         src (this device, contiguous) on stream: empty() then copy_d2d(), as one step a
@@ -507,6 +535,34 @@ def batch_order(
             raise InvalidValueError(f"copy destinations overlap at offset {offset}")
         end = offset + nbytes
     return ordered
+
+
+def check_flat_destination(
+    srcs: Sequence[torch.Tensor], dst: torch.Tensor, offsets: Sequence[int]
+) -> None:
+    """copy_d2d_into's arguments: a flat uint8 destination, each source's bytes inside it."""
+    if dst.dtype != torch.uint8 or dst.dim() != 1 or not dst.is_contiguous():
+        raise InvalidValueError(
+            f"copy_d2d_into writes into a flat uint8 tensor, not a {dst.dtype} tensor of "
+            f"shape {tuple(dst.shape)}"
+        )
+    if len(srcs) != len(offsets):
+        raise InvalidValueError(f"{len(srcs)} sources but {len(offsets)} offsets")
+    limit = dst.numel()
+    for src, offset in zip(srcs, offsets, strict=True):
+        if offset < 0 or offset + src.nbytes > limit:
+            raise InvalidValueError(
+                f"a copy of {src.nbytes} bytes at offset {offset} falls outside the "
+                f"{limit}-byte destination"
+            )
+
+
+def typed_view(
+    flat: torch.Tensor, offset: int, shape: tuple[int, ...], dtype: torch.dtype
+) -> torch.Tensor:
+    """flat's bytes from offset (a multiple of dtype's size) as a tensor of shape and dtype."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    return flat[offset : offset + nbytes].view(dtype).view(shape)
 
 
 def _offset_of(pair: tuple[int, torch.Tensor]) -> int:

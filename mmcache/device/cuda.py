@@ -15,7 +15,7 @@ from typing import Any, Final, final
 
 import torch
 
-from mmcache.device.base import ArenaProgress, Device, Fence, Stream
+from mmcache.device.base import ArenaProgress, Device, Fence, Stream, Views
 from mmcache.device.cuda_arena import DEFAULT_PIN_CHUNK_BYTES, PAGE, ArenaMethod, PinnedArena
 from mmcache.device.cuda_batch import (
     DEFAULT_BATCHED_PACK_MAX_BYTES,
@@ -341,6 +341,17 @@ class CudaDevice(Device):
         """Queue each src -> dst of pairs on stream behind one fence (dsts_held: no
         record_stream for the destinations, which the caller keeps)."""
         return self._copies.copy_d2d_many(pairs, stream, dsts_held=dsts_held)
+
+    def copy_d2d_into(
+        self,
+        srcs: Sequence[torch.Tensor],
+        dst: torch.Tensor,
+        offsets: Sequence[int],
+        stream: Stream,
+        views: Views | None = None,
+    ) -> CudaFence:
+        """Queue srcs into dst's bytes at offsets on stream, one driver batch where it can."""
+        return self._copies.copy_d2d_into(srcs, dst, offsets, stream, views)
 
     def copy_d2d_new(self, src: torch.Tensor, stream: Stream) -> tuple[torch.Tensor, CudaFence]:
         """A new tensor filled from src: allocated and copied in one switch to stream."""

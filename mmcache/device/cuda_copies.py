@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 from typing import final
 
 import torch
 
-from mmcache.device.base import Fence, Stream, packed_shape
+from mmcache.device.base import (
+    Fence,
+    Stream,
+    Views,
+    check_flat_destination,
+    packed_shape,
+    typed_view,
+)
 from mmcache.device.cuda_arena import PinnedArena
 from mmcache.device.cuda_driver import BatchCopier
 from mmcache.device.cuda_fence import CudaFence, order_after, record_fence
@@ -39,6 +47,11 @@ def flat_bytes(tensor: torch.Tensor, role: str) -> torch.Tensor:
         )
     flat = tensor.reshape(-1)
     return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+
+
+def _dense(tensor: torch.Tensor) -> bool:
+    """Whether tensor's values are its bytes, back to back: copied as bytes, exact."""
+    return tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg()
 
 
 def keep_blocks(tensors: Sequence[torch.Tensor], stream: torch.cuda.Stream) -> None:
@@ -298,8 +311,17 @@ class CudaCopies:
                     f"copy of {src.nbytes} bytes into a {dst.nbytes}-byte destination"
                 )
             alike.append(same)
+        srcs = [src for src, _ in pairs]
+        # Several dense pairs: one driver batch, where the driver has them.
+        by_driver = (
+            self._d2d_batches is not None
+            and len(pairs) > 1
+            and all(_dense(src) and _dense(dst) for src, dst in pairs)
+        )
         try:
-            if not self._batched_d2d(pairs, cuda_stream):
+            if not (
+                by_driver and self._batched_d2d(srcs, [d.data_ptr() for _, d in pairs], cuda_stream)
+            ):
                 with OnStream(cuda_stream):
                     for (src, dst), same in zip(pairs, alike, strict=True):
                         if same:
@@ -308,41 +330,65 @@ class CudaCopies:
                             flat_bytes(dst, "destination").copy_(
                                 flat_bytes(src, "source"), non_blocking=True
                             )
-            kept = [src for src, _ in pairs] if dsts_held else [t for p in pairs for t in p]
+            kept = srcs if dsts_held else [t for p in pairs for t in p]
             keep_blocks(kept, cuda_stream)
             return self.record_on(cuda_stream)
         except RuntimeError as exc:
             nbytes = sum(src.nbytes for src, _ in pairs)
             raise enqueue_error("device-to-device", nbytes, exc) from exc
 
+    def copy_d2d_into(
+        self,
+        srcs: Sequence[torch.Tensor],
+        dst: torch.Tensor,
+        offsets: Sequence[int],
+        stream: Stream,
+        views: Views | None = None,
+    ) -> CudaFence:
+        """Queue srcs into dst's bytes at offsets on stream behind one fence (see
+        Device.copy_d2d_into): dense sources by one driver batch, naming addresses (no
+        destination views), where the driver has batched copies; else view by view."""
+        self.check_open()
+        check_flat_destination(srcs, dst, offsets)
+        for tensor in (dst, *srcs):
+            if not self._memory.is_device_tensor(tensor):
+                raise InvalidValueError(f"copy operand is on {tensor.device}, not {self._name}")
+        if self._d2d_batches is None or not all(map(_dense, srcs)):
+            make = views if views is not None else functools.partial(typed_view, dst)
+            pairs = [
+                (src, make(at, tuple(src.shape), src.dtype))
+                for src, at in zip(srcs, offsets, strict=True)
+            ]
+            return self.copy_d2d_many(pairs, stream, dsts_held=True)
+        cuda_stream = as_cuda_stream(stream)
+        base = dst.data_ptr()
+        try:
+            if not self._batched_d2d(srcs, [base + at for at in offsets], cuda_stream):
+                return self.copy_d2d_into(srcs, dst, offsets, stream, views)  # now by torch
+            keep_blocks(srcs, cuda_stream)
+            return self.record_on(cuda_stream)
+        except RuntimeError as exc:
+            raise enqueue_error("device-to-device", sum(s.nbytes for s in srcs), exc) from exc
+
     def _batched_d2d(
-        self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], stream: torch.cuda.Stream
+        self, srcs: Sequence[torch.Tensor], dsts: Sequence[int], stream: torch.cuda.Stream
     ) -> bool:
-        """Queue pairs (checked: this GPU, equal sizes) as one driver batch on stream, if
-        the driver has batched copies and every pair is a copy of dense bytes; False where
-        torch must copy them (one pair, a strided or lazily conjugated or negated view, or
-        a driver that refused a batch: torch copies from then on)."""
+        """Queue each of srcs (dense tensors of this GPU) to the address in dsts (room for
+        it, checked) as one driver batch on stream; False if the driver refused it, after
+        which torch copies within the GPU (nothing of a refused call is queued)."""
         copier = self._d2d_batches
-        if copier is None or len(pairs) < 2:
-            return False
-        dsts: list[int] = []
-        srcs: list[int] = []
-        sizes: list[int] = []
-        for src, dst in pairs:
-            for t in (src, dst):
-                if not t.is_contiguous() or t.is_conj() or t.is_neg():
-                    return False
+        assert copier is not None
+        ptrs, addresses, sizes = [], [], []
+        for src, at in zip(srcs, dsts, strict=True):
             if src.nbytes:
-                dsts.append(dst.data_ptr())
-                srcs.append(src.data_ptr())
+                ptrs.append(src.data_ptr())
+                addresses.append(at)
                 sizes.append(src.nbytes)
         if not sizes:
             return True
         try:
-            copier.copy(dsts, srcs, sizes, stream.cuda_stream)
+            copier.copy(addresses, ptrs, sizes, stream.cuda_stream)
         except CopyFailedError as exc:
-            # Refused as a call (its ranges are this GPU's own tensors): nothing of it is
-            # queued, and copying the same pairs through torch is harmless.
             _log.warning("%s: %s; copies within the GPU through torch from now on", self._name, exc)
             self._d2d_batches = None
             return False

@@ -153,11 +153,10 @@ class SliceArena:
             self._device.poison_host(self.tensor[start:stop])
             self._committed.add(chunk)
 
-    def view(
-        self, block: HostBlock, shape: tuple[int, ...], dtype: torch.dtype, at: int = 0
-    ) -> torch.Tensor:
-        """block's bytes from at as a contiguous tensor of shape and dtype (which fit in it)."""
-        return self._views.view(block.offset + at, shape, dtype)
+    @property
+    def views(self) -> ArenaViews:
+        """The whole arena's typed views (offsets from the arena's start)."""
+        return self._views
 
 
 @final

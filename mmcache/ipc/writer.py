@@ -129,15 +129,14 @@ class SliceWriter:
         owns = [own for own, _ in pieces]
         try:
             parts = self._parts(pieces)
-            view, block = placement.arena.view, placement.block
-            pairs = []
-            for (own, at), (_, shape, _name) in zip(pieces, parts, strict=True):
-                assert own.tensor is not None
-                pairs.append((own.tensor, view(block, shape, own.tensor.dtype, at)))
+            arena, start = placement.arena, placement.block.offset
+            srcs = [own.tensor for own in owns if own.tensor is not None]
             # On the producer's stream: ordered after the work that made the tensors. The
             # slice is the pool's, kept until the copy is done (placement.after).
-            written = self._device.copy_d2d_many(pairs, stream, dsts_held=True)
-            del pairs
+            written = self._device.copy_d2d_into(
+                srcs, arena.tensor, [start + at for _, at in pieces], stream, arena.views.view
+            )
+            del srcs
             placement.after.append(written)
             event = self._record_event(placement.slot, stream)
             handle = self.publish(placement, parts, event, batch)
