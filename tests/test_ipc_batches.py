@@ -57,6 +57,39 @@ async def test_a_batch_arrives_whole_in_order_and_frees_everything(rig: Rig, pat
         assert await settled_bytes(rig, baseline) == baseline
 
 
+@pytest.mark.parametrize("rows_each", [256, 5], ids=["back-to-back", "gaps"])
+async def test_a_batch_of_alike_features_arrives_exact_whichever_way_it_is_split(
+    rig: Rig, rows_each: int
+) -> None:
+    """A request's features of one dtype and row shape: back to back in the slice (rows of
+    8 KiB) they are split out of one view by rows, with gaps (rows of 5 x 96 bytes) viewed
+    one by one; either way each arrives with its own shape and values, whether read into
+    a copy or leased in place."""
+    g = torch.Generator().manual_seed(5)
+    wants = [
+        torch.randn(rows_each + i, 2048 if rows_each == 256 else 24, generator=g) for i in range(4)
+    ]
+    async with transport(rig, consumers=1, pool_mb=32, use_cuda_ipc=True) as tr:
+        batch = await tr.sender.send_many([tr.on_device(w) for w in wants])
+        assert batch.where == "pool"
+        ends = [at + w.nbytes for (at, _, _), w in zip(batch.parts, wants, strict=True)]
+        starts = [at for at, _, _ in batch.parts[1:]]
+        assert (starts == ends[:-1]) == (rows_each == 256)
+        (receiver,) = tr.receivers
+        async with receiver.lease_many(batch) as views:
+            for v, w in zip(views, wants, strict=True):
+                assert v.shape == w.shape and v.is_contiguous() and same_bytes(v.cpu(), w)
+            del v
+        del views
+        batch = await tr.sender.send_many([tr.on_device(w) for w in wants])
+        got = await receiver.receive_many(batch)
+        for r, w in zip(got, wants, strict=True):
+            assert r.shape == w.shape and r.is_contiguous() and same_bytes(r, w)
+        del got, r
+        assert await tr.sender.drain(timeout=5)
+        assert tr.sender.stats().leaked_bytes == 0
+
+
 async def test_one_batch_takes_one_slot_and_one_release(sim_rig: Rig) -> None:
     async with transport(sim_rig, consumers=1, pool_mb=2) as tr:
         batch = await tr.sender.send_many([torch.ones(256) for _ in range(16)])

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import math
 import os
 import threading
 import time
@@ -687,7 +688,34 @@ class FeatureReceiver:
 
 def _features(arena: ArenaViews, offset: int, parts: Sequence[Part]) -> list[torch.Tensor]:
     """Each part of a slice at offset in arena as a tensor of its shape and dtype."""
+    rows = _rows_back_to_back(parts)
+    if rows is not None:
+        # A request's features alike (rows of one dtype and row shape, no gap between):
+        # one view of them all, split by rows in one call instead of a view per part.
+        at, shape, dtype = parts[0]
+        whole = arena.view(offset + at, (sum(rows), *shape[1:]), dtype_from_name(dtype))
+        return list(torch.split(whole, rows))
     return [arena.view(offset + at, shape, dtype_from_name(dtype)) for at, shape, dtype in parts]
+
+
+def _rows_back_to_back(parts: Sequence[Part]) -> list[int] | None:
+    """Each part's rows, if there are several parts of one dtype and row shape that lie
+    back to back; else None."""
+    if len(parts) < 2:
+        return None
+    first_at, first_shape, name = parts[0]
+    if not first_shape:
+        return None
+    row_shape = first_shape[1:]
+    row_bytes = math.prod(row_shape) * dtype_from_name(name).itemsize
+    rows = []
+    end = first_at
+    for at, shape, dtype in parts:
+        if at != end or dtype != name or not shape or shape[1:] != row_shape:
+            return None
+        rows.append(shape[0])
+        end = at + shape[0] * row_bytes
+    return rows
 
 
 @final
