@@ -12,6 +12,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from mmcache import CacheSettings
+from mmcache.core import evictor as evictor_module
 from mmcache.core.tiers import Tiers
 from mmcache.device import Fence, SimDevice
 from mmcache.entry import Entry, State
@@ -130,6 +131,36 @@ async def test_a_top_up_stops_at_a_large_victim_and_at_the_slack(
         *[State.HOST] * 5,
         State.GPU,
     ]
+
+
+async def test_large_victims_go_in_batches_only_when_offloaded_ahead(
+    core_of: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Room for later puts: large victims share a copy and a fence, up to LARGE_BATCH_BYTES,
+    in the policy's order around small ones. Room a put needs now: each alone, so that
+    each comes back as soon as it lands."""
+    monkeypatch.setattr(evictor_module, "LARGE_BATCH_BYTES", 192 * KiB)
+    core: Core = await core_of(gpu_cache_mb=2, cpu_cache_mb=8, small_copy_bytes=32 * KiB)
+    keys = [f"L{i}" for i in range(5)] + ["s1"] + [f"M{i}" for i in range(3)]
+    for key in keys:
+        assert await core.put(key, 16 if key.startswith("s") else 64)
+    evictor, ledger = core.tiers.evictor, core.tiers.ledger
+    batches: list[list[Hashable]] = []
+    offload = evictor._offload_batch
+
+    def recorded(entries: list[Entry]) -> None:
+        batches.append([entry.key for entry in entries])
+        offload(entries)
+
+    monkeypatch.setattr(evictor, "_offload_batch", recorded)
+    room = ledger.free() + ledger.releasing
+    evictor.evict_for(room + 5 * 64 * KiB + 16 * KiB, ahead=True)
+    # Three of 64 KiB fill a batch; the small one ends the next, older, batch early.
+    assert batches == [["L0", "L1", "L2"], ["L3", "L4"], ["s1"]]
+    evictor.evict_for(ledger.free() + ledger.releasing + 2 * 64 * KiB)
+    assert batches[3:] == [["M0"], ["M1"]]
+    await core.tiers.pipeline.all_landed()
+    assert [core.state(key) for key in keys] == [*[State.HOST] * 8, State.GPU]
 
 
 @pytest.mark.parametrize("replacing", [False, True], ids=["new-key", "replacing"])

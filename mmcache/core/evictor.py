@@ -13,7 +13,7 @@ from mmcache.core.host import HostTier
 from mmcache.core.index import KeyIndex
 from mmcache.core.ledger import TierLedger
 from mmcache.core.offload import OffloadPipeline
-from mmcache.core.packing import BATCH_BYTES
+from mmcache.core.packing import BATCH_BYTES, LARGE_BATCH_BYTES
 from mmcache.core.policy import EvictionPolicy
 from mmcache.device import Device, Fence
 from mmcache.entry import Entry
@@ -82,7 +82,7 @@ class Evictor:
             # batch overlap with the puts that use the room this one makes. Topping up a
             # batch saves a copy only where a host tier takes it (else it drops more).
             slack = ahead // 2 if self._host.pool is not None else 0
-            self.evict_for(nbytes + ahead, slack=slack)
+            self.evict_for(nbytes + ahead, slack=slack, ahead=True)
         if ledger.free() >= nbytes:
             ledger.grant(grant, nbytes)
             return True
@@ -131,23 +131,28 @@ class Evictor:
         """Raise CacheClosedError in every put waiting for GPU room."""
         self.waiting.fail_all(lambda: CacheClosedError("the cache closed while put waited"))
 
-    def evict_for(self, needed: int, *, slack: int = 0) -> None:
+    def evict_for(self, needed: int, *, slack: int = 0, ahead: bool = False) -> None:
         """Offload victims until needed bytes are free or on their way.
 
         Features below small_copy_bytes go in batches of about BATCH_BYTES behind one
         fence: per-copy work (an enqueue, an event, a wake-up on landing) would otherwise
         cap small features far below the copy engine's bandwidth. Up to slack bytes more
         may go to top up a last batch left part full with the next small victims: on its
-        own it would pay a copy, a fence and a landing for a few features.
+        own it would pay a copy, a fence and a landing for a few features. Larger ones go
+        alone, so that the room each makes comes back as soon as it lands; when the room
+        is for later puts (ahead), in batches of up to LARGE_BATCH_BYTES, which cost the
+        loop one copy call, fence and landing per batch instead of per feature.
         """
         order = self._order
         ledger = self._ledger
         small_limit = self._small
+        large_limit = LARGE_BATCH_BYTES if ahead else 0
         limit = needed + slack
         batch: list[Entry] = []
-        batched = evicted = 0
+        large: list[Entry] = []
+        batched = large_bytes = evicted = 0
         while order:
-            have = ledger.free() + ledger.releasing + batched
+            have = ledger.free() + ledger.releasing + batched + large_bytes
             if have >= needed:
                 if not batch:
                     break
@@ -157,6 +162,9 @@ class Evictor:
             entry = order.evict()
             evicted += entry.count
             if entry.nbytes < small_limit:
+                if large:  # older victims get their host room first, in the policy's order
+                    self._offload_batch(large)
+                    large, large_bytes = [], 0
                 batch.append(entry)
                 batched += entry.nbytes
                 if batched >= BATCH_BYTES:
@@ -164,10 +172,16 @@ class Evictor:
                     self._offload_batch(batch)
                     batch, batched = [], 0
             else:
-                if batch:  # older victims get their host room first, in the policy's order
+                if batch:
                     self._offload_batch(batch)
                     batch, batched = [], 0
-                self._offload_batch([entry])
+                if large and large_bytes + entry.nbytes > large_limit:
+                    self._offload_batch(large)
+                    large, large_bytes = [], 0
+                large.append(entry)
+                large_bytes += entry.nbytes
+        if large:
+            self._offload_batch(large)
         if batch:
             self._offload_batch(batch)
         if evicted:

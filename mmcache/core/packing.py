@@ -14,11 +14,14 @@ from mmcache.entry import Entry
 from mmcache.errors import CopyFailedError, CopyTimeoutError
 from mmcache.waiting import wait_fences
 
-__all__ = ["BATCH_BYTES", "GROUP_BELOW", "Packings", "group_spans", "runs"]
+__all__ = ["BATCH_BYTES", "GROUP_BELOW", "LARGE_BATCH_BYTES", "Packings", "group_spans", "runs"]
 
 MiB: Final = 1024 * 1024
 #: the bytes one batched offload copy (or one group) moves at most
 BATCH_BYTES: Final = 8 * MiB
+#: Offloads of features too large to batch by BATCH_BYTES, made ahead of need, go in
+#: batches of up to this many bytes: one copy call, fence and landing per batch.
+LARGE_BATCH_BYTES: Final = 32 * MiB
 #: put_many packs features below this size into groups; larger ones keep the per-feature
 #: batched offload, which was faster for them (BENCHMARKS.md)
 GROUP_BELOW: Final = 512 * 1024
