@@ -366,13 +366,16 @@ def test_copies_within_the_gpu_are_exact_and_wait_for_the_stream(
     device.close()
 
 
+@pytest.mark.parametrize("on", ["side", "default"], ids=["side-stream", "default-stream"])
 @pytest.mark.parametrize("batch_copies", [True, False], ids=["driver-batch", "torch-copy"])
-def test_copies_into_a_held_buffer_land_at_their_offsets(batch_copies: bool) -> None:
+def test_copies_into_a_held_buffer_land_at_their_offsets(batch_copies: bool, on: str) -> None:
     """copy_d2d_into, as the IPC sender writes a request's features into a pool slice:
-    dense sources by one driver call naming addresses, strided ones through typed views."""
+    dense sources by one driver call naming addresses, strided ones through typed views;
+    on torch's default stream (the legacy one, which the driver's batches refuse) too."""
     device = CudaDevice(0, batch_copies=batch_copies)
     if batch_copies:
         needs_driver_batches(device)
+    stream = side_stream() if on == "side" else torch.cuda.default_stream()
     srcs = [
         random_tensor((1000, 4096), torch.bfloat16, seed=1),
         random_tensor((7,), torch.int8, seed=2),
@@ -382,13 +385,18 @@ def test_copies_into_a_held_buffer_land_at_their_offsets(batch_copies: bool) -> 
     buffer = torch.zeros(sum(s.nbytes for s in srcs) + 3 * 4096, dtype=torch.uint8, device="cuda:0")
     offsets = [0, srcs[0].nbytes + 512, srcs[0].nbytes + 1024]
     gate, expected = rewritten_behind_a_hold(device, srcs, seed=70)
-    stream = side_stream()
     device.wait_on(stream, gate)
     fence = device.copy_d2d_into(srcs, buffer, offsets, stream)
     assert not fence.done()
     assert fence.wait(30)
     for at, want in zip(offsets, expected, strict=True):
         assert torch.equal(buffer[at : at + want.numel()].cpu(), want)
+    alone = device.copy_d2d_into(srcs[2:], buffer, [0], stream)
+    assert alone.wait(30)
+    assert torch.equal(buffer[: srcs[2].nbytes].cpu(), expected[2])
+    assert device.describe()["batched_copies_within_gpu"] == (
+        "cuMemcpyBatchAsync" if batch_copies else "torch copy_"
+    )  # no batch was refused
     end = offsets[-1] + srcs[-1].nbytes + 512
     assert device.copy_d2d_into([strided, srcs[2]], buffer, [end, end + 8192], stream).wait(30)
     got = buffer[end : end + strided.nbytes].view(torch.float32).view(32, 64)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Sequence
-from typing import final
+from typing import Final, final
 
 import torch
 
@@ -21,7 +21,7 @@ from mmcache.device.cuda_arena import PinnedArena
 from mmcache.device.cuda_driver import BatchCopier
 from mmcache.device.cuda_fence import CudaFence, order_after, record_fence
 from mmcache.device.cuda_memory import DeviceMemory
-from mmcache.device.cuda_streams import OnStream, as_cuda_stream
+from mmcache.device.cuda_streams import OnStream, as_cuda_stream, new_stream
 from mmcache.device.cuda_waiters import FenceWaiters
 from mmcache.errors import (
     CacheClosedError,
@@ -34,6 +34,9 @@ from mmcache.errors import (
 __all__ = ["CudaCopies", "enqueue_error", "flat_bytes"]
 
 _log = logging.getLogger(__name__)
+
+#: the handle of CUDA's legacy default stream (torch's default stream)
+_LEGACY_DEFAULT_STREAM: Final = 0
 
 
 def flat_bytes(tensor: torch.Tensor, role: str) -> torch.Tensor:
@@ -102,6 +105,7 @@ class CudaCopies:
         self._h2d = h2d
         # Several copies within the GPU by one driver call, where the driver has them.
         self._d2d_batches = d2d_batches
+        self._d2d_side: torch.cuda.Stream | None = None  # made at its first use
         self._closed = False
 
     @property
@@ -353,14 +357,17 @@ class CudaCopies:
         for tensor in (dst, *srcs):
             if not self._memory.is_device_tensor(tensor):
                 raise InvalidValueError(f"copy operand is on {tensor.device}, not {self._name}")
-        if self._d2d_batches is None or not all(map(_dense, srcs)):
+        cuda_stream = as_cuda_stream(stream)
+        # One copy on the legacy default stream gains nothing from the driver's batches
+        # (they need a stream of their own there, see _batched_d2d).
+        alone = len(srcs) < 2 and cuda_stream.cuda_stream == _LEGACY_DEFAULT_STREAM
+        if self._d2d_batches is None or alone or not all(map(_dense, srcs)):
             make = views if views is not None else functools.partial(typed_view, dst)
             pairs = [
                 (src, make(at, tuple(src.shape), src.dtype))
                 for src, at in zip(srcs, offsets, strict=True)
             ]
             return self.copy_d2d_many(pairs, stream, dsts_held=True)
-        cuda_stream = as_cuda_stream(stream)
         base = dst.data_ptr()
         try:
             if not self._batched_d2d(srcs, [base + at for at in offsets], cuda_stream):
@@ -375,7 +382,11 @@ class CudaCopies:
     ) -> bool:
         """Queue each of srcs (dense tensors of this GPU) to the address in dsts (room for
         it, checked) as one driver batch on stream; False if the driver refused it, after
-        which torch copies within the GPU (nothing of a refused call is queued)."""
+        which torch copies within the GPU (nothing of a refused call is queued).
+
+        The driver refuses batches on the legacy default stream: there they run on a side
+        stream between two stream waits, which keep them in that stream's order.
+        """
         copier = self._d2d_batches
         assert copier is not None
         ptrs, addresses, sizes = [], [], []
@@ -386,13 +397,25 @@ class CudaCopies:
                 sizes.append(src.nbytes)
         if not sizes:
             return True
+        on = stream
+        if stream.cuda_stream == _LEGACY_DEFAULT_STREAM:
+            on = self._side_stream()
+            on.wait_stream(stream)
         try:
-            copier.copy(addresses, ptrs, sizes, stream.cuda_stream)
+            copier.copy(addresses, ptrs, sizes, on.cuda_stream)
         except CopyFailedError as exc:
             _log.warning("%s: %s; copies within the GPU through torch from now on", self._name, exc)
             self._d2d_batches = None
             return False
+        if on is not stream:
+            stream.wait_stream(on)
         return True
+
+    def _side_stream(self) -> torch.cuda.Stream:
+        """The stream that runs driver batches for work queued on the legacy default stream."""
+        if self._d2d_side is None:
+            self._d2d_side = new_stream(self._device, priority=0)
+        return self._d2d_side
 
     def copy_d2d_new(self, src: torch.Tensor, stream: Stream) -> tuple[torch.Tensor, CudaFence]:
         """A new tensor of this GPU filled from src (this GPU, contiguous) on stream.
