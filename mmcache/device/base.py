@@ -311,6 +311,9 @@ class Device(abc.ABC):
     ) -> Fence:
         """Queue each src -> dst of pairs on stream; one fence, failed if any copy fails.
 
+        The copies may run in any order among themselves: no pair may read or write bytes
+        that another pair writes.
+
         dsts_held: the caller keeps every destination valid until the fence is done (memory
         outside the device's allocator, such as the IPC pool), so a device may skip keeping
         them for the copies.
@@ -328,8 +331,10 @@ class Device(abc.ABC):
     ) -> Fence:
         """Queue each of srcs (this device, any layout) into the bytes of dst (a flat uint8
         tensor of this device, kept valid by the caller until the fence is done, as the IPC
-        pool) at offsets, on stream; one fence. views(offset, shape, dtype) makes a typed
-        destination where a copy needs one (default: a slice of dst viewed as it)."""
+        pool) at offsets, on stream; one fence. The ranges written may not overlap each
+        other or the sources (the copies may run in any order). views(offset, shape,
+        dtype) makes a typed destination where a copy needs one (default: a slice of dst
+        viewed as it)."""
         check_flat_destination(srcs, dst, offsets)
         make = views if views is not None else functools.partial(typed_view, dst)
         pairs = [

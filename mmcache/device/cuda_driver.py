@@ -353,8 +353,8 @@ class BatchCopier:
         self._fail_index = driver._batch_fail_index
         self._context = context
         # One set of attributes for every copy, read in stream order. Offloads go on copy
-        # engines rather than SMs (compute runs beside them); copies within the GPU are
-        # left to the driver, whose SM copies outrun a copy engine there.
+        # engines rather than SMs (compute runs beside them); copies within the GPU state
+        # no preference, leaving the choice to the driver.
         if to_host:
             dst = _MemLocation(_CU_MEM_LOCATION_TYPE_HOST, 0)
             flags = _CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE

@@ -130,7 +130,10 @@ class SliceWriter:
         try:
             parts = self._parts(pieces)
             arena, start = placement.arena, placement.block.offset
-            srcs = [own.tensor for own in owns if own.tensor is not None]
+            srcs = []
+            for own in owns:
+                assert own.tensor is not None
+                srcs.append(own.tensor)
             # On the producer's stream: ordered after the work that made the tensors. The
             # slice is the pool's, kept until the copy is done (placement.after).
             written = self._device.copy_d2d_into(
@@ -177,7 +180,10 @@ class SliceWriter:
                     compacted = self._device.copy_d2d(own.tensor, packed, stream)
                     own.replace(packed, [compacted])
                     after = [compacted]  # the last on stream: after the tensors' makers too
-            srcs = [own.tensor for own in owns if own.tensor is not None]
+            srcs = []
+            for own in owns:
+                assert own.tensor is not None
+                srcs.append(own.tensor)
             copied = self._device.copy_d2h_batch(
                 srcs, placement.block.view, [at for _, at in pieces], after
             )
