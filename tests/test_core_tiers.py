@@ -101,6 +101,19 @@ async def core_of() -> AsyncIterator[Callable[..., Any]]:
         core.device.close()
 
 
+def offload_batches(core: Core, monkeypatch: pytest.MonkeyPatch) -> list[list[Hashable]]:
+    """The keys of each batch the core's evictor offloads from now on, in order."""
+    batches: list[list[Hashable]] = []
+    offload = core.tiers.evictor._offload_batch
+
+    def recorded(entries: list[Entry]) -> None:
+        batches.append([entry.key for entry in entries])
+        offload(entries)
+
+    monkeypatch.setattr(core.tiers.evictor, "_offload_batch", recorded)
+    return batches
+
+
 async def test_a_top_up_stops_at_a_large_victim_and_at_the_slack(
     core_of: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -108,14 +121,7 @@ async def test_a_top_up_stops_at_a_large_victim_and_at_the_slack(
     for key, kib in (("s1", 16), ("s2", 16), ("large", 64), ("s3", 16), ("s4", 16), ("s5", 16)):
         assert await core.put(key, kib)
     evictor, ledger = core.tiers.evictor, core.tiers.ledger
-    batches: list[list[Hashable]] = []
-    offload = evictor._offload_batch
-
-    def recorded(entries: list[Entry]) -> None:
-        batches.append([entry.key for entry in entries])
-        offload(entries)
-
-    monkeypatch.setattr(evictor, "_offload_batch", recorded)
+    batches = offload_batches(core, monkeypatch)
 
     def room_for(kib: int) -> int:  # bytes needed free or on their way for kib more
         return ledger.free() + ledger.releasing + kib * KiB
@@ -145,14 +151,7 @@ async def test_large_victims_go_in_batches_only_when_offloaded_ahead(
     for key in keys:
         assert await core.put(key, 16 if key.startswith("s") else 64)
     evictor, ledger = core.tiers.evictor, core.tiers.ledger
-    batches: list[list[Hashable]] = []
-    offload = evictor._offload_batch
-
-    def recorded(entries: list[Entry]) -> None:
-        batches.append([entry.key for entry in entries])
-        offload(entries)
-
-    monkeypatch.setattr(evictor, "_offload_batch", recorded)
+    batches = offload_batches(core, monkeypatch)
     room = ledger.free() + ledger.releasing
     evictor.evict_for(room + 5 * 64 * KiB + 16 * KiB, ahead=True)
     # Three of 64 KiB fill a batch; the small one ends the next, older, batch early.
