@@ -426,6 +426,10 @@ def test_a_batch_within_the_gpu_the_driver_refuses_goes_through_torch(
     assert all(torch.equal(s, d) for s, d in zip(srcs, dsts, strict=True))
     assert device.describe()["batched_copies_within_gpu"] == "torch copy_"  # from then on
     assert device.describe()["batched_copies"] == "cuMemcpyBatchAsync"  # offloads keep theirs
+    # The refusal's log record (pytest keeps it) must not keep the sources alive.
+    gone = [weakref.ref(src) for src in srcs]
+    del srcs, dsts
+    assert all(ref() is None for ref in gone)
 
 
 def test_on_stream_switches_only_to_another_stream_and_back(

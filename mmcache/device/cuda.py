@@ -112,7 +112,7 @@ class CudaDevice(Device):
                 copier = self._driver().batch_copier(self.index)
                 d2d_copier = self._driver().batch_copier(self.index, to_host=False)
             except Exception as exc:  # copies still work through torch
-                _log.warning("%s: no batched copies through the driver (%s)", self.name, exc)
+                _log.warning("%s: no batched copies through the driver (%s)", self.name, str(exc))
         with torch.cuda.device(self._device):
             # Priorities only order kernels (the copy engines ignore them): the D2H stream runs
             # the packing kernel and should yield to compute; promotions are on the get path.
@@ -168,7 +168,8 @@ class CudaDevice(Device):
                 # break a graph capture of) other threads' work.
                 d2h.synchronize()
         except RuntimeError as exc:
-            _log.warning("%s: warming up failed (%s); first copies may be slow", self.name, exc)
+            reason = str(exc)  # not exc: a record keeping its traceback keeps its frames' tensors
+            _log.warning("%s: warming up failed (%s); first copies may be slow", self.name, reason)
 
     # --- settings, read back ----------------------------------------------------
 

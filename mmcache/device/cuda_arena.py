@@ -48,7 +48,7 @@ def _release_registered(
         try:
             driver.host_unregister(ordinal, ptr)
         except MMCacheError as exc:
-            _log.warning("unpinning the host arena failed: %s", exc)
+            _log.warning("unpinning the host arena failed: %s", str(exc))
     del mapping
 
 
@@ -57,7 +57,7 @@ def _free_host(driver: CudaDriver, ordinal: int, ptr: int) -> None:
     try:
         driver.free_host(ordinal, ptr)
     except MMCacheError as exc:
-        _log.warning("freeing the pinned host arena failed: %s", exc)
+        _log.warning("freeing the pinned host arena failed: %s", str(exc))
 
 
 @final

@@ -129,7 +129,9 @@ class BatchedCopies:
                     # Nothing of a refused call is queued; copying again is harmless.
                     if runs is None:
                         runs = self.packed_runs(batch_order(srcs, host, offsets))
-                    _log.warning("%s: %s; copying through torch from now on", self._name, exc)
+                    # The reason, not exc: a log record keeping exc's traceback would keep
+                    # the batch's sources alive.
+                    _log.warning("%s: %s; copying through torch from now on", self._name, str(exc))
                     self._copier = None
             assert runs is not None  # owned ranges imply the driver path, and runs if refused
             with OnStream(stream):

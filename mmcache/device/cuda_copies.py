@@ -404,7 +404,9 @@ class CudaCopies:
         try:
             copier.copy(addresses, ptrs, sizes, on.cuda_stream)
         except CopyFailedError as exc:
-            _log.warning("%s: %s; copies within the GPU through torch from now on", self._name, exc)
+            # The reason, not exc: a log record keeping its traceback would keep the sources.
+            reason = str(exc)
+            _log.warning("%s: %s; torch copies within the GPU from now on", self._name, reason)
             self._d2d_batches = None
             return False
         if on is not stream:

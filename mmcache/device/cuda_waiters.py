@@ -57,7 +57,7 @@ class _FenceWaiter:
             torch.cuda.set_device(self._device)
             sleeper = CudaDriver.get().sleeper(self._device.index or 0)
         except Exception as exc:  # still correct without it: fences are polled instead
-            _log.warning("%s: no fence sleeper (%s); polling fences", self._name, exc)
+            _log.warning("%s: no fence sleeper (%s); polling fences", self._name, str(exc))
         try:
             # The thread must outlive any callback: the pool keeps sending it jobs.
             while (job := self._queue.get()) is not None:

@@ -305,7 +305,7 @@ class MMCacheECConnector(ECConnectorBase):
         try:
             done = await cache.put(key, value, stream=stream)
         except MMCacheError as exc:
-            log.warning("MMCacheECConnector: saving %r failed: %s", key, exc)
+            log.warning("MMCacheECConnector: saving %r failed: %s", key, str(exc))
             done = False
         self._count("saves" if done else "save_failures")
 
@@ -342,7 +342,7 @@ class MMCacheECConnector(ECConnectorBase):
                 self._cache.get_many([self.cache_key(h) for h in hashes], stream=stream)
             )
         except MMCacheError as exc:
-            log.warning("MMCacheECConnector: loading %d outputs failed: %s", len(hashes), exc)
+            log.warning("MMCacheECConnector: loading %d outputs failed: %s", len(hashes), str(exc))
             found = [None] * len(hashes)
         for mm_hash, tensor in zip(hashes, found, strict=True):
             if tensor is not None:

@@ -81,7 +81,7 @@ def pin_host(ordinal: int, tensor: torch.Tensor, read_only: bool = False) -> Cal
         try:
             driver.host_unregister(ordinal, pointer)
         except MMCacheError as exc:
-            log.warning("unpinning an IPC host arena failed: %s", exc)
+            log.warning("unpinning an IPC host arena failed: %s", str(exc))
 
     return unpin
 

@@ -150,7 +150,8 @@ class _Channel:
                 try:
                     self._unpin = await pin_off_the_loop(index, tensor, read_only=True)
                 except Exception as exc:
-                    log.warning("cannot pin the IPC host fallback (%s); copies are slower", exc)
+                    reason = str(exc)
+                    log.warning("cannot pin the IPC host fallback (%s); copies are slower", reason)
             self.fallback = ArenaViews(tensor)
         finally:
             self._mapping_fallback = None
