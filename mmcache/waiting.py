@@ -18,6 +18,7 @@ Python on a thread: a busy loop starves the copies themselves.)
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import time
 from collections import deque
@@ -171,7 +172,10 @@ async def wait_fences(fences: Sequence[Fence], timeout: float | None = None) -> 
     exc = fence_error(fences)
     if exc is not None:
         if isinstance(exc, CopyFailedError):
-            raise exc
+            # A copy of the fence's error, not the error itself: raised here, it would take
+            # this reader's frames into its traceback, and the fence, which outlives the
+            # read, would keep them and whatever they hold (entries, device tensors).
+            raise copy.copy(exc) from exc
         raise CopyFailedError(f"device copy failed: {exc}") from exc
     return waited
 

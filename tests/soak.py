@@ -32,6 +32,7 @@ import os
 import random
 import sys
 import time
+import types
 from collections import Counter
 from collections.abc import Awaitable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -621,7 +622,7 @@ class _Soak:
             del extra
             await asyncio.sleep(0.01)
         holders = {
-            type(r).__name__ for entry in extra for r in gc.get_referrers(entry) if r is not extra
+            _holder_name(r) for entry in extra for r in gc.get_referrers(entry) if r is not extra
         }
         return len(extra), sorted(holders)
 
@@ -752,6 +753,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}")
     write_json(args.json, {"config": asdict(config), "report": report.as_dict()})
     return 0 if report.ok else 1
+
+
+def _holder_name(referrer: object) -> str:
+    """What refers to a retained entry: its type, and for a frame where it runs."""
+    if isinstance(referrer, types.FrameType):
+        code = referrer.f_code
+        return f"frame of {code.co_name} ({Path(code.co_filename).name}:{referrer.f_lineno})"
+    return type(referrer).__name__
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import gc
 import logging
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -32,6 +33,7 @@ from mmcache import (
 )
 from mmcache.device import Fence, SimDevice
 from mmcache.errors import CopyTimeoutError
+from mmcache.waiting import wait_fences
 
 KiB = 1024
 VALUE = 4 * KiB  # one test value: 16 rows of 64 float32
@@ -697,6 +699,33 @@ async def test_completed_copies_leave_nothing_behind(sim_rig: Rig) -> None:
         loop = asyncio.get_running_loop()
         timers = [h for h in getattr(loop, "_scheduled", []) if not h.cancelled()]
         assert len(timers) < 10, f"{len(timers)} timers still scheduled"
+
+
+async def test_a_failed_fence_keeps_none_of_the_readers_that_awaited_it() -> None:
+    """Each reader of a failed copy gets an error of its own: the fence's own error,
+    raised, would take the reader's frames into its traceback, and the fence (which an
+    entry, a batch or a caller may keep) would keep them and what they hold alive."""
+    dev = SimDevice()
+    try:
+        dev.inject("copy_fails")
+        src = dev.empty((4,), torch.float32)
+        fence = dev.copy_d2h(src, torch.empty(4), after=[])
+
+        class Held:  # stands in for what a reader's frame holds: an entry, a device tensor
+            pass
+
+        async def reader() -> weakref.ref[Held]:
+            held = Held()
+            with pytest.raises(CopyFailedError, match="simulated copy failure"):
+                await wait_fences([fence])
+            return weakref.ref(held)
+
+        refs = [await reader() for _ in range(2)]
+        gc.collect()
+        assert fence.exception() is not None  # the fence lives on, failed
+        assert all(ref() is None for ref in refs)
+    finally:
+        dev.close()
 
 
 # --- the simulator's fault switches themselves ---------------------------------------------
