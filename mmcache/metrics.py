@@ -487,18 +487,11 @@ class CacheMetrics:
 
     def copy_started(self, direction: str, count: int = 1) -> None:
         """Count copies of count features as pending: direction is d2h or h2d."""
-        try:
-            pending = self._copies[direction][0]
-        except KeyError:
-            raise _unknown("copy direction", direction, DIRECTIONS) from None
-        pending.inc(count)
+        self._copy_series(direction)[0].inc(count)
 
     def copy_finished(self, direction: str, nbytes: int, seconds: float, count: int = 1) -> None:
         """Record one copy observed complete: count features, nbytes in all, its latency."""
-        try:
-            pending, copied, duration = self._copies[direction]
-        except KeyError:
-            raise _unknown("copy direction", direction, DIRECTIONS) from None
+        pending, copied, duration = self._copy_series(direction)
         pending.dec(count)
         copied.inc(nbytes)
         duration.observe(seconds)
@@ -506,8 +499,12 @@ class CacheMetrics:
     def copy_on_reader_stream(self, direction: str, nbytes: int) -> None:
         """Count the bytes of a copy queued on its reader's stream: never pending to the
         cache (the reader's own stream orders it), so it has no latency of ours either."""
+        self._copy_series(direction)[1].inc(nbytes)
+
+    def _copy_series(self, direction: str) -> tuple[Gauge, Counter, Histogram]:
+        """The pending, bytes and duration series of direction (d2h or h2d)."""
         try:
-            self._copies[direction][1].inc(nbytes)
+            return self._copies[direction]
         except KeyError:
             raise _unknown("copy direction", direction, DIRECTIONS) from None
 
