@@ -25,9 +25,9 @@ __all__ = [
     "Views",
     "batch_order",
     "check_flat_destination",
+    "destination_pairs",
     "feature_bytes",
     "storage_use_count",
-    "typed_view",
 ]
 
 
@@ -336,11 +336,7 @@ class Device(abc.ABC):
         dtype) makes a typed destination where a copy needs one (default: a slice of dst
         viewed as it)."""
         check_flat_destination(srcs, dst, offsets)
-        make = views if views is not None else functools.partial(typed_view, dst)
-        pairs = [
-            (src, make(offset, tuple(src.shape), src.dtype))
-            for src, offset in zip(srcs, offsets, strict=True)
-        ]
+        pairs = destination_pairs(srcs, dst, offsets, views)
         return self.copy_d2d_many(pairs, stream, dsts_held=True)
 
     def copy_d2d_new(self, src: torch.Tensor, stream: Stream) -> tuple[torch.Tensor, Fence]:
@@ -560,6 +556,18 @@ def check_flat_destination(
                 f"a copy of {src.nbytes} bytes at offset {offset} falls outside the "
                 f"{limit}-byte destination"
             )
+
+
+def destination_pairs(
+    srcs: Sequence[torch.Tensor], dst: torch.Tensor, offsets: Sequence[int], views: Views | None
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """copy_d2d_into's copies as (source, typed destination) pairs, for copy_d2d_many: each
+    destination made by views (default: a slice of dst viewed as the source's dtype)."""
+    make = views if views is not None else functools.partial(typed_view, dst)
+    return [
+        (src, make(offset, tuple(src.shape), src.dtype))
+        for src, offset in zip(srcs, offsets, strict=True)
+    ]
 
 
 def typed_view(

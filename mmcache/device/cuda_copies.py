@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Sequence
 from typing import Final, final
@@ -14,8 +13,8 @@ from mmcache.device.base import (
     Stream,
     Views,
     check_flat_destination,
+    destination_pairs,
     packed_shape,
-    typed_view,
 )
 from mmcache.device.cuda_arena import PinnedArena
 from mmcache.device.cuda_driver import BatchCopier
@@ -362,11 +361,7 @@ class CudaCopies:
         # (they need a stream of their own there, see _batched_d2d).
         alone = len(srcs) < 2 and cuda_stream.cuda_stream == _LEGACY_DEFAULT_STREAM
         if self._d2d_batches is None or alone or not all(map(_dense, srcs)):
-            make = views if views is not None else functools.partial(typed_view, dst)
-            pairs = [
-                (src, make(at, tuple(src.shape), src.dtype))
-                for src, at in zip(srcs, offsets, strict=True)
-            ]
+            pairs = destination_pairs(srcs, dst, offsets, views)
             return self.copy_d2d_many(pairs, stream, dsts_held=True)
         base = dst.data_ptr()
         try:
