@@ -28,6 +28,8 @@ HIDDEN = 4096
 DTYPE = torch.bfloat16
 #: feature name -> rows of HIDDEN bf16 values (8 MB is a 1000-token image embedding).
 SPECS = {"8MB": 1000, "1MB": 128, "64KB": 8}
+#: How long a benchmark waits for the host arena to be pinned whole before timing.
+HOST_READY_TIMEOUT_S = 120.0
 
 
 def gbps(nbytes: float, seconds: float) -> float:

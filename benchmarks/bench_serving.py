@@ -61,6 +61,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 from _common import (  # noqa: E402
     DTYPE,
     HIDDEN,
+    HOST_READY_TIMEOUT_S,
     SPECS,
     LoopLag,
     MiB,
@@ -94,7 +95,6 @@ PATTERN_LIMIT = 1 << 14
 REQUEST_POOL = 1 << 16
 FRONT_END_LOOPS = 100
 TICK_S = 0.001
-HOST_READY_TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True, slots=True)
