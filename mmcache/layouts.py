@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Hashable, Sequence
+
 import torch
 
 from mmcache.errors import InvalidValueError
 
-__all__ = ["check_strided"]
+__all__ = ["check_strided", "rows_back_to_back"]
 
 
 def check_strided(value: object, caller: str) -> None:
@@ -28,3 +31,29 @@ def check_strided(value: object, caller: str) -> None:
         f"{caller} takes dense strided tensors, not a {name} one; convert it first "
         "(.to_dense() for sparse and mkldnn, .to_padded_tensor(0) or .unbind() for nested)"
     )
+
+
+def rows_back_to_back(
+    parts: Sequence[tuple[int, tuple[int, ...], Hashable]], itemsize: int
+) -> list[int] | None:
+    """Each part's rows, if there are several parts (byte offset, shape, dtype) of one dtype
+    and row shape that lie back to back; else None.
+
+    Such parts are one tensor of all their rows, split by rows: one view, gather or split
+    serves them all. itemsize is the bytes of one element of the first part's dtype.
+    """
+    if len(parts) < 2:
+        return None
+    first_at, first_shape, kind = parts[0]
+    if not first_shape:
+        return None
+    row_shape = first_shape[1:]
+    row_bytes = math.prod(row_shape) * itemsize
+    rows = []
+    end = first_at
+    for at, shape, dtype in parts:
+        if at != end or dtype != kind or not shape or shape[1:] != row_shape:
+            return None
+        rows.append(shape[0])
+        end = at + shape[0] * row_bytes
+    return rows

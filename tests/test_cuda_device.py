@@ -406,6 +406,64 @@ def test_copies_into_a_held_buffer_land_at_their_offsets(batch_copies: bool, on:
     device.close()
 
 
+@pytest.mark.parametrize("on", ["side", "default"], ids=["side-stream", "default-stream"])
+def test_alike_features_back_to_back_are_gathered_by_one_kernel(
+    on: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """copy_d2d_into of a request's features (one dtype and row shape, destined back to
+    back) is one torch.cat into a view of the buffer, no driver batch, after the work
+    queued on the stream; a conjugate view among them, or a gap, takes the other path."""
+    device = CudaDevice(0)
+    stream = side_stream() if on == "side" else torch.cuda.default_stream()
+    calls: list[str] = []
+    cat, copy = torch.cat, BatchCopier.copy
+
+    def counted_cat(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append("cat")
+        return cat(*args, **kwargs)
+
+    def counted_copy(self: BatchCopier, *args: Any) -> None:
+        calls.append("driver")
+        copy(self, *args)
+
+    monkeypatch.setattr(torch, "cat", counted_cat)
+    monkeypatch.setattr(BatchCopier, "copy", counted_copy)
+    srcs = [
+        random_tensor((rows, 4096), torch.bfloat16, seed=i) for i, rows in enumerate((1000, 3, 128))
+    ]
+    offsets = [512]
+    for src in srcs[:-1]:
+        offsets.append(offsets[-1] + src.nbytes)
+    buffer = torch.zeros(offsets[-1] + srcs[-1].nbytes + 512, dtype=torch.uint8, device="cuda:0")
+    gate, expected = rewritten_behind_a_hold(device, srcs, seed=90)
+    device.wait_on(stream, gate)
+    fence = device.copy_d2d_into(srcs, buffer, offsets, stream)
+    assert not fence.done()
+    assert fence.wait(30)
+    for at, want in zip(offsets, expected, strict=True):
+        assert torch.equal(buffer[at : at + want.numel()].cpu(), want)
+    assert calls == ["cat"]
+    assert torch.count_nonzero(buffer[:512]).item() == 0  # nothing outside their bytes
+    assert torch.count_nonzero(buffer[offsets[-1] + srcs[-1].nbytes :]).item() == 0
+    # A conjugate view's values are not its bytes; a gap breaks the run: no gather.
+    values = torch.complex(
+        random_tensor((16, 8), torch.float32, seed=7), random_tensor((16, 8), torch.float32, seed=8)
+    )
+    twins = [values.conj(), values.clone()]
+    calls.clear()
+    assert device.copy_d2d_into(twins, buffer, [0, values.nbytes], stream).wait(30)
+    assert "cat" not in calls
+    got = buffer[: 2 * values.nbytes].view(torch.complex64).view(32, 8)
+    assert torch.equal(got, torch.cat([values.conj().resolve_conj(), values]))
+    calls.clear()
+    assert device.copy_d2d_into(srcs[:2], buffer, [0, srcs[0].nbytes + 256], stream).wait(30)
+    assert "cat" not in calls
+    assert torch.equal(
+        buffer[srcs[0].nbytes + 256 :][: srcs[1].nbytes].cpu(), as_bytes(srcs[1]).cpu()
+    )
+    device.close()
+
+
 def test_a_batch_within_the_gpu_the_driver_refuses_goes_through_torch(
     device: CudaDevice, monkeypatch: pytest.MonkeyPatch
 ) -> None:

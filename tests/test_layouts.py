@@ -1,4 +1,5 @@
-"""Tensors that are not dense and strided are refused up front, naming their layout."""
+"""Tensors that are not dense and strided are refused up front, naming their layout; parts
+that lie back to back are found as one run of rows."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import asyncio
 import gc
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import pytest
@@ -14,7 +15,7 @@ import torch
 from conftest import CacheFactory, Rig, assert_exact
 
 from mmcache import FeatureCache, InvalidValueError
-from mmcache.layouts import check_strided
+from mmcache.layouts import check_strided, rows_back_to_back
 
 
 def _dense(rig: Rig) -> torch.Tensor:
@@ -100,3 +101,29 @@ def test_check_strided_passes_dense_tensors_and_other_values(rig: Rig, layout: s
     check_strided([1, 2], "put()")  # not a tensor: the caller's own check names it
     with pytest.raises(InvalidValueError, match=r"^put\(\) takes dense strided tensors"):
         check_strided(make(rig, layout), "put()")
+
+
+Part = tuple[int, tuple[int, ...], Hashable]
+
+
+def test_parts_back_to_back_are_one_run_of_rows_and_anything_else_is_not() -> None:
+    row = 4096 * 2  # bytes of a (n, 4096) bfloat16 feature's row
+    bf16 = torch.bfloat16
+    run: list[Part] = [
+        (256, (3, 4096), bf16),
+        (256 + 3 * row, (1, 4096), bf16),
+        (256 + 4 * row, (0, 4096), bf16),
+    ]
+    assert rows_back_to_back(run, 2) == [3, 1, 0]
+    assert rows_back_to_back([(0, (2, 3), "float32"), (24, (5, 3), "float32")], 4) == [2, 5]
+    not_runs: dict[str, list[Part]] = {
+        "one part": run[:1],
+        "a gap": [run[0], (run[1][0] + 256, (1, 4096), bf16)],
+        "out of order": [run[1], run[0]],
+        "another dtype": [run[0], (run[1][0], (1, 4096), torch.float16)],
+        "another row shape": [run[0], (run[1][0], (2, 2048), bf16)],
+        "a 0-dim first part": [(0, (), bf16), (2, (1,), bf16)],
+        "a 0-dim later part": [(0, (1,), bf16), (2, (), bf16)],
+    }
+    for why, parts in not_runs.items():
+        assert rows_back_to_back(parts, 2) is None, why

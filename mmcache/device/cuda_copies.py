@@ -15,6 +15,7 @@ from mmcache.device.base import (
     check_flat_destination,
     destination_pairs,
     packed_shape,
+    typed_view,
 )
 from mmcache.device.cuda_arena import PinnedArena
 from mmcache.device.cuda_driver import BatchCopier
@@ -29,6 +30,7 @@ from mmcache.errors import (
     InvalidValueError,
     MMCacheError,
 )
+from mmcache.layouts import rows_back_to_back
 
 __all__ = ["CudaCopies", "enqueue_error", "flat_bytes"]
 
@@ -54,6 +56,15 @@ def flat_bytes(tensor: torch.Tensor, role: str) -> torch.Tensor:
 def _dense(tensor: torch.Tensor) -> bool:
     """Whether tensor's values are its bytes, back to back: copied as bytes, exact."""
     return tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg()
+
+
+def _gather_rows(srcs: Sequence[torch.Tensor], offsets: Sequence[int]) -> list[int] | None:
+    """Each source's rows, if srcs are several of one dtype and row shape, destined back to
+    back, with values that are their bytes (no conjugate or negative bit); else None."""
+    if len(srcs) < 2 or any(src.is_conj() or src.is_neg() for src in srcs):
+        return None
+    parts = [(at, tuple(src.shape), src.dtype) for src, at in zip(srcs, offsets, strict=True)]
+    return rows_back_to_back(parts, srcs[0].dtype.itemsize)
 
 
 def keep_blocks(tensors: Sequence[torch.Tensor], stream: torch.cuda.Stream) -> None:
@@ -349,14 +360,19 @@ class CudaCopies:
         views: Views | None = None,
     ) -> CudaFence:
         """Queue srcs into dst's bytes at offsets on stream behind one fence (see
-        Device.copy_d2d_into): dense sources by one driver batch, naming addresses (no
-        destination views), where the driver has batched copies; else view by view."""
+        Device.copy_d2d_into): sources alike and destined back to back (a request's
+        features) by one gather kernel; other dense ones by one driver batch, naming
+        addresses (no destination views), where the driver has batched copies; else view
+        by view."""
         self.check_open()
         check_flat_destination(srcs, dst, offsets)
         for tensor in (dst, *srcs):
             if not self._memory.is_device_tensor(tensor):
                 raise InvalidValueError(f"copy operand is on {tensor.device}, not {self._name}")
         cuda_stream = as_cuda_stream(stream)
+        rows = _gather_rows(srcs, offsets)
+        if rows is not None:
+            return self._gather_into(srcs, dst, offsets[0], rows, cuda_stream, views)
         # One copy on the legacy default stream gains nothing from the driver's batches
         # (they need a stream of their own there, see _batched_d2d).
         alone = len(srcs) < 2 and cuda_stream.cuda_stream == _LEGACY_DEFAULT_STREAM
@@ -369,6 +385,33 @@ class CudaCopies:
                 return self.copy_d2d_into(srcs, dst, offsets, stream, views)  # now by torch
             keep_blocks(srcs, cuda_stream)
             return self.record_on(cuda_stream)
+        except RuntimeError as exc:
+            raise enqueue_error("device-to-device", sum(s.nbytes for s in srcs), exc) from exc
+
+    def _gather_into(
+        self,
+        srcs: Sequence[torch.Tensor],
+        dst: torch.Tensor,
+        offset: int,
+        rows: Sequence[int],
+        stream: torch.cuda.Stream,
+        views: Views | None,
+    ) -> CudaFence:
+        """Queue srcs (alike, see _gather_rows) into dst's bytes from offset by one torch.cat
+        on stream: one kernel launch writes them all, where the driver's batch costs host
+        time per copy and, on the legacy default stream, a side stream's two waits."""
+        first = srcs[0]
+        shape = (sum(rows), *first.shape[1:])
+        whole = (
+            views(offset, shape, first.dtype)
+            if views is not None
+            else typed_view(dst, offset, shape, first.dtype)
+        )
+        try:
+            with OnStream(stream):
+                torch.cat(list(srcs), out=whole)
+            keep_blocks(srcs, stream)
+            return self.record_on(stream)
         except RuntimeError as exc:
             raise enqueue_error("device-to-device", sum(s.nbytes for s in srcs), exc) from exc
 

@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import math
 import os
 import threading
 import time
@@ -43,6 +42,7 @@ from mmcache.ipc.handle import FeatureBatch, FeatureHandle, Part, SenderEndpoint
 from mmcache.ipc.pool import ArenaViews
 from mmcache.ipc.reaper import FenceReaper
 from mmcache.ipc.shm import SharedSegment
+from mmcache.layouts import rows_back_to_back
 from mmcache.waiting import wait_fences
 
 __all__ = ["FeatureReceiver"]
@@ -689,7 +689,7 @@ class FeatureReceiver:
 
 def _features(arena: ArenaViews, offset: int, parts: Sequence[Part]) -> list[torch.Tensor]:
     """Each part of a slice at offset in arena as a tensor of its shape and dtype."""
-    rows = _rows_back_to_back(parts)
+    rows = rows_back_to_back(parts, dtype_from_name(parts[0][2]).itemsize) if parts else None
     if rows is not None:
         # A request's features alike (rows of one dtype and row shape, no gap between):
         # one view of them all, split by rows in one call instead of a view per part.
@@ -697,26 +697,6 @@ def _features(arena: ArenaViews, offset: int, parts: Sequence[Part]) -> list[tor
         whole = arena.view(offset + at, (sum(rows), *shape[1:]), dtype_from_name(dtype))
         return list(torch.split(whole, rows))
     return [arena.view(offset + at, shape, dtype_from_name(dtype)) for at, shape, dtype in parts]
-
-
-def _rows_back_to_back(parts: Sequence[Part]) -> list[int] | None:
-    """Each part's rows, if there are several parts of one dtype and row shape that lie
-    back to back; else None."""
-    if len(parts) < 2:
-        return None
-    first_at, first_shape, name = parts[0]
-    if not first_shape:
-        return None
-    row_shape = first_shape[1:]
-    row_bytes = math.prod(row_shape) * dtype_from_name(name).itemsize
-    rows = []
-    end = first_at
-    for at, shape, dtype in parts:
-        if at != end or dtype != name or not shape or shape[1:] != row_shape:
-            return None
-        rows.append(shape[0])
-        end = at + shape[0] * row_bytes
-    return rows
 
 
 @final
