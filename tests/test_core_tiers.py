@@ -146,7 +146,10 @@ async def test_large_victims_go_in_batches_only_when_offloaded_ahead(
     in the policy's order around small ones. Room a put needs now: each alone, so that
     each comes back as soon as it lands."""
     monkeypatch.setattr(evictor_module, "LARGE_BATCH_BYTES", 192 * KiB)
-    core: Core = await core_of(gpu_cache_mb=2, cpu_cache_mb=8, small_copy_bytes=32 * KiB)
+    # 512 KiB offloaded ahead: batches of up to half of it would allow 256 KiB.
+    core: Core = await core_of(
+        gpu_cache_mb=2, cpu_cache_mb=8, small_copy_bytes=32 * KiB, evict_ahead=0.25
+    )
     keys = [f"L{i}" for i in range(5)] + ["s1"] + [f"M{i}" for i in range(3)]
     for key in keys:
         assert await core.put(key, 16 if key.startswith("s") else 64)
@@ -160,6 +163,26 @@ async def test_large_victims_go_in_batches_only_when_offloaded_ahead(
     assert batches[3:] == [["M0"], ["M1"]]
     await core.tiers.pipeline.all_landed()
     assert [core.state(key) for key in keys] == [*[State.HOST] * 8, State.GPU]
+
+
+async def test_large_victims_offloaded_ahead_leave_a_second_batch_queued(
+    core_of: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch of large victims holds at most half the room offloaded ahead: while one
+    lands, the copy engine has the next (one batch of it all would idle the engine while
+    the puts use the room it returns)."""
+    core: Core = await core_of(
+        gpu_cache_mb=2, cpu_cache_mb=8, small_copy_bytes=32 * KiB, evict_ahead=0.125
+    )
+    keys = [f"L{i}" for i in range(6)]
+    for key in keys:
+        assert await core.put(key, 64)
+    evictor, ledger = core.tiers.evictor, core.tiers.ledger
+    batches = offload_batches(core, monkeypatch)
+    evictor.evict_for(ledger.free() + ledger.releasing + 6 * 64 * KiB, ahead=True)
+    assert batches == [["L0", "L1"], ["L2", "L3"], ["L4", "L5"]]
+    await core.tiers.pipeline.all_landed()
+    assert [core.state(key) for key in keys] == [State.HOST] * 6
 
 
 @pytest.mark.parametrize("replacing", [False, True], ids=["new-key", "replacing"])

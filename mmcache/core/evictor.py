@@ -141,12 +141,15 @@ class Evictor:
         own it would pay a copy, a fence and a landing for a few features. Larger ones go
         alone, so that the room each makes comes back as soon as it lands; when the room
         is for later puts (ahead), in batches of up to LARGE_BATCH_BYTES, which cost the
-        loop one copy call, fence and landing per batch instead of per feature.
+        loop one copy call, fence and landing per batch instead of per feature; and of up
+        to half of evict_ahead, so that the copy engine has a second batch queued while
+        the first lands (one batch of all the room ahead returns it at once, and the
+        engine idles while the next puts use it up).
         """
         order = self._order
         ledger = self._ledger
         small_limit = self._small
-        large_limit = LARGE_BATCH_BYTES if ahead else 0
+        large_limit = min(LARGE_BATCH_BYTES, self._ahead // 2) if ahead else 0
         limit = needed + slack
         batch: list[Entry] = []
         large: list[Entry] = []

@@ -20,7 +20,8 @@ MiB: Final = 1024 * 1024
 #: the bytes one batched offload copy (or one group) moves at most
 BATCH_BYTES: Final = 8 * MiB
 #: Offloads of features too large to batch by BATCH_BYTES, made ahead of need, go in
-#: batches of up to this many bytes: one copy call, fence and landing per batch.
+#: batches of up to this many bytes (and up to half the tier's evict_ahead, see
+#: Evictor.evict_for): one copy call, fence and landing per batch.
 LARGE_BATCH_BYTES: Final = 32 * MiB
 #: put_many packs features below this size into groups; larger ones keep the per-feature
 #: batched offload, which was faster for them (BENCHMARKS.md)
