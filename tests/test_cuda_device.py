@@ -384,13 +384,7 @@ def test_copies_into_a_held_buffer_land_at_their_offsets(batch_copies: bool, on:
     strided = random_tensor((64, 32), torch.float32, seed=4).t()
     buffer = torch.zeros(sum(s.nbytes for s in srcs) + 3 * 4096, dtype=torch.uint8, device="cuda:0")
     offsets = [0, srcs[0].nbytes + 512, srcs[0].nbytes + 1024]
-    gate, expected = rewritten_behind_a_hold(device, srcs, seed=70)
-    device.wait_on(stream, gate)
-    fence = device.copy_d2d_into(srcs, buffer, offsets, stream)
-    assert not fence.done()
-    assert fence.wait(30)
-    for at, want in zip(offsets, expected, strict=True):
-        assert torch.equal(buffer[at : at + want.numel()].cpu(), want)
+    expected = copied_into_behind_a_hold(device, srcs, buffer, offsets, stream, seed=70)
     alone = device.copy_d2d_into(srcs[2:], buffer, [0], stream)
     assert alone.wait(30)
     assert torch.equal(buffer[: srcs[2].nbytes].cpu(), expected[2])
@@ -435,13 +429,7 @@ def test_alike_features_back_to_back_are_gathered_by_one_kernel(
     for src in srcs[:-1]:
         offsets.append(offsets[-1] + src.nbytes)
     buffer = torch.zeros(offsets[-1] + srcs[-1].nbytes + 512, dtype=torch.uint8, device="cuda:0")
-    gate, expected = rewritten_behind_a_hold(device, srcs, seed=90)
-    device.wait_on(stream, gate)
-    fence = device.copy_d2d_into(srcs, buffer, offsets, stream)
-    assert not fence.done()
-    assert fence.wait(30)
-    for at, want in zip(offsets, expected, strict=True):
-        assert torch.equal(buffer[at : at + want.numel()].cpu(), want)
+    copied_into_behind_a_hold(device, srcs, buffer, offsets, stream, seed=90)
     assert calls == ["cat"]
     assert torch.count_nonzero(buffer[:512]).item() == 0  # nothing outside their bytes
     assert torch.count_nonzero(buffer[offsets[-1] + srcs[-1].nbytes :]).item() == 0
@@ -627,6 +615,27 @@ def rewritten_behind_a_hold(
             src.copy_(new)
             new.record_stream(side)  # freed on return: not reused before the side stream reads it
     return device.record(side), expected
+
+
+def copied_into_behind_a_hold(
+    device: CudaDevice,
+    srcs: list[torch.Tensor],
+    buffer: torch.Tensor,
+    offsets: list[int],
+    stream: torch.cuda.Stream,
+    seed: int,
+) -> list[torch.Tensor]:
+    """copy_d2d_into(srcs, buffer, offsets) on stream, queued while a hold keeps the
+    sources' rewrites waiting (see rewritten_behind_a_hold): the copy must wait for them
+    and land the new bytes at each offset. Returns the bytes written."""
+    gate, expected = rewritten_behind_a_hold(device, srcs, seed=seed)
+    device.wait_on(stream, gate)
+    fence = device.copy_d2d_into(srcs, buffer, offsets, stream)
+    assert not fence.done()
+    assert fence.wait(30)
+    for at, want in zip(offsets, expected, strict=True):
+        assert torch.equal(buffer[at : at + want.numel()].cpu(), want)
+    return expected
 
 
 def assert_copied_in_chunks(
