@@ -1,4 +1,5 @@
-"""The tensor layouts the cache holds: dense strided tensors only, refused up front otherwise."""
+"""The tensor layouts the cache holds (dense strided tensors only, refused up front
+otherwise), and runs of features that lie back to back in flat memory."""
 
 from __future__ import annotations
 

@@ -689,7 +689,9 @@ class FeatureReceiver:
 
 def _features(arena: ArenaViews, offset: int, parts: Sequence[Part]) -> list[torch.Tensor]:
     """Each part of a slice at offset in arena as a tensor of its shape and dtype."""
-    rows = rows_back_to_back(parts, dtype_from_name(parts[0][2]).itemsize) if parts else None
+    rows = (
+        rows_back_to_back(parts, dtype_from_name(parts[0][2]).itemsize) if len(parts) > 1 else None
+    )
     if rows is not None:
         # A request's features alike (rows of one dtype and row shape, no gap between):
         # one view of them all, split by rows in one call instead of a view per part.
