@@ -351,7 +351,8 @@ class CudaDevice(Device):
         stream: Stream,
         views: Views | None = None,
     ) -> CudaFence:
-        """Queue srcs into dst's bytes at offsets on stream, one driver batch where it can."""
+        """Queue srcs into dst's bytes at offsets on stream: a request's alike features by one
+        gather kernel, other dense sources by one driver batch where it has them."""
         return self._copies.copy_d2d_into(srcs, dst, offsets, stream, views)
 
     def copy_d2d_new(self, src: torch.Tensor, stream: Stream) -> tuple[torch.Tensor, CudaFence]:

@@ -64,6 +64,15 @@ class Source:
         self.tensor = tensor
 
 
+def _held_tensors(owns: Sequence[Source]) -> list[torch.Tensor]:
+    """The tensor each source still holds (none of them released yet)."""
+    tensors = []
+    for own in owns:
+        assert own.tensor is not None
+        tensors.append(own.tensor)
+    return tensors
+
+
 def release_all(owns: Sequence[Source], after: Sequence[Fence]) -> None:
     """Give every source back after the fences."""
     for own in owns:
@@ -130,10 +139,7 @@ class SliceWriter:
         try:
             parts = self._parts(pieces)
             arena, start = placement.arena, placement.block.offset
-            srcs = []
-            for own in owns:
-                assert own.tensor is not None
-                srcs.append(own.tensor)
+            srcs = _held_tensors(owns)
             # On the producer's stream: ordered after the work that made the tensors. The
             # slice is the pool's, kept until the copy is done (placement.after).
             written = self._device.copy_d2d_into(
@@ -180,10 +186,7 @@ class SliceWriter:
                     compacted = self._device.copy_d2d(own.tensor, packed, stream)
                     own.replace(packed, [compacted])
                     after = [compacted]  # the last on stream: after the tensors' makers too
-            srcs = []
-            for own in owns:
-                assert own.tensor is not None
-                srcs.append(own.tensor)
+            srcs = _held_tensors(owns)
             copied = self._device.copy_d2h_batch(
                 srcs, placement.block.view, [at for _, at in pieces], after
             )
