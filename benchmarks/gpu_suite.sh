@@ -20,8 +20,10 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$out/device.txt"
 status=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  timeout 450 python3 -m pytest tests -q -p no:cacheprovider --maxfail=40 --timeout 120 \
-    -o addopts="" 2>&1 | tee "$out/tests.log" | tail -25
+  # The whole suite in one process is the verdict: state one test leaves behind must not
+  # break another. An abort names its thread's stack (faulthandler) and glibc's reason.
+  LIBC_FATAL_STDERR_=1 timeout 570 python3 -X faulthandler -m pytest tests -q -p no:cacheprovider \
+    --timeout 120 -o addopts="" 2>&1 | tee "$out/tests.log" | tail -25
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then

@@ -7,8 +7,10 @@ import contextlib
 import ctypes
 import functools
 import gc
+import glob
 import itertools
 import json
+import os
 import random
 import subprocess
 import sys
@@ -1119,3 +1121,63 @@ def test_a_new_device_has_loaded_what_the_first_put_and_get_use() -> None:
         pytest.skip(f"kernels are not loaded lazily here (first cumsum: {control:.1f} ms)")
     slow = {name: round(ms, 1) for name, ms in times.items() if ms > 3}
     assert not slow, f"first calls after the warm-up (ms): {slow}; an unwarmed kernel: {control}"
+
+
+_VIEWS_THROUGH_THE_COPIES = """
+import asyncio, ctypes, torch
+from mmcache import CacheSettings, FeatureCache
+from mmcache.device.cuda import CudaDevice
+from prometheus_client import CollectorRegistry
+
+async def main():
+    device = CudaDevice(0)
+    stream = torch.cuda.Stream()
+    values = torch.complex(torch.randn(64, 64, device="cuda"), torch.randn(64, 64, device="cuda"))
+    expected = []
+    buffer = torch.zeros(4 * values.nbytes, dtype=torch.uint8, device="cuda")
+    for i, view in enumerate((values.conj(), values._neg_view())):
+        own = device.empty(tuple(view.shape), view.dtype, stream)
+        assert device.copy_d2d(view, own, stream).wait(30)
+        assert torch.equal(own, view.resolve_conj().resolve_neg())
+        at = [2 * i * values.nbytes, (2 * i + 1) * values.nbytes]
+        assert device.copy_d2d_into([view, values.clone()], buffer, at, stream).wait(30)
+        expected += [view.resolve_conj().resolve_neg(), values]
+    assert torch.equal(buffer.view(torch.complex64).view(-1, 64), torch.cat(expected))
+    cache = FeatureCache(CacheSettings(gpu_cache_mb=1, cpu_cache_mb=4), device,
+                         registry=CollectorRegistry())
+    async with cache:
+        assert await cache.put("conj", values.conj())
+        got = await cache.get("conj", device="cpu")
+        assert torch.equal(got, values.conj().resolve_conj().cpu())
+    device.close()
+    ctypes.CDLL(None).malloc_trim(0)  # walks the heap's free chunks: damage aborts here
+
+asyncio.run(main())
+print("intact")
+"""
+
+
+def _checked_malloc() -> str | None:
+    """glibc's checking malloc (preloaded, it aborts on the first damaged chunk it meets)."""
+    for pattern in ("/lib*/*/libc_malloc_debug.so.0", "/usr/lib*/*/libc_malloc_debug.so.0"):
+        found = sorted(glob.glob(pattern))
+        if found:
+            return found[0]
+    return None
+
+
+def test_conjugate_and_negative_views_leave_the_host_heap_intact() -> None:
+    # record_stream of such a view corrupts the host heap (torch 2.11): the process aborts
+    # later, wherever malloc next meets the damage. Under glibc's checking malloc, at once.
+    library = _checked_malloc()
+    if library is None:
+        pytest.skip("glibc's libc_malloc_debug.so.0 is not installed")
+    env = {**os.environ, "LD_PRELOAD": library, "MALLOC_CHECK_": "3", "LIBC_FATAL_STDERR_": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", _VIEWS_THROUGH_THE_COPIES],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "intact", done.stderr[-3000:]

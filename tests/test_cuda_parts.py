@@ -251,3 +251,27 @@ def test_a_background_pinning_stopped_before_serving_anything_unpins_at_once() -
         future.result(timeout=10)
     assert sorted(driver.unregistered) == sorted(driver.registered)
     assert (arena.ptr, arena.nbytes) == (0, 0)
+
+
+@pytest.mark.parametrize("bit", ["conj", "neg"])
+def test_record_use_never_records_on_a_conjugate_or_negative_view(
+    bit: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # torch's record_stream of such a view corrupts the host heap (test_cuda_device.py
+    # shows the abort): the block must be named through a plain alias of its storage.
+    from mmcache.device.cuda_memory import record_use
+
+    recorded: list[tuple[bool, bool, int, object]] = []
+
+    def record_stream(self: torch.Tensor, stream: object) -> None:
+        recorded.append((self.is_conj(), self.is_neg(), self.untyped_storage().data_ptr(), stream))
+
+    monkeypatch.setattr(torch.Tensor, "record_stream", record_stream)
+    values = torch.complex(torch.ones(4, 3), torch.full((4, 3), 2.0))
+    view = values.conj() if bit == "conj" else values._neg_view()
+    assert view.is_conj() or view.is_neg()
+    stream = object()
+    record_use(view, cast(Any, stream))
+    record_use(values, cast(Any, stream))
+    ptr = values.untyped_storage().data_ptr()
+    assert recorded == [(False, False, ptr, stream), (False, False, ptr, stream)]

@@ -20,7 +20,7 @@ from mmcache.device.base import (
 from mmcache.device.cuda_arena import PinnedArena
 from mmcache.device.cuda_driver import BatchCopier
 from mmcache.device.cuda_fence import CudaFence, order_after, record_fence
-from mmcache.device.cuda_memory import DeviceMemory
+from mmcache.device.cuda_memory import DeviceMemory, record_use
 from mmcache.device.cuda_streams import OnStream, as_cuda_stream, new_stream
 from mmcache.device.cuda_waiters import FenceWaiters
 from mmcache.errors import (
@@ -75,7 +75,7 @@ def keep_blocks(tensors: Sequence[torch.Tensor], stream: torch.cuda.Stream) -> N
         block = tensor.untyped_storage().data_ptr()
         if block not in recorded:
             recorded.add(block)
-            tensor.record_stream(stream)
+            record_use(tensor, stream)
 
 
 def enqueue_error(direction: str, nbytes: int, exc: RuntimeError) -> MMCacheError:
@@ -165,7 +165,7 @@ class CudaCopies:
                 order_after(stream, after)
                 self.copy_bytes(dst_bytes, src_bytes, host=dst_bytes)
                 # The caching allocator must not recycle src while the copy engine reads it.
-                src.record_stream(stream)
+                record_use(src, stream)
                 return self.record_on(stream)
         except RuntimeError as exc:
             raise enqueue_error("device-to-host", src_bytes.numel(), exc) from exc
@@ -179,7 +179,7 @@ class CudaCopies:
             with OnStream(stream):
                 order_after(stream, after)
                 self.copy_bytes(dst_bytes, src_bytes, host=src_bytes)
-                dst.record_stream(stream)
+                record_use(dst, stream)
                 return self.record_on(stream)
         except RuntimeError as exc:
             raise enqueue_error("host-to-device", src_bytes.numel(), exc) from exc

@@ -12,9 +12,23 @@ from mmcache.device.base import Fence, Stream
 from mmcache.device.cuda_streams import OnStream, as_cuda_stream
 from mmcache.errors import DeviceOutOfMemoryError, InvalidValueError
 
-__all__ = ["DeviceMemory"]
+__all__ = ["DeviceMemory", "record_use"]
 
 _MiB: Final = 1 << 20
+
+
+def record_use(tensor: torch.Tensor, stream: torch.cuda.Stream) -> None:
+    """tensor.record_stream(stream): the allocator keeps its block until stream's work is done.
+
+    Never on a lazy conjugate or negative view itself: in torch 2.11 record_stream of such a
+    view writes past a host heap chunk (glibc aborts at a later allocation: "malloc():
+    unsorted double linked list corrupted"), so the block is named by a plain byte alias
+    of the same storage instead.
+    """
+    if tensor.is_conj() or tensor.is_neg():
+        storage = tensor.untyped_storage()
+        tensor = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
+    tensor.record_stream(stream)
 
 
 @final
@@ -98,7 +112,7 @@ class DeviceMemory:
     @staticmethod
     def use_on(tensor: torch.Tensor, stream: Stream) -> None:
         """record_stream: the allocator keeps tensor's block until stream's queued work is done."""
-        tensor.record_stream(as_cuda_stream(stream))
+        record_use(tensor, as_cuda_stream(stream))
 
     @staticmethod
     def release(tensor: torch.Tensor, after: Sequence[Fence]) -> None:
