@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import Hashable
 from typing import Any
 
@@ -322,6 +323,41 @@ async def test_discard_while_a_host_get_waits_on_the_offload(
     assert_exact(await asyncio.wait_for(task, 2), expected)
     await cache.drain()
     assert cache.stats().cpu_bytes == 0
+
+
+@pytest.mark.parametrize("rows", [None, slice(3, 9)])
+@pytest.mark.parametrize("how", ["discard", "re-put"])
+async def test_replacing_a_computed_entry_during_its_host_read(
+    rig: Rig, make_cache: CacheFactory, how: str, rows: slice | None
+) -> None:
+    # get_or_compute's own download of what it just cached: a discard or a newer put
+    # landing before that copy runs must not hand the caller released memory.
+    needs_hold(rig)
+    cache = make_cache(gpu_mb=1, cpu_mb=1)
+    expected = make_data(rig, 64, 256, dtype=torch.float32, seed=14).cpu()
+    with rig.hold():
+        reading = asyncio.create_task(
+            cache.get_or_compute(
+                "k",
+                lambda: make_data(rig, 64, 256, dtype=torch.float32, seed=14),
+                device="cpu",
+                rows=rows,
+            )
+        )
+        for _ in range(20):
+            await asyncio.sleep(0.001)
+            if "k" in cache:
+                break
+        assert "k" in cache and not reading.done()
+        if how == "discard":
+            assert cache.discard("k")
+        else:
+            assert await cache.put("k", make_data(rig, 8, 256, dtype=torch.float32, seed=15))
+        gc.collect()
+    want = expected if rows is None else expected[rows]
+    assert_exact(await asyncio.wait_for(reading, 2), want)
+    await cache.drain()
+    assert cache.stats().leaked_bytes == 0
 
 
 @pytest.mark.parametrize("how", ["discard", "re-put"])

@@ -191,7 +191,10 @@ class Reads:
     ) -> torch.Tensor:
         """A host copy the caller owns of a device tensor (or rows of it)."""
         raise_if_failed(ready)
-        src = tensor if span is None else tensor[span[0] : span[1]]
+        # The copy gets an alias of its own: queued work holds nothing, so what keeps the
+        # bytes until it runs is the reader's tensor (get_or_compute's result, the only
+        # holder once a discard releases the cache's alias) or the entry's reader list.
+        src = tensor.detach() if span is None else tensor[span[0] : span[1]]
         dst = self._device.host_empty(tuple(src.shape), src.dtype)
         fence = self._device.copy_d2h(src, dst, after=[ready])
         if entry is not None:
