@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -233,3 +235,36 @@ def test_memory_released_while_held_is_recycled_once_dropped_without_polling() -
     assert len(dev._allocs) <= 1  # only the latest can still be waiting for a re-check
     assert dev.allocated_bytes == 0
     dev.close()
+
+
+def test_a_device_dropped_without_close_keeps_no_thread_and_is_collected() -> None:
+    # Test suites and short-lived tools drop devices: each one's worker must not outlive it.
+    def workers() -> int:
+        return sum(t.name == "mmcache-sim" for t in threading.enumerate())
+
+    before = workers()
+    device = SimDevice()
+    src = torch.arange(16.0)
+    dst = torch.empty(16)
+    assert device.copy_d2d(src, dst, device.default_stream).wait(5)
+    assert workers() == before + 1
+    dropped = weakref.ref(device)
+    del device
+    deadline = time.monotonic() + 5
+    while (workers() > before or dropped() is not None) and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.05)
+    assert workers() == before and dropped() is None
+
+
+def test_a_worker_that_ended_while_idle_is_started_again_by_the_next_copy() -> None:
+    device = SimDevice()
+    try:
+        src = torch.arange(16.0)
+        for _ in range(2):
+            dst = torch.empty(16)
+            assert device.copy_d2d(src, dst, device.default_stream).wait(5)
+            assert torch.equal(dst, src)
+            time.sleep(1.3)  # past the idle limit: the worker ends
+    finally:
+        device.close()

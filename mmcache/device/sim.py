@@ -36,6 +36,9 @@ __all__ = ["ARENA_PAGE", "POISON_BYTE", "SimDevice", "SimFence", "SimStream"]
 
 FaultKind = Literal["copy_fails", "alloc_fails", "fence_never_completes"]
 
+#: A worker thread with nothing queued for this long ends (the next op starts another).
+_WORKER_IDLE_EXIT_S = 1.0
+
 
 class SimFence(Fence):
     """A fence completed by the simulator's worker thread."""
@@ -488,8 +491,18 @@ class SimDevice(Device):
         while True:
             with self._cond:
                 op = self._runnable()
+                idle_since: float | None = None
                 while op is None:
                     if self._closed:
+                        return
+                    if any(s.ops for s in self._streams):
+                        idle_since = None
+                    elif idle_since is None:
+                        idle_since = time.monotonic()
+                    elif time.monotonic() - idle_since >= _WORKER_IDLE_EXIT_S:
+                        # Nothing queued: end, so that a device dropped without close()
+                        # keeps no thread (nor itself, through it); the next op starts one.
+                        self._worker = None
                         return
                     # A dependency completing on another device wakes us via timeout.
                     self._cond.wait(timeout=0.05)
