@@ -68,7 +68,10 @@ def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torc
         t = torch.randn(shape, generator=g).to(dtype)
     else:
         t = torch.randint(-100, 100, shape, generator=g).to(dtype)
-    return t.to("cuda:0")
+    out = t.to("cuda:0")
+    # Ready on return: the copies under test run on other streams, unordered with this one.
+    torch.cuda.synchronize()
+    return out
 
 
 # --- fences ------------------------------------------------------------------------------
@@ -984,7 +987,8 @@ def test_host_arena_is_pinned_and_copies_across_chunks(method: ArenaMethod) -> N
     # 3 MiB .. 9 MiB crosses two 4 MiB registrations.
     src = torch.randint(0, 255, (6 * MiB,), dtype=torch.uint8, device="cuda:0")
     window = arena[3 * MiB : 9 * MiB]
-    down = dev.copy_d2h(src, window, [])
+    made = dev.record(dev.current_stream())  # randint's kernel on the default stream
+    down = dev.copy_d2h(src, window, [made])
     back = dev.empty((6 * MiB,), torch.uint8)
     assert dev.copy_h2d(window, back, [down]).wait(30)
     assert torch.equal(window, src.cpu())
