@@ -302,3 +302,43 @@ def test_bench_finds_the_checkout_benchmarks(monkeypatch: pytest.MonkeyPatch) ->
     scripts = find_benchmarks()
     assert scripts, "no benchmarks/bench_*.py in the checkout"
     assert all(s.name.startswith("bench_") and s.suffix == ".py" for s in scripts)
+
+
+def test_scripts_run_answers_an_unknown_job_before_any_set_up(tmp_path: Path) -> None:
+    # Its usage line comes at once: no virtual environment made, nothing installed.
+    venv = tmp_path / "venv"
+    script = Path(__file__).resolve().parents[1] / "scripts" / "run"
+    done = subprocess.run(
+        ["bash", str(script), "frobnicate"],
+        env={**os.environ, "MMCACHE_VENV": str(venv)},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 2
+    assert "usage: bash scripts/run demo|test|bench" in done.stderr
+    assert not venv.exists()
+
+
+def test_scripts_run_sets_up_only_when_the_requirements_change(tmp_path: Path) -> None:
+    # A venv whose stamp matches pyproject.toml is used as it is: no pip, no import checks.
+    root = Path(__file__).resolve().parents[1]
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    mmcache_cli = venv / "bin" / "mmcache"
+    mmcache_cli.write_text('#!/usr/bin/env bash\necho "mmcache $*"\n')
+    mmcache_cli.chmod(0o755)
+    with (root / "pyproject.toml").open("rb") as requirements:
+        checksum = subprocess.run(["cksum"], stdin=requirements, capture_output=True, check=True)
+    stamp = checksum.stdout.decode().rstrip("\n")
+    (venv / ".mmcache-installed").write_text(f"{stamp} {root}\n")
+    done = subprocess.run(
+        ["bash", str(root / "scripts" / "run"), "demo", "--requests", "3"],
+        env={**os.environ, "MMCACHE_VENV": str(venv)},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "mmcache demo --requests 3\n"
+    assert "installing" not in done.stderr
