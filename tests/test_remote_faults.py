@@ -23,14 +23,21 @@ pytest.importorskip(
 import redis.asyncio
 import torch
 from conftest import CacheFactory, Rig, assert_exact, put_feature
-from redis_server import RedisServer, free_port, redis_server, skip_without_redis
+from redis_server import (
+    SERVER_KINDS,
+    RedisServer,
+    free_port,
+    redis_server,
+    require_server,
+    skip_without_redis,
+)
 
 
-@pytest.fixture
-def own_server() -> Iterator[RedisServer]:
-    """A server of this test's own, to kill, pause and restart."""
-    skip_without_redis()
-    with redis_server() as server:
+@pytest.fixture(params=SERVER_KINDS)
+def own_server(request: pytest.FixtureRequest) -> Iterator[RedisServer]:
+    """A server of this test's own, Redis and Valkey, to kill, pause and restart."""
+    require_server(request.param)
+    with redis_server(kind=request.param) as server:
         yield server
 
 
