@@ -15,7 +15,7 @@ from mmcache.device import Device
 from mmcache.entry import Entry, Member
 from mmcache.metrics import CacheMetrics, RemoteSeries
 from mmcache.remote.calls import Failed, ServerCalls
-from mmcache.remote.codec import RemoteValueError, parse, server_key
+from mmcache.remote.codec import OtherVersionError, RemoteValueError, parse, server_key
 from mmcache.remote.faults import Faults
 from mmcache.remote.landing import HostLanding
 from mmcache.remote.store import RemoteStore
@@ -35,9 +35,10 @@ class RemoteTier:
     A read lands the value in a host block and indexes it as a host entry, so the get
     that asked serves it as a host hit; concurrent gets of one key share one fetch. A
     value that fails a check of its header or payload is counted, deleted on the server
-    and never served. Faults (server down, slow, restarted) make reads miss within
-    remote_timeout_sec and drop writes; they are counted, logged once per burst, and
-    backed off from until the server answers again. Nothing local depends on the server.
+    and never served; a value of another format version is a miss. Faults (server down,
+    slow, restarted) make reads miss within remote_timeout_sec and drop writes; they are
+    counted, logged once per burst, and backed off from until the server answers again.
+    Nothing local depends on the server.
     """
 
     def __init__(
@@ -145,9 +146,16 @@ class RemoteTier:
             return
         try:
             if len(value) >= THREAD_FROM_BYTES:
-                header, _ = await asyncio.to_thread(parse, value)
+                header, _ = await asyncio.to_thread(parse, value, rkey)
             else:
-                header, _ = parse(value)
+                header, _ = parse(value, rkey)
+        except OtherVersionError as e:
+            # Another mmcache's value, not a damaged one: a miss, left for it (or for this
+            # cache's next write of key, which replaces it).
+            log.debug("remote value of %s is a miss: %s", reprlib.repr(key), e)
+            self.misses += 1
+            lookups["miss"].inc()
+            return
         except RemoteValueError as e:
             self._reject(key, rkey, value, e)
             return

@@ -165,9 +165,9 @@ class RemoteWriter:
                 self._drop("unavailable")
                 return
             if write.nbytes >= THREAD_FROM_BYTES:
-                value = await asyncio.to_thread(encode_value, write.tensor)
+                value = await asyncio.to_thread(encode_value, write.tensor, write.key)
             else:
-                value = encode_value(write.tensor)
+                value = encode_value(write.tensor, write.key)
         except asyncio.CancelledError:
             self._drop("closed")
             raise
