@@ -199,7 +199,7 @@ class FeatureCache:
             await self._remote.drain()
 
     def remote_key(self, key: Hashable) -> bytes:
-        """The remote tier's key of key: <namespace>: + a stable encoding, in any process."""
+        """The remote tier's key of key: <len>:<namespace>:<a stable encoding>, in any process."""
         check_key(key)
         return server_key(self.settings.remote_namespace, key)
 

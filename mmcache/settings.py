@@ -153,8 +153,8 @@ class CacheSettings(BaseSettings):
     remote_namespace: Annotated[str, _Env(("MMCACHE_REMOTE_NAMESPACE",))] = Field(
         default="mmcache",
         min_length=1,
-        description="prefix of every key on the remote server; caches with different "
-        "namespaces never see each other's values",
+        description="names every key on the remote server (<length>:<namespace>:<key>); "
+        "caches with different namespaces never see each other's values",
     )
     remote_write: Annotated[Literal["put", "evict", "off"], _Env(("MMCACHE_REMOTE_WRITE",))] = (
         Field(

@@ -236,11 +236,11 @@ async def test_remote_key_is_namespace_and_a_stable_encoding(make_cache: CacheFa
     cache = make_cache(remote_namespace="ns")
     keys: list[Any] = [1, "1", b"1", (1,), ("1",), (1, 2), ((1,), 2), (1, (2,)), True, ""]
     encoded = [cache.remote_key(k) for k in keys]
-    assert all(e.startswith(b"ns:") for e in encoded)
+    assert all(e.startswith(b"2:ns:") for e in encoded)
     # Equal keys (True == 1 in a dict) meet; distinct ones never do.
     assert encoded[0] == encoded[8]
     assert len(set(encoded)) == len(keys) - 1
-    assert cache.remote_key(("img", 3)) == b"ns:t2(s3:imgi3;)"  # the same in every process
+    assert cache.remote_key(("img", 3)) == b"2:ns:t2(s3:imgi3;)"  # the same in every process
     long = cache.remote_key("x" * 10_000)
     assert len(long) < 100 and long == cache.remote_key("x" * 10_000)
 

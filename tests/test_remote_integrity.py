@@ -119,6 +119,17 @@ def test_a_value_is_bound_to_the_key_it_was_written_under() -> None:
             parse(value, other)
 
 
+def test_namespaces_and_keys_map_to_server_keys_one_to_one() -> None:
+    assert server_key("n:s5", "ab") != server_key("n", "s2:ab")
+    pairs = [
+        (ns, key)
+        for ns in ("", "n", "n:", ":n", "n:s5", "n:s2", "2:n", "mmcache", "mmcache:demo")
+        for key in ("ab", "s2:ab", ":ab", "", 5, b"ab", ("ab",), ("n", "ab"))
+    ]
+    encoded = {server_key(ns, key): (ns, key) for ns, key in pairs}
+    assert len(encoded) == len(pairs)
+
+
 def test_a_value_of_another_format_version_is_an_other_version_error() -> None:
     value = bytearray(encode_value(torch.randn(8, 4), KEY))
     struct.pack_into("<H", value, 4, 1)  # the format before the key's digest
@@ -185,6 +196,18 @@ async def test_a_value_copied_under_another_key_is_rejected_there(
     await b.close()  # waits for the delete
     assert not await raw.exists(b.remote_key("other"))
     assert await raw.get(rkey) == stored  # the original is untouched
+
+
+async def test_namespaces_that_looked_alike_do_not_share_values(
+    rig: Rig, make_cache: CacheFactory, redis_url: str
+) -> None:
+    a = make_cache(remote_url=redis_url, remote_namespace="n:s5")
+    await put_feature(a, rig, "ab", 8)
+    await a.drain()
+    b = make_cache(remote_url=redis_url, remote_namespace="n")
+    assert a.remote_key("ab") != b.remote_key("s2:ab")
+    assert await b.get("s2:ab") is None
+    assert b.stats().remote_hits == 0
 
 
 async def test_a_value_of_another_format_version_is_a_counted_miss(

@@ -181,8 +181,14 @@ def parse(value: bytes | memoryview, key: bytes) -> tuple[Header, memoryview]:
 
 
 def server_key(namespace: str, key: Hashable) -> bytes:
-    """The key under which the remote tier stores key's feature: <namespace>: + encode_key."""
-    return namespace.encode() + b":" + encode_key(key)
+    """The key under which the remote tier stores key's feature in namespace.
+
+    <length of the namespace in bytes>:<namespace>:<encode_key(key)>: the length makes
+    the split unambiguous, so distinct (namespace, key) pairs never share a server key
+    (a namespace may hold ':' and anything else).
+    """
+    ns = namespace.encode("utf-8", "surrogatepass")
+    return b"%d:" % len(ns) + ns + b":" + encode_key(key)
 
 
 def encode_key(key: Hashable) -> bytes:

@@ -88,7 +88,7 @@ class RemoteTier:
     # --- keys and stats -----------------------------------------------------------------
 
     def key(self, key: Hashable) -> bytes:
-        """The server-side key of a cache key: <namespace>: + a stable encoding of it."""
+        """The server-side key of a cache key: <len>:<namespace>:<a stable encoding of it>."""
         return server_key(self._namespace, key)
 
     def stats(self) -> dict[str, int]:
