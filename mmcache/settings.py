@@ -171,7 +171,16 @@ class CacheSettings(BaseSettings):
     remote_timeout_sec: Annotated[float, _Env(("MMCACHE_REMOTE_TIMEOUT_SEC",))] = Field(
         default=0.5,
         gt=0,
-        description="seconds before a remote operation gives up (a get then misses)",
+        description="seconds before a remote operation gives up (a get then misses), "
+        "plus remote_timeout_per_mib_sec for each MiB it moves",
+    )
+    remote_timeout_per_mib_sec: Annotated[float, _Env(("MMCACHE_REMOTE_TIMEOUT_PER_MIB_SEC",))] = (
+        Field(
+            default=0.05,
+            ge=0,
+            description="seconds a remote operation may take beyond remote_timeout_sec for "
+            "each MiB of the value it moves",
+        )
     )
     remote_max_value_mb: Annotated[float, _Env(("MMCACHE_REMOTE_MAX_VALUE_MB",))] = Field(
         default=64, gt=0, description="largest feature in MiB that goes to the remote tier"

@@ -282,6 +282,8 @@ def test_demo_with_a_remote_url_shows_remote_hits(
     assert main([*SMALL_DEMO, "--remote-url", redis_url]) == 0
     first = capsys.readouterr().out
     assert "remote hits / misses" in first and first.rstrip().endswith("0 bytes leaked")
+    faults = first.split("remote errors / rejected / dropped writes", 1)[1].split("\n")[0]
+    assert faults.split() == ["0", "/", "0", "/", "0"]
     assert main([*SMALL_DEMO, "--remote-url", redis_url]) == 0  # a second node, as it were
     second = capsys.readouterr().out
     hits = second.split("remote hits / misses", 1)[1].split()[0]

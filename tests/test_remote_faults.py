@@ -278,3 +278,43 @@ def test_errors_are_counted_by_kind() -> None:
     }
     for kind, excs in kinds.items():
         assert [error_kind(e) for e in excs] == [kind] * len(excs)
+
+
+async def test_a_calls_time_limit_grows_with_the_bytes_it_moves(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from prometheus_client import Histogram
+
+    from mmcache.remote.calls import Failed, ServerCalls
+    from mmcache.remote.faults import Faults
+
+    counted: list[str] = []
+    seconds: dict[str, Histogram] = {}
+    calls = ServerCalls(Faults("server", counted.append), 0.1, seconds, per_mib_s=0.05)
+    mib = 1024 * 1024
+    assert calls.timeout() == pytest.approx(0.1)
+    assert calls.timeout(40 * mib) == pytest.approx(2.1)
+    # 0.3 s to move 8 MiB: within 0.1 + 8 x 0.05 s, a fault for a small value.
+    assert await calls("put", asyncio.sleep(0.3, "sent"), 8 * mib) == "sent"
+    assert counted == []
+    assert isinstance(await calls("put", asyncio.sleep(0.3, "sent"), 1024), Failed)
+    assert counted == ["timeout"]
+    warning = _warnings(caplog)[-1]
+    assert "put failed (TimeoutError: timed out after 0.10 s moving 1024 bytes)" in warning
+
+
+async def test_a_large_value_moves_within_its_time_limit(
+    rig: Rig, make_cache: CacheFactory, redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """48 MiB in 0.05 s would need 1 GB/s through redis-py: the limit must scale."""
+    a = make_cache(gpu_mb=64, cpu_mb=64, remote_url=redis_url, remote_timeout_sec=0.05)
+    want = rig.tensor(48 * 1024, 256, dtype=torch.float32, seed=3)
+    expected = want.cpu().clone()
+    assert await a.put("large", want)
+    del want
+    await a.drain()
+    s = a.stats()
+    assert (s.remote_dropped_writes, s.remote_errors) == (0, 0), _warnings(caplog)
+    b = make_cache(gpu_mb=0, cpu_mb=64, remote_url=redis_url, remote_timeout_sec=0.05)
+    assert_exact(await b.get("large", device="cpu"), expected)
+    assert b.stats().remote_errors == 0

@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 from typing import Final, final
 
-__all__ = ["ERROR_KINDS", "Faults", "error_kind"]
+__all__ = ["ERROR_KINDS", "Faults", "describe", "error_kind"]
 
 log = logging.getLogger("mmcache")
 
@@ -19,6 +19,13 @@ BACKOFF_MIN_S: Final = 0.05
 BACKOFF_MAX_S: Final = 5.0
 #: a burst that starts within this long of the last logged one is logged at debug level
 QUIET_S: Final = 60.0
+#: what an error of each kind says when its own text is empty
+_SILENT: Final = {
+    "timeout": "no answer in time",
+    "connection": "connection failed",
+    "server": "the server answered with an error",
+    "other": "failed without a message",
+}
 
 
 def error_kind(exc: BaseException) -> str:
@@ -31,6 +38,12 @@ def error_kind(exc: BaseException) -> str:
     if "RedisError" in names or "ResponseError" in names:
         return "server"
     return "other"
+
+
+def describe(exc: BaseException) -> str:
+    """exc's type and its message, never empty: "TimeoutError: timed out after 0.50 s"."""
+    text = str(exc).strip() or _SILENT[error_kind(exc)]
+    return f"{type(exc).__name__}: {text}"
 
 
 @final
@@ -140,11 +153,10 @@ class Faults:
         )
         self._quiet_bursts = 0
         log.warning(
-            "remote tier %s: %s failed (%s: %s); serving local tiers only, retrying with "
+            "remote tier %s: %s failed (%s); serving local tiers only, retrying with "
             "back-off (logged once until it recovers%s)",
             self._name,
             op,
-            type(exc).__name__,
-            exc,
+            describe(exc),
             since,
         )

@@ -71,10 +71,12 @@ def _import_redis() -> Any:
 
 @final
 class RedisStore:
-    """Values under server keys in Redis/Valkey: GET, SET with PX, EXISTS, DEL.
+    """Values under server keys in Redis/Valkey: STRLEN, GET, SET with PX, EXISTS, DEL.
 
-    Every command is bounded by timeout_s (connect and socket); the client retries
-    nothing itself, so a fault reaches the remote tier at once, which backs off.
+    Connecting is bounded by timeout_s; a command by its caller (the remote tier gives
+    one that moves a large value more time), not by the client, whose own socket timeout
+    would bound every command alike. The client retries nothing itself, so a fault
+    reaches the remote tier at once, which backs off.
     """
 
     def __init__(self, url: str, timeout_s: float) -> None:
@@ -84,7 +86,7 @@ class RedisStore:
         parts = urllib.parse.urlsplit(url)
         scheme = parts.scheme.lower()
         options: dict[str, Any] = {
-            "socket_timeout": timeout_s,
+            "socket_timeout": None,
             "socket_connect_timeout": timeout_s,
             "retry": redis.asyncio.retry.Retry(redis.backoff.NoBackoff(), 0),
         }
@@ -104,6 +106,10 @@ class RedisStore:
             )
         else:
             self.client = redis.asyncio.Redis.from_url(url, **options)
+
+    async def size(self, key: bytes) -> int:
+        """STRLEN key (0: none)."""
+        return int(await self.client.strlen(key))
 
     async def get(self, key: bytes) -> bytes | None:
         """The value stored under key, or None."""

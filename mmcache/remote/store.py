@@ -14,7 +14,12 @@ class RemoteStore(Protocol):
     Values are opaque bytes (a header and a payload, mmcache.remote.codec); keys are the
     server-side keys of FeatureCache.remote_key(). Every method raises the backend's own
     errors on a fault (connection lost, timeout); the remote tier counts and absorbs them.
+    The caller bounds each call in time (the remote tier: by the bytes it moves).
     """
+
+    async def size(self, key: bytes) -> int:
+        """The length in bytes of the value stored under key (0 if there is none)."""
+        ...
 
     async def get(self, key: bytes) -> bytes | None:
         """The value stored under key, or None if there is none."""

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 import reprlib
+import time
 from collections.abc import Callable, Hashable, Iterable
 from typing import final
 
@@ -36,7 +37,8 @@ class RemoteTier:
     that asked serves it as a host hit; concurrent gets of one key share one fetch. A
     value that fails a check of its header or payload is counted, deleted on the server
     and never served; a value of another format version is a miss. Faults (server down,
-    slow, restarted) make reads miss within remote_timeout_sec and drop writes; they are
+    slow, restarted) make reads miss within remote_timeout_sec (plus
+    remote_timeout_per_mib_sec per MiB of a value being moved) and drop writes; they are
     counted, logged once per burst, and backed off from until the server answers again.
     Nothing local depends on the server.
     """
@@ -70,7 +72,12 @@ class RemoteTier:
             device=device, host=core.host, index=index, ledger=core.ledger, changed=changed
         )
         self._faults = faults = Faults(name, series.error, settings.remote_timeout_sec)
-        self._call = calls = ServerCalls(faults, settings.remote_timeout_sec, series.seconds)
+        self._call = calls = ServerCalls(
+            faults,
+            settings.remote_timeout_sec,
+            series.seconds,
+            per_mib_s=settings.remote_timeout_per_mib_sec,
+        )
         self._fetches: SingleFlight[None] = SingleFlight()
         self._writer = RemoteWriter(
             settings,
@@ -136,10 +143,20 @@ class RemoteTier:
             lookups["skipped"].inc()
             return
         rkey = self.key(key)
-        value = await self._call("get", self._store.get(rkey))
-        if isinstance(value, Failed):
+        started = time.perf_counter()
+        # The value's length first: the GET's time limit grows with it.
+        size = await self._call("get", self._store.size(rkey), timed=False)
+        if isinstance(size, Failed):
             lookups["error"].inc()
             return
+        value = None
+        if size > 0:
+            got = await self._call("get", self._store.get(rkey), size, timed=False)
+            if isinstance(got, Failed):
+                lookups["error"].inc()
+                return
+            value = got
+        self._series.seconds["get"].observe(time.perf_counter() - started)
         if value is None:
             self.misses += 1
             lookups["miss"].inc()
@@ -223,7 +240,8 @@ class RemoteTier:
         await self._writer.queue.drain()
 
     async def close(self) -> None:
-        """Send queued writes for up to remote_timeout_sec, drop the rest, close the client."""
+        """Send queued writes for up to the time their bytes may take (remote_timeout_sec
+        plus remote_timeout_per_mib_sec per MiB), drop the rest, close the client."""
         if self._closed:
             return
         self._closed = True
@@ -232,7 +250,9 @@ class RemoteTier:
         for task in self._fetches.running():
             with contextlib.suppress(BaseException):
                 await task
-        self._writer.drop_all(await self._writer.queue.close(self._timeout), "closed")
+        queue = self._writer.queue
+        # As long as the bytes queued may take to send: a put's own time limit.
+        self._writer.drop_all(await queue.close(self._call.timeout(queue.nbytes)), "closed")
         probe = self._writer.stop_probing()
         if probe is not None:
             with contextlib.suppress(BaseException):

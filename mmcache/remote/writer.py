@@ -177,7 +177,7 @@ class RemoteWriter:
             return
         try:
             result = await self._calls(
-                "put", self._store.put(write.key, memoryview(value), self._ttl)
+                "put", self._store.put(write.key, memoryview(value), self._ttl), len(value)
             )
         except asyncio.CancelledError:
             self._drop("closed")
