@@ -210,6 +210,23 @@ async def test_namespaces_that_looked_alike_do_not_share_values(
     assert b.stats().remote_hits == 0
 
 
+async def test_a_key_of_another_type_is_one_keys_miss_not_a_server_fault(
+    rig: Rig, make_cache: CacheFactory, redis_url: str, raw: redis.asyncio.Redis
+) -> None:
+    a = make_cache(remote_url=redis_url)
+    want = await put_feature(a, rig, "good", 16)
+    await a.drain()
+    b = make_cache(remote_url=redis_url)
+    # A hash: STRLEN and GET answer WRONGTYPE (redis-py types hset's key as str).
+    await raw.hset(b.remote_key("hash").decode(), "field", "value")  # type: ignore[misc]
+    assert await b.get("hash") is None
+    assert_exact(await b.get("good", device="cpu"), want)  # not backed off: served at once
+    s = b.stats()
+    assert (s.remote_errors, s.remote_rejected, s.remote_hits) == (0, 1, 1)
+    await b.close()  # waits for the delete
+    assert not await raw.exists(b.remote_key("hash"))
+
+
 async def test_a_value_of_another_format_version_is_a_counted_miss(
     rig: Rig, make_cache: CacheFactory, redis_url: str, raw: redis.asyncio.Redis
 ) -> None:

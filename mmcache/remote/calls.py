@@ -11,6 +11,7 @@ from typing import Final, TypeVar, final
 from prometheus_client import Histogram
 
 from mmcache.remote.faults import Faults
+from mmcache.remote.store import WrongTypeError
 
 __all__ = ["FAILED", "Failed", "ServerCalls"]
 
@@ -36,7 +37,8 @@ class ServerCalls:
     value on a healthy server is not a fault, a server that does not answer still is
     one within timeout_s. A call that succeeds ends a burst of faults and has its
     latency observed (by op, unless timed=False); one that fails is counted and backed
-    off from (mmcache.remote.faults).
+    off from (mmcache.remote.faults). WrongTypeError (a fault of one key, not of the
+    server) is raised to the caller and counts as an answer.
     """
 
     def __init__(
@@ -72,6 +74,9 @@ class ServerCalls:
             async with asyncio.timeout(limit) as deadline:
                 result = await call
         except asyncio.CancelledError:
+            raise
+        except WrongTypeError:
+            self.faults.succeeded()  # the server answered: the fault is the key's
             raise
         except Exception as e:
             if isinstance(e, TimeoutError) and deadline.expired():

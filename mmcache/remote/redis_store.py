@@ -8,6 +8,7 @@ from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any, Final, cast, final
 
 from mmcache.errors import SettingsError
+from mmcache.remote.store import WrongTypeError
 from mmcache.settings import redact_url
 
 if TYPE_CHECKING:
@@ -22,8 +23,12 @@ SINGLE_SCHEMES: Final = ("redis", "rediss", "unix")
 CLUSTER_SCHEMES: Final = ("redis+cluster", "rediss+cluster")
 SCHEMES: Final = SINGLE_SCHEMES + CLUSTER_SCHEMES
 
-# Deletes KEYS[1] only if its value's SHA-1 is ARGV[1]; one key, so it runs on a cluster too.
+# Deletes KEYS[1] only if it holds a string whose SHA-1 is ARGV[1]; one key, so it runs on
+# a cluster too.
 _DELETE_IF_SHA1: Final = """
+if redis.call('TYPE', KEYS[1]).ok ~= 'string' then
+  return 0
+end
 local value = redis.call('GET', KEYS[1])
 if value and redis.sha1hex(value) == ARGV[1] then
   return redis.call('DEL', KEYS[1])
@@ -69,6 +74,11 @@ def _import_redis() -> Any:
     return redis
 
 
+def _wrong_type(error: Exception) -> bool:
+    """Whether a reply error says the key holds a value of another type."""
+    return str(error).startswith("WRONGTYPE")
+
+
 @final
 class RedisStore:
     """Values under server keys in Redis/Valkey: STRLEN, GET, SET with PX, EXISTS, DEL.
@@ -85,6 +95,7 @@ class RedisStore:
         self.url = redact_url(url)
         parts = urllib.parse.urlsplit(url)
         scheme = parts.scheme.lower()
+        self._response_error: type[Exception] = redis.exceptions.ResponseError
         options: dict[str, Any] = {
             "socket_timeout": None,
             "socket_connect_timeout": timeout_s,
@@ -108,12 +119,22 @@ class RedisStore:
             self.client = redis.asyncio.Redis.from_url(url, **options)
 
     async def size(self, key: bytes) -> int:
-        """STRLEN key (0: none)."""
-        return int(await self.client.strlen(key))
+        """STRLEN key (0: none); WrongTypeError if key holds another type."""
+        try:
+            return int(await self.client.strlen(key))
+        except self._response_error as e:
+            if _wrong_type(e):
+                raise WrongTypeError(f"the key holds another type ({e})") from None
+            raise
 
     async def get(self, key: bytes) -> bytes | None:
-        """The value stored under key, or None."""
-        value = await self.client.get(key)
+        """The value stored under key, or None; WrongTypeError if key holds another type."""
+        try:
+            value = await self.client.get(key)
+        except self._response_error as e:
+            if _wrong_type(e):
+                raise WrongTypeError(f"the key holds another type ({e})") from None
+            raise
         return None if value is None else bytes(value)
 
     async def put(self, key: bytes, value: bytes | memoryview, ttl_s: float | None) -> None:

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-__all__ = ["RemoteStore"]
+from mmcache.errors import MMCacheError
+
+__all__ = ["RemoteStore", "WrongTypeError"]
+
+
+class WrongTypeError(MMCacheError):
+    """The key holds something other than a byte string (Redis: WRONGTYPE, a value of
+    another type): a fault of that key, not of the server."""
 
 
 @runtime_checkable
@@ -18,11 +25,13 @@ class RemoteStore(Protocol):
     """
 
     async def size(self, key: bytes) -> int:
-        """The length in bytes of the value stored under key (0 if there is none)."""
+        """The length in bytes of the value stored under key (0 if there is none);
+        WrongTypeError if key holds something else."""
         ...
 
     async def get(self, key: bytes) -> bytes | None:
-        """The value stored under key, or None if there is none."""
+        """The value stored under key, or None if there is none; WrongTypeError if key
+        holds something else."""
         ...
 
     async def put(self, key: bytes, value: bytes | memoryview, ttl_s: float | None) -> None:
@@ -34,8 +43,9 @@ class RemoteStore(Protocol):
         ...
 
     async def delete(self, key: bytes, only_if: bytes | None = None) -> None:
-        """Remove key's value, if any; with only_if, only while the value is still those bytes
-        (a rejected value is deleted, never a good one written since)."""
+        """Remove key's value (or whatever key holds), if any; with only_if, only while the
+        value is still those bytes (a rejected value is deleted, never a good one written
+        since)."""
         ...
 
     async def close(self) -> None:

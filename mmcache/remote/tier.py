@@ -19,7 +19,7 @@ from mmcache.remote.calls import Failed, ServerCalls
 from mmcache.remote.codec import OtherVersionError, RemoteValueError, parse, server_key
 from mmcache.remote.faults import Faults
 from mmcache.remote.landing import HostLanding
-from mmcache.remote.store import RemoteStore
+from mmcache.remote.store import RemoteStore, WrongTypeError
 from mmcache.remote.writer import THREAD_FROM_BYTES, RemoteWriter
 from mmcache.settings import CacheSettings
 from mmcache.single_flight import SingleFlight
@@ -35,12 +35,12 @@ class RemoteTier:
 
     A read lands the value in a host block and indexes it as a host entry, so the get
     that asked serves it as a host hit; concurrent gets of one key share one fetch. A
-    value that fails a check of its header or payload is counted, deleted on the server
-    and never served; a value of another format version is a miss. Faults (server down,
-    slow, restarted) make reads miss within remote_timeout_sec (plus
-    remote_timeout_per_mib_sec per MiB of a value being moved) and drop writes; they are
-    counted, logged once per burst, and backed off from until the server answers again.
-    Nothing local depends on the server.
+    value that fails a check of its header or payload, or a key that holds another type,
+    is counted, deleted on the server and never served; a value of another format
+    version is a miss. Faults (server down, slow, restarted) make reads miss within
+    remote_timeout_sec (plus remote_timeout_per_mib_sec per MiB of a value being moved)
+    and drop writes; they are counted, logged once per burst, and backed off from until
+    the server answers again. Nothing local depends on the server.
     """
 
     def __init__(
@@ -144,18 +144,22 @@ class RemoteTier:
             return
         rkey = self.key(key)
         started = time.perf_counter()
-        # The value's length first: the GET's time limit grows with it.
-        size = await self._call("get", self._store.size(rkey), timed=False)
-        if isinstance(size, Failed):
-            lookups["error"].inc()
-            return
-        value = None
-        if size > 0:
-            got = await self._call("get", self._store.get(rkey), size, timed=False)
-            if isinstance(got, Failed):
+        try:
+            # The value's length first: the GET's time limit grows with it.
+            size = await self._call("get", self._store.size(rkey), timed=False)
+            if isinstance(size, Failed):
                 lookups["error"].inc()
                 return
-            value = got
+            value = None
+            if size > 0:
+                got = await self._call("get", self._store.get(rkey), size, timed=False)
+                if isinstance(got, Failed):
+                    lookups["error"].inc()
+                    return
+                value = got
+        except WrongTypeError as e:
+            self._reject(key, rkey, None, e)
+            return
         self._series.seconds["get"].observe(time.perf_counter() - started)
         if value is None:
             self.misses += 1
@@ -195,8 +199,9 @@ class RemoteTier:
             lookups["hit"].inc()
             self._series.bytes["read"].inc(header.length)
 
-    def _reject(self, key: Hashable, rkey: bytes, value: bytes, error: RemoteValueError) -> None:
-        """A value failed a check: count it, delete it on the server, serve a miss."""
+    def _reject(self, key: Hashable, rkey: bytes, value: bytes | None, error: Exception) -> None:
+        """A value failed a check, or key's server key holds another type (value None):
+        count it, delete it on the server, serve a miss."""
         self.rejected += 1
         self._series.lookups["rejected"].inc()
         log.warning("remote value of %s rejected and deleted: %s", reprlib.repr(key), error)
@@ -204,7 +209,9 @@ class RemoteTier:
         self._deletes.add(task)
         task.add_done_callback(self._deletes.discard)
 
-    async def _delete(self, rkey: bytes, value: bytes) -> None:
+    async def _delete(self, rkey: bytes, value: bytes | None) -> None:
+        # A rejected value only while it is still there; another type at once (a value
+        # written since then replaced it, and the delete may take that one: a miss).
         await self._call("delete", self._store.delete(rkey, only_if=value))
 
     # --- writes -------------------------------------------------------------------------
