@@ -208,7 +208,9 @@ async def test_close_with_writes_queued_and_the_server_paused_ends_in_time(
     assert s.remote_dropped_writes == 10 and s.remote_queued_bytes == 0
 
 
-def test_a_flapping_server_is_logged_once_a_minute(caplog: pytest.LogCaptureFixture) -> None:
+def test_every_outage_is_logged_when_it_starts_and_when_it_ends(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     from mmcache.remote import faults
 
     counted: list[str] = []
@@ -216,16 +218,19 @@ def test_a_flapping_server_is_logged_once_a_minute(caplog: pytest.LogCaptureFixt
     now = [1000.0]
     tracker._clock = lambda: now[0]
     caplog.set_level(logging.DEBUG, logger="mmcache")
-    for _ in range(5):  # five short bursts within a minute
-        tracker.failed("get", TimeoutError())
+    for _ in range(5):  # five short outages within a minute, each of three failed calls
+        for _ in range(3):
+            tracker.failed("get", TimeoutError())
         now[0] += 1
         tracker.succeeded()
-    assert len(_warnings(caplog)) == 2  # the first burst's start and end
-    now[0] += faults.QUIET_S
+    warnings = _warnings(caplog)
+    assert len(warnings) == 10  # each outage's start and end, none swallowed
+    assert all("get failed (TimeoutError: no answer in time)" in m for m in warnings[::2])
+    assert all("back after 3 failed operations in 1.0 s" in m for m in warnings[1::2])
     tracker.failed("get", ConnectionError("refused"))
-    assert "4 shorter bursts" in _warnings(caplog)[-1]
-    assert counted == ["timeout"] * 5 + ["connection"]
-    assert tracker.errors["timeout"] == 5 and tracker.total == 6
+    assert "(ConnectionError: refused)" in _warnings(caplog)[-1]
+    assert counted == ["timeout"] * 15 + ["connection"]
+    assert tracker.errors["timeout"] == 15 and tracker.total == 16
 
 
 async def test_a_get_cancelled_during_a_fetch_leaves_the_fetch_to_land(

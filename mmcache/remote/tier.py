@@ -39,8 +39,8 @@ class RemoteTier:
     is counted, deleted on the server and never served; a value of another format
     version is a miss. Faults (server down, slow, restarted) make reads miss within
     remote_timeout_sec (plus remote_timeout_per_mib_sec per MiB of a value being moved)
-    and drop writes; they are counted, logged once per burst, and backed off from until
-    the server answers again. Nothing local depends on the server.
+    and drop writes; they are counted, logged when they start and when they end, and
+    backed off from until the server answers again. Nothing local depends on the server.
     """
 
     def __init__(
