@@ -164,9 +164,10 @@ class CacheSettings(BaseSettings):
         )
     )
     remote_ttl_sec: Annotated[float | None, _Env(("MMCACHE_REMOTE_TTL_SEC",))] = Field(
-        default=None,
+        default=3600,
         gt=0,
-        description="seconds a remote value lives; unset: until the server evicts it",
+        description="seconds a remote value lives (remote_ttl_sec=None: until the server "
+        "evicts it)",
     )
     remote_timeout_sec: Annotated[float, _Env(("MMCACHE_REMOTE_TIMEOUT_SEC",))] = Field(
         default=0.5,

@@ -74,6 +74,10 @@ def _import_redis() -> Any:
     return redis
 
 
+def _text(value: object) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
 def _wrong_type(error: Exception) -> bool:
     """Whether a reply error says the key holds a value of another type."""
     return str(error).startswith("WRONGTYPE")
@@ -141,6 +145,21 @@ class RedisStore:
         """SET key value [PX ttl]."""
         px = None if ttl_s is None else max(1, round(ttl_s * 1000))
         await self.client.set(key, value, px=px)
+
+    async def memory_policy(self) -> tuple[int, str] | None:
+        """The server's maxmemory (bytes; 0: no limit) and maxmemory-policy, or None where
+        it does not say (CONFIG refused or renamed, as managed services do)."""
+        try:
+            config = await self.client.config_get("maxmemory*")
+        except self._response_error:
+            return None
+        if config and all(isinstance(v, dict) for v in config.values()):
+            config = next(iter(config.values()))  # answers per node: take one
+        found = {_text(k): _text(v) for k, v in config.items()}
+        limit, policy = found.get("maxmemory", ""), found.get("maxmemory-policy")
+        if not limit.isdigit() or policy is None:
+            return None
+        return int(limit), policy
 
     async def exists(self, key: bytes) -> bool:
         """EXISTS key."""

@@ -17,7 +17,7 @@ from mmcache.entry import Entry, Member
 from mmcache.metrics import CacheMetrics, RemoteSeries
 from mmcache.remote.calls import Failed, ServerCalls
 from mmcache.remote.codec import OtherVersionError, RemoteValueError, parse, server_key
-from mmcache.remote.faults import Faults
+from mmcache.remote.faults import Faults, describe
 from mmcache.remote.landing import HostLanding
 from mmcache.remote.store import RemoteStore, WrongTypeError
 from mmcache.remote.writer import THREAD_FROM_BYTES, RemoteWriter
@@ -56,12 +56,14 @@ class RemoteTier:
     ) -> None:
         """The tier of settings.remote_url (or of store, a RemoteStore given instead) for the
         cache named name, whose parts are core."""
+        self._redis = None
         if store is None:
             from mmcache.remote.redis_store import RedisStore
 
             assert settings.remote_url is not None
-            redis = RedisStore(settings.remote_url, settings.remote_timeout_sec)
+            self._redis = redis = RedisStore(settings.remote_url, settings.remote_timeout_sec)
             store, name = redis, f"{redis.url} (cache {name!r})"
+        self._name = name
         self._store = store
         self._namespace = settings.remote_namespace
         self._write_mode = settings.remote_write
@@ -78,6 +80,7 @@ class RemoteTier:
             series.seconds,
             per_mib_s=settings.remote_timeout_per_mib_sec,
         )
+        self._ttl = settings.remote_ttl_sec
         self._fetches: SingleFlight[None] = SingleFlight()
         self._writer = RemoteWriter(
             settings,
@@ -89,6 +92,7 @@ class RemoteTier:
             series=series,
         )
         self._deletes: set[asyncio.Task[None]] = set()
+        self._check: asyncio.Task[None] | None = None
         self._closed = False
         self.hits = self.misses = self.rejected = self.read_bytes = 0
 
@@ -242,6 +246,38 @@ class RemoteTier:
 
     # --- lifecycle ----------------------------------------------------------------------
 
+    def start(self) -> None:
+        """Look at the server's memory limit in the background (on the cache's start)."""
+        if self._redis is not None and self._check is None and not self._closed:
+            self._check = asyncio.get_running_loop().create_task(self._check_memory())
+
+    async def _check_memory(self) -> None:
+        """Warn where the server can fill up: no maxmemory, or one that refuses writes when
+        reached. Not a fault of the tier's: a failure here is logged at debug level only."""
+        assert self._redis is not None
+        try:
+            found = await asyncio.wait_for(self._redis.memory_policy(), self._timeout)
+        except Exception as e:
+            log.debug("remote tier %s: could not read maxmemory: %s", self._name, describe(e))
+            return
+        if found is None:
+            return
+        limit, policy = found
+        ttl = "no TTL" if self._ttl is None else f"remote_ttl_sec {self._ttl:g}"
+        if limit == 0:
+            log.warning(
+                "remote tier %s: the server has no memory limit (maxmemory 0): values (%s) "
+                "can fill its memory; set maxmemory and maxmemory-policy allkeys-lru on it",
+                self._name,
+                ttl,
+            )
+        elif policy == "noeviction":
+            log.warning(
+                "remote tier %s: the server evicts nothing (maxmemory-policy noeviction): "
+                "once full, every write fails; set maxmemory-policy allkeys-lru on it",
+                self._name,
+            )
+
     async def drain(self) -> None:
         """Wait until every write queued so far has been sent or dropped."""
         await self._writer.queue.drain()
@@ -252,6 +288,10 @@ class RemoteTier:
         if self._closed:
             return
         self._closed = True
+        if self._check is not None:
+            self._check.cancel()
+            with contextlib.suppress(BaseException):
+                await self._check
         for task in self._fetches.running():
             task.cancel()
         for task in self._fetches.running():
