@@ -323,3 +323,18 @@ async def test_a_large_value_moves_within_its_time_limit(
     b = make_cache(gpu_mb=0, cpu_mb=64, remote_url=redis_url, remote_timeout_sec=0.05)
     assert_exact(await b.get("large", device="cpu"), expected)
     assert b.stats().remote_errors == 0
+
+
+def test_the_demo_fails_when_its_remote_tier_never_answered(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from mmcache.cli import main
+
+    skip_without_redis()
+    small = ["demo", "--device", "sim", "--requests", "6", "--seed", "1", "--hidden", "256"]
+    small += ["--gpu-mb", "64", "--cpu-mb", "128", "--images", "20", "--quiet"]
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    assert main([*small, "--remote-url", url]) == 1
+    out = capsys.readouterr().out
+    assert f"FAIL: the remote tier ({url}) never answered" in out
+    assert "PASS" not in out
