@@ -125,6 +125,8 @@ class FeatureCache:
         if port is not None and self._registry is None:
             # One server per process serves every cache on the default registry.
             ensure_metrics_server(port, self.settings.metrics_addr)
+        if self._remote is not None:
+            self._remote.start()  # warns, in the background, of a server that can fill up
         arena = self._core.host.start(loop, self._when_done, self._host_ready)
         if arena is not None and arena.done():
             await asyncio.sleep(0)  # let the host tier take it: the simulator's is ready now
@@ -199,7 +201,7 @@ class FeatureCache:
             await self._remote.drain()
 
     def remote_key(self, key: Hashable) -> bytes:
-        """The remote tier's key of key: <namespace>: + a stable encoding, in any process."""
+        """The remote tier's key of key: <len>:<namespace>:<a stable encoding>, in any process."""
         check_key(key)
         return server_key(self.settings.remote_namespace, key)
 

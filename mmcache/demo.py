@@ -30,6 +30,7 @@ import torch
 from mmcache import CacheSettings, CacheStats, FeatureCache
 from mmcache.device import SimDevice
 from mmcache.metrics import start_metrics_server
+from mmcache.settings import redact_url
 
 __all__ = ["DemoConfig", "DemoError", "demo_settings", "format_table", "run_demo"]
 
@@ -598,8 +599,25 @@ async def _run(config: DemoConfig, out: TextIO, err: TextIO) -> int:
     for message in verifier.messages:
         print(f"MISMATCH: {message}", file=err)
     passed, line = verdict(verifier.chunks, verifier.mismatches, stats.leaked_bytes)
+    unreached = _remote_unreached(settings, stats)
+    if unreached is not None:
+        passed, line = False, f"FAIL: {unreached}"
     print(line, file=out, flush=True)
     return 0 if passed else 1
+
+
+def _remote_unreached(settings: CacheSettings, stats: CacheStats) -> str | None:
+    """Why a configured remote tier fails the run: it never answered (None: it did, or
+    there is none). Every feature is served locally then, so the reads alone would pass."""
+    if settings.remote_url is None:
+        return None
+    answered = stats.remote_hits + stats.remote_misses + stats.remote_rejected
+    if answered or stats.remote_written_bytes:
+        return None
+    return (
+        f"the remote tier ({redact_url(settings.remote_url)}) never answered: "
+        f"{stats.remote_errors} errors, 0 reads or writes; is the server running there?"
+    )
 
 
 def _first_error(group: BaseExceptionGroup[BaseException]) -> BaseException:

@@ -153,8 +153,8 @@ class CacheSettings(BaseSettings):
     remote_namespace: Annotated[str, _Env(("MMCACHE_REMOTE_NAMESPACE",))] = Field(
         default="mmcache",
         min_length=1,
-        description="prefix of every key on the remote server; caches with different "
-        "namespaces never see each other's values",
+        description="names every key on the remote server (<length>:<namespace>:<key>); "
+        "caches with different namespaces never see each other's values",
     )
     remote_write: Annotated[Literal["put", "evict", "off"], _Env(("MMCACHE_REMOTE_WRITE",))] = (
         Field(
@@ -164,14 +164,24 @@ class CacheSettings(BaseSettings):
         )
     )
     remote_ttl_sec: Annotated[float | None, _Env(("MMCACHE_REMOTE_TTL_SEC",))] = Field(
-        default=None,
+        default=3600,
         gt=0,
-        description="seconds a remote value lives; unset: until the server evicts it",
+        description="seconds a remote value lives (remote_ttl_sec=None: until the server "
+        "evicts it)",
     )
     remote_timeout_sec: Annotated[float, _Env(("MMCACHE_REMOTE_TIMEOUT_SEC",))] = Field(
         default=0.5,
         gt=0,
-        description="seconds before a remote operation gives up (a get then misses)",
+        description="seconds before a remote operation gives up (a get then misses), "
+        "plus remote_timeout_per_mib_sec for each MiB it moves",
+    )
+    remote_timeout_per_mib_sec: Annotated[float, _Env(("MMCACHE_REMOTE_TIMEOUT_PER_MIB_SEC",))] = (
+        Field(
+            default=0.05,
+            ge=0,
+            description="seconds a remote operation may take beyond remote_timeout_sec for "
+            "each MiB of the value it moves",
+        )
     )
     remote_max_value_mb: Annotated[float, _Env(("MMCACHE_REMOTE_MAX_VALUE_MB",))] = Field(
         default=64, gt=0, description="largest feature in MiB that goes to the remote tier"

@@ -293,13 +293,14 @@ async def longest_loop_gap(work: Awaitable[object]) -> float:
     return longest
 
 
-@pytest.fixture(scope="session")
-def redis_session() -> Iterator[Any]:
-    """One real redis-server for the session (skips where redis-server is absent)."""
-    from redis_server import redis_server, skip_without_redis
+@pytest.fixture(scope="session", params=["redis", "valkey"])
+def redis_session(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """One real server of each kind for the session, Redis and Valkey (skips where one is
+    absent, fails under CI)."""
+    from redis_server import redis_server, require_server
 
-    skip_without_redis()
-    with redis_server() as server:
+    require_server(request.param)
+    with redis_server(kind=request.param) as server:
         yield server
 
 

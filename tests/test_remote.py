@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import shutil
 import subprocess
 from collections.abc import AsyncIterator, Callable
@@ -195,13 +196,17 @@ async def test_values_expire_after_remote_ttl_sec(
     assert await node().get("short-lived") is None
 
 
-async def test_values_without_ttl_do_not_expire(
+async def test_values_expire_after_an_hour_by_default_and_never_with_no_ttl(
     rig: Rig, node: Node, raw: redis.asyncio.Redis
 ) -> None:
     a = node()
-    await put_feature(a, rig, "kept", 8)
+    await put_feature(a, rig, "default", 8)
     await a.drain()
-    assert await raw.pttl(a.remote_key("kept")) == -1
+    assert 3_500_000 < await raw.pttl(a.remote_key("default")) <= 3_600_000
+    b = node(remote_ttl_sec=None)
+    await put_feature(b, rig, "kept", 8)
+    await b.drain()
+    assert await raw.pttl(b.remote_key("kept")) == -1
 
 
 async def test_remote_write_evict_writes_only_what_leaves_the_host_tier(
@@ -236,11 +241,11 @@ async def test_remote_key_is_namespace_and_a_stable_encoding(make_cache: CacheFa
     cache = make_cache(remote_namespace="ns")
     keys: list[Any] = [1, "1", b"1", (1,), ("1",), (1, 2), ((1,), 2), (1, (2,)), True, ""]
     encoded = [cache.remote_key(k) for k in keys]
-    assert all(e.startswith(b"ns:") for e in encoded)
+    assert all(e.startswith(b"2:ns:") for e in encoded)
     # Equal keys (True == 1 in a dict) meet; distinct ones never do.
     assert encoded[0] == encoded[8]
     assert len(set(encoded)) == len(keys) - 1
-    assert cache.remote_key(("img", 3)) == b"ns:t2(s3:imgi3;)"  # the same in every process
+    assert cache.remote_key(("img", 3)) == b"2:ns:t2(s3:imgi3;)"  # the same in every process
     long = cache.remote_key("x" * 10_000)
     assert len(long) < 100 and long == cache.remote_key("x" * 10_000)
 
@@ -282,6 +287,8 @@ def test_demo_with_a_remote_url_shows_remote_hits(
     assert main([*SMALL_DEMO, "--remote-url", redis_url]) == 0
     first = capsys.readouterr().out
     assert "remote hits / misses" in first and first.rstrip().endswith("0 bytes leaked")
+    faults = first.split("remote errors / rejected / dropped writes", 1)[1].split("\n")[0]
+    assert faults.split() == ["0", "/", "0", "/", "0"]
     assert main([*SMALL_DEMO, "--remote-url", redis_url]) == 0  # a second node, as it were
     second = capsys.readouterr().out
     hits = second.split("remote hits / misses", 1)[1].split()[0]
@@ -371,3 +378,33 @@ async def test_a_rediss_url_shares_features_over_tls(
         plain = make_cache(remote_url=f"redis://127.0.0.1:{port}/0", remote_timeout_sec=0.5)
         assert await plain.get("k") is None  # TLS port, no TLS: a fault, a miss
         assert plain.stats().remote_errors == 1
+
+
+@pytest.mark.parametrize(
+    ("options", "warned"),
+    [
+        ((), "the server has no memory limit (maxmemory 0)"),
+        (("--maxmemory", "64mb", "--maxmemory-policy", "noeviction"), "evicts nothing"),
+        (("--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru"), None),
+    ],
+)
+async def test_a_server_that_can_fill_up_is_warned_of_at_start(
+    make_cache: CacheFactory,
+    redis_session: Any,
+    caplog: pytest.LogCaptureFixture,
+    options: tuple[str, ...],
+    warned: str | None,
+) -> None:
+    from redis_server import redis_server
+
+    with redis_server(*options, kind=redis_session.kind) as server:
+        cache = make_cache(remote_url=server.url)
+        await cache.start()
+        assert cache._remote is not None and cache._remote._check is not None
+        await asyncio.wait_for(cache._remote._check, 5)
+        logged = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        if warned is None:
+            assert not logged
+        else:
+            assert len(logged) == 1 and warned in logged[0]
+        await cache.close()

@@ -1,4 +1,4 @@
-"""The remote tier on a Redis cluster of three nodes (redis+cluster://), keys spread by slot."""
+"""The remote tier on a cluster of three nodes (redis+cluster://), keys spread by slot."""
 
 from __future__ import annotations
 
@@ -6,13 +6,14 @@ from collections.abc import Iterator
 
 import pytest
 from conftest import CacheFactory, Rig, assert_exact, put_feature
-from redis_server import RedisServer, redis_cluster, skip_without_redis
+from redis_server import SERVER_KINDS, RedisServer, redis_cluster, require_server
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[list[RedisServer]]:
-    skip_without_redis()
-    with redis_cluster(3) as servers:
+@pytest.fixture(scope="module", params=SERVER_KINDS)
+def cluster(request: pytest.FixtureRequest) -> Iterator[list[RedisServer]]:
+    """A 3-node cluster of Redis, then of Valkey."""
+    require_server(request.param)
+    with redis_cluster(3, kind=request.param) as servers:
         yield servers
 
 

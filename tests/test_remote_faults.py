@@ -23,14 +23,21 @@ pytest.importorskip(
 import redis.asyncio
 import torch
 from conftest import CacheFactory, Rig, assert_exact, put_feature
-from redis_server import RedisServer, free_port, redis_server, skip_without_redis
+from redis_server import (
+    SERVER_KINDS,
+    RedisServer,
+    free_port,
+    redis_server,
+    require_server,
+    skip_without_redis,
+)
 
 
-@pytest.fixture
-def own_server() -> Iterator[RedisServer]:
-    """A server of this test's own, to kill, pause and restart."""
-    skip_without_redis()
-    with redis_server() as server:
+@pytest.fixture(params=SERVER_KINDS)
+def own_server(request: pytest.FixtureRequest) -> Iterator[RedisServer]:
+    """A server of this test's own, Redis and Valkey, to kill, pause and restart."""
+    require_server(request.param)
+    with redis_server(kind=request.param) as server:
         yield server
 
 
@@ -201,7 +208,9 @@ async def test_close_with_writes_queued_and_the_server_paused_ends_in_time(
     assert s.remote_dropped_writes == 10 and s.remote_queued_bytes == 0
 
 
-def test_a_flapping_server_is_logged_once_a_minute(caplog: pytest.LogCaptureFixture) -> None:
+def test_every_outage_is_logged_when_it_starts_and_when_it_ends(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     from mmcache.remote import faults
 
     counted: list[str] = []
@@ -209,16 +218,19 @@ def test_a_flapping_server_is_logged_once_a_minute(caplog: pytest.LogCaptureFixt
     now = [1000.0]
     tracker._clock = lambda: now[0]
     caplog.set_level(logging.DEBUG, logger="mmcache")
-    for _ in range(5):  # five short bursts within a minute
-        tracker.failed("get", TimeoutError())
+    for _ in range(5):  # five short outages within a minute, each of three failed calls
+        for _ in range(3):
+            tracker.failed("get", TimeoutError())
         now[0] += 1
         tracker.succeeded()
-    assert len(_warnings(caplog)) == 2  # the first burst's start and end
-    now[0] += faults.QUIET_S
+    warnings = _warnings(caplog)
+    assert len(warnings) == 10  # each outage's start and end, none swallowed
+    assert all("get failed (TimeoutError: no answer in time)" in m for m in warnings[::2])
+    assert all("back after 3 failed operations in 1.0 s" in m for m in warnings[1::2])
     tracker.failed("get", ConnectionError("refused"))
-    assert "4 shorter bursts" in _warnings(caplog)[-1]
-    assert counted == ["timeout"] * 5 + ["connection"]
-    assert tracker.errors["timeout"] == 5 and tracker.total == 6
+    assert "(ConnectionError: refused)" in _warnings(caplog)[-1]
+    assert counted == ["timeout"] * 15 + ["connection"]
+    assert tracker.errors["timeout"] == 15 and tracker.total == 16
 
 
 async def test_a_get_cancelled_during_a_fetch_leaves_the_fetch_to_land(
@@ -271,3 +283,58 @@ def test_errors_are_counted_by_kind() -> None:
     }
     for kind, excs in kinds.items():
         assert [error_kind(e) for e in excs] == [kind] * len(excs)
+
+
+async def test_a_calls_time_limit_grows_with_the_bytes_it_moves(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from prometheus_client import Histogram
+
+    from mmcache.remote.calls import Failed, ServerCalls
+    from mmcache.remote.faults import Faults
+
+    counted: list[str] = []
+    seconds: dict[str, Histogram] = {}
+    calls = ServerCalls(Faults("server", counted.append), 0.1, seconds, per_mib_s=0.05)
+    mib = 1024 * 1024
+    assert calls.timeout() == pytest.approx(0.1)
+    assert calls.timeout(40 * mib) == pytest.approx(2.1)
+    # 0.3 s to move 8 MiB: within 0.1 + 8 x 0.05 s, a fault for a small value.
+    assert await calls("put", asyncio.sleep(0.3, "sent"), 8 * mib) == "sent"
+    assert counted == []
+    assert isinstance(await calls("put", asyncio.sleep(0.3, "sent"), 1024), Failed)
+    assert counted == ["timeout"]
+    warning = _warnings(caplog)[-1]
+    assert "put failed (TimeoutError: timed out after 0.10 s moving 1024 bytes)" in warning
+
+
+async def test_a_large_value_moves_within_its_time_limit(
+    rig: Rig, make_cache: CacheFactory, redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """48 MiB in 0.05 s would need 1 GB/s through redis-py: the limit must scale."""
+    a = make_cache(gpu_mb=64, cpu_mb=64, remote_url=redis_url, remote_timeout_sec=0.05)
+    want = rig.tensor(48 * 1024, 256, dtype=torch.float32, seed=3)
+    expected = want.cpu().clone()
+    assert await a.put("large", want)
+    del want
+    await a.drain()
+    s = a.stats()
+    assert (s.remote_dropped_writes, s.remote_errors) == (0, 0), _warnings(caplog)
+    b = make_cache(gpu_mb=0, cpu_mb=64, remote_url=redis_url, remote_timeout_sec=0.05)
+    assert_exact(await b.get("large", device="cpu"), expected)
+    assert b.stats().remote_errors == 0
+
+
+def test_the_demo_fails_when_its_remote_tier_never_answered(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from mmcache.cli import main
+
+    skip_without_redis()
+    small = ["demo", "--device", "sim", "--requests", "6", "--seed", "1", "--hidden", "256"]
+    small += ["--gpu-mb", "64", "--cpu-mb", "128", "--images", "20", "--quiet"]
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    assert main([*small, "--remote-url", url]) == 1
+    out = capsys.readouterr().out
+    assert f"FAIL: the remote tier ({url}) never answered" in out
+    assert "PASS" not in out

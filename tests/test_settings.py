@@ -68,6 +68,7 @@ OWN_NAMES: list[tuple[str, str, str, object]] = [
     ("remote_write", "MMCACHE_REMOTE_WRITE", "evict", "evict"),
     ("remote_ttl_sec", "MMCACHE_REMOTE_TTL_SEC", "3600", 3600.0),
     ("remote_timeout_sec", "MMCACHE_REMOTE_TIMEOUT_SEC", "0.25", 0.25),
+    ("remote_timeout_per_mib_sec", "MMCACHE_REMOTE_TIMEOUT_PER_MIB_SEC", "0.01", 0.01),
     ("remote_max_value_mb", "MMCACHE_REMOTE_MAX_VALUE_MB", "8", 8.0),
     ("remote_queue_mb", "MMCACHE_REMOTE_QUEUE_MB", "32", 32.0),
     ("evict_ahead", "MMCACHE_EVICT_AHEAD", "0.25", 0.25),

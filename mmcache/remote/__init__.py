@@ -5,6 +5,6 @@
 """
 
 from mmcache.remote.codec import RemoteValueError
-from mmcache.remote.store import RemoteStore
+from mmcache.remote.store import RemoteStore, WrongTypeError
 
-__all__ = ["RemoteStore", "RemoteValueError"]
+__all__ = ["RemoteStore", "RemoteValueError", "WrongTypeError"]

@@ -1,5 +1,11 @@
-"""The format of a value on the server: a header (magic, version, dtype, shape, length,
-checksum) and the payload, and the checks a value must pass before it is served."""
+"""The format of a value on the server, and the checks a value must pass before it is served.
+
+A value is a header, then the payload (the tensor's bytes). The header holds the magic,
+the format version, the dtype, the number of dimensions, the payload's length, a digest
+of the server key it was written under, the shape, and last a CRC-32 that covers every
+header byte before it and the whole payload: a value is served only as exactly the
+tensor that was put under that key, or not at all.
+"""
 
 from __future__ import annotations
 
@@ -19,21 +25,28 @@ __all__ = [
     "FORMAT_VERSION",
     "MAGIC",
     "Header",
+    "OtherVersionError",
     "RemoteValueError",
-    "checksum",
-    "encode_value",
     "encode_key",
+    "encode_value",
+    "key_digest",
     "parse",
     "server_key",
     "supported",
 ]
 
 MAGIC: Final = b"MMCF"
-FORMAT_VERSION: Final = 1
-#: magic, version, dtype code, number of dimensions, payload length, crc32 of the payload
-_FIXED: Final = struct.Struct("<4sHBBQI")
+#: 2: the header names the key's digest, and its CRC-32 covers the header too
+FORMAT_VERSION: Final = 2
+#: magic and version: where every version of the format starts
+_START: Final = struct.Struct("<4sH")
+#: magic, version, dtype code, number of dimensions, payload length, the key's digest
+_FIXED: Final = struct.Struct("<4sHBBQ16s")
 _DIM: Final = struct.Struct("<Q")
+#: CRC-32 of the header bytes before it and of the payload; the header's last field
+_CHECK: Final = struct.Struct("<I")
 MAX_DIMS: Final = 32
+KEY_DIGEST_BYTES: Final = 16
 #: an encoded key longer than this is replaced by its hash, so server keys stay short
 _LONGEST_PLAIN_KEY: Final = 200
 
@@ -61,6 +74,10 @@ class RemoteValueError(MMCacheError, ValueError):
     """A value on the server failed a check of its header or payload; it is never served."""
 
 
+class OtherVersionError(RemoteValueError):
+    """A value of another format version (an older or newer mmcache wrote it): a miss."""
+
+
 @final
 @dataclass(frozen=True, slots=True)
 class Header:
@@ -74,9 +91,9 @@ class Header:
     size: int
 
 
-def checksum(payload: bytes | memoryview) -> int:
-    """The checksum the header carries (CRC-32: corruption, not an adversary, is what it finds)."""
-    return zlib.crc32(payload)
+def key_digest(key: bytes) -> bytes:
+    """The digest of a server key that a value's header carries (BLAKE2b, 16 bytes)."""
+    return hashlib.blake2b(key, digest_size=KEY_DIGEST_BYTES).digest()
 
 
 def supported(dtype: torch.dtype) -> bool:
@@ -84,8 +101,13 @@ def supported(dtype: torch.dtype) -> bool:
     return dtype in _DTYPE_CODE
 
 
-def encode_value(tensor: torch.Tensor) -> bytearray:
-    """A value for the server: the header, then the bytes of tensor (a contiguous host tensor).
+def _header_size(ndim: int) -> int:
+    return _FIXED.size + ndim * _DIM.size + _CHECK.size
+
+
+def encode_value(tensor: torch.Tensor, key: bytes) -> bytearray:
+    """A value for the server key key: the header, then the bytes of tensor (a contiguous
+    host tensor).
 
     One copy of the payload, straight into the value.
     """
@@ -94,45 +116,49 @@ def encode_value(tensor: torch.Tensor) -> bytearray:
         raise RemoteValueError(f"a tensor of {len(shape)} dimensions; at most {MAX_DIMS} go remote")
     if not tensor.is_contiguous() or tensor.device.type != "cpu":
         raise RemoteValueError("only a contiguous host tensor can be encoded")
-    size = _FIXED.size + len(shape) * _DIM.size
+    size = _header_size(len(shape))
     length = tensor.nbytes
     value = bytearray(size + length)
     view = memoryview(value)
     if length:
         dst = ctypes.addressof(ctypes.c_char.from_buffer(value, size))
         ctypes.memmove(dst, tensor.data_ptr(), length)
-    _FIXED.pack_into(
-        view,
-        0,
-        MAGIC,
-        FORMAT_VERSION,
-        _DTYPE_CODE[tensor.dtype],
-        len(shape),
-        length,
-        checksum(view[size:]),
-    )
+    code = _DTYPE_CODE[tensor.dtype]
+    _FIXED.pack_into(view, 0, MAGIC, FORMAT_VERSION, code, len(shape), length, key_digest(key))
     for i, n in enumerate(shape):
         _DIM.pack_into(view, _FIXED.size + i * _DIM.size, n)
+    checked = size - _CHECK.size
+    _CHECK.pack_into(view, checked, _checksum(view[:checked], view[size:]))
     view.release()
     return value
 
 
-def parse(value: bytes | memoryview) -> tuple[Header, memoryview]:
-    """The header of a value and a view of its payload, or RemoteValueError naming the check
-    it failed (magic, version, dtype, shape, length or checksum)."""
+def _checksum(header: memoryview, payload: memoryview) -> int:
+    """CRC-32 of the header's bytes before the checksum, then of the payload (corruption,
+    not an adversary, is what it finds)."""
+    return zlib.crc32(payload, zlib.crc32(header))
+
+
+def parse(value: bytes | memoryview, key: bytes) -> tuple[Header, memoryview]:
+    """The header of a value read under the server key key and a view of its payload, or
+    RemoteValueError naming the check it failed (magic, version, dtype, shape, length,
+    key or checksum); OtherVersionError for a value of another format version."""
     view = memoryview(value)
-    if view.nbytes < _FIXED.size:
+    if view.nbytes < _START.size:
         raise RemoteValueError(f"value of {view.nbytes} bytes is shorter than a header")
-    magic, version, code, ndim, length, crc = _FIXED.unpack_from(view)
+    magic, version = _START.unpack_from(view)
     if magic != MAGIC:
         raise RemoteValueError(f"bad magic {bytes(magic)!r}: not an mmcache value")
     if version != FORMAT_VERSION:
-        raise RemoteValueError(f"format version {version}; this mmcache reads {FORMAT_VERSION}")
+        raise OtherVersionError(f"format version {version}; this mmcache reads {FORMAT_VERSION}")
+    if view.nbytes < _FIXED.size:
+        raise RemoteValueError(f"value of {view.nbytes} bytes is shorter than a header")
+    _, _, code, ndim, length, digest = _FIXED.unpack_from(view)
     if code >= len(_DTYPES):
         raise RemoteValueError(f"unknown dtype code {code}")
     if ndim > MAX_DIMS:
         raise RemoteValueError(f"{ndim} dimensions; at most {MAX_DIMS}")
-    size = _FIXED.size + ndim * _DIM.size
+    size = _header_size(ndim)
     if view.nbytes < size:
         raise RemoteValueError("value ends inside its header")
     shape = tuple(_DIM.unpack_from(view, _FIXED.size + i * _DIM.size)[0] for i in range(ndim))
@@ -145,14 +171,24 @@ def parse(value: bytes | memoryview) -> tuple[Header, memoryview]:
     payload = view[size:]
     if payload.nbytes != length:
         raise RemoteValueError(f"payload of {payload.nbytes} bytes; the header says {length}")
-    if checksum(payload) != crc:
-        raise RemoteValueError("payload checksum mismatch")
+    if digest != key_digest(key):
+        raise RemoteValueError("written under another key (the header's key digest differs)")
+    checked = size - _CHECK.size
+    (crc,) = _CHECK.unpack_from(view, checked)
+    if _checksum(view[:checked], payload) != crc:
+        raise RemoteValueError("checksum mismatch (header or payload)")
     return Header(dtype, shape, length, crc, size), payload
 
 
 def server_key(namespace: str, key: Hashable) -> bytes:
-    """The key under which the remote tier stores key's feature: <namespace>: + encode_key."""
-    return namespace.encode() + b":" + encode_key(key)
+    """The key under which the remote tier stores key's feature in namespace.
+
+    <length of the namespace in bytes>:<namespace>:<encode_key(key)>: the length makes
+    the split unambiguous, so distinct (namespace, key) pairs never share a server key
+    (a namespace may hold ':' and anything else).
+    """
+    ns = namespace.encode("utf-8", "surrogatepass")
+    return b"%d:" % len(ns) + ns + b":" + encode_key(key)
 
 
 def encode_key(key: Hashable) -> bytes:

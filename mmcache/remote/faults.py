@@ -1,4 +1,5 @@
-"""Faults of the remote tier: counted by kind, logged once per burst, backed off from."""
+"""Faults of the remote tier: counted by kind, logged when a burst starts and when it ends,
+backed off from."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import time
 from collections.abc import Callable
 from typing import Final, final
 
-__all__ = ["ERROR_KINDS", "Faults", "error_kind"]
+__all__ = ["ERROR_KINDS", "Faults", "describe", "error_kind"]
 
 log = logging.getLogger("mmcache")
 
@@ -17,8 +18,13 @@ ERROR_KINDS: Final = ("timeout", "connection", "server", "other")
 
 BACKOFF_MIN_S: Final = 0.05
 BACKOFF_MAX_S: Final = 5.0
-#: a burst that starts within this long of the last logged one is logged at debug level
-QUIET_S: Final = 60.0
+#: what an error of each kind says when its own text is empty
+_SILENT: Final = {
+    "timeout": "no answer in time",
+    "connection": "connection failed",
+    "server": "the server answered with an error",
+    "other": "failed without a message",
+}
 
 
 def error_kind(exc: BaseException) -> str:
@@ -33,6 +39,12 @@ def error_kind(exc: BaseException) -> str:
     return "other"
 
 
+def describe(exc: BaseException) -> str:
+    """exc's type and its message, never empty: "TimeoutError: timed out after 0.50 s"."""
+    text = str(exc).strip() or _SILENT[error_kind(exc)]
+    return f"{type(exc).__name__}: {text}"
+
+
 @final
 class Faults:
     """Whether the remote tier should try the server now, and what went wrong so far.
@@ -41,10 +53,9 @@ class Faults:
     error in a row (BACKOFF_MIN_S to BACKOFF_MAX_S); once it has passed, one operation
     probes the server and the others go on skipping it until that one's answer (or for
     probe_s at most); the first success ends the burst.
-    The client reconnects on the first operation after the back-off. One warning
-    starts a burst and one line ends it, however many calls failed between; a flapping
-    server's further bursts within QUIET_S are logged at debug level and counted in the
-    next warning.
+    The client reconnects on the first operation after the back-off. Every burst (an
+    outage) is logged twice, however many calls failed in it: one warning when it starts,
+    one when it ends.
     """
 
     __slots__ = (
@@ -52,13 +63,11 @@ class Faults:
         "_burst",
         "_clock",
         "_count",
-        "_logged",
-        "_logged_at",
         "_name",
         "_probe_s",
         "_probe_until",
-        "_quiet_bursts",
         "_retry_at",
+        "_since",
         "errors",
     )
 
@@ -71,9 +80,7 @@ class Faults:
         self._backoff = 0.0
         self._retry_at = 0.0
         self._burst = 0
-        self._logged = False  # whether this burst's start was logged as a warning
-        self._logged_at = -QUIET_S
-        self._quiet_bursts = 0
+        self._since = 0.0  # when the burst started
         #: errors so far, by kind
         self.errors: dict[str, int] = dict.fromkeys(ERROR_KINDS, 0)
 
@@ -107,7 +114,14 @@ class Faults:
         self.errors[kind] += 1
         self._count(kind)
         if self._burst == 0:
-            self._burst_started(op, exc)
+            self._since = self._clock()
+            log.warning(
+                "remote tier %s: %s failed (%s); serving local tiers only, retrying with "
+                "back-off (logged again when it recovers)",
+                self._name,
+                op,
+                describe(exc),
+            )
         self._burst += 1
         self._backoff = min(BACKOFF_MAX_S, max(BACKOFF_MIN_S, self._backoff * 2))
         self._retry_at = self._clock() + self._backoff
@@ -116,35 +130,12 @@ class Faults:
     def succeeded(self) -> None:
         """An operation succeeded: the burst, if any, is over."""
         if self._burst:
-            level = logging.WARNING if self._logged else logging.DEBUG
-            log.log(
-                level, "remote tier %s: back after %d failed operations", self._name, self._burst
+            log.warning(
+                "remote tier %s: back after %d failed operations in %.1f s",
+                self._name,
+                self._burst,
+                self._clock() - self._since,
             )
             self._burst = 0
             self._backoff = 0.0
             self._probe_until = 0.0
-
-    def _burst_started(self, op: str, exc: BaseException) -> None:
-        """Log a burst's first error: a warning, unless one was logged within QUIET_S."""
-        now = self._clock()
-        self._logged = now - self._logged_at >= QUIET_S
-        if not self._logged:
-            self._quiet_bursts += 1
-            log.debug("remote tier %s: %s failed: %r", self._name, op, exc)
-            return
-        self._logged_at = now
-        since = (
-            f"; {self._quiet_bursts} shorter bursts since the last one"
-            if self._quiet_bursts
-            else ""
-        )
-        self._quiet_bursts = 0
-        log.warning(
-            "remote tier %s: %s failed (%s: %s); serving local tiers only, retrying with "
-            "back-off (logged once until it recovers%s)",
-            self._name,
-            op,
-            type(exc).__name__,
-            exc,
-            since,
-        )

@@ -8,6 +8,7 @@ from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any, Final, cast, final
 
 from mmcache.errors import SettingsError
+from mmcache.remote.store import WrongTypeError
 from mmcache.settings import redact_url
 
 if TYPE_CHECKING:
@@ -22,8 +23,12 @@ SINGLE_SCHEMES: Final = ("redis", "rediss", "unix")
 CLUSTER_SCHEMES: Final = ("redis+cluster", "rediss+cluster")
 SCHEMES: Final = SINGLE_SCHEMES + CLUSTER_SCHEMES
 
-# Deletes KEYS[1] only if its value's SHA-1 is ARGV[1]; one key, so it runs on a cluster too.
+# Deletes KEYS[1] only if it holds a string whose SHA-1 is ARGV[1]; one key, so it runs on
+# a cluster too.
 _DELETE_IF_SHA1: Final = """
+if redis.call('TYPE', KEYS[1]).ok ~= 'string' then
+  return 0
+end
 local value = redis.call('GET', KEYS[1])
 if value and redis.sha1hex(value) == ARGV[1] then
   return redis.call('DEL', KEYS[1])
@@ -69,12 +74,23 @@ def _import_redis() -> Any:
     return redis
 
 
+def _text(value: object) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def _wrong_type(error: Exception) -> bool:
+    """Whether a reply error says the key holds a value of another type."""
+    return str(error).startswith("WRONGTYPE")
+
+
 @final
 class RedisStore:
-    """Values under server keys in Redis/Valkey: GET, SET with PX, EXISTS, DEL.
+    """Values under server keys in Redis/Valkey: STRLEN, GET, SET with PX, EXISTS, DEL.
 
-    Every command is bounded by timeout_s (connect and socket); the client retries
-    nothing itself, so a fault reaches the remote tier at once, which backs off.
+    Connecting is bounded by timeout_s; a command by its caller (the remote tier gives
+    one that moves a large value more time), not by the client, whose own socket timeout
+    would bound every command alike. The client retries nothing itself, so a fault
+    reaches the remote tier at once, which backs off.
     """
 
     def __init__(self, url: str, timeout_s: float) -> None:
@@ -83,8 +99,9 @@ class RedisStore:
         self.url = redact_url(url)
         parts = urllib.parse.urlsplit(url)
         scheme = parts.scheme.lower()
+        self._response_error: type[Exception] = redis.exceptions.ResponseError
         options: dict[str, Any] = {
-            "socket_timeout": timeout_s,
+            "socket_timeout": None,
             "socket_connect_timeout": timeout_s,
             "retry": redis.asyncio.retry.Retry(redis.backoff.NoBackoff(), 0),
         }
@@ -105,15 +122,44 @@ class RedisStore:
         else:
             self.client = redis.asyncio.Redis.from_url(url, **options)
 
+    async def size(self, key: bytes) -> int:
+        """STRLEN key (0: none); WrongTypeError if key holds another type."""
+        try:
+            return int(await self.client.strlen(key))
+        except self._response_error as e:
+            if _wrong_type(e):
+                raise WrongTypeError(f"the key holds another type ({e})") from None
+            raise
+
     async def get(self, key: bytes) -> bytes | None:
-        """The value stored under key, or None."""
-        value = await self.client.get(key)
+        """The value stored under key, or None; WrongTypeError if key holds another type."""
+        try:
+            value = await self.client.get(key)
+        except self._response_error as e:
+            if _wrong_type(e):
+                raise WrongTypeError(f"the key holds another type ({e})") from None
+            raise
         return None if value is None else bytes(value)
 
     async def put(self, key: bytes, value: bytes | memoryview, ttl_s: float | None) -> None:
         """SET key value [PX ttl]."""
         px = None if ttl_s is None else max(1, round(ttl_s * 1000))
         await self.client.set(key, value, px=px)
+
+    async def memory_policy(self) -> tuple[int, str] | None:
+        """The server's maxmemory (bytes; 0: no limit) and maxmemory-policy, or None where
+        it does not say (CONFIG refused or renamed, as managed services do)."""
+        try:
+            config = await self.client.config_get("maxmemory*")
+        except self._response_error:
+            return None
+        if config and all(isinstance(v, dict) for v in config.values()):
+            config = next(iter(config.values()))  # answers per node: take one
+        found = {_text(k): _text(v) for k, v in config.items()}
+        limit, policy = found.get("maxmemory", ""), found.get("maxmemory-policy")
+        if not limit.isdigit() or policy is None:
+            return None
+        return int(limit), policy
 
     async def exists(self, key: bytes) -> bool:
         """EXISTS key."""

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-__all__ = ["RemoteStore"]
+from mmcache.errors import MMCacheError
+
+__all__ = ["RemoteStore", "WrongTypeError"]
+
+
+class WrongTypeError(MMCacheError):
+    """The key holds something other than a byte string (Redis: WRONGTYPE, a value of
+    another type): a fault of that key, not of the server."""
 
 
 @runtime_checkable
@@ -14,10 +21,17 @@ class RemoteStore(Protocol):
     Values are opaque bytes (a header and a payload, mmcache.remote.codec); keys are the
     server-side keys of FeatureCache.remote_key(). Every method raises the backend's own
     errors on a fault (connection lost, timeout); the remote tier counts and absorbs them.
+    The caller bounds each call in time (the remote tier: by the bytes it moves).
     """
 
+    async def size(self, key: bytes) -> int:
+        """The length in bytes of the value stored under key (0 if there is none);
+        WrongTypeError if key holds something else."""
+        ...
+
     async def get(self, key: bytes) -> bytes | None:
-        """The value stored under key, or None if there is none."""
+        """The value stored under key, or None if there is none; WrongTypeError if key
+        holds something else."""
         ...
 
     async def put(self, key: bytes, value: bytes | memoryview, ttl_s: float | None) -> None:
@@ -29,8 +43,9 @@ class RemoteStore(Protocol):
         ...
 
     async def delete(self, key: bytes, only_if: bytes | None = None) -> None:
-        """Remove key's value, if any; with only_if, only while the value is still those bytes
-        (a rejected value is deleted, never a good one written since)."""
+        """Remove key's value (or whatever key holds), if any; with only_if, only while the
+        value is still those bytes (a rejected value is deleted, never a good one written
+        since)."""
         ...
 
     async def close(self) -> None:

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 import reprlib
+import time
 from collections.abc import Callable, Hashable, Iterable
 from typing import final
 
@@ -15,10 +16,10 @@ from mmcache.device import Device
 from mmcache.entry import Entry, Member
 from mmcache.metrics import CacheMetrics, RemoteSeries
 from mmcache.remote.calls import Failed, ServerCalls
-from mmcache.remote.codec import RemoteValueError, parse, server_key
-from mmcache.remote.faults import Faults
+from mmcache.remote.codec import OtherVersionError, RemoteValueError, parse, server_key
+from mmcache.remote.faults import Faults, describe
 from mmcache.remote.landing import HostLanding
-from mmcache.remote.store import RemoteStore
+from mmcache.remote.store import RemoteStore, WrongTypeError
 from mmcache.remote.writer import THREAD_FROM_BYTES, RemoteWriter
 from mmcache.settings import CacheSettings
 from mmcache.single_flight import SingleFlight
@@ -34,9 +35,11 @@ class RemoteTier:
 
     A read lands the value in a host block and indexes it as a host entry, so the get
     that asked serves it as a host hit; concurrent gets of one key share one fetch. A
-    value that fails a check of its header or payload is counted, deleted on the server
-    and never served. Faults (server down, slow, restarted) make reads miss within
-    remote_timeout_sec and drop writes; they are counted, logged once per burst, and
+    value that fails a check of its header or payload, or a key that holds another type,
+    is counted, deleted on the server and never served; a value of another format
+    version is a miss. Faults (server down, slow, restarted) make reads miss within
+    remote_timeout_sec (plus remote_timeout_per_mib_sec per MiB of a value being moved)
+    and drop writes; they are counted, logged when they start and when they end, and
     backed off from until the server answers again. Nothing local depends on the server.
     """
 
@@ -53,12 +56,14 @@ class RemoteTier:
     ) -> None:
         """The tier of settings.remote_url (or of store, a RemoteStore given instead) for the
         cache named name, whose parts are core."""
+        self._redis = None
         if store is None:
             from mmcache.remote.redis_store import RedisStore
 
             assert settings.remote_url is not None
-            redis = RedisStore(settings.remote_url, settings.remote_timeout_sec)
+            self._redis = redis = RedisStore(settings.remote_url, settings.remote_timeout_sec)
             store, name = redis, f"{redis.url} (cache {name!r})"
+        self._name = name
         self._store = store
         self._namespace = settings.remote_namespace
         self._write_mode = settings.remote_write
@@ -69,7 +74,13 @@ class RemoteTier:
             device=device, host=core.host, index=index, ledger=core.ledger, changed=changed
         )
         self._faults = faults = Faults(name, series.error, settings.remote_timeout_sec)
-        self._call = calls = ServerCalls(faults, settings.remote_timeout_sec, series.seconds)
+        self._call = calls = ServerCalls(
+            faults,
+            settings.remote_timeout_sec,
+            series.seconds,
+            per_mib_s=settings.remote_timeout_per_mib_sec,
+        )
+        self._ttl = settings.remote_ttl_sec
         self._fetches: SingleFlight[None] = SingleFlight()
         self._writer = RemoteWriter(
             settings,
@@ -81,13 +92,14 @@ class RemoteTier:
             series=series,
         )
         self._deletes: set[asyncio.Task[None]] = set()
+        self._check: asyncio.Task[None] | None = None
         self._closed = False
         self.hits = self.misses = self.rejected = self.read_bytes = 0
 
     # --- keys and stats -----------------------------------------------------------------
 
     def key(self, key: Hashable) -> bytes:
-        """The server-side key of a cache key: <namespace>: + a stable encoding of it."""
+        """The server-side key of a cache key: <len>:<namespace>:<a stable encoding of it>."""
         return server_key(self._namespace, key)
 
     def stats(self) -> dict[str, int]:
@@ -135,19 +147,40 @@ class RemoteTier:
             lookups["skipped"].inc()
             return
         rkey = self.key(key)
-        value = await self._call("get", self._store.get(rkey))
-        if isinstance(value, Failed):
-            lookups["error"].inc()
+        started = time.perf_counter()
+        try:
+            # The value's length first: the GET's time limit grows with it.
+            size = await self._call("get", self._store.size(rkey), timed=False)
+            if isinstance(size, Failed):
+                lookups["error"].inc()
+                return
+            value = None
+            if size > 0:
+                got = await self._call("get", self._store.get(rkey), size, timed=False)
+                if isinstance(got, Failed):
+                    lookups["error"].inc()
+                    return
+                value = got
+        except WrongTypeError as e:
+            self._reject(key, rkey, None, e)
             return
+        self._series.seconds["get"].observe(time.perf_counter() - started)
         if value is None:
             self.misses += 1
             lookups["miss"].inc()
             return
         try:
             if len(value) >= THREAD_FROM_BYTES:
-                header, _ = await asyncio.to_thread(parse, value)
+                header, _ = await asyncio.to_thread(parse, value, rkey)
             else:
-                header, _ = parse(value)
+                header, _ = parse(value, rkey)
+        except OtherVersionError as e:
+            # Another mmcache's value, not a damaged one: a miss, left for it (or for this
+            # cache's next write of key, which replaces it).
+            log.debug("remote value of %s is a miss: %s", reprlib.repr(key), e)
+            self.misses += 1
+            lookups["miss"].inc()
+            return
         except RemoteValueError as e:
             self._reject(key, rkey, value, e)
             return
@@ -170,8 +203,9 @@ class RemoteTier:
             lookups["hit"].inc()
             self._series.bytes["read"].inc(header.length)
 
-    def _reject(self, key: Hashable, rkey: bytes, value: bytes, error: RemoteValueError) -> None:
-        """A value failed a check: count it, delete it on the server, serve a miss."""
+    def _reject(self, key: Hashable, rkey: bytes, value: bytes | None, error: Exception) -> None:
+        """A value failed a check, or key's server key holds another type (value None):
+        count it, delete it on the server, serve a miss."""
         self.rejected += 1
         self._series.lookups["rejected"].inc()
         log.warning("remote value of %s rejected and deleted: %s", reprlib.repr(key), error)
@@ -179,7 +213,9 @@ class RemoteTier:
         self._deletes.add(task)
         task.add_done_callback(self._deletes.discard)
 
-    async def _delete(self, rkey: bytes, value: bytes) -> None:
+    async def _delete(self, rkey: bytes, value: bytes | None) -> None:
+        # A rejected value only while it is still there; another type at once (a value
+        # written since then replaced it, and the delete may take that one: a miss).
         await self._call("delete", self._store.delete(rkey, only_if=value))
 
     # --- writes -------------------------------------------------------------------------
@@ -210,21 +246,60 @@ class RemoteTier:
 
     # --- lifecycle ----------------------------------------------------------------------
 
+    def start(self) -> None:
+        """Look at the server's memory limit in the background (on the cache's start)."""
+        if self._redis is not None and self._check is None and not self._closed:
+            self._check = asyncio.get_running_loop().create_task(self._check_memory())
+
+    async def _check_memory(self) -> None:
+        """Warn where the server can fill up: no maxmemory, or one that refuses writes when
+        reached. Not a fault of the tier's: a failure here is logged at debug level only."""
+        assert self._redis is not None
+        try:
+            found = await asyncio.wait_for(self._redis.memory_policy(), self._timeout)
+        except Exception as e:
+            log.debug("remote tier %s: could not read maxmemory: %s", self._name, describe(e))
+            return
+        if found is None:
+            return
+        limit, policy = found
+        ttl = "no TTL" if self._ttl is None else f"remote_ttl_sec {self._ttl:g}"
+        if limit == 0:
+            log.warning(
+                "remote tier %s: the server has no memory limit (maxmemory 0): values (%s) "
+                "can fill its memory; set maxmemory and maxmemory-policy allkeys-lru on it",
+                self._name,
+                ttl,
+            )
+        elif policy == "noeviction":
+            log.warning(
+                "remote tier %s: the server evicts nothing (maxmemory-policy noeviction): "
+                "once full, every write fails; set maxmemory-policy allkeys-lru on it",
+                self._name,
+            )
+
     async def drain(self) -> None:
         """Wait until every write queued so far has been sent or dropped."""
         await self._writer.queue.drain()
 
     async def close(self) -> None:
-        """Send queued writes for up to remote_timeout_sec, drop the rest, close the client."""
+        """Send queued writes for up to the time their bytes may take (remote_timeout_sec
+        plus remote_timeout_per_mib_sec per MiB), drop the rest, close the client."""
         if self._closed:
             return
         self._closed = True
+        if self._check is not None:
+            self._check.cancel()
+            with contextlib.suppress(BaseException):
+                await self._check
         for task in self._fetches.running():
             task.cancel()
         for task in self._fetches.running():
             with contextlib.suppress(BaseException):
                 await task
-        self._writer.drop_all(await self._writer.queue.close(self._timeout), "closed")
+        queue = self._writer.queue
+        # As long as the bytes queued may take to send: a put's own time limit.
+        self._writer.drop_all(await queue.close(self._call.timeout(queue.nbytes)), "closed")
         probe = self._writer.stop_probing()
         if probe is not None:
             with contextlib.suppress(BaseException):

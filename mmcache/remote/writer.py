@@ -165,9 +165,9 @@ class RemoteWriter:
                 self._drop("unavailable")
                 return
             if write.nbytes >= THREAD_FROM_BYTES:
-                value = await asyncio.to_thread(encode_value, write.tensor)
+                value = await asyncio.to_thread(encode_value, write.tensor, write.key)
             else:
-                value = encode_value(write.tensor)
+                value = encode_value(write.tensor, write.key)
         except asyncio.CancelledError:
             self._drop("closed")
             raise
@@ -177,7 +177,7 @@ class RemoteWriter:
             return
         try:
             result = await self._calls(
-                "put", self._store.put(write.key, memoryview(value), self._ttl)
+                "put", self._store.put(write.key, memoryview(value), self._ttl), len(value)
             )
         except asyncio.CancelledError:
             self._drop("closed")
