@@ -11,7 +11,8 @@ import logging
 import random
 import sys
 import threading
-from collections.abc import Iterator
+import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -20,7 +21,7 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from mmcache import CacheClosedError, CacheSettings
+from mmcache import CacheClosedError, CacheSettings, InvalidValueError
 
 pytestmark = pytest.mark.integration
 
@@ -200,6 +201,71 @@ def test_refuses_what_sglang_refuses() -> None:
         assert not ours.has(1) and len(ours) == 0
         with pytest.raises(TypeError):
             ours.set(2, too_big)
+
+
+NOT_TENSORS = [
+    pytest.param(lambda: None, id="None"),
+    pytest.param(lambda: [1.0, 2.0], id="list"),
+    pytest.param(lambda: pytest.importorskip("numpy").ones((4, 4)), id="ndarray"),
+]
+
+
+@pytest.mark.parametrize("make_value", NOT_TENSORS)
+def test_set_refuses_an_embedding_that_is_not_a_tensor(make_value: Any) -> None:
+    with adapter(64 * KiB, HOST_ON) as ours:
+        kept = feature(1, 4, torch.float32)
+        assert ours.set(1, EmbeddingResult(embedding=kept))
+        with pytest.raises(InvalidValueError, match=r"torch\.Tensor"):
+            ours.set(2, EmbeddingResult(embedding=make_value()))
+        assert not ours.has(2) and len(ours) == 1
+        got = ours.get_single(1)
+        assert got is not None and torch.equal(got.embedding, kept)
+        assert ours.set(2, EmbeddingResult(embedding=feature(2, 4, torch.float32)))
+
+
+def _quiet(make: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """make, without torch's warning that its layout is a prototype or in beta."""
+
+    def made() -> torch.Tensor:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return make()
+
+    return made
+
+
+MKLDNN = torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
+NOT_DENSE = [
+    pytest.param(lambda: torch.ones(4, 8).to_sparse(), id="sparse-coo"),
+    pytest.param(_quiet(lambda: torch.ones(4, 8).to_sparse_csr()), id="sparse-csr"),
+    pytest.param(
+        _quiet(lambda: torch.nested.nested_tensor([torch.ones(2, 8), torch.ones(3, 8)])),
+        id="nested",
+    ),
+    pytest.param(
+        lambda: torch.nested.nested_tensor(
+            [torch.ones(2, 8), torch.ones(3, 8)], layout=torch.jagged
+        ),
+        id="jagged",
+    ),
+    pytest.param(
+        lambda: torch.ones(4, 8).to_mkldnn(),
+        id="mkldnn",
+        marks=pytest.mark.skipif(not MKLDNN, reason="this torch has no mkldnn"),
+    ),
+]
+
+
+@pytest.mark.parametrize("make_value", NOT_DENSE)
+def test_set_answers_false_for_a_tensor_that_is_not_dense(make_value: Any) -> None:
+    with adapter(64 * KiB, HOST_ON) as ours:
+        kept = feature(1, 4, torch.float32)
+        assert ours.set(1, EmbeddingResult(embedding=kept))
+        assert ours.set(2, EmbeddingResult(embedding=make_value())) is False
+        assert not ours.has(2) and ours.get_single(2) is None and len(ours) == 1
+        got = ours.get_single(1)
+        assert got is not None and torch.equal(got.embedding, kept)
+        assert ours.set(1, EmbeddingResult(embedding=make_value()))  # already there: refreshed
 
 
 def test_two_threads_at_once() -> None:

@@ -14,6 +14,7 @@ import copy
 import dataclasses
 import importlib
 import inspect
+import logging
 import sys
 import threading
 from collections.abc import Callable, Hashable
@@ -48,6 +49,7 @@ _SEAM_MODULE: Final = "sglang.srt.managers.mm_schedule"
 #: MultimodalCache's abstract methods in the tested release: the adapter implements these.
 _ABSTRACT: Final = frozenset({"__init__", "get", "set", "has", "free", "clear", "available_size"})
 _counter = iter(range(1, sys.maxsize))
+log = logging.getLogger("mmcache")
 
 
 def _data_bytes(tensor: torch.Tensor) -> int:
@@ -136,15 +138,22 @@ class MMCacheMultimodalCache(MultimodalCache):  # type: ignore[misc]
     ) -> bool:
         """Cache embedding under mm_hash; True if cached (or already there, refreshed).
 
-        False, storing nothing, when it is larger than max_size, empty, or not on the cache's
-        device. A view is stored compact. The caller may keep using embedding.embedding but
-        must not write to it.
+        False, storing nothing, when it is larger than max_size, empty, not on the cache's
+        device, or not a dense strided tensor (sparse, nested, mkldnn): SGLang's caller then
+        uses it uncached. A view is stored compact. The caller may keep using
+        embedding.embedding but must not write to it. Raises InvalidValueError, storing
+        nothing, where embedding is not an EmbeddingResult or its embedding not a tensor.
         """
         if not isinstance(embedding, EmbeddingResult):
             raise InvalidValueError(
                 f"set() takes an sglang EmbeddingResult, not {type(embedding).__name__}"
             )
         tensor = embedding.embedding
+        if not isinstance(tensor, torch.Tensor):
+            raise InvalidValueError(
+                "set() takes an EmbeddingResult whose embedding is a torch.Tensor, not "
+                f"{type(tensor).__name__}"
+            )
         shell: EmbeddingResult | None = None
         if type(embedding) is not EmbeddingResult:
             shell = copy.copy(embedding)
@@ -214,6 +223,16 @@ class MMCacheMultimodalCache(MultimodalCache):  # type: ignore[misc]
         if key in cache:
             await cache.get(key, stream=stream)  # refreshes its recency, as SGLang's does
             return True
+        if tensor.layout is not torch.strided or tensor.is_nested:
+            # The cache holds dense strided tensors only; such a tensor has no storage of
+            # its size to charge (sizing a sparse one raises inside torch).
+            log.warning(
+                "MMCacheMultimodalCache: not caching %r: its embedding is a %s tensor, not a "
+                "dense strided one",
+                key,
+                "nested" if tensor.is_nested else str(tensor.layout).removeprefix("torch."),
+            )
+            return False
         nbytes = _data_bytes(tensor)
         if nbytes == 0 or nbytes > self.max_size or not self._device.is_device_tensor(tensor):
             return False  # SGLang's caller then uses the embedding it has, uncached
