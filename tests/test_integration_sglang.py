@@ -268,6 +268,64 @@ def test_set_answers_false_for_a_tensor_that_is_not_dense(make_value: Any) -> No
         assert ours.set(1, EmbeddingResult(embedding=make_value()))  # already there: refreshed
 
 
+def test_an_integer_of_another_type_is_the_int_it_equals() -> None:
+    np = pytest.importorskip("numpy")
+    with adapter(64 * KiB, HOST_OFF) as ours:
+        ref = MultiModalStaticCache(64 * KiB)
+        for cache in (ours, ref):
+            assert cache.set(np.int64(5), EmbeddingResult(embedding=feature(5, 4, torch.float32)))
+            assert cache.set(7, EmbeddingResult(embedding=feature(7, 4, torch.float32)))
+            assert cache.set(True, EmbeddingResult(embedding=feature(1, 4, torch.float32)))
+        for cache in (ours, ref):
+            got = cache.get_single(5)
+            assert got is not None and torch.equal(got.embedding, feature(5, 4, torch.float32))
+            assert cache.has(np.int64(7)) and cache.has(np.uint8(1)) and cache.has(1)
+            assert cache.get_single(np.int32(7)) is not None
+            assert cache.free(np.int64(7), None) and not cache.has(7)
+            assert len(cache) == 2
+
+
+BAD_HASHES = [
+    pytest.param(None, id="None"),
+    pytest.param(1.5, id="float"),
+    pytest.param([1, 2], id="list"),
+    pytest.param({"a": 1}, id="dict"),
+    pytest.param(object(), id="object"),
+    pytest.param(("img", [1]), id="tuple-with-list"),
+    pytest.param("x" * (2 * 1024 * 1024), id="str-over-1MiB"),
+]
+
+
+@pytest.mark.parametrize("mm_hash", BAD_HASHES)
+def test_an_mm_hash_the_cache_cannot_hold_is_a_miss(
+    mm_hash: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    with adapter(64 * KiB, HOST_ON) as ours:
+        kept = feature(1, 4, torch.float32)
+        assert ours.set(1, EmbeddingResult(embedding=kept))
+        with caplog.at_level(logging.WARNING, logger="mmcache"):
+            assert (
+                ours.set(mm_hash, EmbeddingResult(embedding=feature(2, 4, torch.float32))) is False
+            )
+        assert "an mm_hash is an int" in caplog.text
+        assert ours.get_single(mm_hash) is None
+        assert ours.has(mm_hash) is False
+        assert ours.free(mm_hash, None) is False
+        assert len(ours) == 1
+        got = ours.get_single(1)
+        assert got is not None and torch.equal(got.embedding, kept)
+
+
+@pytest.mark.parametrize("mm_hashes", [[[1]], 5, [{"a": 1}, 2]], ids=["nested", "int", "dict"])
+def test_get_of_hashes_that_do_not_combine_is_a_miss(mm_hashes: Any) -> None:
+    with adapter(64 * KiB, HOST_ON) as ours:
+        assert ours.set(
+            ours.combine_hashes([1]), EmbeddingResult(embedding=feature(1, 4, torch.float32))
+        )
+        assert ours.get(mm_hashes) is None
+        assert ours.get([1]) is not None
+
+
 def test_two_threads_at_once() -> None:
     errors: list[BaseException] = []
     with adapter(256 * KiB, HOST_ON) as ours:

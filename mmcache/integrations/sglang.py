@@ -15,6 +15,8 @@ import dataclasses
 import importlib
 import inspect
 import logging
+import numbers
+import reprlib
 import sys
 import threading
 from collections.abc import Callable, Hashable
@@ -26,7 +28,8 @@ from prometheus_client import CollectorRegistry
 
 from mmcache.cache import FeatureCache
 from mmcache.device import Device, Stream
-from mmcache.errors import InvalidValueError
+from mmcache.entry import check_key
+from mmcache.errors import InvalidKeyError, InvalidValueError
 from mmcache.integrations import IntegrationError
 from mmcache.integrations.loop_thread import LoopThread
 from mmcache.settings import CacheSettings
@@ -55,6 +58,21 @@ log = logging.getLogger("mmcache")
 def _data_bytes(tensor: torch.Tensor) -> int:
     """The bytes SGLang charges an embedding before storing it (its data, not a whole batch)."""
     return min(tensor.untyped_storage().nbytes(), tensor.element_size() * tensor.numel())
+
+
+def _cache_key(mm_hash: object) -> Hashable | None:
+    """mm_hash as the cache's key, or None where the cache cannot hold it.
+
+    An integer of another type (numpy's, a bool) is the int it equals: SGLang's dict finds
+    np.int64(5) under 5.
+    """
+    if type(mm_hash) is not int and isinstance(mm_hash, numbers.Integral):
+        mm_hash = int(mm_hash)
+    try:
+        check_key(mm_hash)
+    except InvalidKeyError:
+        return None
+    return mm_hash  # check_key passed: a str, bytes, int, or a tuple of these
 
 
 def _adapter_settings(max_size: int, settings: CacheSettings | None) -> CacheSettings:
@@ -122,16 +140,26 @@ class MMCacheMultimodalCache(MultimodalCache):  # type: ignore[misc]
         """The embedding cached under the combined hash of mm_hashes, or None.
 
         As SGLang's static cache does, combined_hash is recomputed from mm_hashes
-        (combine_hashes) and individual hashes are not looked up.
+        (combine_hashes) and individual hashes are not looked up. mm_hashes that do not
+        combine (not a list, or holding an unhashable item) are a miss.
         """
-        key = self.combine_hashes(mm_hashes)
+        try:
+            key = self.combine_hashes(mm_hashes)
+        except TypeError:
+            return None  # nothing can be cached under them
         if key is None:
             return None
         return self._loop.run(self._get(key, self._device.current_stream()), eager=True)
 
     def get_single(self, mm_hash: int) -> EmbeddingResult | None:
-        """The embedding cached under mm_hash, or None; a hit refreshes its recency."""
-        return self._loop.run(self._get(mm_hash, self._device.current_stream()), eager=True)
+        """The embedding cached under mm_hash, or None; a hit refreshes its recency.
+
+        An mm_hash that is not a key the cache can hold (see set) is a miss.
+        """
+        key = _cache_key(mm_hash)
+        if key is None:
+            return None
+        return self._loop.run(self._get(key, self._device.current_stream()), eager=True)
 
     def set(
         self, mm_hash: int, embedding: EmbeddingResult, loc: torch.Tensor | None = None
@@ -143,6 +171,11 @@ class MMCacheMultimodalCache(MultimodalCache):  # type: ignore[misc]
         uses it uncached. A view is stored compact. The caller may keep using
         embedding.embedding but must not write to it. Raises InvalidValueError, storing
         nothing, where embedding is not an EmbeddingResult or its embedding not a tensor.
+
+        mm_hash is an int, as SGLang's hashes are; an integer of another type (numpy's, a
+        bool) is the int it equals, as in SGLang's dict. A str, bytes or a tuple of these
+        is a key too. Any other mm_hash (None, a float, a list) answers False, logged:
+        the cache cannot hold it, and every lookup of it is a miss.
         """
         if not isinstance(embedding, EmbeddingResult):
             raise InvalidValueError(
@@ -158,16 +191,31 @@ class MMCacheMultimodalCache(MultimodalCache):  # type: ignore[misc]
         if type(embedding) is not EmbeddingResult:
             shell = copy.copy(embedding)
             object.__setattr__(shell, "embedding", None)
+        key = _cache_key(mm_hash)
+        if key is None:
+            log.warning(
+                "MMCacheMultimodalCache: not caching under %s: an mm_hash is an int",
+                reprlib.repr(mm_hash),
+            )
+            return False
         stream = self._device.current_stream()
-        return self._loop.run(self._set(mm_hash, tensor, shell, stream), eager=True)
+        return self._loop.run(self._set(key, tensor, shell, stream), eager=True)
 
     def has(self, mm_hash: int) -> bool:
-        """Whether mm_hash is cached (in either tier); does not refresh its recency."""
-        return self._loop.run(self._has(mm_hash), eager=True)
+        """Whether mm_hash is cached (in either tier); does not refresh its recency.
+
+        False for an mm_hash that is not a key the cache can hold (see set).
+        """
+        key = _cache_key(mm_hash)
+        return key is not None and self._loop.run(self._has(key), eager=True)
 
     def free(self, mm_hash: int, mm_embedding_allocator: object = None) -> bool:
-        """Remove mm_hash; True if it was cached. The allocator is not used (as in SGLang)."""
-        return self._loop.run(self._free(mm_hash), eager=True)
+        """Remove mm_hash; True if it was cached. The allocator is not used (as in SGLang).
+
+        False for an mm_hash that is not a key the cache can hold (see set).
+        """
+        key = _cache_key(mm_hash)
+        return key is not None and self._loop.run(self._free(key), eager=True)
 
     def clear(self) -> None:
         """Remove every entry."""
