@@ -21,7 +21,7 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from mmcache import CacheClosedError, CacheSettings, InvalidValueError
+from mmcache import CacheClosedError, CacheSettings, InvalidValueError, SettingsError
 
 pytestmark = pytest.mark.integration
 
@@ -476,6 +476,32 @@ def test_install_takes_the_place_of_a_cache_already_built(mm_schedule: ModuleTyp
         again.uninstall()
     finally:
         done.uninstall()
+
+
+def test_init_with_a_bad_max_size_keeps_the_cache_already_built(mm_schedule: ModuleType) -> None:
+    done = install(settings=HOST_OFF, device="sim", module=mm_schedule)
+    try:
+        mm_schedule.init_mm_embedding_cache(32 * KiB)
+        built: Any = mm_schedule.embedding_cache
+        assert built.set(1, EmbeddingResult(embedding=feature(1, 4, torch.float32)))
+        for bad in (-1, 1.5, "32"):
+            with pytest.raises(InvalidValueError, match="max_size"):
+                mm_schedule.init_mm_embedding_cache(bad)
+        cache = done.cache
+        assert cache is not None and cache is built and mm_schedule.embedding_cache is cache
+        assert cache.get_single(1) is not None  # still open and serving
+    finally:
+        done.uninstall()
+
+
+def test_settings_that_are_not_cache_settings_are_refused(mm_schedule: ModuleType) -> None:
+    bad: Any = {"cpu_cache_mb": 0}
+    with pytest.raises(SettingsError, match="CacheSettings"):
+        MMCacheMultimodalCache(KiB, settings=bad, device="sim", registry=CollectorRegistry())
+    before = dict(mm_schedule.__dict__)
+    with pytest.raises(SettingsError, match="CacheSettings"):
+        install(settings=bad, device="sim", module=mm_schedule)
+    assert mm_schedule.__dict__ == before  # nothing changed
 
 
 @pytest.mark.parametrize(

@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry
 from mmcache.cache import FeatureCache
 from mmcache.device import Device, Stream
 from mmcache.entry import check_key
-from mmcache.errors import InvalidKeyError, InvalidValueError
+from mmcache.errors import InvalidKeyError, InvalidValueError, SettingsError
 from mmcache.integrations import IntegrationError
 from mmcache.integrations.loop_thread import LoopThread
 from mmcache.settings import CacheSettings
@@ -75,6 +75,23 @@ def _cache_key(mm_hash: object) -> Hashable | None:
     return mm_hash  # check_key passed: a str, bytes, int, or a tuple of these
 
 
+def _check_max_size(max_size: object) -> None:
+    """Refuse a max_size that is not a byte count (InvalidValueError)."""
+    if isinstance(max_size, bool) or not isinstance(max_size, int) or max_size < 0:
+        raise InvalidValueError(
+            f"max_size is a byte count >= 0 (SGLANG_VLM_CACHE_SIZE_MB * 2**20), not {max_size!r}"
+        )
+
+
+def _check_settings(settings: object) -> None:
+    """Refuse settings that are neither None nor a CacheSettings (SettingsError)."""
+    if settings is not None and not isinstance(settings, CacheSettings):
+        raise SettingsError(
+            f"settings is a CacheSettings (or None), not {type(settings).__name__}: "
+            "build one with CacheSettings(**values)"
+        )
+
+
 def _adapter_settings(max_size: int, settings: CacheSettings | None) -> CacheSettings:
     """The cache's settings: a GPU tier of exactly max_size bytes, the rest from settings."""
     base = settings if settings is not None else CacheSettings()
@@ -104,11 +121,8 @@ class MMCacheMultimodalCache(MultimodalCache):  # type: ignore[misc]
         name: str | None = None,
         registry: CollectorRegistry | None = None,
     ) -> None:
-        if isinstance(max_size, bool) or not isinstance(max_size, int) or max_size < 0:
-            raise InvalidValueError(
-                "max_size is a byte count >= 0 (SGLANG_VLM_CACHE_SIZE_MB * 2**20), "
-                f"not {max_size!r}"
-            )
+        _check_max_size(max_size)
+        _check_settings(settings)
         super().__init__()
         self.max_size = max_size
         name = name if name is not None else f"sglang-{next(_counter)}"
@@ -328,7 +342,12 @@ class Installation:
     cache: MMCacheMultimodalCache | None = None
 
     def init_cache(self, max_size: int = 0) -> None:
-        """SGLang's init_mm_embedding_cache(max_size), building the adapter instead."""
+        """SGLang's init_mm_embedding_cache(max_size), building the adapter instead.
+
+        A max_size that is not a byte count raises InvalidValueError and leaves the cache
+        already built in place.
+        """
+        _check_max_size(max_size)
         old, self.cache = self.cache, None
         if old is not None:
             old.close()
@@ -361,8 +380,10 @@ def install(
     SGLang modules that imported it by name), and the `embedding_cache` it already built,
     if any. Call it in the process that runs SGLang's scheduler before the model loads:
     at the top level of the launch script, which SGLang's spawned processes import too.
-    Raises IntegrationError where the installed SGLang's seam differs from 0.5.23's.
+    Raises IntegrationError where the installed SGLang's seam differs from 0.5.23's, and
+    SettingsError where settings is not a CacheSettings, changing nothing.
     """
+    _check_settings(settings)
     if module is None:
         try:
             module = importlib.import_module(_SEAM_MODULE)
