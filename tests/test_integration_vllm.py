@@ -314,3 +314,35 @@ def test_a_requests_items_are_asked_in_one_batch_per_step(
     assert batches == [["a", "b", "c"]]
     schedule(scheduler, request("r", "a", "b", "c"))  # a new step asks again
     assert len(batches) == 2
+
+
+NOT_MM_HASHES = [
+    pytest.param(None, id="None"),
+    pytest.param(["h"], id="list"),
+    pytest.param(5, id="int"),
+    pytest.param(b"h", id="bytes"),
+    pytest.param(("h",), id="tuple"),
+    pytest.param("x" * (2 * 1024 * 1024), id="str-over-1MiB"),
+]
+
+
+@pytest.mark.parametrize("identifier", NOT_MM_HASHES)
+@pytest.mark.parametrize("remote", [True, False], ids=["remote", "no-remote"])
+def test_an_identifier_that_is_not_an_mm_hash_is_not_cached(
+    make: Make, redis_url: str, identifier: Any, remote: bool
+) -> None:
+    extra = {"remote_url": redis_url} if remote else {}
+    producer = make("ec_producer", ECConnectorRole.WORKER, remote_url=redis_url)
+    scheduler = make("ec_consumer", ECConnectorRole.SCHEDULER, **extra)
+    producer.save_caches({"h": torch.ones(4, 4)}, "h")
+    producer.flush(10)
+    assert scheduler.has_cache_item(identifier) is False
+    req = request("r", "h", identifier)
+    output = schedule(scheduler, req)  # ensure_cache_available, has_cache_item, alloc
+    meta = output.ec_connector_metadata
+    assert isinstance(meta, MMCacheECConnectorMetadata)
+    assert [(i.mm_hash, i.request_id) for i in meta.loads] == ([("h", "r")] if remote else [])
+    stats = scheduler.get_ec_connector_stats()
+    if remote:  # the good item was asked; the bad one never was
+        assert stats is not None and stats.reduce()["lookups"] == 1
+        assert stats.reduce()["lookup_hits"] == 1 and stats.reduce()["lookup_errors"] == 0

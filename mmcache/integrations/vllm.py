@@ -22,15 +22,17 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import logging
+import reprlib
 import threading
 import time
 from collections.abc import Hashable, Iterable
-from typing import TYPE_CHECKING, Any, Final, final
+from typing import TYPE_CHECKING, Any, Final, TypeGuard, final
 
 import torch
 
 from mmcache.cache import FeatureCache
-from mmcache.errors import MMCacheError, SettingsError
+from mmcache.entry import check_key
+from mmcache.errors import InvalidKeyError, MMCacheError, SettingsError
 from mmcache.integrations import IntegrationError
 from mmcache.integrations.loop_thread import LoopThread
 from mmcache.remote.codec import server_key
@@ -173,6 +175,13 @@ class _PromMetrics(ECConnectorPromMetrics):
                 counter.labels(*labels).inc(value)
 
 
+def _bad_identifier(identifier: object) -> None:
+    log.warning(
+        "MMCacheECConnector: %s is not an mm hash (a str): answered as not cached",
+        reprlib.repr(identifier),
+    )
+
+
 class MMCacheECConnector(ECConnectorBase):
     """vLLM's EC connector on mmcache: encoder outputs shared through its remote tier.
 
@@ -238,6 +247,17 @@ class MMCacheECConnector(ECConnectorBase):
     def cache_key(self, mm_hash: str) -> Hashable:
         """The cache key of an encoder output: its mm hash, namespaced by model."""
         return ("vllm-ec", self._model, mm_hash)
+
+    def _is_mm_hash(self, mm_hash: object) -> TypeGuard[str]:
+        """Whether mm_hash is one the connector can share: a str (as vLLM's mm hashes and
+        identifiers are) whose cache key the cache can hold."""
+        if not isinstance(mm_hash, str):
+            return False
+        try:
+            check_key(self.cache_key(mm_hash))
+        except InvalidKeyError:
+            return False
+        return True
 
     @property
     def cache(self) -> FeatureCache | None:
@@ -373,20 +393,33 @@ class MMCacheECConnector(ECConnectorBase):
     # --- scheduler side -----------------------------------------------------------------
 
     def has_cache_item(self, identifier: str) -> bool:
-        """Whether the remote server holds this output (False when it cannot say in time)."""
+        """Whether the remote server holds this output (False when it cannot say in time).
+
+        Never raises: an identifier that is not an mm hash (a str) is False, logged, and
+        never asked of the server.
+        """
+        if not self._is_mm_hash(identifier):
+            _bad_identifier(identifier)
+            return False
         known = self._known.get(identifier)
         if known is None:
             known = self._lookup([identifier])[identifier]
         return known
 
     def ensure_cache_available(self, request: Any, num_computed_tokens: int) -> bool:
-        """Ask the server about all of request's items in one batch; never defers it."""
-        self._lookup(feature.identifier for feature in request.mm_features)
+        """Ask the server about all of request's items in one batch; never defers it.
+
+        Items whose identifier is not an mm hash are left out (has_cache_item answers False
+        for them); the others are asked.
+        """
+        self._lookup(getattr(feature, "identifier", None) for feature in request.mm_features)
         return True
 
-    def _lookup(self, identifiers: Iterable[str]) -> dict[str, bool]:
-        """The server's answers for identifiers not asked this step, remembered for the step."""
-        ids = [i for i in dict.fromkeys(identifiers) if i not in self._known]
+    def _lookup(self, identifiers: Iterable[object]) -> dict[str, bool]:
+        """The server's answers for identifiers not asked this step, remembered for the step;
+        identifiers that are not mm hashes are left out."""
+        ids = [i for i in identifiers if self._is_mm_hash(i)]
+        ids = [i for i in dict.fromkeys(ids) if i not in self._known]
         if ids:
             answers = self._ask(ids)
             self._count("lookups", len(ids))
