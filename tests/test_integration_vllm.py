@@ -28,18 +28,26 @@ pytest.importorskip(
 from redis_server import free_port
 from vllm.config import ECTransferConfig, VllmConfig
 from vllm.distributed.ec_transfer import ensure_ec_transfer_initialized, ensure_ec_transfer_shutdown
-from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorBase, ECConnectorRole
+from vllm.distributed.ec_transfer.ec_connector.base import (
+    ECConnectorBase,
+    ECConnectorMetadata,
+    ECConnectorRole,
+)
 from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import ECConnectorOutput
 from vllm.v1.worker.ec_connector_model_runner_mixin import ECConnectorModelRunnerMixin
 
+from mmcache import CopyFailedError
+from mmcache.integrations import IntegrationError
 from mmcache.integrations.vllm import (
     MAX_PENDING_SAVES,
+    LoadItem,
     MMCacheECConnector,
     MMCacheECConnectorMetadata,
     MMCacheECConnectorStats,
+    MMCacheECWorkerMetadata,
 )
 
 pytestmark = pytest.mark.vllm
@@ -346,3 +354,87 @@ def test_an_identifier_that_is_not_an_mm_hash_is_not_cached(
     if remote:  # the good item was asked; the bad one never was
         assert stats is not None and stats.reduce()["lookups"] == 1
         assert stats.reduce()["lookup_hits"] == 1 and stats.reduce()["lookup_errors"] == 0
+
+
+def load_step(consumer: MMCacheECConnector, loads: list[Any]) -> tuple[Any, set[str], list[str]]:
+    """One worker step that loads loads: (its finished loads, its unavailable requests, the
+    outputs it put into the encoder cache)."""
+    encoder_cache: dict[str, torch.Tensor] = {}
+    consumer.bind_connector_metadata(MMCacheECConnectorMetadata(loads))
+    try:
+        consumer.start_load_caches(encoder_cache)
+        finished = consumer.get_finished(set())[1]
+        worker_meta = consumer.build_connector_worker_meta()
+    finally:
+        consumer.clear_connector_metadata()
+    unavailable = (
+        worker_meta.unavailable if isinstance(worker_meta, MMCacheECWorkerMetadata) else set()
+    )
+    return finished, unavailable, sorted(encoder_cache)
+
+
+def test_a_malformed_load_item_fails_only_its_own_request(make: Make, redis_url: str) -> None:
+    producer = make("ec_producer", ECConnectorRole.WORKER, remote_url=redis_url)
+    consumer = make("ec_consumer", ECConnectorRole.WORKER, remote_url=redis_url)
+    for mm_hash in ("a", "b"):
+        producer.save_caches({mm_hash: torch.full((4, 4), float(ord(mm_hash)))}, mm_hash)
+    producer.flush(10)
+    bad: list[Any] = [
+        LoadItem(["a"], "r-list"),  # type: ignore[arg-type]
+        LoadItem(None, "r-none"),  # type: ignore[arg-type]
+        LoadItem(5, "r-int"),  # type: ignore[arg-type]
+        LoadItem("x" * (2 * 1024 * 1024), "r-long"),
+        ("a", "r-tuple"),  # not a LoadItem: no request to report
+        LoadItem("a", None),  # type: ignore[arg-type]
+    ]
+    loads = [LoadItem("a", "r1"), *bad, LoadItem("b", "r2")]
+    finished, unavailable, loaded = load_step(consumer, loads)
+    assert loaded == ["a", "b"]
+    assert finished == {"r1", "r2"}
+    assert unavailable == {"r-list", "r-none", "r-int", "r-long"}
+    stats = consumer.get_ec_connector_stats()
+    assert stats is not None
+    assert stats.reduce()["loads"] == 2 and stats.reduce()["load_misses"] == 6
+
+
+def test_a_failed_batch_load_misses_only_the_outputs_that_fail(
+    make: Make, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    producer = make("ec_producer", ECConnectorRole.WORKER, remote_url=redis_url)
+    consumer = make("ec_consumer", ECConnectorRole.WORKER, remote_url=redis_url)
+    for mm_hash in ("a", "b", "c"):
+        producer.save_caches({mm_hash: torch.full((4, 4), float(ord(mm_hash)))}, mm_hash)
+    producer.flush(10)
+    cache = consumer.cache
+    assert cache is not None
+    poison = consumer.cache_key("b")
+    get, get_many = cache.get, cache.get_many
+
+    async def failing_get(key: Any, **kwargs: Any) -> torch.Tensor | None:
+        if key == poison:
+            raise CopyFailedError("the copy of b failed")
+        return await get(key, **kwargs)
+
+    async def failing_get_many(keys: Any, **kwargs: Any) -> list[torch.Tensor | None]:
+        keys = list(keys)
+        if poison in keys:
+            raise CopyFailedError("the copy of b failed")
+        return await get_many(keys, **kwargs)
+
+    monkeypatch.setattr(cache, "get", failing_get)
+    monkeypatch.setattr(cache, "get_many", failing_get_many)
+    loads = [LoadItem("a", "r1"), LoadItem("b", "r2"), LoadItem("c", "r3")]
+    finished, unavailable, loaded = load_step(consumer, loads)
+    assert loaded == ["a", "c"] and finished == {"r1", "r3"} and unavailable == {"r2"}
+
+
+def test_metadata_of_another_connector_is_a_clear_error(make: Make, redis_url: str) -> None:
+    consumer = make("ec_consumer", ECConnectorRole.WORKER, remote_url=redis_url)
+
+    class Other(ECConnectorMetadata):
+        pass
+
+    consumer.bind_connector_metadata(Other())
+    with pytest.raises(IntegrationError, match="MMCacheECConnectorMetadata"):
+        consumer.start_load_caches({})
+    consumer.clear_connector_metadata()

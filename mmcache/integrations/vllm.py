@@ -346,24 +346,40 @@ class MMCacheECConnector(ECConnectorBase):
 
         Each tensor is usable on the caller's current stream. An output the cache no longer
         has is left out and its request reported unavailable (vLLM fails it; re-issued, it
-        is encoded again).
+        is encoded again). So is a malformed load item's (its mm hash not a str, say),
+        logged: the step's other requests are served. Metadata that is not this
+        connector's raises IntegrationError.
         """
-        metadata = self._get_connector_metadata()
-        assert isinstance(metadata, MMCacheECConnectorMetadata)
+        metadata = self._connector_metadata
+        if not isinstance(metadata, MMCacheECConnectorMetadata):
+            raise IntegrationError(
+                f"MMCacheECConnector's worker was given {type(metadata).__name__} as the step's "
+                "connector metadata, not MMCacheECConnectorMetadata: the scheduler's "
+                "ec_connector must be MMCacheECConnector as well"
+            )
         if self._cache is None or not metadata.loads:
             return
-        wanted = [item for item in metadata.loads if item.mm_hash not in encoder_cache]
-        hashes = list(dict.fromkeys(item.mm_hash for item in wanted))
+        wanted: list[tuple[str, str]] = []  # (mm hash, request id)
+        for item in metadata.loads:
+            mm_hash = getattr(item, "mm_hash", None)
+            request_id = getattr(item, "request_id", None)
+            if not isinstance(request_id, str):
+                log.warning("MMCacheECConnector: a load item of no request: %s", reprlib.repr(item))
+                self._count("load_misses")
+            elif not self._is_mm_hash(mm_hash):
+                log.warning(
+                    "MMCacheECConnector: request %s names %s, not an mm hash (a str), to load",
+                    request_id,
+                    reprlib.repr(mm_hash),
+                )
+                self._count("load_misses")
+                self._missed.add(request_id)
+            elif mm_hash not in encoder_cache:
+                wanted.append((mm_hash, request_id))
+        hashes = list(dict.fromkeys(mm_hash for mm_hash, _ in wanted))
         if not hashes:
             return
-        stream = self._cache.device.current_stream()
-        try:
-            found = self._loop.run(
-                self._cache.get_many([self.cache_key(h) for h in hashes], stream=stream)
-            )
-        except MMCacheError as exc:
-            log.warning("MMCacheECConnector: loading %d outputs failed: %s", len(hashes), str(exc))
-            found = [None] * len(hashes)
+        found = self._load(self._cache, hashes)
         for mm_hash, tensor in zip(hashes, found, strict=True):
             if tensor is not None:
                 encoder_cache[mm_hash] = tensor
@@ -371,11 +387,33 @@ class MMCacheECConnector(ECConnectorBase):
                 self._count("load_bytes", tensor.nbytes)
             else:
                 self._count("load_misses")
-        for item in wanted:
-            if item.mm_hash in encoder_cache:
-                self._loaded.add(item.request_id)
+        for mm_hash, request_id in wanted:
+            if mm_hash in encoder_cache:
+                self._loaded.add(request_id)
             else:
-                self._missed.add(item.request_id)
+                self._missed.add(request_id)
+
+    def _load(self, cache: FeatureCache, hashes: list[str]) -> list[torch.Tensor | None]:
+        """The outputs of hashes on the device (None where missed), read in one batch; where
+        the batch fails, read one by one, so that a failure misses only its own output."""
+        stream = cache.device.current_stream()
+        keys = [self.cache_key(h) for h in hashes]
+        try:
+            return self._loop.run(cache.get_many(keys, stream=stream))
+        except MMCacheError as exc:
+            log.warning(
+                "MMCacheECConnector: loading %d outputs together failed: %s", len(keys), str(exc)
+            )
+            if len(keys) == 1:
+                return [None]
+        found: list[torch.Tensor | None] = []
+        for mm_hash, key in zip(hashes, keys, strict=True):
+            try:
+                found.append(self._loop.run(cache.get(key, stream=stream)))
+            except MMCacheError as exc:
+                log.warning("MMCacheECConnector: loading %s failed: %s", mm_hash, str(exc))
+                found.append(None)
+        return found
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """(None, the requests whose loads finished since the last call): saves never hold
