@@ -4,6 +4,7 @@ outputs between a producer and a consumer through a real redis-server, bit-exact
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import socket
 import threading
@@ -438,3 +439,30 @@ def test_metadata_of_another_connector_is_a_clear_error(make: Make, redis_url: s
     with pytest.raises(IntegrationError, match="MMCacheECConnectorMetadata"):
         consumer.start_load_caches({})
     consumer.clear_connector_metadata()
+
+
+def test_a_bad_save_is_counted_and_loses_no_other_save(
+    make: Make, redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    producer = make("ec_producer", ECConnectorRole.WORKER, remote_url=redis_url)
+    scheduler = make("ec_consumer", ECConnectorRole.SCHEDULER, remote_url=redis_url)
+    encoder_cache: dict[Any, Any] = {
+        "a": torch.ones(4, 4),
+        "b": torch.zeros(4, 4),
+        "none": None,
+        "list": [1.0, 2.0],
+        5: torch.ones(2, 2),
+        ("a",): torch.ones(2, 2),
+    }
+    bad: list[Any] = ["missing", ["a"], None, 5, ("a",), "none", "list"]
+    with caplog.at_level(logging.WARNING, logger="mmcache"):
+        producer.save_caches(encoder_cache, "a")
+        for mm_hash in bad:
+            producer.save_caches(encoder_cache, mm_hash)  # raises nothing
+        producer.save_caches(encoder_cache, "b")
+    producer.flush(10)
+    assert caplog.text.count("MMCacheECConnector: not saving") == len(bad)
+    stats = producer.get_ec_connector_stats()
+    assert stats is not None
+    assert stats.reduce()["saves"] == 2 and stats.reduce()["save_failures"] == len(bad)
+    assert scheduler.has_cache_item("a") and scheduler.has_cache_item("b")

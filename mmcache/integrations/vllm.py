@@ -300,16 +300,25 @@ class MMCacheECConnector(ECConnectorBase):
         """Put encoder_cache[mm_hash] into the cache on its loop; returns without waiting.
 
         The cache holds the tensor itself (vLLM only reads it): on a GPU it counts against
-        gpu_cache_mb, memory vLLM's own profiling does not see.
+        gpu_cache_mb, memory vLLM's own profiling does not see. Never raises: an mm_hash that
+        is not an mm hash (a str), or that encoder_cache holds no tensor under, is counted in
+        save_failures and logged; other saves go on.
         """
         if not self.is_producer or self._cache is None or self._closed:
+            return
+        if not self._is_mm_hash(mm_hash):
+            self._refuse_save(mm_hash, "is not an mm hash (a str)")
+            return
+        value = encoder_cache.get(mm_hash)
+        if not isinstance(value, torch.Tensor):
+            where = "not in" if value is None else f"a {type(value).__name__}, not a tensor, in"
+            self._refuse_save(mm_hash, f"is {where} the encoder cache")
             return
         with self._lock:
             full = len(self._saving) >= MAX_PENDING_SAVES
         if full:
             self._count("save_failures")
             return
-        value = encoder_cache[mm_hash]
         stream = self._cache.device.current_stream()  # the runner's: streams are per thread
         future = asyncio.run_coroutine_threadsafe(
             self._save(self._cache, self.cache_key(mm_hash), value, stream),
@@ -328,6 +337,10 @@ class MMCacheECConnector(ECConnectorBase):
             log.warning("MMCacheECConnector: saving %r failed: %s", key, str(exc))
             done = False
         self._count("saves" if done else "save_failures")
+
+    def _refuse_save(self, mm_hash: object, why: str) -> None:
+        log.warning("MMCacheECConnector: not saving %s: it %s", reprlib.repr(mm_hash), why)
+        self._count("save_failures")
 
     def _saved(self, future: concurrent.futures.Future[None]) -> None:
         with self._lock:
