@@ -11,7 +11,8 @@ import logging
 import random
 import sys
 import threading
-from collections.abc import Iterator
+import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -20,7 +21,7 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from mmcache import CacheClosedError, CacheSettings
+from mmcache import CacheClosedError, CacheSettings, InvalidValueError, SettingsError
 
 pytestmark = pytest.mark.integration
 
@@ -202,6 +203,129 @@ def test_refuses_what_sglang_refuses() -> None:
             ours.set(2, too_big)
 
 
+NOT_TENSORS = [
+    pytest.param(lambda: None, id="None"),
+    pytest.param(lambda: [1.0, 2.0], id="list"),
+    pytest.param(lambda: pytest.importorskip("numpy").ones((4, 4)), id="ndarray"),
+]
+
+
+@pytest.mark.parametrize("make_value", NOT_TENSORS)
+def test_set_refuses_an_embedding_that_is_not_a_tensor(make_value: Any) -> None:
+    with adapter(64 * KiB, HOST_ON) as ours:
+        kept = feature(1, 4, torch.float32)
+        assert ours.set(1, EmbeddingResult(embedding=kept))
+        with pytest.raises(InvalidValueError, match=r"torch\.Tensor"):
+            ours.set(2, EmbeddingResult(embedding=make_value()))
+        assert not ours.has(2) and len(ours) == 1
+        got = ours.get_single(1)
+        assert got is not None and torch.equal(got.embedding, kept)
+        assert ours.set(2, EmbeddingResult(embedding=feature(2, 4, torch.float32)))
+
+
+def _quiet(make: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """make, without torch's warning that its layout is a prototype or in beta."""
+
+    def made() -> torch.Tensor:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return make()
+
+    return made
+
+
+MKLDNN = torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
+NOT_DENSE = [
+    pytest.param(lambda: torch.ones(4, 8).to_sparse(), id="sparse-coo"),
+    pytest.param(_quiet(lambda: torch.ones(4, 8).to_sparse_csr()), id="sparse-csr"),
+    pytest.param(
+        _quiet(lambda: torch.nested.nested_tensor([torch.ones(2, 8), torch.ones(3, 8)])),
+        id="nested",
+    ),
+    pytest.param(
+        lambda: torch.nested.nested_tensor(
+            [torch.ones(2, 8), torch.ones(3, 8)], layout=torch.jagged
+        ),
+        id="jagged",
+    ),
+    pytest.param(
+        lambda: torch.ones(4, 8).to_mkldnn(),
+        id="mkldnn",
+        marks=pytest.mark.skipif(not MKLDNN, reason="this torch has no mkldnn"),
+    ),
+]
+
+
+@pytest.mark.parametrize("make_value", NOT_DENSE)
+def test_set_answers_false_for_a_tensor_that_is_not_dense(make_value: Any) -> None:
+    with adapter(64 * KiB, HOST_ON) as ours:
+        kept = feature(1, 4, torch.float32)
+        assert ours.set(1, EmbeddingResult(embedding=kept))
+        assert ours.set(2, EmbeddingResult(embedding=make_value())) is False
+        assert not ours.has(2) and ours.get_single(2) is None and len(ours) == 1
+        got = ours.get_single(1)
+        assert got is not None and torch.equal(got.embedding, kept)
+        assert ours.set(1, EmbeddingResult(embedding=make_value()))  # already there: refreshed
+
+
+def test_an_integer_of_another_type_is_the_int_it_equals() -> None:
+    np = pytest.importorskip("numpy")
+    with adapter(64 * KiB, HOST_OFF) as ours:
+        ref = MultiModalStaticCache(64 * KiB)
+        for cache in (ours, ref):
+            assert cache.set(np.int64(5), EmbeddingResult(embedding=feature(5, 4, torch.float32)))
+            assert cache.set(7, EmbeddingResult(embedding=feature(7, 4, torch.float32)))
+            assert cache.set(True, EmbeddingResult(embedding=feature(1, 4, torch.float32)))
+        for cache in (ours, ref):
+            got = cache.get_single(5)
+            assert got is not None and torch.equal(got.embedding, feature(5, 4, torch.float32))
+            assert cache.has(np.int64(7)) and cache.has(np.uint8(1)) and cache.has(1)
+            assert cache.get_single(np.int32(7)) is not None
+            assert cache.free(np.int64(7), None) and not cache.has(7)
+            assert len(cache) == 2
+
+
+BAD_HASHES = [
+    pytest.param(None, id="None"),
+    pytest.param(1.5, id="float"),
+    pytest.param([1, 2], id="list"),
+    pytest.param({"a": 1}, id="dict"),
+    pytest.param(object(), id="object"),
+    pytest.param(("img", [1]), id="tuple-with-list"),
+    pytest.param("x" * (2 * 1024 * 1024), id="str-over-1MiB"),
+]
+
+
+@pytest.mark.parametrize("mm_hash", BAD_HASHES)
+def test_an_mm_hash_the_cache_cannot_hold_is_a_miss(
+    mm_hash: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    with adapter(64 * KiB, HOST_ON) as ours:
+        kept = feature(1, 4, torch.float32)
+        assert ours.set(1, EmbeddingResult(embedding=kept))
+        with caplog.at_level(logging.WARNING, logger="mmcache"):
+            assert (
+                ours.set(mm_hash, EmbeddingResult(embedding=feature(2, 4, torch.float32))) is False
+            )
+        assert "an mm_hash is an int" in caplog.text
+        assert ours.get_single(mm_hash) is None
+        assert ours.has(mm_hash) is False
+        assert ours.free(mm_hash, None) is False
+        assert len(ours) == 1
+        got = ours.get_single(1)
+        assert got is not None and torch.equal(got.embedding, kept)
+
+
+@pytest.mark.parametrize("mm_hashes", [[[1]], 5, [{"a": 1}, 2]], ids=["nested", "int", "dict"])
+def test_get_of_hashes_that_do_not_combine_is_a_miss(mm_hashes: Any) -> None:
+    with adapter(64 * KiB, HOST_ON) as ours:
+        assert ours.set(
+            ours.combine_hashes([1]), EmbeddingResult(embedding=feature(1, 4, torch.float32))
+        )
+        assert ours.get(mm_hashes) is None
+        assert ours.get([1]) is not None
+
+
 def test_two_threads_at_once() -> None:
     errors: list[BaseException] = []
     with adapter(256 * KiB, HOST_ON) as ours:
@@ -352,6 +476,32 @@ def test_install_takes_the_place_of_a_cache_already_built(mm_schedule: ModuleTyp
         again.uninstall()
     finally:
         done.uninstall()
+
+
+def test_init_with_a_bad_max_size_keeps_the_cache_already_built(mm_schedule: ModuleType) -> None:
+    done = install(settings=HOST_OFF, device="sim", module=mm_schedule)
+    try:
+        mm_schedule.init_mm_embedding_cache(32 * KiB)
+        built: Any = mm_schedule.embedding_cache
+        assert built.set(1, EmbeddingResult(embedding=feature(1, 4, torch.float32)))
+        for bad in (-1, 1.5, "32"):
+            with pytest.raises(InvalidValueError, match="max_size"):
+                mm_schedule.init_mm_embedding_cache(bad)
+        cache = done.cache
+        assert cache is not None and cache is built and mm_schedule.embedding_cache is cache
+        assert cache.get_single(1) is not None  # still open and serving
+    finally:
+        done.uninstall()
+
+
+def test_settings_that_are_not_cache_settings_are_refused(mm_schedule: ModuleType) -> None:
+    bad: Any = {"cpu_cache_mb": 0}
+    with pytest.raises(SettingsError, match="CacheSettings"):
+        MMCacheMultimodalCache(KiB, settings=bad, device="sim", registry=CollectorRegistry())
+    before = dict(mm_schedule.__dict__)
+    with pytest.raises(SettingsError, match="CacheSettings"):
+        install(settings=bad, device="sim", module=mm_schedule)
+    assert mm_schedule.__dict__ == before  # nothing changed
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,7 @@ outputs between a producer and a consumer through a real redis-server, bit-exact
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import socket
 import threading
@@ -28,18 +29,26 @@ pytest.importorskip(
 from redis_server import free_port
 from vllm.config import ECTransferConfig, VllmConfig
 from vllm.distributed.ec_transfer import ensure_ec_transfer_initialized, ensure_ec_transfer_shutdown
-from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorBase, ECConnectorRole
+from vllm.distributed.ec_transfer.ec_connector.base import (
+    ECConnectorBase,
+    ECConnectorMetadata,
+    ECConnectorRole,
+)
 from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import ECConnectorOutput
 from vllm.v1.worker.ec_connector_model_runner_mixin import ECConnectorModelRunnerMixin
 
+from mmcache import CopyFailedError
+from mmcache.integrations import IntegrationError
 from mmcache.integrations.vllm import (
     MAX_PENDING_SAVES,
+    LoadItem,
     MMCacheECConnector,
     MMCacheECConnectorMetadata,
     MMCacheECConnectorStats,
+    MMCacheECWorkerMetadata,
 )
 
 pytestmark = pytest.mark.vllm
@@ -314,3 +323,146 @@ def test_a_requests_items_are_asked_in_one_batch_per_step(
     assert batches == [["a", "b", "c"]]
     schedule(scheduler, request("r", "a", "b", "c"))  # a new step asks again
     assert len(batches) == 2
+
+
+NOT_MM_HASHES = [
+    pytest.param(None, id="None"),
+    pytest.param(["h"], id="list"),
+    pytest.param(5, id="int"),
+    pytest.param(b"h", id="bytes"),
+    pytest.param(("h",), id="tuple"),
+    pytest.param("x" * (2 * 1024 * 1024), id="str-over-1MiB"),
+]
+
+
+@pytest.mark.parametrize("identifier", NOT_MM_HASHES)
+@pytest.mark.parametrize("remote", [True, False], ids=["remote", "no-remote"])
+def test_an_identifier_that_is_not_an_mm_hash_is_not_cached(
+    make: Make, redis_url: str, identifier: Any, remote: bool
+) -> None:
+    extra = {"remote_url": redis_url} if remote else {}
+    producer = make("ec_producer", ECConnectorRole.WORKER, remote_url=redis_url)
+    scheduler = make("ec_consumer", ECConnectorRole.SCHEDULER, **extra)
+    producer.save_caches({"h": torch.ones(4, 4)}, "h")
+    producer.flush(10)
+    assert scheduler.has_cache_item(identifier) is False
+    req = request("r", "h", identifier)
+    output = schedule(scheduler, req)  # ensure_cache_available, has_cache_item, alloc
+    meta = output.ec_connector_metadata
+    assert isinstance(meta, MMCacheECConnectorMetadata)
+    assert [(i.mm_hash, i.request_id) for i in meta.loads] == ([("h", "r")] if remote else [])
+    stats = scheduler.get_ec_connector_stats()
+    if remote:  # the good item was asked; the bad one never was
+        assert stats is not None and stats.reduce()["lookups"] == 1
+        assert stats.reduce()["lookup_hits"] == 1 and stats.reduce()["lookup_errors"] == 0
+
+
+def load_step(consumer: MMCacheECConnector, loads: list[Any]) -> tuple[Any, set[str], list[str]]:
+    """One worker step that loads loads: (its finished loads, its unavailable requests, the
+    outputs it put into the encoder cache)."""
+    encoder_cache: dict[str, torch.Tensor] = {}
+    consumer.bind_connector_metadata(MMCacheECConnectorMetadata(loads))
+    try:
+        consumer.start_load_caches(encoder_cache)
+        finished = consumer.get_finished(set())[1]
+        worker_meta = consumer.build_connector_worker_meta()
+    finally:
+        consumer.clear_connector_metadata()
+    unavailable = (
+        worker_meta.unavailable if isinstance(worker_meta, MMCacheECWorkerMetadata) else set()
+    )
+    return finished, unavailable, sorted(encoder_cache)
+
+
+def test_a_malformed_load_item_fails_only_its_own_request(make: Make, redis_url: str) -> None:
+    producer = make("ec_producer", ECConnectorRole.WORKER, remote_url=redis_url)
+    consumer = make("ec_consumer", ECConnectorRole.WORKER, remote_url=redis_url)
+    for mm_hash in ("a", "b"):
+        producer.save_caches({mm_hash: torch.full((4, 4), float(ord(mm_hash)))}, mm_hash)
+    producer.flush(10)
+    bad: list[Any] = [
+        LoadItem(["a"], "r-list"),  # type: ignore[arg-type]
+        LoadItem(None, "r-none"),  # type: ignore[arg-type]
+        LoadItem(5, "r-int"),  # type: ignore[arg-type]
+        LoadItem("x" * (2 * 1024 * 1024), "r-long"),
+        ("a", "r-tuple"),  # not a LoadItem: no request to report
+        LoadItem("a", None),  # type: ignore[arg-type]
+    ]
+    loads = [LoadItem("a", "r1"), *bad, LoadItem("b", "r2")]
+    finished, unavailable, loaded = load_step(consumer, loads)
+    assert loaded == ["a", "b"]
+    assert finished == {"r1", "r2"}
+    assert unavailable == {"r-list", "r-none", "r-int", "r-long"}
+    stats = consumer.get_ec_connector_stats()
+    assert stats is not None
+    assert stats.reduce()["loads"] == 2 and stats.reduce()["load_misses"] == 6
+
+
+def test_a_failed_batch_load_misses_only_the_outputs_that_fail(
+    make: Make, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    producer = make("ec_producer", ECConnectorRole.WORKER, remote_url=redis_url)
+    consumer = make("ec_consumer", ECConnectorRole.WORKER, remote_url=redis_url)
+    for mm_hash in ("a", "b", "c"):
+        producer.save_caches({mm_hash: torch.full((4, 4), float(ord(mm_hash)))}, mm_hash)
+    producer.flush(10)
+    cache = consumer.cache
+    assert cache is not None
+    poison = consumer.cache_key("b")
+    get, get_many = cache.get, cache.get_many
+
+    async def failing_get(key: Any, **kwargs: Any) -> torch.Tensor | None:
+        if key == poison:
+            raise CopyFailedError("the copy of b failed")
+        return await get(key, **kwargs)
+
+    async def failing_get_many(keys: Any, **kwargs: Any) -> list[torch.Tensor | None]:
+        keys = list(keys)
+        if poison in keys:
+            raise CopyFailedError("the copy of b failed")
+        return await get_many(keys, **kwargs)
+
+    monkeypatch.setattr(cache, "get", failing_get)
+    monkeypatch.setattr(cache, "get_many", failing_get_many)
+    loads = [LoadItem("a", "r1"), LoadItem("b", "r2"), LoadItem("c", "r3")]
+    finished, unavailable, loaded = load_step(consumer, loads)
+    assert loaded == ["a", "c"] and finished == {"r1", "r3"} and unavailable == {"r2"}
+
+
+def test_metadata_of_another_connector_is_a_clear_error(make: Make, redis_url: str) -> None:
+    consumer = make("ec_consumer", ECConnectorRole.WORKER, remote_url=redis_url)
+
+    class Other(ECConnectorMetadata):
+        pass
+
+    consumer.bind_connector_metadata(Other())
+    with pytest.raises(IntegrationError, match="MMCacheECConnectorMetadata"):
+        consumer.start_load_caches({})
+    consumer.clear_connector_metadata()
+
+
+def test_a_bad_save_is_counted_and_loses_no_other_save(
+    make: Make, redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    producer = make("ec_producer", ECConnectorRole.WORKER, remote_url=redis_url)
+    scheduler = make("ec_consumer", ECConnectorRole.SCHEDULER, remote_url=redis_url)
+    encoder_cache: dict[Any, Any] = {
+        "a": torch.ones(4, 4),
+        "b": torch.zeros(4, 4),
+        "none": None,
+        "list": [1.0, 2.0],
+        5: torch.ones(2, 2),
+        ("a",): torch.ones(2, 2),
+    }
+    bad: list[Any] = ["missing", ["a"], None, 5, ("a",), "none", "list"]
+    with caplog.at_level(logging.WARNING, logger="mmcache"):
+        producer.save_caches(encoder_cache, "a")
+        for mm_hash in bad:
+            producer.save_caches(encoder_cache, mm_hash)  # raises nothing
+        producer.save_caches(encoder_cache, "b")
+    producer.flush(10)
+    assert caplog.text.count("MMCacheECConnector: not saving") == len(bad)
+    stats = producer.get_ec_connector_stats()
+    assert stats is not None
+    assert stats.reduce()["saves"] == 2 and stats.reduce()["save_failures"] == len(bad)
+    assert scheduler.has_cache_item("a") and scheduler.has_cache_item("b")

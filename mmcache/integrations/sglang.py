@@ -14,6 +14,9 @@ import copy
 import dataclasses
 import importlib
 import inspect
+import logging
+import numbers
+import reprlib
 import sys
 import threading
 from collections.abc import Callable, Hashable
@@ -25,7 +28,8 @@ from prometheus_client import CollectorRegistry
 
 from mmcache.cache import FeatureCache
 from mmcache.device import Device, Stream
-from mmcache.errors import InvalidValueError
+from mmcache.entry import check_key
+from mmcache.errors import InvalidKeyError, InvalidValueError, SettingsError
 from mmcache.integrations import IntegrationError
 from mmcache.integrations.loop_thread import LoopThread
 from mmcache.settings import CacheSettings
@@ -48,11 +52,44 @@ _SEAM_MODULE: Final = "sglang.srt.managers.mm_schedule"
 #: MultimodalCache's abstract methods in the tested release: the adapter implements these.
 _ABSTRACT: Final = frozenset({"__init__", "get", "set", "has", "free", "clear", "available_size"})
 _counter = iter(range(1, sys.maxsize))
+log = logging.getLogger("mmcache")
 
 
 def _data_bytes(tensor: torch.Tensor) -> int:
     """The bytes SGLang charges an embedding before storing it (its data, not a whole batch)."""
     return min(tensor.untyped_storage().nbytes(), tensor.element_size() * tensor.numel())
+
+
+def _cache_key(mm_hash: object) -> Hashable | None:
+    """mm_hash as the cache's key, or None where the cache cannot hold it.
+
+    An integer of another type (numpy's, a bool) is the int it equals: SGLang's dict finds
+    np.int64(5) under 5.
+    """
+    if type(mm_hash) is not int and isinstance(mm_hash, numbers.Integral):
+        mm_hash = int(mm_hash)
+    try:
+        check_key(mm_hash)
+    except InvalidKeyError:
+        return None
+    return mm_hash  # check_key passed: a str, bytes, int, or a tuple of these
+
+
+def _check_max_size(max_size: object) -> None:
+    """Refuse a max_size that is not a byte count (InvalidValueError)."""
+    if isinstance(max_size, bool) or not isinstance(max_size, int) or max_size < 0:
+        raise InvalidValueError(
+            f"max_size is a byte count >= 0 (SGLANG_VLM_CACHE_SIZE_MB * 2**20), not {max_size!r}"
+        )
+
+
+def _check_settings(settings: object) -> None:
+    """Refuse settings that are neither None nor a CacheSettings (SettingsError)."""
+    if settings is not None and not isinstance(settings, CacheSettings):
+        raise SettingsError(
+            f"settings is a CacheSettings (or None), not {type(settings).__name__}: "
+            "build one with CacheSettings(**values)"
+        )
 
 
 def _adapter_settings(max_size: int, settings: CacheSettings | None) -> CacheSettings:
@@ -84,11 +121,8 @@ class MMCacheMultimodalCache(MultimodalCache):  # type: ignore[misc]
         name: str | None = None,
         registry: CollectorRegistry | None = None,
     ) -> None:
-        if isinstance(max_size, bool) or not isinstance(max_size, int) or max_size < 0:
-            raise InvalidValueError(
-                "max_size is a byte count >= 0 (SGLANG_VLM_CACHE_SIZE_MB * 2**20), "
-                f"not {max_size!r}"
-            )
+        _check_max_size(max_size)
+        _check_settings(settings)
         super().__init__()
         self.max_size = max_size
         name = name if name is not None else f"sglang-{next(_counter)}"
@@ -120,45 +154,82 @@ class MMCacheMultimodalCache(MultimodalCache):  # type: ignore[misc]
         """The embedding cached under the combined hash of mm_hashes, or None.
 
         As SGLang's static cache does, combined_hash is recomputed from mm_hashes
-        (combine_hashes) and individual hashes are not looked up.
+        (combine_hashes) and individual hashes are not looked up. mm_hashes that do not
+        combine (not a list, or holding an unhashable item) are a miss.
         """
-        key = self.combine_hashes(mm_hashes)
+        try:
+            key = self.combine_hashes(mm_hashes)
+        except TypeError:
+            return None  # nothing can be cached under them
         if key is None:
             return None
         return self._loop.run(self._get(key, self._device.current_stream()), eager=True)
 
     def get_single(self, mm_hash: int) -> EmbeddingResult | None:
-        """The embedding cached under mm_hash, or None; a hit refreshes its recency."""
-        return self._loop.run(self._get(mm_hash, self._device.current_stream()), eager=True)
+        """The embedding cached under mm_hash, or None; a hit refreshes its recency.
+
+        An mm_hash that is not a key the cache can hold (see set) is a miss.
+        """
+        key = _cache_key(mm_hash)
+        if key is None:
+            return None
+        return self._loop.run(self._get(key, self._device.current_stream()), eager=True)
 
     def set(
         self, mm_hash: int, embedding: EmbeddingResult, loc: torch.Tensor | None = None
     ) -> bool:
         """Cache embedding under mm_hash; True if cached (or already there, refreshed).
 
-        False, storing nothing, when it is larger than max_size, empty, or not on the cache's
-        device. A view is stored compact. The caller may keep using embedding.embedding but
-        must not write to it.
+        False, storing nothing, when it is larger than max_size, empty, not on the cache's
+        device, or not a dense strided tensor (sparse, nested, mkldnn): SGLang's caller then
+        uses it uncached. A view is stored compact. The caller may keep using
+        embedding.embedding but must not write to it. Raises InvalidValueError, storing
+        nothing, where embedding is not an EmbeddingResult or its embedding not a tensor.
+
+        mm_hash is an int, as SGLang's hashes are; an integer of another type (numpy's, a
+        bool) is the int it equals, as in SGLang's dict. A str, bytes or a tuple of these
+        is a key too. Any other mm_hash (None, a float, a list) answers False, logged:
+        the cache cannot hold it, and every lookup of it is a miss.
         """
         if not isinstance(embedding, EmbeddingResult):
             raise InvalidValueError(
                 f"set() takes an sglang EmbeddingResult, not {type(embedding).__name__}"
             )
         tensor = embedding.embedding
+        if not isinstance(tensor, torch.Tensor):
+            raise InvalidValueError(
+                "set() takes an EmbeddingResult whose embedding is a torch.Tensor, not "
+                f"{type(tensor).__name__}"
+            )
         shell: EmbeddingResult | None = None
         if type(embedding) is not EmbeddingResult:
             shell = copy.copy(embedding)
             object.__setattr__(shell, "embedding", None)
+        key = _cache_key(mm_hash)
+        if key is None:
+            log.warning(
+                "MMCacheMultimodalCache: not caching under %s: an mm_hash is an int",
+                reprlib.repr(mm_hash),
+            )
+            return False
         stream = self._device.current_stream()
-        return self._loop.run(self._set(mm_hash, tensor, shell, stream), eager=True)
+        return self._loop.run(self._set(key, tensor, shell, stream), eager=True)
 
     def has(self, mm_hash: int) -> bool:
-        """Whether mm_hash is cached (in either tier); does not refresh its recency."""
-        return self._loop.run(self._has(mm_hash), eager=True)
+        """Whether mm_hash is cached (in either tier); does not refresh its recency.
+
+        False for an mm_hash that is not a key the cache can hold (see set).
+        """
+        key = _cache_key(mm_hash)
+        return key is not None and self._loop.run(self._has(key), eager=True)
 
     def free(self, mm_hash: int, mm_embedding_allocator: object = None) -> bool:
-        """Remove mm_hash; True if it was cached. The allocator is not used (as in SGLang)."""
-        return self._loop.run(self._free(mm_hash), eager=True)
+        """Remove mm_hash; True if it was cached. The allocator is not used (as in SGLang).
+
+        False for an mm_hash that is not a key the cache can hold (see set).
+        """
+        key = _cache_key(mm_hash)
+        return key is not None and self._loop.run(self._free(key), eager=True)
 
     def clear(self) -> None:
         """Remove every entry."""
@@ -214,6 +285,16 @@ class MMCacheMultimodalCache(MultimodalCache):  # type: ignore[misc]
         if key in cache:
             await cache.get(key, stream=stream)  # refreshes its recency, as SGLang's does
             return True
+        if tensor.layout is not torch.strided or tensor.is_nested:
+            # The cache holds dense strided tensors only; such a tensor has no storage of
+            # its size to charge (sizing a sparse one raises inside torch).
+            log.warning(
+                "MMCacheMultimodalCache: not caching %r: its embedding is a %s tensor, not a "
+                "dense strided one",
+                key,
+                "nested" if tensor.is_nested else str(tensor.layout).removeprefix("torch."),
+            )
+            return False
         nbytes = _data_bytes(tensor)
         if nbytes == 0 or nbytes > self.max_size or not self._device.is_device_tensor(tensor):
             return False  # SGLang's caller then uses the embedding it has, uncached
@@ -261,7 +342,12 @@ class Installation:
     cache: MMCacheMultimodalCache | None = None
 
     def init_cache(self, max_size: int = 0) -> None:
-        """SGLang's init_mm_embedding_cache(max_size), building the adapter instead."""
+        """SGLang's init_mm_embedding_cache(max_size), building the adapter instead.
+
+        A max_size that is not a byte count raises InvalidValueError and leaves the cache
+        already built in place.
+        """
+        _check_max_size(max_size)
         old, self.cache = self.cache, None
         if old is not None:
             old.close()
@@ -294,8 +380,10 @@ def install(
     SGLang modules that imported it by name), and the `embedding_cache` it already built,
     if any. Call it in the process that runs SGLang's scheduler before the model loads:
     at the top level of the launch script, which SGLang's spawned processes import too.
-    Raises IntegrationError where the installed SGLang's seam differs from 0.5.23's.
+    Raises IntegrationError where the installed SGLang's seam differs from 0.5.23's, and
+    SettingsError where settings is not a CacheSettings, changing nothing.
     """
+    _check_settings(settings)
     if module is None:
         try:
             module = importlib.import_module(_SEAM_MODULE)

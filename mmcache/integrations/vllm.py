@@ -22,15 +22,17 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import logging
+import reprlib
 import threading
 import time
 from collections.abc import Hashable, Iterable
-from typing import TYPE_CHECKING, Any, Final, final
+from typing import TYPE_CHECKING, Any, Final, TypeGuard, final
 
 import torch
 
 from mmcache.cache import FeatureCache
-from mmcache.errors import MMCacheError, SettingsError
+from mmcache.entry import check_key
+from mmcache.errors import InvalidKeyError, MMCacheError, SettingsError
 from mmcache.integrations import IntegrationError
 from mmcache.integrations.loop_thread import LoopThread
 from mmcache.remote.codec import server_key
@@ -173,6 +175,13 @@ class _PromMetrics(ECConnectorPromMetrics):
                 counter.labels(*labels).inc(value)
 
 
+def _bad_identifier(identifier: object) -> None:
+    log.warning(
+        "MMCacheECConnector: %s is not an mm hash (a str): answered as not cached",
+        reprlib.repr(identifier),
+    )
+
+
 class MMCacheECConnector(ECConnectorBase):
     """vLLM's EC connector on mmcache: encoder outputs shared through its remote tier.
 
@@ -239,6 +248,17 @@ class MMCacheECConnector(ECConnectorBase):
         """The cache key of an encoder output: its mm hash, namespaced by model."""
         return ("vllm-ec", self._model, mm_hash)
 
+    def _is_mm_hash(self, mm_hash: object) -> TypeGuard[str]:
+        """Whether mm_hash is one the connector can share: a str (as vLLM's mm hashes and
+        identifiers are) whose cache key the cache can hold."""
+        if not isinstance(mm_hash, str):
+            return False
+        try:
+            check_key(self.cache_key(mm_hash))
+        except InvalidKeyError:
+            return False
+        return True
+
     @property
     def cache(self) -> FeatureCache | None:
         """The worker side's cache (None on the scheduler side)."""
@@ -280,16 +300,25 @@ class MMCacheECConnector(ECConnectorBase):
         """Put encoder_cache[mm_hash] into the cache on its loop; returns without waiting.
 
         The cache holds the tensor itself (vLLM only reads it): on a GPU it counts against
-        gpu_cache_mb, memory vLLM's own profiling does not see.
+        gpu_cache_mb, memory vLLM's own profiling does not see. Never raises: an mm_hash that
+        is not an mm hash (a str), or that encoder_cache holds no tensor under, is counted in
+        save_failures and logged; other saves go on.
         """
         if not self.is_producer or self._cache is None or self._closed:
+            return
+        if not self._is_mm_hash(mm_hash):
+            self._refuse_save(mm_hash, "is not an mm hash (a str)")
+            return
+        value = encoder_cache.get(mm_hash)
+        if not isinstance(value, torch.Tensor):
+            where = "not in" if value is None else f"a {type(value).__name__}, not a tensor, in"
+            self._refuse_save(mm_hash, f"is {where} the encoder cache")
             return
         with self._lock:
             full = len(self._saving) >= MAX_PENDING_SAVES
         if full:
             self._count("save_failures")
             return
-        value = encoder_cache[mm_hash]
         stream = self._cache.device.current_stream()  # the runner's: streams are per thread
         future = asyncio.run_coroutine_threadsafe(
             self._save(self._cache, self.cache_key(mm_hash), value, stream),
@@ -309,6 +338,10 @@ class MMCacheECConnector(ECConnectorBase):
             done = False
         self._count("saves" if done else "save_failures")
 
+    def _refuse_save(self, mm_hash: object, why: str) -> None:
+        log.warning("MMCacheECConnector: not saving %s: it %s", reprlib.repr(mm_hash), why)
+        self._count("save_failures")
+
     def _saved(self, future: concurrent.futures.Future[None]) -> None:
         with self._lock:
             self._saving.discard(future)
@@ -326,24 +359,40 @@ class MMCacheECConnector(ECConnectorBase):
 
         Each tensor is usable on the caller's current stream. An output the cache no longer
         has is left out and its request reported unavailable (vLLM fails it; re-issued, it
-        is encoded again).
+        is encoded again). So is a malformed load item's (its mm hash not a str, say),
+        logged: the step's other requests are served. Metadata that is not this
+        connector's raises IntegrationError.
         """
-        metadata = self._get_connector_metadata()
-        assert isinstance(metadata, MMCacheECConnectorMetadata)
+        metadata = self._connector_metadata
+        if not isinstance(metadata, MMCacheECConnectorMetadata):
+            raise IntegrationError(
+                f"MMCacheECConnector's worker was given {type(metadata).__name__} as the step's "
+                "connector metadata, not MMCacheECConnectorMetadata: the scheduler's "
+                "ec_connector must be MMCacheECConnector as well"
+            )
         if self._cache is None or not metadata.loads:
             return
-        wanted = [item for item in metadata.loads if item.mm_hash not in encoder_cache]
-        hashes = list(dict.fromkeys(item.mm_hash for item in wanted))
+        wanted: list[tuple[str, str]] = []  # (mm hash, request id)
+        for item in metadata.loads:
+            mm_hash = getattr(item, "mm_hash", None)
+            request_id = getattr(item, "request_id", None)
+            if not isinstance(request_id, str):
+                log.warning("MMCacheECConnector: a load item of no request: %s", reprlib.repr(item))
+                self._count("load_misses")
+            elif not self._is_mm_hash(mm_hash):
+                log.warning(
+                    "MMCacheECConnector: request %s names %s, not an mm hash (a str), to load",
+                    request_id,
+                    reprlib.repr(mm_hash),
+                )
+                self._count("load_misses")
+                self._missed.add(request_id)
+            elif mm_hash not in encoder_cache:
+                wanted.append((mm_hash, request_id))
+        hashes = list(dict.fromkeys(mm_hash for mm_hash, _ in wanted))
         if not hashes:
             return
-        stream = self._cache.device.current_stream()
-        try:
-            found = self._loop.run(
-                self._cache.get_many([self.cache_key(h) for h in hashes], stream=stream)
-            )
-        except MMCacheError as exc:
-            log.warning("MMCacheECConnector: loading %d outputs failed: %s", len(hashes), str(exc))
-            found = [None] * len(hashes)
+        found = self._load(self._cache, hashes)
         for mm_hash, tensor in zip(hashes, found, strict=True):
             if tensor is not None:
                 encoder_cache[mm_hash] = tensor
@@ -351,11 +400,33 @@ class MMCacheECConnector(ECConnectorBase):
                 self._count("load_bytes", tensor.nbytes)
             else:
                 self._count("load_misses")
-        for item in wanted:
-            if item.mm_hash in encoder_cache:
-                self._loaded.add(item.request_id)
+        for mm_hash, request_id in wanted:
+            if mm_hash in encoder_cache:
+                self._loaded.add(request_id)
             else:
-                self._missed.add(item.request_id)
+                self._missed.add(request_id)
+
+    def _load(self, cache: FeatureCache, hashes: list[str]) -> list[torch.Tensor | None]:
+        """The outputs of hashes on the device (None where missed), read in one batch; where
+        the batch fails, read one by one, so that a failure misses only its own output."""
+        stream = cache.device.current_stream()
+        keys = [self.cache_key(h) for h in hashes]
+        try:
+            return self._loop.run(cache.get_many(keys, stream=stream))
+        except MMCacheError as exc:
+            log.warning(
+                "MMCacheECConnector: loading %d outputs together failed: %s", len(keys), str(exc)
+            )
+            if len(keys) == 1:
+                return [None]
+        found: list[torch.Tensor | None] = []
+        for mm_hash, key in zip(hashes, keys, strict=True):
+            try:
+                found.append(self._loop.run(cache.get(key, stream=stream)))
+            except MMCacheError as exc:
+                log.warning("MMCacheECConnector: loading %s failed: %s", mm_hash, str(exc))
+                found.append(None)
+        return found
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """(None, the requests whose loads finished since the last call): saves never hold
@@ -373,20 +444,33 @@ class MMCacheECConnector(ECConnectorBase):
     # --- scheduler side -----------------------------------------------------------------
 
     def has_cache_item(self, identifier: str) -> bool:
-        """Whether the remote server holds this output (False when it cannot say in time)."""
+        """Whether the remote server holds this output (False when it cannot say in time).
+
+        Never raises: an identifier that is not an mm hash (a str) is False, logged, and
+        never asked of the server.
+        """
+        if not self._is_mm_hash(identifier):
+            _bad_identifier(identifier)
+            return False
         known = self._known.get(identifier)
         if known is None:
             known = self._lookup([identifier])[identifier]
         return known
 
     def ensure_cache_available(self, request: Any, num_computed_tokens: int) -> bool:
-        """Ask the server about all of request's items in one batch; never defers it."""
-        self._lookup(feature.identifier for feature in request.mm_features)
+        """Ask the server about all of request's items in one batch; never defers it.
+
+        Items whose identifier is not an mm hash are left out (has_cache_item answers False
+        for them); the others are asked.
+        """
+        self._lookup(getattr(feature, "identifier", None) for feature in request.mm_features)
         return True
 
-    def _lookup(self, identifiers: Iterable[str]) -> dict[str, bool]:
-        """The server's answers for identifiers not asked this step, remembered for the step."""
-        ids = [i for i in dict.fromkeys(identifiers) if i not in self._known]
+    def _lookup(self, identifiers: Iterable[object]) -> dict[str, bool]:
+        """The server's answers for identifiers not asked this step, remembered for the step;
+        identifiers that are not mm hashes are left out."""
+        ids = [i for i in identifiers if self._is_mm_hash(i)]
+        ids = [i for i in dict.fromkeys(ids) if i not in self._known]
         if ids:
             answers = self._ask(ids)
             self._count("lookups", len(ids))
