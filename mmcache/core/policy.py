@@ -12,11 +12,18 @@ import cachetools
 from mmcache.core.cost_policy import CostPolicy
 from mmcache.entry import Entry
 
-__all__ = ["POLICY_NAMES", "CachetoolsPolicy", "EvictionPolicy", "LruPolicy", "make_policy"]
+__all__ = [
+    "POLICY_NAMES",
+    "CachetoolsPolicy",
+    "EvictionPolicy",
+    "LruPolicy",
+    "PolicyName",
+    "make_policy",
+]
 
 PolicyName = Literal["lru", "lfu", "fifo", "cost"]
 #: the values of the eviction_policy setting
-POLICY_NAMES: Final = ("lru", "lfu", "fifo", "cost")
+POLICY_NAMES: Final[tuple[PolicyName, ...]] = ("lru", "lfu", "fifo", "cost")
 
 
 class EvictionPolicy(Protocol):
