@@ -11,7 +11,8 @@ item's seconds, so get_or_compute measures the trace's cost. Features are held a
 1/--scale of their size (the policies and the budget see only ratios). Reported: the
 hit ratio and the encoder seconds the misses cost.
 
-    python benchmarks/bench_policy.py [--quick] [--requests N] [--scale N] [--out policy.json]
+    python benchmarks/bench_policy.py [--quick] [--requests N] [--seed S] [--scale N]
+                                      [--out policy.json]
 """
 
 from __future__ import annotations

@@ -231,7 +231,8 @@ class FeatureCache:
         """Cache value under key, taking ownership of it; wait for budget unless wait=False.
 
         cost: seconds it takes to compute value again, which eviction_policy="cost" weighs
-        (other policies ignore it); unset, that policy assumes a cost for its bytes.
+        (other policies ignore it); unset, that policy charges the mean seconds per byte of
+        the features it was given a cost for (put_many and put_split give none).
         Returns False (and drops the value) when wait=False and the tier has no room
         now, or when both tiers are off.
         """
