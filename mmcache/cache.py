@@ -7,7 +7,9 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import math
 import threading
+import time
 from collections.abc import (
     AsyncIterator,
     Awaitable,
@@ -226,25 +228,31 @@ class FeatureCache:
         *,
         stream: Stream | None = None,
         wait: bool = True,
+        cost: float | None = None,
     ) -> bool:
         """Cache value under key, taking ownership of it; wait for budget unless wait=False.
 
+        cost: seconds it takes to compute value again, which eviction_policy="cost" weighs
+        (other policies ignore it); unset, that policy charges the mean seconds per byte of
+        the features it was given a cost for (put_many and put_split give none).
         Returns False (and drops the value) when wait=False and the tier has no room
         now, or when both tiers are off.
         """
         if stream is None:
             stream = self._device.current_stream()  # read before any await: it is per thread
         check_key(key)
+        if cost is not None:
+            cost = _checked_cost(cost)
         if type(value) is not torch.Tensor or value.layout is not torch.strided or value.is_nested:
             check_strided(value, "put()")  # names what is wrong, or lets it pass
         holder = [value]
         del value  # the cache owns it now: no frame of ours keeps it alive past its release
         if self._short_put_applies(key, holder[0]):
-            done = await self._puts.put_new(key, holder, stream, wait)
+            done = await self._puts.put_new(key, holder, stream, wait, cost)
         else:
             if self._closed or self._loop is not asyncio.get_running_loop():
                 await self._ready_to_serve()  # starts the cache, or raises the reason
-            done = await self._puts.put_batch([(key, holder.pop())], stream, wait)
+            done = await self._puts.put_batch([(key, holder.pop())], stream, wait, cost)
         if done and self._remote is not None:
             self._remote.stored((key,))
         return done
@@ -384,6 +392,9 @@ class FeatureCache:
 
         fn() returns a device tensor (or an awaitable of one). A caller that is cancelled
         does not cancel the shared computation; its result is cached even with no caller left.
+        The result is put with put's cost= measured: the host's wall time from calling fn
+        until it returned the tensor (or its awaitable did), so device work that fn queued
+        and did not wait for is not in it.
         """
         if stream is None:
             stream = self._device.current_stream()
@@ -405,6 +416,7 @@ class FeatureCache:
         stream: Stream | None = None,
         wait: bool = True,
         timeout: float | None = None,
+        cost: float | None = None,
     ) -> bool:
         """put() from a thread other than the cache's loop; blocks that thread until done.
 
@@ -412,7 +424,7 @@ class FeatureCache:
         """
         if stream is None:
             stream = self._device.current_stream()
-        coro = self.put(key, value, stream=stream, wait=wait)
+        coro = self.put(key, value, stream=stream, wait=wait, cost=cost)
         del value
         return run_threadsafe(self._loop, self._closed, coro, timeout)
 
@@ -518,8 +530,10 @@ class FeatureCache:
     async def _compute(
         self, key: Hashable, fn: ComputeFn, stream: Stream
     ) -> tuple[torch.Tensor, Fence]:
+        started = time.perf_counter()
         result = fn()
         value = await result if inspect.isawaitable(result) else result
+        seconds = time.perf_counter() - started
         del result
         if not isinstance(value, torch.Tensor):
             raise InvalidValueError(
@@ -529,7 +543,7 @@ class FeatureCache:
         ready = self._device.record(stream)
         # The caller's alias below keeps the tensor valid whatever the cache does next.
         try:
-            await self.put(key, value, stream=stream)
+            await self.put(key, value, stream=stream, cost=seconds)
         except BaseException:
             del value  # a failed put's traceback, kept by every caller, must not keep it
             raise
@@ -550,6 +564,19 @@ class FeatureCache:
     def _push_tier_gauges(self) -> None:
         """Tier sizes to the metrics (through self._tiers: once per loop iteration)."""
         self._core.push_gauges()
+
+
+def _checked_cost(cost: object) -> float:
+    """put's cost= as float seconds, or InvalidValueError saying what a cost must be."""
+    if isinstance(cost, (int, float)) and not isinstance(cost, bool):
+        with contextlib.suppress(OverflowError):  # an int too large for a float
+            seconds = float(cost)
+            if math.isfinite(seconds) and seconds >= 0:
+                return seconds
+    raise InvalidValueError(
+        f"cost must be a finite number of seconds >= 0 (the time to compute the value "
+        f"again), not {cost!r}"
+    )
 
 
 def _leak_gpu_grant_for_tests(cache: FeatureCache, nbytes: int) -> bool:

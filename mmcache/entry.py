@@ -53,6 +53,9 @@ class Entry:
     members: list[Member] | None = None
     #: features the entry holds for the tier counters (a group's: its members still cached)
     count: int = 1
+    #: seconds to compute the feature again (put's cost=, get_or_compute's measure), for
+    #: the cost eviction policy; None: not given
+    cost: float | None = None
 
     # Every change of state, tensor, block, fences or members goes through one of the
     # methods below, which refuses a transition the lifecycle does not have: the parts

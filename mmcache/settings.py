@@ -139,11 +139,13 @@ class CacheSettings(BaseSettings):
         default=60.0, gt=0, description="seconds before a copy still pending is quarantined"
     )
     eviction_policy: Annotated[
-        Literal["lru", "lfu", "fifo"], _Env(("MMCACHE_EVICTION_POLICY",))
+        Literal["lru", "lfu", "fifo", "cost"], _Env(("MMCACHE_EVICTION_POLICY",))
     ] = Field(
         default="lru",
         description="which entry each tier gives up first: lru (least recently used), "
-        "lfu (least frequently used) or fifo (first put)",
+        "lfu (least frequently used), fifo (first put) or cost (fewest compute seconds "
+        "saved per byte, aged: GreedyDual-Size-Frequency over put's cost= and "
+        "get_or_compute's measured time)",
     )
     remote_url: Annotated[str | None, _Env(("MMCACHE_REMOTE_URL",))] = Field(
         default=None,

@@ -24,6 +24,7 @@ RUNS: dict[str, list[str]] = {
     "bench_ipc.py": ["--device", "sim", "--quick"],
     "bench_offload.py": ["--device", "sim"],
     "bench_ops.py": ["--quick"],
+    "bench_policy.py": ["--quick"],
     "bench_serving.py": ["--device", "sim", "--quick", "--sizes", "64KB", "--seconds", "0.3"],
     "bench_remote.py": ["--device", "sim", "--quick"],  # without redis-server: says so, exits 0
     "gpu_probe.py": ["--quick"],  # CUDA only: says so and exits 0

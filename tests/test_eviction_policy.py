@@ -2,6 +2,8 @@
 
 The pattern: put a, b, c; hit c three times, then b, then a. Least recently used is
 c, least frequently used is b (a and b have as many uses; b's is older), first put is a.
+Features put without a cost, all of one size, weigh the same per byte for the cost
+policy, which then orders them as LFU does (test_cost_policy.py tests costs).
 """
 
 from __future__ import annotations
@@ -15,8 +17,13 @@ from conftest import CacheFactory, Rig, TimedFence, put_feature
 from mmcache.core.policy import POLICY_NAMES, LruPolicy, make_policy
 from mmcache.entry import Entry, State
 
-FIRST_VICTIM = {"lru": "c", "lfu": "b", "fifo": "a"}
-VICTIM_ORDER = {"lru": ["c", "b", "a"], "lfu": ["b", "a", "c"], "fifo": ["a", "b", "c"]}
+FIRST_VICTIM = {"lru": "c", "lfu": "b", "fifo": "a", "cost": "b"}
+VICTIM_ORDER = {
+    "lru": ["c", "b", "a"],
+    "lfu": ["b", "a", "c"],
+    "fifo": ["a", "b", "c"],
+    "cost": ["b", "a", "c"],
+}
 HITS = ["c", "c", "c", "b", "a"]
 
 

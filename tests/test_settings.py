@@ -279,7 +279,7 @@ def test_keyword_arguments_override_the_environment(monkeypatch: pytest.MonkeyPa
         ({"use_cuda_ipc": "maybe"}, "use_cuda_ipc='maybe' is invalid: must be a boolean"),
         (
             {"eviction_policy": "random"},
-            "eviction_policy='random' is invalid: must be one of 'lru', 'lfu' or 'fifo'",
+            "eviction_policy='random' is invalid: must be one of 'lru', 'lfu', 'fifo' or 'cost'",
         ),
         (
             {"remote_url": "http://h:6379"},

@@ -9,13 +9,21 @@ from typing import Final, Literal, Protocol, final
 
 import cachetools
 
+from mmcache.core.cost_policy import CostPolicy
 from mmcache.entry import Entry
 
-__all__ = ["POLICY_NAMES", "CachetoolsPolicy", "EvictionPolicy", "LruPolicy", "make_policy"]
+__all__ = [
+    "POLICY_NAMES",
+    "CachetoolsPolicy",
+    "EvictionPolicy",
+    "LruPolicy",
+    "PolicyName",
+    "make_policy",
+]
 
-PolicyName = Literal["lru", "lfu", "fifo"]
+PolicyName = Literal["lru", "lfu", "fifo", "cost"]
 #: the values of the eviction_policy setting
-POLICY_NAMES: Final = ("lru", "lfu", "fifo")
+POLICY_NAMES: Final[tuple[PolicyName, ...]] = ("lru", "lfu", "fifo", "cost")
 
 
 class EvictionPolicy(Protocol):
@@ -102,4 +110,6 @@ def make_policy(name: str) -> EvictionPolicy:
         return CachetoolsPolicy(cachetools.LFUCache(math.inf))
     if name == "fifo":
         return CachetoolsPolicy(cachetools.FIFOCache(math.inf))
+    if name == "cost":
+        return CostPolicy()
     raise ValueError(f"unknown eviction policy {name!r}; expected one of {', '.join(POLICY_NAMES)}")

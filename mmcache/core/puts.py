@@ -117,7 +117,12 @@ class Puts:
         return keys, rows
 
     async def put_new(
-        self, key: Hashable, holder: list[torch.Tensor], stream: Stream, wait: bool
+        self,
+        key: Hashable,
+        holder: list[torch.Tensor],
+        stream: Stream,
+        wait: bool,
+        cost: float | None = None,
     ) -> bool:
         """put of one new key's device tensor that owns its storage and fits the GPU tier.
 
@@ -136,7 +141,7 @@ class Puts:
         try:
             if self._evictor.take(nbytes, grant):
                 entry: Entry | None = Entry(
-                    key, tuple(own.shape), own.dtype, nbytes, State.GPU, own, ready
+                    key, tuple(own.shape), own.dtype, nbytes, State.GPU, own, ready, cost=cost
                 )
                 ledger.insert(grant, nbytes, 1)
             else:
@@ -148,7 +153,7 @@ class Puts:
             raise
         if entry is None:
             return await self._insert_units(
-                [key], [], [(0, 1)], [nbytes], [(own, ready)], [[]], ready, wait
+                [key], [], [(0, 1)], [nbytes], [(own, ready)], [[]], ready, wait, cost
             )
         self._index[key] = entry
         self._gpu_order[key] = entry
@@ -202,13 +207,17 @@ class Puts:
         )
 
     async def put_batch(
-        self, items: list[tuple[Hashable, torch.Tensor]], stream: Stream, wait: bool
+        self,
+        items: list[tuple[Hashable, torch.Tensor]],
+        stream: Stream,
+        wait: bool,
+        cost: float | None = None,
     ) -> bool:
         """put for one or more features: check all, take all, reserve once, insert all.
 
         Small features of one put_many that share dtype and row shape become groups
         (packing.group_spans): each is packed into one device tensor and cached as one entry.
-        items is emptied once the cache owns the values.
+        items is emptied once the cache owns the values. cost: put's, for a single feature.
         """
         keys = []
         sizes = []
@@ -265,7 +274,9 @@ class Puts:
         # failed put) may keep the caller's tensors alive past their release.
         items.clear()
         del tensor
-        return await self._insert_units(keys, rows, spans, sizes, owned, sources, produced, wait)
+        return await self._insert_units(
+            keys, rows, spans, sizes, owned, sources, produced, wait, cost
+        )
 
     async def _insert_units(
         self,
@@ -277,12 +288,14 @@ class Puts:
         sources: list[list[torch.Tensor]],
         produced: Fence | None,
         wait: bool,
+        cost: float | None = None,
     ) -> bool:
         """Second half of a put: reserve room for the owned units, then index them.
 
         Unit u holds the features keys[i:j] of spans[u] (one entry, or a group whose
         members have rows[i:j] rows each); sources[u] are the values its packing copy
-        reads, produced the fence of the producer's stream, if recorded.
+        reads, produced the fence of the producer's stream, if recorded. cost is that of
+        every single feature (put gives one at most; groups have none).
         """
         to_gpu = self._gpu_capacity > 0
         total = sum(sizes)
@@ -318,7 +331,7 @@ class Puts:
             made: list[Entry] = []
             try:
                 offloads, compacted = self._index_units(
-                    keys, rows, spans, sizes, owned, sources, produced, blocks, made, waited
+                    keys, rows, spans, sizes, owned, sources, produced, blocks, made, waited, cost
                 )
             except BaseException:
                 # Nothing of a put that fails here stays: its entries leave the index, and
@@ -355,6 +368,7 @@ class Puts:
         blocks: list[HostBlock],
         made: list[Entry],
         waited: bool,
+        cost: float | None,
     ) -> tuple[list[tuple[Entry, HostBlock]], list[Entry]]:
         """Index a put's units once their room is reserved (appending each entry to made).
 
@@ -370,7 +384,9 @@ class Puts:
         for u, ((i, j), (own, ready)) in enumerate(zip(spans, owned, strict=True)):
             if j - i == 1:
                 key = keys[i]
-                entry = Entry(key, tuple(own.shape), own.dtype, sizes[i], State.GPU, own, ready)
+                entry = Entry(
+                    key, tuple(own.shape), own.dtype, sizes[i], State.GPU, own, ready, cost=cost
+                )
                 made.append(entry)
                 entries[key] = entry
             else:
