@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -10,6 +12,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import mmcache
+from mmcache.core.policy import POLICY_NAMES
 from mmcache.demo import DEMO_CPU_MB, DEMO_GPU_MB, DemoConfig, DemoError, run_demo
 from mmcache.errors import MMCacheError
 from mmcache.settings import SETTINGS_TABLE, CacheSettings, redact_url
@@ -111,6 +114,12 @@ def _parser() -> argparse.ArgumentParser:
         help="keep the metrics server up S seconds after the run, with the final values, so "
         "that Prometheus scrapes them (it scrapes every 15 s by default; default: 0)",
     )
+    demo.add_argument(
+        "--policy",
+        choices=POLICY_NAMES,
+        default=None,
+        help="both tiers' eviction policy (default: MMCACHE_EVICTION_POLICY if set, else lru)",
+    )
     demo.add_argument("--quiet", action="store_true", help="no progress lines")
     demo.add_argument(
         "--remote-url",
@@ -134,6 +143,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--dir", type=Path, default=None, help="benchmarks directory to use")
 
     commands.add_parser("settings", help="list every setting, its variables and current value")
+    # Each command's own parser, to name its usage in its errors (not the top level's).
+    parser.set_defaults(command_parsers=commands.choices)
     return parser
 
 
@@ -154,7 +165,20 @@ def find_benchmarks(directory: Path | None = None) -> list[Path]:
 def _bench(names: Sequence[str], quick: bool, directory: Path | None, extra: Sequence[str]) -> int:
     scripts = find_benchmarks(directory)
     if not scripts:
-        print("no benchmarks/bench_*.py found here or in the mmcache checkout", file=sys.stderr)
+        where = (
+            [str(directory)]
+            if directory is not None
+            else [
+                str(Path.cwd() / "benchmarks"),
+                str(Path(mmcache.__file__).resolve().parents[1] / "benchmarks"),
+            ]
+        )
+        print(
+            f"no bench_*.py in {' or '.join(where)}: the benchmarks come with mmcache's source "
+            "checkout, not with the installed package; run this from a checkout, or pass "
+            "--dir with its benchmarks folder",
+            file=sys.stderr,
+        )
         return 2
     if names:
         by_name = {s.stem.removeprefix("bench_"): s for s in scripts}
@@ -213,13 +237,30 @@ def _settings() -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the `mmcache` command line; returns the exit status."""
-    args_in = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _main(list(sys.argv[1:] if argv is None else argv))
+    except KeyboardInterrupt:
+        print("mmcache: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
+    except BrokenPipeError:
+        # The reader went away (`mmcache settings | head`): stop quietly, as other tools do.
+        # Output still buffered would fail again at exit: it goes nowhere instead.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 128 + signal.SIGPIPE
+
+
+def _main(args_in: list[str]) -> int:
     extra: list[str] = []
     if "--" in args_in:  # everything after `--` is for the benchmark scripts
         cut = args_in.index("--")
         args_in, extra = args_in[:cut], args_in[cut + 1 :]
     parser = _parser()
-    args = parser.parse_args(args_in)
+    args, unknown = parser.parse_known_args(args_in)
+    if unknown:
+        own = args.command_parsers.get(args.command, parser)
+        own.error(f"unrecognized arguments: {' '.join(unknown)}")
     if extra and args.command != "bench":
         parser.error("arguments after `--` are only for `mmcache bench`")
     if args.command == "demo":
@@ -236,6 +277,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             linger_s=args.linger,
             quiet=args.quiet,
             remote_url=args.remote_url,
+            eviction_policy=args.policy,
         )
         if args.device == "cuda" and not _cuda_available():
             print("--device cuda: no CUDA device here; use --device sim", file=sys.stderr)

@@ -75,6 +75,8 @@ class DemoConfig:
     quiet: bool = False
     #: a Redis/Valkey URL: features evicted here, or put by an earlier run, come back from it
     remote_url: str | None = None
+    #: both tiers' eviction policy (None: MMCACHE_EVICTION_POLICY if set, else lru)
+    eviction_policy: str | None = None
     #: Simulated PCIe link of the sim device (near what pinned copies reach on a real GPU).
     sim_bandwidth_gbps: float = 50.0
     sim_latency_s: float = 10e-6
@@ -384,6 +386,8 @@ def demo_settings(config: DemoConfig) -> CacheSettings:
             overrides[name] = demo_defaults[name]
     if config.remote_url is not None:
         overrides["remote_url"] = config.remote_url
+    if config.eviction_policy is not None:
+        overrides["eviction_policy"] = config.eviction_policy
     settings = CacheSettings(**overrides)
     if settings.remote_url is None:
         return settings

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import signal
 import subprocess
 import sys
 import urllib.request
@@ -16,8 +17,11 @@ import pytest
 import torch
 
 import mmcache
+import mmcache.cli
 from mmcache import FeatureCache
 from mmcache.cli import main
+from mmcache.demo import demo_settings
+from mmcache.demo import run_demo as run_demo_itself
 from mmcache.settings import SETTINGS_TABLE
 
 # Small enough to run in about a second, large enough to offload, read back and re-encode.
@@ -342,3 +346,66 @@ def test_scripts_run_sets_up_only_when_the_requirements_change(tmp_path: Path) -
     assert done.returncode == 0, done.stderr
     assert done.stdout == "mmcache demo --requests 3\n"
     assert "installing" not in done.stderr
+
+
+def test_an_unknown_demo_flag_is_named_with_the_demos_usage(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["demo", "--bogus", "1"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: mmcache demo ")
+    assert "mmcache demo: error: unrecognized arguments: --bogus 1" in err
+
+
+def test_the_demo_takes_the_eviction_policy_as_a_flag(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    chosen: list[str] = []
+    real = run_demo_itself
+
+    def run_demo(config: Any) -> int:
+        chosen.append(demo_settings(config).eviction_policy)
+        return real(config)
+
+    monkeypatch.setattr(mmcache.cli, "run_demo", run_demo)
+    assert main([*SMALL_DEMO, "--policy", "cost"]) == 0
+    assert chosen == ["cost"]
+    with pytest.raises(SystemExit):
+        main([*SMALL_DEMO, "--policy", "mru"])
+    assert "invalid choice: 'mru'" in capsys.readouterr().err
+
+
+def test_settings_into_a_pipe_that_closes_early_ends_quietly() -> None:
+    # `true` reads nothing and exits at once: every write of the listing meets a closed pipe.
+    done = subprocess.run(
+        ["bash", "-c", f"'{sys.executable}' -m mmcache settings | true; echo ${{PIPESTATUS[0]}}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.stdout == "141\n"
+    assert done.stderr == ""
+
+
+def test_ctrl_c_stops_the_demo_with_one_line_and_status_130() -> None:
+    command = [sys.executable, "-m", "mmcache", *SMALL_DEMO[:-1]]
+    command[command.index("--requests") + 1] = "100000"
+    with subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as demo:
+        assert demo.stderr is not None
+        demo.stderr.readline()  # the first progress line: it is serving
+        demo.send_signal(signal.SIGINT)
+        _, err = demo.communicate(timeout=60)
+    assert demo.returncode == 130
+    assert err.strip() == "mmcache: interrupted", err
+
+
+def test_bench_without_its_scripts_says_where_they_come_from(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["bench", "--dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert str(tmp_path) in err and "source checkout" in err and "--dir" in err
