@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Collection, Mapping
+import urllib.parse
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, Final, Literal, NamedTuple, final
 
@@ -241,15 +242,10 @@ class CacheSettings(BaseSettings):
 
     @field_validator("remote_url")
     @classmethod
-    def _remote_scheme(cls, value: str | None) -> str | None:
-        """Refuse URLs the remote tier cannot speak (an empty string means unset)."""
-        if value is None:
-            return None
-        scheme, sep, _ = value.partition("://")
-        if not sep or scheme.lower() not in REMOTE_URL_SCHEMES:
-            raise ValueError(
-                f"must start with one of {', '.join(s + '://' for s in REMOTE_URL_SCHEMES)}"
-            )
+    def _remote_url(cls, value: str | None) -> str | None:
+        """Refuse URLs the remote tier cannot use (an empty string means unset)."""
+        if value is not None:
+            _check_remote_url(value)
         return value
 
     @classmethod
@@ -309,6 +305,48 @@ class CacheSettings(BaseSettings):
     def ipc_fallback_bytes(self) -> int:
         """Host memory bound of the IPC fallback in bytes (rounded down)."""
         return int(self.ipc_fallback_mb * _MiB)
+
+
+def _check_remote_url(url: str) -> None:
+    """Raise ValueError saying why the remote tier cannot use url: its scheme, a port that is
+    not one, a cluster seed without a port, a database that is not a number, or anything
+    else redis-py's URL parser refuses (when it is installed)."""
+    scheme, sep, _ = url.partition("://")
+    if not sep or scheme not in REMOTE_URL_SCHEMES:
+        raise ValueError(
+            f"must start with one of {', '.join(s + '://' for s in REMOTE_URL_SCHEMES)}"
+        )
+    parts = urllib.parse.urlsplit(url)
+    hosts = parts.netloc.rpartition("@")[2]  # never the password: errors name what is left
+    if scheme.endswith("+cluster"):
+        for node in (item.strip() for item in hosts.split(",")):
+            host, colon, port = node.rpartition(":")
+            if not colon or not host or node.endswith("]"):
+                raise ValueError(f"cluster node {node!r} is not host:port")
+            _check_port(port, f"of cluster node {node!r} ")
+        return  # the cluster client takes no database, and its own query options
+    if scheme != "unix":
+        port = hosts.rpartition("]")[2] if hosts.startswith("[") else hosts
+        if ":" in port:
+            _check_port(port.rpartition(":")[2], "")
+        database = parts.path.strip("/")
+        if database and not (database.isascii() and database.isdigit()):
+            raise ValueError(f"database {database!r} is not a number (redis://host:port/0)")
+    try:
+        import redis.connection
+    except ImportError:
+        return  # FeatureCache says the redis package is missing
+    parse_url: Callable[[str], object] = redis.connection.parse_url  # untyped in redis-py
+    try:
+        parse_url(url)
+    except ValueError as exc:
+        raise ValueError(f"redis-py refuses it: {exc}") from None
+
+
+def _check_port(text: str, where: str) -> None:
+    """Raise ValueError unless text is a TCP port a server can listen on, 1 to 65535."""
+    if not (text.isascii() and text.isdigit() and 1 <= int(text) <= 65535):
+        raise ValueError(f"port {text!r} {where}is not a port number from 1 to 65535")
 
 
 def _read_environment(

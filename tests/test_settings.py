@@ -302,6 +302,64 @@ def test_bad_keyword_argument_names_the_field(kwargs: dict[str, Any], expected: 
     assert str(caught.value).startswith(expected)
 
 
+BAD_REMOTE_URLS: list[tuple[str, str]] = [
+    ("redis://h:notaport", "port 'notaport' is not a port number from 1 to 65535"),
+    ("redis://h:99999", "port '99999' is not a port number from 1 to 65535"),
+    ("rediss://h:0/0", "port '0' is not a port number from 1 to 65535"),
+    ("redis://[::1]:65536/0", "port '65536' is not a port number from 1 to 65535"),
+    ("redis://h:6379/x", "database 'x' is not a number"),
+    ("redis+cluster://a:7000,b", "cluster node 'b' is not host:port"),
+    ("redis+cluster://a:7000,[::1]", "cluster node '[::1]' is not host:port"),
+    ("rediss+cluster://a:99999", "port '99999' of cluster node 'a:99999' is not a port number"),
+    ("redis://[::1:6379", "Invalid IPv6 URL"),
+    ("REDIS://h:6379", "must start with one of redis://, "),
+]
+
+
+@pytest.mark.parametrize(("url", "reason"), BAD_REMOTE_URLS)
+def test_a_remote_url_the_tier_cannot_use_is_refused_naming_the_variable(
+    monkeypatch: pytest.MonkeyPatch, url: str, reason: str
+) -> None:
+    with pytest.raises(SettingsError) as caught:
+        CacheSettings(remote_url=url)
+    assert str(caught.value).startswith(f"remote_url={url!r} is invalid: {reason}")
+    monkeypatch.setenv("MMCACHE_REMOTE_URL", url)
+    with pytest.raises(SettingsError) as caught:
+        CacheSettings()
+    assert str(caught.value).startswith(f"MMCACHE_REMOTE_URL={url!r} is invalid: {reason}")
+
+
+def test_a_remote_url_redis_py_refuses_is_refused_when_settings_are_built() -> None:
+    pytest.importorskip("redis")
+    with pytest.raises(SettingsError, match=r"Invalid value for 'db' in connection URL"):
+        CacheSettings(remote_url="unix:///tmp/redis.sock?db=x")
+
+
+def test_a_bad_port_after_a_password_does_not_show_the_password() -> None:
+    with pytest.raises(SettingsError) as caught:
+        CacheSettings(remote_url="redis://user:s3cret@h:notaport/0")
+    assert "s3cret" not in str(caught.value)
+    assert "port 'notaport' is not a port number" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://h",
+        "redis://h:6379/0",
+        "rediss://user:pw@h:6380/15",
+        "redis://[::1]:6379/0",
+        "redis://[::1]/0",
+        "unix:///run/redis.sock?db=0",
+        "unix://:pw@/run/redis.sock",
+        "redis+cluster://a:7000,b:7001",
+        "rediss+cluster://user:pw@[::1]:7000,h:7001",
+    ],
+)
+def test_remote_urls_the_tier_can_use_are_taken(url: str) -> None:
+    assert CacheSettings(remote_url=url).remote_url == url
+
+
 def test_every_bad_value_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SGLANG_VLM_CACHE_SIZE_MB", "1.5")
     monkeypatch.setenv("MMCACHE_CPU_CACHE_MB", "-1")
