@@ -41,6 +41,10 @@ class _EnvRead:
 # not mean something else here; the MMCACHE_ names take fractional MiB.
 _SGLANG_INTEGER_NAMES: Final = frozenset({"SGLANG_VLM_CACHE_SIZE_MB", "SGLANG_MM_FEATURE_CACHE_MB"})
 
+#: The longest remote_ttl_sec: Redis and Valkey keep a key's expiry time as milliseconds since
+#: 1970 in a signed 64-bit integer, and refuse a SET whose EX or PX would take it past that.
+_REMOTE_TTL_MAX_S: Final = 9e15
+
 #: URL schemes of remote_url: one Redis/Valkey server (TCP, TLS, Unix socket) or a cluster
 REMOTE_URL_SCHEMES: Final = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
 
@@ -246,6 +250,17 @@ class CacheSettings(BaseSettings):
         """Refuse URLs the remote tier cannot use (an empty string means unset)."""
         if value is not None:
             _check_remote_url(value)
+        return value
+
+    @field_validator("remote_ttl_sec")
+    @classmethod
+    def _ttl_the_server_takes(cls, value: float | None) -> float | None:
+        """Refuse times to live the server would refuse on every write."""
+        if value is not None and value > _REMOTE_TTL_MAX_S:
+            raise ValueError(
+                f"must be at most {_REMOTE_TTL_MAX_S:g} s (about 285 million years), the "
+                "longest expiry Redis and Valkey accept; unset it for no expiry"
+            )
         return value
 
     @classmethod

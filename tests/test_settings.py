@@ -360,6 +360,24 @@ def test_remote_urls_the_tier_can_use_are_taken(url: str) -> None:
     assert CacheSettings(remote_url=url).remote_url == url
 
 
+@pytest.mark.parametrize("raw", ["1e30", "9.1e15"])
+def test_a_remote_ttl_the_server_refuses_is_refused_naming_the_variable(
+    monkeypatch: pytest.MonkeyPatch, raw: str
+) -> None:
+    reason = "must be at most 9e+15 s (about 285 million years), the longest expiry"
+    with pytest.raises(SettingsError) as caught:
+        CacheSettings(remote_ttl_sec=float(raw))
+    assert str(caught.value).startswith(f"remote_ttl_sec={float(raw)!r} is invalid: {reason}")
+    monkeypatch.setenv("MMCACHE_REMOTE_TTL_SEC", raw)
+    with pytest.raises(SettingsError) as caught:
+        CacheSettings()
+    assert str(caught.value).startswith(f"MMCACHE_REMOTE_TTL_SEC='{raw}' is invalid: {reason}")
+
+
+def test_the_longest_remote_ttl_is_taken() -> None:
+    assert CacheSettings(remote_ttl_sec=9e15).remote_ttl_sec == 9e15
+
+
 def test_every_bad_value_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SGLANG_VLM_CACHE_SIZE_MB", "1.5")
     monkeypatch.setenv("MMCACHE_CPU_CACHE_MB", "-1")
