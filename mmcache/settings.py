@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import urllib.parse
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
@@ -242,6 +243,19 @@ class CacheSettings(BaseSettings):
         """Refuse alignments that are not a power of two."""
         if value & (value - 1):
             raise ValueError("must be a power of two")
+        return value
+
+    @field_validator("metrics_addr")
+    @classmethod
+    def _bindable_address(cls, value: str) -> str:
+        """Refuse addresses that do not resolve: the metrics server would fail at start."""
+        try:
+            socket.getaddrinfo(value, None, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        except (OSError, ValueError) as exc:  # gaierror; UnicodeError for a malformed name
+            raise ValueError(
+                f"does not resolve to an address to bind ({exc}); give an IP address "
+                "(IPv6 without brackets) or a host name"
+            ) from None
         return value
 
     @field_validator("remote_url")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -409,6 +410,41 @@ def test_metrics_port_out_of_range(monkeypatch: pytest.MonkeyPatch, port: int, r
     monkeypatch.setenv("MMCACHE_METRICS_PORT", str(port))
     with pytest.raises(SettingsError, match=f"^MMCACHE_METRICS_PORT='{port}' is invalid: {reason}"):
         CacheSettings()
+
+
+@pytest.mark.parametrize("addr", ["bad..name", "x" * 300, "[::1]"])
+def test_a_metrics_addr_that_does_not_resolve_is_refused_naming_the_variable(
+    monkeypatch: pytest.MonkeyPatch, addr: str
+) -> None:
+    reason = "does not resolve to an address to bind ("
+    with pytest.raises(SettingsError) as caught:
+        CacheSettings(metrics_addr=addr)
+    assert str(caught.value).startswith(f"metrics_addr={addr!r} is invalid: {reason}")
+    monkeypatch.setenv("MMCACHE_METRICS_ADDR", addr)
+    with pytest.raises(SettingsError) as caught:
+        CacheSettings()
+    assert str(caught.value).startswith(f"MMCACHE_METRICS_ADDR={addr!r} is invalid: {reason}")
+
+
+def test_a_host_name_the_resolver_does_not_know_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def unknown(host: str, *args: Any, **kwargs: Any) -> Any:
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", unknown)
+    monkeypatch.setenv("MMCACHE_METRICS_ADDR", "metrics.example")
+    with pytest.raises(SettingsError) as caught:
+        CacheSettings()
+    assert str(caught.value).startswith(
+        "MMCACHE_METRICS_ADDR='metrics.example' is invalid: does not resolve to an address to "
+        "bind ([Errno -2] Name or service not known)"
+    )
+
+
+@pytest.mark.parametrize("addr", ["0.0.0.0", "127.0.0.1", "::", "::1", "localhost"])
+def test_metrics_addresses_that_resolve_are_taken(addr: str) -> None:
+    assert CacheSettings(metrics_addr=addr).metrics_addr == addr
 
 
 def test_settings_cannot_be_changed_after_start() -> None:
