@@ -208,7 +208,7 @@ class CacheSettings(BaseSettings):
                     merged[field] = int(read.raw)
                 except ValueError:
                     problems.append(
-                        f"{read.name}={read.raw!r} is invalid: must be an integer, as SGLang "
+                        f"{read.name}={_shown(read.raw)} is invalid: must be an integer, as SGLang "
                         f"reads it; set {type(self).env_names(field)[0]} for fractional MiB"
                     )
             else:
@@ -283,7 +283,7 @@ class CacheSettings(BaseSettings):
         info = cls.model_fields.get(field)
         if info is None:
             raise SettingsError(
-                f"{field!r} is not a setting; settings are {', '.join(cls.model_fields)}"
+                f"{_shown(field)} is not a setting; settings are {', '.join(cls.model_fields)}"
             )
         for marker in info.metadata:
             if isinstance(marker, _Env):
@@ -351,8 +351,8 @@ def _check_remote_url(url: str) -> None:
         for node in (item.strip() for item in hosts.split(",")):
             host, colon, port = node.rpartition(":")
             if not colon or not host or node.endswith("]"):
-                raise ValueError(f"cluster node {node!r} is not host:port")
-            _check_port(port, f"of cluster node {node!r} ")
+                raise ValueError(f"cluster node {_shown(node)} is not host:port")
+            _check_port(port, f"of cluster node {_shown(node)} ")
         return  # the cluster client takes no database, and its own query options
     if scheme != "unix":
         port = hosts.rpartition("]")[2] if hosts.startswith("[") else hosts
@@ -360,7 +360,7 @@ def _check_remote_url(url: str) -> None:
             _check_port(port.rpartition(":")[2], "")
         database = parts.path.strip("/")
         if database and not (database.isascii() and database.isdigit()):
-            raise ValueError(f"database {database!r} is not a number (redis://host:port/0)")
+            raise ValueError(f"database {_shown(database)} is not a number (redis://host:port/0)")
     try:
         import redis.connection
     except ImportError:
@@ -374,8 +374,8 @@ def _check_remote_url(url: str) -> None:
 
 def _check_port(text: str, where: str) -> None:
     """Raise ValueError unless text is a TCP port a server can listen on, 1 to 65535."""
-    if not (text.isascii() and text.isdigit() and 1 <= int(text) <= 65535):
-        raise ValueError(f"port {text!r} {where}is not a port number from 1 to 65535")
+    if not (len(text) <= 5 and text.isascii() and text.isdigit() and 1 <= int(text) <= 65535):
+        raise ValueError(f"port {_shown(text)} {where}is not a port number from 1 to 65535")
 
 
 def _read_environment(
@@ -419,17 +419,40 @@ def _explain(
     field = str(error["loc"][0]) if error["loc"] else ""
     if error["type"] == "extra_forbidden":
         known = ", ".join(settings_cls.model_fields)
-        return f"{field}={error['input']!r} is not a setting; settings are {known}"
+        return f"{_cut(field)}={_shown(error['input'])} is not a setting; settings are {known}"
     read = reads.get(field)
-    given = f"{read.name}={read.raw!r}" if read is not None else f"{field}={error['input']!r}"
-    if field == "remote_url":
-        given = redact_url(given)  # errors end up in logs
+    url = field == "remote_url"  # errors end up in logs: never a password
+    if read is not None:
+        given = f"{read.name}={_shown(read.raw, url=url)}"
+    else:
+        given = f"{field}={_shown(error['input'], url=url)}"
     template = _REASONS.get(error["type"])
     ctx = {key: _plain(value) for key, value in error.get("ctx", {}).items()}
     reason = template.format(**ctx) if template else error["msg"]
     info = settings_cls.model_fields.get(field)
     meaning = f" ({info.description})" if info is not None and info.description else ""
     return f"{given} is invalid: {reason}{meaning}"
+
+
+#: Characters of a value that an error repeats: a longer value is cut, and its length given.
+_SHOWN_CHARS: Final = 80
+
+
+def _shown(value: object, *, url: bool = False) -> str:
+    """value as an error repeats it: its repr (with url, any password in it ***), cut to
+    _SHOWN_CHARS characters if longer."""
+    text = repr(value)
+    if url:
+        text = redact_url(text)  # before cutting, which could leave part of a password
+    return _cut(text, len(value) if isinstance(value, str | bytes) else len(text))
+
+
+def _cut(text: str, length: int | None = None) -> str:
+    """text, or its first _SHOWN_CHARS characters and the length of the whole (length, else
+    len(text)) when longer."""
+    if len(text) <= _SHOWN_CHARS:
+        return text
+    return f"{text[:_SHOWN_CHARS]}… ({len(text) if length is None else length} characters)"
 
 
 # user:password@ (or :password@) after a URL's scheme
