@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+import logging
 import os
 import re
 import socket
@@ -19,6 +21,8 @@ from mmcache.errors import SettingsError
 __all__ = ["REMOTE_URL_SCHEMES", "SETTINGS_TABLE", "CacheSettings", "SettingRow", "redact_url"]
 
 _MiB: Final = 1024**2
+
+log = logging.getLogger("mmcache")
 
 
 @final
@@ -57,8 +61,10 @@ class CacheSettings(BaseSettings):
     of the same knob (see SETTINGS_TABLE). Names are matched exactly (upper
     case, as SGLang does), a variable set to an empty string counts as unset,
     and only the value that wins is validated: an invalid SGLang value is
-    ignored when the MMCACHE_ variable or a keyword argument is given. Unknown
-    MMCACHE_* variables are ignored; unknown keyword arguments are refused.
+    ignored when the MMCACHE_ variable or a keyword argument is given. An
+    MMCACHE_* variable that is not a setting is ignored, with a warning on the
+    mmcache logger (once per variable) naming the setting's variable nearest to
+    it; unknown keyword arguments are refused.
     Every invalid value raises SettingsError naming the variable it came from.
     """
 
@@ -199,6 +205,7 @@ class CacheSettings(BaseSettings):
 
     def _validate_over_environment(self, values: Mapping[str, Any]) -> None:
         """Validate values over the environment over the defaults; remember what was read."""
+        _warn_unknown(type(self), os.environ)
         reads = _read_environment(type(self), os.environ, skip=values.keys())
         problems: list[str] = []
         merged: dict[str, Any] = {}
@@ -376,6 +383,40 @@ def _check_port(text: str, where: str) -> None:
     """Raise ValueError unless text is a TCP port a server can listen on, 1 to 65535."""
     if not (len(text) <= 5 and text.isascii() and text.isdigit() and 1 <= int(text) <= 65535):
         raise ValueError(f"port {_shown(text)} {where}is not a port number from 1 to 65535")
+
+
+#: MMCACHE_ variables that are not settings: those of the project's scripts and tests.
+_NOT_SETTINGS: Final = frozenset(
+    {"MMCACHE_VENV", "MMCACHE_TORCH", "MMCACHE_GRAFANA_SCHEMA_DIR", "MMCACHE_STATEFUL_EXAMPLES"}
+)
+_PREFIX: Final = len("MMCACHE_")
+#: Variables already warned about: each is, once per process.
+_warned: set[str] = set()
+
+
+def _warn_unknown(settings_cls: type[CacheSettings], environ: Mapping[str, str]) -> None:
+    """Warn once about each MMCACHE_ variable set that is not a setting's (a misspelt name
+    would otherwise be ignored in silence), naming the setting's variable nearest to it."""
+    known = [
+        name
+        for field in settings_cls.model_fields
+        for name in settings_cls.env_names(field)
+        if name.startswith("MMCACHE_")
+    ]
+    for name, raw in environ.items():
+        if (
+            not name.upper().startswith("MMCACHE_")
+            or name in known
+            or name in _NOT_SETTINGS
+            or name in _warned
+            or not raw.strip()  # set to nothing counts as unset
+        ):
+            continue
+        _warned.add(name)
+        # Past the prefix, which every name shares and which would make any two look alike.
+        nearest = difflib.get_close_matches(name.upper()[_PREFIX:], [k[_PREFIX:] for k in known], 1)
+        hint = f"did you mean MMCACHE_{nearest[0]}?" if nearest else "`mmcache settings` lists them"
+        log.warning("%s is not a setting's variable and is ignored; %s", _cut(name), hint)
 
 
 def _read_environment(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from collections.abc import Iterator
@@ -10,6 +11,7 @@ from typing import Any, cast
 import pytest
 from pydantic import ValidationError
 
+import mmcache.settings as settings_module
 from mmcache.errors import MMCacheError, SettingsError
 from mmcache.settings import SETTINGS_TABLE, CacheSettings, SettingRow
 
@@ -20,10 +22,12 @@ FIELDS = list(CacheSettings.model_fields)
 
 @pytest.fixture(autouse=True)
 def clean_environment(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Run each test without any MMCACHE_* or SGLANG_* variable of the caller."""
+    """Run each test without any MMCACHE_* or SGLANG_* variable of the caller, and with no
+    variable warned about yet."""
     for name in list(os.environ):
         if name.upper().startswith(("MMCACHE_", "SGLANG_")):
             monkeypatch.delenv(name)
+    monkeypatch.setattr(settings_module, "_warned", set())
     yield
 
 
@@ -137,9 +141,59 @@ def test_names_are_case_sensitive(monkeypatch: pytest.MonkeyPatch) -> None:
     assert CacheSettings().gpu_cache_mb == 1024
 
 
-def test_unknown_mmcache_variables_are_ignored(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("MMCACHE_GPU_CACHE", "not a number")
-    assert CacheSettings().gpu_cache_mb == 1024
+def warnings_of(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        r.getMessage() for r in caplog.records if r.name == "mmcache" and r.levelname == "WARNING"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("name", "nearest"),
+    [
+        ("MMCACHE_GPU_CACHE", "MMCACHE_GPU_CACHE_MB"),
+        ("MMCACHE_GPU_MB", "MMCACHE_GPU_CACHE_MB"),
+        ("MMCACHE_CPU_MB", "MMCACHE_CPU_CACHE_MB"),
+        ("mmcache_gpu_cache_mb", "MMCACHE_GPU_CACHE_MB"),
+        ("MMCACHE_REMOTE_TTL", "MMCACHE_REMOTE_TTL_SEC"),
+        ("MMCACHE_METRIC_PORT", "MMCACHE_METRICS_PORT"),
+    ],
+)
+def test_a_misspelt_variable_is_ignored_with_one_warning_naming_the_nearest(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, name: str, nearest: str
+) -> None:
+    monkeypatch.setenv(name, "not a number")
+    with caplog.at_level(logging.WARNING, logger="mmcache"):
+        assert CacheSettings().gpu_cache_mb == 1024
+        assert CacheSettings().cpu_cache_mb == 4096  # warned about once, not per build
+    assert warnings_of(caplog) == [
+        f"{name} is not a setting's variable and is ignored; did you mean {nearest}?"
+    ]
+
+
+def test_a_variable_like_no_setting_is_warned_about_without_a_guess(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("MMCACHE_FOO", "1")
+    with caplog.at_level(logging.WARNING, logger="mmcache"):
+        CacheSettings()
+    assert warnings_of(caplog) == [
+        "MMCACHE_FOO is not a setting's variable and is ignored; `mmcache settings` lists them"
+    ]
+
+
+def test_settings_and_the_projects_other_variables_are_not_warned_about(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    for _, name, raw, _ in OWN_NAMES + SGLANG_NAMES:
+        monkeypatch.setenv(name, raw)
+    for name in ("MMCACHE_VENV", "MMCACHE_TORCH", "MMCACHE_GRAFANA_SCHEMA_DIR"):
+        monkeypatch.setenv(name, "x")
+    monkeypatch.setenv("MMCACHE_STATEFUL_EXAMPLES", "1")
+    monkeypatch.setenv("MMCACHE_GPU_MB", " ")  # set to nothing counts as unset
+    monkeypatch.setenv("SGLANG_SOMETHING_ELSE", "1")  # SGLang's own variables are many
+    with caplog.at_level(logging.WARNING, logger="mmcache"):
+        CacheSettings()
+    assert warnings_of(caplog) == []
 
 
 @pytest.mark.parametrize(
