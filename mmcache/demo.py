@@ -28,7 +28,8 @@ from typing import Any, Final, TextIO
 import torch
 
 from mmcache import CacheSettings, CacheStats, FeatureCache
-from mmcache.device import SimDevice
+from mmcache.core.machine import check_budgets_fit
+from mmcache.device import Device, SimDevice, resolve_device
 from mmcache.metrics import start_metrics_server
 
 __all__ = ["DemoConfig", "DemoError", "demo_settings", "format_table", "run_demo"]
@@ -557,18 +558,22 @@ async def _run(config: DemoConfig, out: TextIO, err: TextIO) -> int:
     settings = demo_settings(config)
     port = config.metrics_port if config.metrics_port is not None else settings.metrics_port
     with contextlib.ExitStack() as resources:
-        sim: SimDevice | None = None
+        device: Device
         if is_sim:
-            sim = SimDevice(
+            device = SimDevice(
                 bandwidth_gbps=config.sim_bandwidth_gbps, latency_s=config.sim_latency_s
             )
-            # Ours, not the cache's: a cache closes only the devices it created itself.
-            resources.callback(sim.close)
+        else:
+            device = resolve_device(spec)
+        # Ours, not the cache's: a cache closes only the devices it created itself.
+        resources.callback(device.close)
+        # Here too, before the cache's own check, to name the flag a budget came from.
+        check_budgets_fit(settings, device, functools.partial(_budget_source, config, settings))
         executor = resources.enter_context(
             ThreadPoolExecutor(max_workers=2, thread_name_prefix="mmcache-demo")
         )
         resources.enter_context(_metrics_server(port, out))
-        async with FeatureCache(settings, sim if sim is not None else spec, name="demo") as cache:
+        async with FeatureCache(settings, device, name="demo") as cache:
             await cache.wait_host_ready(timeout=60)
             device_name = "cpu" if is_sim else cache.device.name
             catalogue = Catalogue(config, device_name)

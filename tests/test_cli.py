@@ -109,6 +109,30 @@ def test_demo_refuses_a_gpu_tier_smaller_than_a_feature(
     assert "--gpu-mb 4 is smaller than the largest feature" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("flag", "variable", "tier", "memory"),
+    [
+        ("--gpu-mb", "MMCACHE_GPU_CACHE_MB", "GPU", "the memory of sim"),
+        ("--cpu-mb", "MMCACHE_CPU_CACHE_MB", "host", "this machine's memory"),
+    ],
+)
+def test_demo_refuses_a_budget_beyond_the_machine_naming_where_it_came_from(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    flag: str,
+    variable: str,
+    tier: str,
+    memory: str,
+) -> None:
+    assert main([*SMALL_DEMO, flag, "1e12"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: a {tier} tier of 1e+12 MB exceeds {memory} (")
+    assert err.rstrip().endswith(f"; lower {flag}")
+    monkeypatch.setenv(variable, "1e12")
+    assert main(NO_BUDGET_FLAGS) == 2
+    assert capsys.readouterr().err.rstrip().endswith(f"; lower {variable}")
+
+
 def _last_line(output: str) -> str:
     return output.rstrip("\n").rsplit("\n", 1)[-1]
 

@@ -9,9 +9,13 @@ from collections.abc import Iterator
 from typing import Any, cast
 
 import pytest
+from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
 import mmcache.settings as settings_module
+from mmcache.cache import FeatureCache
+from mmcache.device import Device, SimDevice
+from mmcache.device.base import host_memory_bytes
 from mmcache.errors import MMCacheError, SettingsError
 from mmcache.settings import SETTINGS_TABLE, CacheSettings, SettingRow
 
@@ -614,3 +618,77 @@ def test_how_to_change_names_the_source_of_a_value(monkeypatch: pytest.MonkeyPat
     assert settings.how_to_change("ipc_pool_mb") == (
         "MMCACHE_IPC_POOL_MB or SGLANG_MM_FEATURE_CACHE_MB (or CacheSettings(ipc_pool_mb=...))"
     )
+
+
+# --- budgets against the machine: checked when a cache is made on its device ---------------
+
+
+def make_cache(
+    settings: CacheSettings,
+    device: str | Device,
+    name: str = "machine",
+    registry: CollectorRegistry | None = None,
+) -> None:
+    """Make a cache (never started), and close the device it made itself."""
+    cache = FeatureCache(settings, device, name=name, registry=registry or CollectorRegistry())
+    if isinstance(device, str):
+        cache.device.close()
+
+
+@pytest.mark.parametrize(
+    ("name", "source"),
+    [
+        (None, "CacheSettings(gpu_cache_mb=...)"),
+        ("MMCACHE_GPU_CACHE_MB", "MMCACHE_GPU_CACHE_MB"),
+        ("SGLANG_VLM_CACHE_SIZE_MB", "SGLANG_VLM_CACHE_SIZE_MB"),
+    ],
+)
+def test_a_gpu_tier_larger_than_the_device_is_refused_naming_its_source(
+    monkeypatch: pytest.MonkeyPatch, name: str | None, source: str
+) -> None:
+    if name is None:
+        settings = CacheSettings(gpu_cache_mb=3)
+    else:
+        monkeypatch.setenv(name, "3")
+        settings = CacheSettings()
+    device = SimDevice(memory_bytes=2 * MiB)
+    try:
+        with pytest.raises(SettingsError) as caught:
+            make_cache(settings, device)
+        assert str(caught.value) == (
+            f"a GPU tier of 3 MB exceeds the memory of sim (2.0 MB); lower {source}"
+        )
+        make_cache(CacheSettings(gpu_cache_mb=2), device)  # all of it is not more than it has
+    finally:
+        device.close()
+
+
+@pytest.mark.parametrize("name", [None, "MMCACHE_CPU_CACHE_MB"])
+def test_a_host_tier_larger_than_the_machine_is_refused_naming_its_source(
+    monkeypatch: pytest.MonkeyPatch, name: str | None
+) -> None:
+    ram = host_memory_bytes()
+    assert ram is not None and ram > 0
+    too_much = (ram // MiB + 1) * 2
+    if name is None:
+        settings, source = CacheSettings(cpu_cache_mb=too_much), "CacheSettings(cpu_cache_mb=...)"
+    else:
+        monkeypatch.setenv(name, str(too_much))
+        settings, source = CacheSettings(), name
+    with pytest.raises(SettingsError) as caught:
+        make_cache(settings, "sim")
+    assert str(caught.value) == (
+        f"a host tier of {too_much:g} MB exceeds this machine's memory "
+        f"({ram / MiB:.1f} MB); lower {source}"
+    )
+
+
+def test_budgets_beyond_the_machine_are_refused_before_the_cache_takes_its_name() -> None:
+    registry = CollectorRegistry()
+    with pytest.raises(SettingsError) as caught:
+        make_cache(CacheSettings(gpu_cache_mb=1e12, cpu_cache_mb=1e12), "sim", "big", registry)
+    lines = str(caught.value).splitlines()
+    assert lines[0].startswith("a GPU tier of 1e+12 MB exceeds the memory of sim (")
+    assert lines[1].startswith("a host tier of 1e+12 MB exceeds this machine's memory (")
+    # Nothing was registered: the name is still free.
+    make_cache(CacheSettings(gpu_cache_mb=1, cpu_cache_mb=1), "sim", "big", registry)
