@@ -123,7 +123,8 @@ class CacheSettings(BaseSettings):
     metrics_addr: Annotated[str, _Env(("MMCACHE_METRICS_ADDR",))] = Field(
         default="0.0.0.0",
         min_length=1,
-        description="address the Prometheus HTTP server binds (with metrics_port)",
+        description="address the Prometheus HTTP server binds, the cache's (metrics_port) "
+        "and the demo's (--metrics-port) alike; 0.0.0.0: every interface",
     )
     small_copy_bytes: Annotated[int, _Env(("MMCACHE_SMALL_COPY_BYTES",))] = Field(
         default=4 * _MiB,

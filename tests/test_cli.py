@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from redis_server import free_port
 
 import mmcache
 from mmcache import FeatureCache
@@ -225,10 +226,16 @@ def test_demo_as_a_module_subprocess() -> None:
     assert _table_value(done.stdout, "mismatches") == "0"
 
 
-def test_metrics_are_served_while_the_demo_lingers() -> None:
+def _scrape_the_lingering_demo(env: dict[str, str] | None = None) -> tuple[str, str]:
+    """Run the demo serving metrics on any free port and lingering; the URL it printed and
+    what that URL served while it lingered."""
     command = [sys.executable, "-m", "mmcache", *SMALL_DEMO, "--metrics-port", "0"]
     with subprocess.Popen(
-        [*command, "--linger", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [*command, "--linger", "60"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **(env or {})},
     ) as proc:
         try:
             assert proc.stdout is not None
@@ -246,9 +253,32 @@ def test_metrics_are_served_while_the_demo_lingers() -> None:
         finally:
             proc.kill()  # it would linger for a minute otherwise
             proc.communicate()
+    return url, body
+
+
+def test_metrics_are_served_while_the_demo_lingers() -> None:
+    url, body = _scrape_the_lingering_demo()
+    assert url.startswith("http://127.0.0.1:")  # bound to every interface, as the library does
     hits = re.search(r'^mmcache_lookups_total\{cache="demo",result="hit_gpu"\} (\S+)$', body, re.M)
     assert hits is not None, body
     assert float(hits.group(1)) > 0
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="127.0.0.2 is a loopback address on Linux")
+def test_the_demo_serves_metrics_on_the_librarys_address() -> None:
+    url, body = _scrape_the_lingering_demo({"MMCACHE_METRICS_ADDR": "127.0.0.2"})
+    assert url.startswith("http://127.0.0.2:")
+    assert 'mmcache_lookups_total{cache="demo"' in body
+
+
+def test_the_demo_serves_metrics_once_on_the_port_of_the_variable(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    port = free_port()
+    monkeypatch.setenv("MMCACHE_METRICS_PORT", str(port))
+    monkeypatch.setenv("MMCACHE_METRICS_ADDR", "127.0.0.1")
+    assert main(SMALL_DEMO) == 0  # the cache starts no second server on that port
+    assert f"metrics: http://127.0.0.1:{port}/metrics" in capsys.readouterr().out
 
 
 def test_settings_lists_every_environment_variable(
