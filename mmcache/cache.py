@@ -24,6 +24,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from mmcache.closing import CloseOnce, off_the_loop
+from mmcache.core.machine import check_budgets_fit
 from mmcache.core.puts import check_items, owns_storage
 from mmcache.core.tiers import Tiers
 from mmcache.device import Device, Fence, Stream, resolve_device
@@ -71,6 +72,12 @@ class FeatureCache:
         self.name = name
         self._owns_device = not isinstance(device, Device)
         self._device = resolve_device(device)
+        try:
+            check_budgets_fit(self.settings, self._device)  # before anything is registered
+        except BaseException:
+            if self._owns_device:
+                self._device.close()
+            raise
         self._gpu_capacity = self.settings.gpu_cache_bytes
         self._registry = registry
         self._metrics = CacheMetrics(name, registry)

@@ -103,7 +103,8 @@ def _parser() -> argparse.ArgumentParser:
         "--metrics-port",
         type=_port,
         default=None,
-        help="serve Prometheus metrics on this port while running (0: any free port; "
+        help="serve Prometheus metrics on this port while running, at MMCACHE_METRICS_ADDR "
+        "(default: every interface) as the library does (0: any free port; "
         "default: MMCACHE_METRICS_PORT if set, else none)",
     )
     demo.add_argument(

@@ -28,7 +28,8 @@ from typing import Any, Final, TextIO
 import torch
 
 from mmcache import CacheSettings, CacheStats, FeatureCache
-from mmcache.device import SimDevice
+from mmcache.core.machine import check_budgets_fit
+from mmcache.device import Device, SimDevice, resolve_device
 from mmcache.metrics import start_metrics_server
 from mmcache.settings import redact_url
 
@@ -354,14 +355,19 @@ async def _progress(
         )
 
 
+#: Where this machine reaches a server bound to all its interfaces.
+_LOCAL_HOSTS: Final = {"0.0.0.0": "127.0.0.1", "::": "[::1]"}
+
+
 @contextlib.contextmanager
-def _metrics_server(port: int | None, out: TextIO) -> Iterator[None]:
-    """Serve /metrics for the duration of the block (nothing when port is None)."""
+def _metrics_server(port: int | None, addr: str, out: TextIO) -> Iterator[None]:
+    """Serve /metrics on addr:port for the duration of the block (nothing when port is None)."""
     if port is None:
         yield
         return
-    server, thread = start_metrics_server(port)
-    print(f"metrics: http://127.0.0.1:{server.server_port}/metrics", file=out, flush=True)
+    server, thread = start_metrics_server(port, addr=addr)
+    host = _LOCAL_HOSTS.get(addr, f"[{addr}]" if ":" in addr else addr)
+    print(f"metrics: http://{host}:{server.server_port}/metrics", file=out, flush=True)
     try:
         yield
     finally:
@@ -561,19 +567,26 @@ async def _run(config: DemoConfig, out: TextIO, err: TextIO) -> int:
     spec, is_sim = _resolve(config.device)
     settings = demo_settings(config)
     port = config.metrics_port if config.metrics_port is not None else settings.metrics_port
+    # The demo serves /metrics itself (it lingers, then shuts the server down), on the
+    # library's address: the cache must not start a second server on the same port.
+    cache_settings = settings.model_copy(update={"metrics_port": None})
     with contextlib.ExitStack() as resources:
-        sim: SimDevice | None = None
+        device: Device
         if is_sim:
-            sim = SimDevice(
+            device = SimDevice(
                 bandwidth_gbps=config.sim_bandwidth_gbps, latency_s=config.sim_latency_s
             )
-            # Ours, not the cache's: a cache closes only the devices it created itself.
-            resources.callback(sim.close)
+        else:
+            device = resolve_device(spec)
+        # Ours, not the cache's: a cache closes only the devices it created itself.
+        resources.callback(device.close)
+        # Here too, before the cache's own check, to name the flag a budget came from.
+        check_budgets_fit(settings, device, functools.partial(_budget_source, config, settings))
         executor = resources.enter_context(
             ThreadPoolExecutor(max_workers=2, thread_name_prefix="mmcache-demo")
         )
-        resources.enter_context(_metrics_server(port, out))
-        async with FeatureCache(settings, sim if sim is not None else spec, name="demo") as cache:
+        resources.enter_context(_metrics_server(port, settings.metrics_addr, out))
+        async with FeatureCache(cache_settings, device, name="demo") as cache:
             await cache.wait_host_ready(timeout=60)
             device_name = "cpu" if is_sim else cache.device.name
             catalogue = Catalogue(config, device_name)

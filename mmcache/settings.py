@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import difflib
+import logging
 import os
 import re
-from collections.abc import Collection, Mapping
+import socket
+import urllib.parse
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, Final, Literal, NamedTuple, final
 
@@ -17,6 +21,8 @@ from mmcache.errors import SettingsError
 __all__ = ["REMOTE_URL_SCHEMES", "SETTINGS_TABLE", "CacheSettings", "SettingRow", "redact_url"]
 
 _MiB: Final = 1024**2
+
+log = logging.getLogger("mmcache")
 
 
 @final
@@ -40,6 +46,10 @@ class _EnvRead:
 # not mean something else here; the MMCACHE_ names take fractional MiB.
 _SGLANG_INTEGER_NAMES: Final = frozenset({"SGLANG_VLM_CACHE_SIZE_MB", "SGLANG_MM_FEATURE_CACHE_MB"})
 
+#: The longest remote_ttl_sec: Redis and Valkey keep a key's expiry time as milliseconds since
+#: 1970 in a signed 64-bit integer, and refuse a SET whose EX or PX would take it past that.
+_REMOTE_TTL_MAX_S: Final = 9e15
+
 #: URL schemes of remote_url: one Redis/Valkey server (TCP, TLS, Unix socket) or a cluster
 REMOTE_URL_SCHEMES: Final = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
 
@@ -51,8 +61,10 @@ class CacheSettings(BaseSettings):
     of the same knob (see SETTINGS_TABLE). Names are matched exactly (upper
     case, as SGLang does), a variable set to an empty string counts as unset,
     and only the value that wins is validated: an invalid SGLang value is
-    ignored when the MMCACHE_ variable or a keyword argument is given. Unknown
-    MMCACHE_* variables are ignored; unknown keyword arguments are refused.
+    ignored when the MMCACHE_ variable or a keyword argument is given. An
+    MMCACHE_* variable that is not a setting is ignored, with a warning on the
+    mmcache logger (once per variable) naming the setting's variable nearest to
+    it; unknown keyword arguments are refused.
     Every invalid value raises SettingsError naming the variable it came from.
     """
 
@@ -111,7 +123,8 @@ class CacheSettings(BaseSettings):
     metrics_addr: Annotated[str, _Env(("MMCACHE_METRICS_ADDR",))] = Field(
         default="0.0.0.0",
         min_length=1,
-        description="address the Prometheus HTTP server binds (with metrics_port)",
+        description="address the Prometheus HTTP server binds, the cache's (metrics_port) "
+        "and the demo's (--metrics-port) alike; 0.0.0.0: every interface",
     )
     small_copy_bytes: Annotated[int, _Env(("MMCACHE_SMALL_COPY_BYTES",))] = Field(
         default=4 * _MiB,
@@ -205,6 +218,7 @@ class CacheSettings(BaseSettings):
 
     def _validate_over_environment(self, values: Mapping[str, Any]) -> None:
         """Validate values over the environment over the defaults; remember what was read."""
+        _warn_unknown(type(self), os.environ)
         reads = _read_environment(type(self), os.environ, skip=values.keys())
         problems: list[str] = []
         merged: dict[str, Any] = {}
@@ -214,7 +228,7 @@ class CacheSettings(BaseSettings):
                     merged[field] = int(read.raw)
                 except ValueError:
                     problems.append(
-                        f"{read.name}={read.raw!r} is invalid: must be an integer, as SGLang "
+                        f"{read.name}={_shown(read.raw)} is invalid: must be an integer, as SGLang "
                         f"reads it; set {type(self).env_names(field)[0]} for fractional MiB"
                     )
             else:
@@ -251,16 +265,35 @@ class CacheSettings(BaseSettings):
             raise ValueError("must be a power of two")
         return value
 
+    @field_validator("metrics_addr")
+    @classmethod
+    def _bindable_address(cls, value: str) -> str:
+        """Refuse addresses that do not resolve: the metrics server would fail at start."""
+        try:
+            socket.getaddrinfo(value, None, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        except (OSError, ValueError) as exc:  # gaierror; UnicodeError for a malformed name
+            raise ValueError(
+                f"does not resolve to an address to bind ({exc}); give an IP address "
+                "(IPv6 without brackets) or a host name"
+            ) from None
+        return value
+
     @field_validator("remote_url")
     @classmethod
-    def _remote_scheme(cls, value: str | None) -> str | None:
-        """Refuse URLs the remote tier cannot speak (an empty string means unset)."""
-        if value is None:
-            return None
-        scheme, sep, _ = value.partition("://")
-        if not sep or scheme.lower() not in REMOTE_URL_SCHEMES:
+    def _remote_url(cls, value: str | None) -> str | None:
+        """Refuse URLs the remote tier cannot use (an empty string means unset)."""
+        if value is not None:
+            _check_remote_url(value)
+        return value
+
+    @field_validator("remote_ttl_sec")
+    @classmethod
+    def _ttl_the_server_takes(cls, value: float | None) -> float | None:
+        """Refuse times to live the server would refuse on every write."""
+        if value is not None and value > _REMOTE_TTL_MAX_S:
             raise ValueError(
-                f"must start with one of {', '.join(s + '://' for s in REMOTE_URL_SCHEMES)}"
+                f"must be at most {_REMOTE_TTL_MAX_S:g} s (about 285 million years), the "
+                "longest expiry Redis and Valkey accept; unset it for no expiry"
             )
         return value
 
@@ -270,7 +303,7 @@ class CacheSettings(BaseSettings):
         info = cls.model_fields.get(field)
         if info is None:
             raise SettingsError(
-                f"{field!r} is not a setting; settings are {', '.join(cls.model_fields)}"
+                f"{_shown(field)} is not a setting; settings are {', '.join(cls.model_fields)}"
             )
         for marker in info.metadata:
             if isinstance(marker, _Env):
@@ -323,6 +356,82 @@ class CacheSettings(BaseSettings):
         return int(self.ipc_fallback_mb * _MiB)
 
 
+def _check_remote_url(url: str) -> None:
+    """Raise ValueError saying why the remote tier cannot use url: its scheme, a port that is
+    not one, a cluster seed without a port, a database that is not a number, or anything
+    else redis-py's URL parser refuses (when it is installed)."""
+    scheme, sep, _ = url.partition("://")
+    if not sep or scheme not in REMOTE_URL_SCHEMES:
+        raise ValueError(
+            f"must start with one of {', '.join(s + '://' for s in REMOTE_URL_SCHEMES)}"
+        )
+    parts = urllib.parse.urlsplit(url)
+    hosts = parts.netloc.rpartition("@")[2]  # never the password: errors name what is left
+    if scheme.endswith("+cluster"):
+        for node in (item.strip() for item in hosts.split(",")):
+            host, colon, port = node.rpartition(":")
+            if not colon or not host or node.endswith("]"):
+                raise ValueError(f"cluster node {_shown(node)} is not host:port")
+            _check_port(port, f"of cluster node {_shown(node)} ")
+        return  # the cluster client takes no database, and its own query options
+    if scheme != "unix":
+        port = hosts.rpartition("]")[2] if hosts.startswith("[") else hosts
+        if ":" in port:
+            _check_port(port.rpartition(":")[2], "")
+        database = parts.path.strip("/")
+        if database and not (database.isascii() and database.isdigit()):
+            raise ValueError(f"database {_shown(database)} is not a number (redis://host:port/0)")
+    try:
+        import redis.connection
+    except ImportError:
+        return  # FeatureCache says the redis package is missing
+    parse_url: Callable[[str], object] = redis.connection.parse_url  # untyped in redis-py
+    try:
+        parse_url(url)
+    except ValueError as exc:
+        raise ValueError(f"redis-py refuses it: {exc}") from None
+
+
+def _check_port(text: str, where: str) -> None:
+    """Raise ValueError unless text is a TCP port a server can listen on, 1 to 65535."""
+    if not (len(text) <= 5 and text.isascii() and text.isdigit() and 1 <= int(text) <= 65535):
+        raise ValueError(f"port {_shown(text)} {where}is not a port number from 1 to 65535")
+
+
+#: MMCACHE_ variables that are not settings: those of the project's scripts and tests.
+_NOT_SETTINGS: Final = frozenset(
+    {"MMCACHE_VENV", "MMCACHE_TORCH", "MMCACHE_GRAFANA_SCHEMA_DIR", "MMCACHE_STATEFUL_EXAMPLES"}
+)
+_PREFIX: Final = len("MMCACHE_")
+#: Variables already warned about: each is, once per process.
+_warned: set[str] = set()
+
+
+def _warn_unknown(settings_cls: type[CacheSettings], environ: Mapping[str, str]) -> None:
+    """Warn once about each MMCACHE_ variable set that is not a setting's (a misspelt name
+    would otherwise be ignored in silence), naming the setting's variable nearest to it."""
+    known = [
+        name
+        for field in settings_cls.model_fields
+        for name in settings_cls.env_names(field)
+        if name.startswith("MMCACHE_")
+    ]
+    for name, raw in environ.items():
+        if (
+            not name.upper().startswith("MMCACHE_")
+            or name in known
+            or name in _NOT_SETTINGS
+            or name in _warned
+            or not raw.strip()  # set to nothing counts as unset
+        ):
+            continue
+        _warned.add(name)
+        # Past the prefix, which every name shares and which would make any two look alike.
+        nearest = difflib.get_close_matches(name.upper()[_PREFIX:], [k[_PREFIX:] for k in known], 1)
+        hint = f"did you mean MMCACHE_{nearest[0]}?" if nearest else "`mmcache settings` lists them"
+        log.warning("%s is not a setting's variable and is ignored; %s", _cut(name), hint)
+
+
 def _read_environment(
     settings_cls: type[CacheSettings], environ: Mapping[str, str], skip: Collection[str]
 ) -> dict[str, _EnvRead]:
@@ -364,17 +473,40 @@ def _explain(
     field = str(error["loc"][0]) if error["loc"] else ""
     if error["type"] == "extra_forbidden":
         known = ", ".join(settings_cls.model_fields)
-        return f"{field}={error['input']!r} is not a setting; settings are {known}"
+        return f"{_cut(field)}={_shown(error['input'])} is not a setting; settings are {known}"
     read = reads.get(field)
-    given = f"{read.name}={read.raw!r}" if read is not None else f"{field}={error['input']!r}"
-    if field == "remote_url":
-        given = redact_url(given)  # errors end up in logs
+    url = field == "remote_url"  # errors end up in logs: never a password
+    if read is not None:
+        given = f"{read.name}={_shown(read.raw, url=url)}"
+    else:
+        given = f"{field}={_shown(error['input'], url=url)}"
     template = _REASONS.get(error["type"])
     ctx = {key: _plain(value) for key, value in error.get("ctx", {}).items()}
     reason = template.format(**ctx) if template else error["msg"]
     info = settings_cls.model_fields.get(field)
     meaning = f" ({info.description})" if info is not None and info.description else ""
     return f"{given} is invalid: {reason}{meaning}"
+
+
+#: Characters of a value that an error repeats: a longer value is cut, and its length given.
+_SHOWN_CHARS: Final = 80
+
+
+def _shown(value: object, *, url: bool = False) -> str:
+    """value as an error repeats it: its repr (with url, any password in it ***), cut to
+    _SHOWN_CHARS characters if longer."""
+    text = repr(value)
+    if url:
+        text = redact_url(text)  # before cutting, which could leave part of a password
+    return _cut(text, len(value) if isinstance(value, str | bytes) else len(text))
+
+
+def _cut(text: str, length: int | None = None) -> str:
+    """text, or its first _SHOWN_CHARS characters and the length of the whole (length, else
+    len(text)) when longer."""
+    if len(text) <= _SHOWN_CHARS:
+        return text
+    return f"{text[:_SHOWN_CHARS]}… ({len(text) if length is None else length} characters)"
 
 
 # user:password@ (or :password@) after a URL's scheme

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from redis_server import free_port
 
 import mmcache
 import mmcache.cli
@@ -113,6 +114,30 @@ def test_demo_refuses_a_gpu_tier_smaller_than_a_feature(
     assert "--gpu-mb 4 is smaller than the largest feature" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("flag", "variable", "tier", "memory"),
+    [
+        ("--gpu-mb", "MMCACHE_GPU_CACHE_MB", "GPU", "the memory of sim"),
+        ("--cpu-mb", "MMCACHE_CPU_CACHE_MB", "host", "this machine's memory"),
+    ],
+)
+def test_demo_refuses_a_budget_beyond_the_machine_naming_where_it_came_from(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    flag: str,
+    variable: str,
+    tier: str,
+    memory: str,
+) -> None:
+    assert main([*SMALL_DEMO, flag, "1e12"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: a {tier} tier of 1e+12 MB exceeds {memory} (")
+    assert err.rstrip().endswith(f"; lower {flag}")
+    monkeypatch.setenv(variable, "1e12")
+    assert main(NO_BUDGET_FLAGS) == 2
+    assert capsys.readouterr().err.rstrip().endswith(f"; lower {variable}")
+
+
 def _last_line(output: str) -> str:
     return output.rstrip("\n").rsplit("\n", 1)[-1]
 
@@ -205,10 +230,16 @@ def test_demo_as_a_module_subprocess() -> None:
     assert _table_value(done.stdout, "mismatches") == "0"
 
 
-def test_metrics_are_served_while_the_demo_lingers() -> None:
+def _scrape_the_lingering_demo(env: dict[str, str] | None = None) -> tuple[str, str]:
+    """Run the demo serving metrics on any free port and lingering; the URL it printed and
+    what that URL served while it lingered."""
     command = [sys.executable, "-m", "mmcache", *SMALL_DEMO, "--metrics-port", "0"]
     with subprocess.Popen(
-        [*command, "--linger", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [*command, "--linger", "60"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **(env or {})},
     ) as proc:
         try:
             assert proc.stdout is not None
@@ -226,9 +257,32 @@ def test_metrics_are_served_while_the_demo_lingers() -> None:
         finally:
             proc.kill()  # it would linger for a minute otherwise
             proc.communicate()
+    return url, body
+
+
+def test_metrics_are_served_while_the_demo_lingers() -> None:
+    url, body = _scrape_the_lingering_demo()
+    assert url.startswith("http://127.0.0.1:")  # bound to every interface, as the library does
     hits = re.search(r'^mmcache_lookups_total\{cache="demo",result="hit_gpu"\} (\S+)$', body, re.M)
     assert hits is not None, body
     assert float(hits.group(1)) > 0
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="127.0.0.2 is a loopback address on Linux")
+def test_the_demo_serves_metrics_on_the_librarys_address() -> None:
+    url, body = _scrape_the_lingering_demo({"MMCACHE_METRICS_ADDR": "127.0.0.2"})
+    assert url.startswith("http://127.0.0.2:")
+    assert 'mmcache_lookups_total{cache="demo"' in body
+
+
+def test_the_demo_serves_metrics_once_on_the_port_of_the_variable(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    port = free_port()
+    monkeypatch.setenv("MMCACHE_METRICS_PORT", str(port))
+    monkeypatch.setenv("MMCACHE_METRICS_ADDR", "127.0.0.1")
+    assert main(SMALL_DEMO) == 0  # the cache starts no second server on that port
+    assert f"metrics: http://127.0.0.1:{port}/metrics" in capsys.readouterr().out
 
 
 def test_settings_lists_every_environment_variable(

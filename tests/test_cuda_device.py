@@ -30,7 +30,13 @@ from mmcache.device import cuda_streams
 from mmcache.device.cuda import ArenaMethod, CudaDevice, CudaFence
 from mmcache.device.cuda_driver import BatchCopier, CudaDriver
 from mmcache.device.cuda_streams import OnStream
-from mmcache.errors import CacheClosedError, CopyFailedError, InvalidValueError, MMCacheError
+from mmcache.errors import (
+    CacheClosedError,
+    CopyFailedError,
+    InvalidValueError,
+    MMCacheError,
+    SettingsError,
+)
 
 pytestmark = [
     pytest.mark.cuda,
@@ -1076,6 +1082,14 @@ def test_fence_type(device: CudaDevice) -> None:
     assert isinstance(fence, CudaFence)
     assert fence.wait(30)
     assert "gpu" in device.describe()
+
+
+def test_a_gpu_tier_larger_than_the_gpu_is_refused(device: CudaDevice) -> None:
+    total = torch.cuda.get_device_properties(device.name).total_memory
+    assert device.memory_bytes == total
+    too_much = total // 2**20 + 1
+    with pytest.raises(SettingsError, match=r"^a GPU tier of \d+ MB exceeds the memory of cuda:"):
+        FeatureCache(CacheSettings(gpu_cache_mb=too_much), device, registry=CollectorRegistry())
 
 
 # --- warm-up ----------------------------------------------------------------------------

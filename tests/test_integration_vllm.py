@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import socket
 import threading
 import time
@@ -259,6 +260,24 @@ def test_bad_extra_config_is_a_clear_error() -> None:
         ECConnectorFactory.create_connector(
             vllm_config("ec_both", gpu_cache_mbb=1), ECConnectorRole.WORKER
         )
+
+
+@pytest.mark.parametrize("side", [ECConnectorRole.SCHEDULER, ECConnectorRole.WORKER])
+@pytest.mark.parametrize(
+    ("url", "reason"),
+    [
+        ("redis://h:notaport", "port 'notaport' is not a port number"),
+        ("redis://h:99999", "port '99999' is not a port number"),
+        ("redis+cluster://a:7000,b", "cluster node 'b' is not host:port"),
+    ],
+)
+def test_a_bad_remote_url_in_extra_config_is_an_error_naming_the_key(
+    side: ECConnectorRole, url: str, reason: str
+) -> None:
+    from mmcache import SettingsError
+
+    with pytest.raises(SettingsError, match=re.escape(f"remote_url={url!r} is invalid: {reason}")):
+        ECConnectorFactory.create_connector(vllm_config("ec_both", remote_url=url), side)
 
 
 def test_stats_aggregate_and_reach_prometheus(make: Make) -> None:

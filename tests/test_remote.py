@@ -209,6 +209,16 @@ async def test_values_expire_after_an_hour_by_default_and_never_with_no_ttl(
     assert await raw.pttl(b.remote_key("kept")) == -1
 
 
+async def test_the_longest_ttl_settings_take_is_one_the_server_takes(
+    rig: Rig, node: Node, raw: redis.asyncio.Redis
+) -> None:
+    a = node(remote_ttl_sec=9e15)  # the bound CacheSettings checks
+    await put_feature(a, rig, "long-lived", 8)
+    await a.drain()
+    assert a.stats().remote_errors == 0
+    assert await raw.pttl(a.remote_key("long-lived")) > 8.9e18
+
+
 async def test_remote_write_evict_writes_only_what_leaves_the_host_tier(
     rig: Rig, node: Node, raw: redis.asyncio.Redis
 ) -> None:

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import socket
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import pytest
+from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
+import mmcache.settings as settings_module
+from mmcache.cache import FeatureCache
+from mmcache.device import Device, SimDevice
+from mmcache.device.base import host_memory_bytes
 from mmcache.errors import MMCacheError, SettingsError
 from mmcache.settings import SETTINGS_TABLE, CacheSettings, SettingRow
 
@@ -19,10 +26,12 @@ FIELDS = list(CacheSettings.model_fields)
 
 @pytest.fixture(autouse=True)
 def clean_environment(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Run each test without any MMCACHE_* or SGLANG_* variable of the caller."""
+    """Run each test without any MMCACHE_* or SGLANG_* variable of the caller, and with no
+    variable warned about yet."""
     for name in list(os.environ):
         if name.upper().startswith(("MMCACHE_", "SGLANG_")):
             monkeypatch.delenv(name)
+    monkeypatch.setattr(settings_module, "_warned", set())
     yield
 
 
@@ -137,9 +146,59 @@ def test_names_are_case_sensitive(monkeypatch: pytest.MonkeyPatch) -> None:
     assert CacheSettings().gpu_cache_mb == 1024
 
 
-def test_unknown_mmcache_variables_are_ignored(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("MMCACHE_GPU_CACHE", "not a number")
-    assert CacheSettings().gpu_cache_mb == 1024
+def warnings_of(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        r.getMessage() for r in caplog.records if r.name == "mmcache" and r.levelname == "WARNING"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("name", "nearest"),
+    [
+        ("MMCACHE_GPU_CACHE", "MMCACHE_GPU_CACHE_MB"),
+        ("MMCACHE_GPU_MB", "MMCACHE_GPU_CACHE_MB"),
+        ("MMCACHE_CPU_MB", "MMCACHE_CPU_CACHE_MB"),
+        ("mmcache_gpu_cache_mb", "MMCACHE_GPU_CACHE_MB"),
+        ("MMCACHE_REMOTE_TTL", "MMCACHE_REMOTE_TTL_SEC"),
+        ("MMCACHE_METRIC_PORT", "MMCACHE_METRICS_PORT"),
+    ],
+)
+def test_a_misspelt_variable_is_ignored_with_one_warning_naming_the_nearest(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, name: str, nearest: str
+) -> None:
+    monkeypatch.setenv(name, "not a number")
+    with caplog.at_level(logging.WARNING, logger="mmcache"):
+        assert CacheSettings().gpu_cache_mb == 1024
+        assert CacheSettings().cpu_cache_mb == 4096  # warned about once, not per build
+    assert warnings_of(caplog) == [
+        f"{name} is not a setting's variable and is ignored; did you mean {nearest}?"
+    ]
+
+
+def test_a_variable_like_no_setting_is_warned_about_without_a_guess(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("MMCACHE_FOO", "1")
+    with caplog.at_level(logging.WARNING, logger="mmcache"):
+        CacheSettings()
+    assert warnings_of(caplog) == [
+        "MMCACHE_FOO is not a setting's variable and is ignored; `mmcache settings` lists them"
+    ]
+
+
+def test_settings_and_the_projects_other_variables_are_not_warned_about(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    for _, name, raw, _ in OWN_NAMES + SGLANG_NAMES:
+        monkeypatch.setenv(name, raw)
+    for name in ("MMCACHE_VENV", "MMCACHE_TORCH", "MMCACHE_GRAFANA_SCHEMA_DIR"):
+        monkeypatch.setenv(name, "x")
+    monkeypatch.setenv("MMCACHE_STATEFUL_EXAMPLES", "1")
+    monkeypatch.setenv("MMCACHE_GPU_MB", " ")  # set to nothing counts as unset
+    monkeypatch.setenv("SGLANG_SOMETHING_ELSE", "1")  # SGLang's own variables are many
+    with caplog.at_level(logging.WARNING, logger="mmcache"):
+        CacheSettings()
+    assert warnings_of(caplog) == []
 
 
 @pytest.mark.parametrize(
@@ -303,6 +362,150 @@ def test_bad_keyword_argument_names_the_field(kwargs: dict[str, Any], expected: 
     assert str(caught.value).startswith(expected)
 
 
+BAD_REMOTE_URLS: list[tuple[str, str]] = [
+    ("redis://h:notaport", "port 'notaport' is not a port number from 1 to 65535"),
+    ("redis://h:99999", "port '99999' is not a port number from 1 to 65535"),
+    ("rediss://h:0/0", "port '0' is not a port number from 1 to 65535"),
+    ("redis://[::1]:65536/0", "port '65536' is not a port number from 1 to 65535"),
+    ("redis://h:6379/x", "database 'x' is not a number"),
+    ("redis+cluster://a:7000,b", "cluster node 'b' is not host:port"),
+    ("redis+cluster://a:7000,[::1]", "cluster node '[::1]' is not host:port"),
+    ("rediss+cluster://a:99999", "port '99999' of cluster node 'a:99999' is not a port number"),
+    ("redis://[::1:6379", "Invalid IPv6 URL"),
+    ("REDIS://h:6379", "must start with one of redis://, "),
+]
+
+
+@pytest.mark.parametrize(("url", "reason"), BAD_REMOTE_URLS)
+def test_a_remote_url_the_tier_cannot_use_is_refused_naming_the_variable(
+    monkeypatch: pytest.MonkeyPatch, url: str, reason: str
+) -> None:
+    with pytest.raises(SettingsError) as caught:
+        CacheSettings(remote_url=url)
+    assert str(caught.value).startswith(f"remote_url={url!r} is invalid: {reason}")
+    monkeypatch.setenv("MMCACHE_REMOTE_URL", url)
+    with pytest.raises(SettingsError) as caught:
+        CacheSettings()
+    assert str(caught.value).startswith(f"MMCACHE_REMOTE_URL={url!r} is invalid: {reason}")
+
+
+def test_a_remote_url_redis_py_refuses_is_refused_when_settings_are_built() -> None:
+    pytest.importorskip("redis")
+    with pytest.raises(SettingsError, match=r"Invalid value for 'db' in connection URL"):
+        CacheSettings(remote_url="unix:///tmp/redis.sock?db=x")
+
+
+def test_a_bad_port_after_a_password_does_not_show_the_password() -> None:
+    with pytest.raises(SettingsError) as caught:
+        CacheSettings(remote_url="redis://user:s3cret@h:notaport/0")
+    assert "s3cret" not in str(caught.value)
+    assert "port 'notaport' is not a port number" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://h",
+        "redis://h:6379/0",
+        "rediss://user:pw@h:6380/15",
+        "redis://[::1]:6379/0",
+        "redis://[::1]/0",
+        "unix:///run/redis.sock?db=0",
+        "unix://:pw@/run/redis.sock",
+        "redis+cluster://a:7000,b:7001",
+        "rediss+cluster://user:pw@[::1]:7000,h:7001",
+    ],
+)
+def test_remote_urls_the_tier_can_use_are_taken(url: str) -> None:
+    assert CacheSettings(remote_url=url).remote_url == url
+
+
+@pytest.mark.parametrize("raw", ["1e30", "9.1e15"])
+def test_a_remote_ttl_the_server_refuses_is_refused_naming_the_variable(
+    monkeypatch: pytest.MonkeyPatch, raw: str
+) -> None:
+    reason = "must be at most 9e+15 s (about 285 million years), the longest expiry"
+    with pytest.raises(SettingsError) as caught:
+        CacheSettings(remote_ttl_sec=float(raw))
+    assert str(caught.value).startswith(f"remote_ttl_sec={float(raw)!r} is invalid: {reason}")
+    monkeypatch.setenv("MMCACHE_REMOTE_TTL_SEC", raw)
+    with pytest.raises(SettingsError) as caught:
+        CacheSettings()
+    assert str(caught.value).startswith(f"MMCACHE_REMOTE_TTL_SEC='{raw}' is invalid: {reason}")
+
+
+def test_the_longest_remote_ttl_is_taken() -> None:
+    assert CacheSettings(remote_ttl_sec=9e15).remote_ttl_sec == 9e15
+
+
+LONG = 100_000
+
+
+def long_bad_value(field: str) -> str:
+    """A value of LONG characters that field refuses."""
+    if field == "remote_url":
+        return "http://" + "x" * (LONG - len("http://"))
+    return "x" * LONG
+
+
+#: remote_namespace takes any text that is not empty: no long value of it is refused.
+LONG_FIELDS = [field for field in FIELDS if field != "remote_namespace"]
+
+
+def assert_cut(message: str, name: str) -> None:
+    """message names name, repeats at most 80 characters of the value and says its length."""
+    assert message.startswith(f"{name}=")
+    assert f"… ({LONG} characters) is invalid: " in message
+    assert "x" * 81 not in message
+    assert len(message) < 600
+
+
+@pytest.mark.parametrize("field", LONG_FIELDS)
+def test_a_long_value_is_cut_in_the_error(monkeypatch: pytest.MonkeyPatch, field: str) -> None:
+    value = long_bad_value(field)
+    kwargs: dict[str, Any] = {field: value}
+    with pytest.raises(SettingsError) as caught:
+        CacheSettings(**kwargs)
+    assert_cut(str(caught.value), field)
+    for name in CacheSettings.env_names(field):
+        monkeypatch.setenv(name, value)
+        with pytest.raises(SettingsError) as caught:
+            CacheSettings()
+        assert_cut(str(caught.value), name)
+        monkeypatch.delenv(name)
+
+
+def test_a_long_unknown_keyword_is_cut_in_the_error() -> None:
+    with pytest.raises(SettingsError) as caught:
+        CacheSettings(**cast(dict[str, Any], {"x" * LONG: "y" * LONG}))
+    message = str(caught.value)
+    assert message.startswith("x" * 80 + f"… ({LONG} characters)='" + "y" * 79)
+    assert f"… ({LONG} characters) is not a setting; settings are gpu_cache_mb, " in message
+    assert len(message) < 800
+
+
+@pytest.mark.parametrize(
+    ("url", "reason"),
+    [
+        ("redis://h:" + "9" * LONG, "port '" + "9" * 79 + f"… ({LONG} characters) is not a port"),
+        ("redis://h/" + "x" * LONG, "database '" + "x" * 79 + f"… ({LONG} characters) is not a"),
+    ],
+)
+def test_a_long_part_of_a_remote_url_is_cut_in_the_error(url: str, reason: str) -> None:
+    with pytest.raises(SettingsError) as caught:
+        CacheSettings(remote_url=url)
+    assert reason in str(caught.value)
+    assert len(str(caught.value)) < 600
+
+
+def test_a_long_remote_url_is_cut_after_its_password_is_hidden() -> None:
+    url = "http://user:" + "S" * 100 + "@h:6379/" + "x" * LONG
+    with pytest.raises(SettingsError) as caught:
+        CacheSettings(remote_url=url)
+    assert str(caught.value).startswith("remote_url='http://user:***@h:6379/xxx")
+    assert "SS" not in str(caught.value)
+
+
 def test_every_bad_value_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SGLANG_VLM_CACHE_SIZE_MB", "1.5")
     monkeypatch.setenv("MMCACHE_CPU_CACHE_MB", "-1")
@@ -334,6 +537,41 @@ def test_metrics_port_out_of_range(monkeypatch: pytest.MonkeyPatch, port: int, r
     monkeypatch.setenv("MMCACHE_METRICS_PORT", str(port))
     with pytest.raises(SettingsError, match=f"^MMCACHE_METRICS_PORT='{port}' is invalid: {reason}"):
         CacheSettings()
+
+
+@pytest.mark.parametrize("addr", ["bad..name", "x" * 64, "[::1]"])
+def test_a_metrics_addr_that_does_not_resolve_is_refused_naming_the_variable(
+    monkeypatch: pytest.MonkeyPatch, addr: str
+) -> None:
+    reason = "does not resolve to an address to bind ("
+    with pytest.raises(SettingsError) as caught:
+        CacheSettings(metrics_addr=addr)
+    assert str(caught.value).startswith(f"metrics_addr={addr!r} is invalid: {reason}")
+    monkeypatch.setenv("MMCACHE_METRICS_ADDR", addr)
+    with pytest.raises(SettingsError) as caught:
+        CacheSettings()
+    assert str(caught.value).startswith(f"MMCACHE_METRICS_ADDR={addr!r} is invalid: {reason}")
+
+
+def test_a_host_name_the_resolver_does_not_know_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def unknown(host: str, *args: Any, **kwargs: Any) -> Any:
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", unknown)
+    monkeypatch.setenv("MMCACHE_METRICS_ADDR", "metrics.example")
+    with pytest.raises(SettingsError) as caught:
+        CacheSettings()
+    assert str(caught.value).startswith(
+        "MMCACHE_METRICS_ADDR='metrics.example' is invalid: does not resolve to an address to "
+        "bind ([Errno -2] Name or service not known)"
+    )
+
+
+@pytest.mark.parametrize("addr", ["0.0.0.0", "127.0.0.1", "::", "::1", "localhost"])
+def test_metrics_addresses_that_resolve_are_taken(addr: str) -> None:
+    assert CacheSettings(metrics_addr=addr).metrics_addr == addr
 
 
 def test_settings_cannot_be_changed_after_start() -> None:
@@ -381,3 +619,77 @@ def test_how_to_change_names_the_source_of_a_value(monkeypatch: pytest.MonkeyPat
     assert settings.how_to_change("ipc_pool_mb") == (
         "MMCACHE_IPC_POOL_MB or SGLANG_MM_FEATURE_CACHE_MB (or CacheSettings(ipc_pool_mb=...))"
     )
+
+
+# --- budgets against the machine: checked when a cache is made on its device ---------------
+
+
+def make_cache(
+    settings: CacheSettings,
+    device: str | Device,
+    name: str = "machine",
+    registry: CollectorRegistry | None = None,
+) -> None:
+    """Make a cache (never started), and close the device it made itself."""
+    cache = FeatureCache(settings, device, name=name, registry=registry or CollectorRegistry())
+    if isinstance(device, str):
+        cache.device.close()
+
+
+@pytest.mark.parametrize(
+    ("name", "source"),
+    [
+        (None, "CacheSettings(gpu_cache_mb=...)"),
+        ("MMCACHE_GPU_CACHE_MB", "MMCACHE_GPU_CACHE_MB"),
+        ("SGLANG_VLM_CACHE_SIZE_MB", "SGLANG_VLM_CACHE_SIZE_MB"),
+    ],
+)
+def test_a_gpu_tier_larger_than_the_device_is_refused_naming_its_source(
+    monkeypatch: pytest.MonkeyPatch, name: str | None, source: str
+) -> None:
+    if name is None:
+        settings = CacheSettings(gpu_cache_mb=3)
+    else:
+        monkeypatch.setenv(name, "3")
+        settings = CacheSettings()
+    device = SimDevice(memory_bytes=2 * MiB)
+    try:
+        with pytest.raises(SettingsError) as caught:
+            make_cache(settings, device)
+        assert str(caught.value) == (
+            f"a GPU tier of 3 MB exceeds the memory of sim (2.0 MB); lower {source}"
+        )
+        make_cache(CacheSettings(gpu_cache_mb=2), device)  # all of it is not more than it has
+    finally:
+        device.close()
+
+
+@pytest.mark.parametrize("name", [None, "MMCACHE_CPU_CACHE_MB"])
+def test_a_host_tier_larger_than_the_machine_is_refused_naming_its_source(
+    monkeypatch: pytest.MonkeyPatch, name: str | None
+) -> None:
+    ram = host_memory_bytes()
+    assert ram is not None and ram > 0
+    too_much = (ram // MiB + 1) * 2
+    if name is None:
+        settings, source = CacheSettings(cpu_cache_mb=too_much), "CacheSettings(cpu_cache_mb=...)"
+    else:
+        monkeypatch.setenv(name, str(too_much))
+        settings, source = CacheSettings(), name
+    with pytest.raises(SettingsError) as caught:
+        make_cache(settings, "sim")
+    assert str(caught.value) == (
+        f"a host tier of {too_much:g} MB exceeds this machine's memory "
+        f"({ram / MiB:.1f} MB); lower {source}"
+    )
+
+
+def test_budgets_beyond_the_machine_are_refused_before_the_cache_takes_its_name() -> None:
+    registry = CollectorRegistry()
+    with pytest.raises(SettingsError) as caught:
+        make_cache(CacheSettings(gpu_cache_mb=1e12, cpu_cache_mb=1e12), "sim", "big", registry)
+    lines = str(caught.value).splitlines()
+    assert lines[0].startswith("a GPU tier of 1e+12 MB exceeds the memory of sim (")
+    assert lines[1].startswith("a host tier of 1e+12 MB exceeds this machine's memory (")
+    # Nothing was registered: the name is still free.
+    make_cache(CacheSettings(gpu_cache_mb=1, cpu_cache_mb=1), "sim", "big", registry)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from mmcache.device import SimDevice, storage_use_count
+from mmcache.device.base import host_memory_bytes
 from mmcache.device.sim import ARENA_PAGE, POISON_BYTE
 from mmcache.errors import InvalidValueError, MMCacheError
 from mmcache.host_pool import HostPool
@@ -18,6 +19,19 @@ from mmcache.host_pool import HostPool
 
 def _poisoned(t: torch.Tensor) -> bool:
     return bool((t.reshape(-1).view(torch.uint8) == POISON_BYTE).all())
+
+
+def test_the_simulator_has_this_machines_memory_unless_told_otherwise() -> None:
+    ram = host_memory_bytes()
+    assert ram is not None and ram > 0
+    for device, expected in ((SimDevice(), ram), (SimDevice(memory_bytes=1 << 20), 1 << 20)):
+        try:
+            assert device.memory_bytes == expected
+            assert device.describe()["memory_bytes"] == expected
+        finally:
+            device.close()
+    with pytest.raises(ValueError, match="memory_bytes must be > 0"):
+        SimDevice(memory_bytes=0)
 
 
 def test_storage_use_count_counts_tensor_objects_not_names() -> None:

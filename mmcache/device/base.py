@@ -5,6 +5,7 @@ from __future__ import annotations
 import abc
 import functools
 import math
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -27,6 +28,7 @@ __all__ = [
     "check_flat_destination",
     "destination_pairs",
     "feature_bytes",
+    "host_memory_bytes",
     "storage_use_count",
 ]
 
@@ -71,6 +73,16 @@ ArenaProgress = Callable[[torch.Tensor, int], None]
 
 #: views(offset, shape, dtype): the bytes of a flat buffer from offset as a typed tensor.
 Views = Callable[[int, tuple[int, ...], torch.dtype], torch.Tensor]
+
+
+def host_memory_bytes() -> int | None:
+    """This machine's physical memory in bytes, which the host tier cannot exceed; None when
+    the system does not say."""
+    try:
+        pages, page_size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):  # no sysconf (Windows), or no such name
+        return None
+    return pages * page_size if pages > 0 and page_size > 0 else None
 
 
 def storage_use_count(tensor: torch.Tensor) -> int:
@@ -370,6 +382,12 @@ class Device(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Stop background threads; queued work is completed first."""
+
+    @property
+    def memory_bytes(self) -> int | None:
+        """The device's whole memory in bytes, which its GPU tier cannot exceed; None when
+        unknown (then no budget is checked against it)."""
+        return None
 
     def describe(self) -> dict[str, Any]:
         """A few facts about the device for logs and benchmark tables."""

@@ -388,6 +388,11 @@ class CudaDevice(Device):
         self._waiters.close(timeout=60.0)
         self._arena.unpin()
 
+    @property
+    def memory_bytes(self) -> int:
+        """The GPU's whole memory in bytes."""
+        return int(torch.cuda.get_device_properties(self._device).total_memory)
+
     def describe(self) -> dict[str, Any]:
         """GPU model and memory, torch/CUDA/driver versions, arena facts."""
         props = torch.cuda.get_device_properties(self._device)

@@ -27,6 +27,7 @@ from mmcache.device.base import (
     Device,
     Fence,
     Stream,
+    host_memory_bytes,
     storage_use_count,
 )
 from mmcache.device.sim_arena import ARENA_PAGE, POISON_BYTE, SimArenas
@@ -144,12 +145,18 @@ class SimDevice(Device):
         *,
         pin_chunk_bytes: int = 8 << 20,
         pin_chunk_s: float = 0.0,
+        memory_bytes: int | None = None,
     ) -> None:
+        """memory_bytes: the simulated device's whole memory (default: this machine's, where
+        its tensors live), which a cache's GPU tier cannot exceed; nothing else limits it."""
         if bandwidth_gbps < 0 or latency_s < 0:
             raise ValueError("bandwidth_gbps and latency_s must be >= 0 (0 means instant)")
+        if memory_bytes is not None and memory_bytes <= 0:
+            raise ValueError(f"memory_bytes must be > 0 (None: this machine's), not {memory_bytes}")
         self.name = "sim"
         self.bandwidth_gbps = bandwidth_gbps
         self.latency_s = latency_s
+        self._memory_bytes = memory_bytes if memory_bytes is not None else host_memory_bytes()
         self._lock = threading.Lock()  # guards fences
         self._cond = threading.Condition()  # guards streams, allocations, holds
         self._streams: list[SimStream] = []
@@ -437,11 +444,16 @@ class SimDevice(Device):
         if worker is not None and worker is not threading.current_thread():
             worker.join(timeout=5)
 
+    @property
+    def memory_bytes(self) -> int | None:
+        return self._memory_bytes
+
     def describe(self) -> dict[str, Any]:
         return {
             "name": self.name,
             "bandwidth_gbps": self.bandwidth_gbps,
             "latency_s": self.latency_s,
+            "memory_bytes": self._memory_bytes,
         }
 
     # --- internals --------------------------------------------------------------
