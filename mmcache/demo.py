@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import functools
 import itertools
-import os
 import random
 import statistics
 import sys
@@ -116,18 +115,7 @@ class Catalogue:
     """
 
     def __init__(self, config: DemoConfig, device: str) -> None:
-        rng = random.Random(config.seed)
-        items: list[Item] = []
-        for i in range(config.images):
-            width, height = rng.choice(IMAGE_SIZES)
-            rows = (width // PIXELS_PER_TOKEN_SIDE) * (height // PIXELS_PER_TOKEN_SIDE)
-            items.append(Item(f"image/{i:05d}", i, rows))
-        self.images = tuple(items)
-        videos = [
-            Item(f"video/{j:03d}", config.images + j, rng.randint(*VIDEO_TOKENS))
-            for j in range(config.videos)
-        ]
-        self.videos = tuple(videos)
+        self.images, self.videos = catalogue_items(config)
         max_rows = max((it.rows for it in (*self.images, *self.videos)), default=0)
         generator = torch.Generator().manual_seed(config.seed)
         total_rows = config.images + config.videos + max_rows
@@ -139,6 +127,22 @@ class Catalogue:
         """The bytes the encoder produced for rows start..stop of item."""
         buf = self.host_reference if on_host else self.device_reference
         return buf[item.offset + start : item.offset + stop]
+
+
+def catalogue_items(config: DemoConfig) -> tuple[tuple[Item, ...], tuple[Item, ...]]:
+    """The catalogue's images and videos (keys and row counts), fixed by the seed: cheap,
+    where the features' reference buffer is not."""
+    rng = random.Random(config.seed)
+    images = []
+    for i in range(config.images):
+        width, height = rng.choice(IMAGE_SIZES)
+        rows = (width // PIXELS_PER_TOKEN_SIDE) * (height // PIXELS_PER_TOKEN_SIDE)
+        images.append(Item(f"image/{i:05d}", i, rows))
+    videos = [
+        Item(f"video/{j:03d}", config.images + j, rng.randint(*VIDEO_TOKENS))
+        for j in range(config.videos)
+    ]
+    return tuple(images), tuple(videos)
 
 
 def _zipf_weights(n: int, s: float) -> list[float]:
@@ -388,7 +392,7 @@ def demo_settings(config: DemoConfig) -> CacheSettings:
     for name, value in flags.items():
         if value is not None:
             overrides[name] = value
-        elif not any(var in os.environ for var in CacheSettings.env_names(name)):
+        elif not CacheSettings.env_sets(name):
             overrides[name] = demo_defaults[name]
     if config.remote_url is not None:
         overrides["remote_url"] = config.remote_url
@@ -410,16 +414,16 @@ def _budget_flags(config: DemoConfig) -> dict[str, float | None]:
 
 def _budget_source(config: DemoConfig, settings: CacheSettings, field: str) -> str:
     """The flag or environment variable a budget came from, as the user would change it."""
-    if _budget_flags(config)[field] is None and any(
-        var in os.environ for var in CacheSettings.env_names(field)
-    ):
+    if _budget_flags(config)[field] is None and CacheSettings.env_sets(field):
         return settings.env_name(field)
     return BUDGET_FLAGS[field]
 
 
-def _check_fits(config: DemoConfig, settings: CacheSettings, catalogue: Catalogue) -> None:
-    """Refuse tiers too small for the largest feature, naming where the budget came from."""
-    largest = max(it.rows for it in (*catalogue.images, *catalogue.videos)) * config.hidden * 2
+def _check_fits(config: DemoConfig, settings: CacheSettings) -> None:
+    """Refuse tiers too small for the largest feature, naming where the budget came from:
+    before the catalogue's features are made (with a wide --hidden, gigabytes)."""
+    images, videos = catalogue_items(config)
+    largest = max((it.rows for it in (*images, *videos)), default=0) * config.hidden * 2
     for name in BUDGET_FLAGS:
         mb = float(getattr(settings, name))
         if 0 < mb * MiB < largest:
@@ -582,6 +586,7 @@ async def _run(config: DemoConfig, out: TextIO, err: TextIO) -> int:
         resources.callback(device.close)
         # Here too, before the cache's own check, to name the flag a budget came from.
         check_budgets_fit(settings, device, functools.partial(_budget_source, config, settings))
+        _check_fits(config, settings)
         executor = resources.enter_context(
             ThreadPoolExecutor(max_workers=2, thread_name_prefix="mmcache-demo")
         )
@@ -590,7 +595,6 @@ async def _run(config: DemoConfig, out: TextIO, err: TextIO) -> int:
             await cache.wait_host_ready(timeout=60)
             device_name = "cpu" if is_sim else cache.device.name
             catalogue = Catalogue(config, device_name)
-            _check_fits(config, settings, catalogue)
             requests = make_requests(config, catalogue)
             verifier = Verifier(catalogue, device_is_host=is_sim, executor=executor)
             verifier.warm_up()

@@ -310,6 +310,13 @@ class CacheSettings(BaseSettings):
                 return marker.names
         raise AssertionError(f"setting {field!r} declares no environment variable")
 
+    @classmethod
+    def env_sets(cls, field: str, environ: Mapping[str, str] | None = None) -> bool:
+        """Whether the environment sets field: one of its variables is set and not empty
+        (an empty one is unset, as when settings are built)."""
+        env = os.environ if environ is None else environ
+        return any((env.get(name) or "").strip() for name in cls.env_names(field))
+
     def env_name(self, field: str) -> str:
         """The environment variable field was read from, else its MMCACHE_ name."""
         read = self._env_reads.get(field)

@@ -19,9 +19,10 @@ from redis_server import free_port
 
 import mmcache
 import mmcache.cli
+import mmcache.demo
 from mmcache import FeatureCache
 from mmcache.cli import main
-from mmcache.demo import demo_settings
+from mmcache.demo import DEMO_CPU_MB, DEMO_GPU_MB, DemoConfig, demo_settings
 from mmcache.demo import run_demo as run_demo_itself
 from mmcache.settings import SETTINGS_TABLE
 
@@ -463,3 +464,26 @@ def test_bench_without_its_scripts_says_where_they_come_from(
     assert main(["bench", "--dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert str(tmp_path) in err and "source checkout" in err and "--dir" in err
+
+
+def test_an_empty_budget_variable_is_unset_for_the_demo_as_for_the_settings(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("MMCACHE_GPU_CACHE_MB", "")
+    monkeypatch.setenv("MMCACHE_CPU_CACHE_MB", "  ")
+    settings = demo_settings(DemoConfig())
+    assert (settings.gpu_cache_mb, settings.cpu_cache_mb) == (DEMO_GPU_MB, DEMO_CPU_MB)
+    monkeypatch.setenv("MMCACHE_GPU_CACHE_MB", "96")
+    assert demo_settings(DemoConfig()).gpu_cache_mb == 96
+
+
+def test_a_feature_wider_than_the_tiers_is_refused_before_the_catalogue_is_made(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def refuse(*args: object) -> None:
+        raise AssertionError("the catalogue's features were made")
+
+    monkeypatch.setattr(mmcache.demo.Catalogue, "__init__", refuse)
+    assert main(["demo", "--device", "sim", "--hidden", "100000", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "--gpu-mb 256 is smaller than the largest feature" in err
