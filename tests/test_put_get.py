@@ -465,9 +465,9 @@ async def test_which_puts_take_the_short_path(
     general: list[object] = []
     put_batch = cache._puts.put_batch
 
-    async def counted(items: Any, stream: Any, wait: bool) -> bool:
+    async def counted(items: Any, stream: Any, wait: bool, cost: float | None = None) -> bool:
         general.append(items[0][0])
-        return await put_batch(items, stream, wait)
+        return await put_batch(items, stream, wait, cost)
 
     monkeypatch.setattr(cache._puts, "put_batch", counted)
     whole = make_data(rig, 16, 64, dtype=torch.float32, seed=1)
