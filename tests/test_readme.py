@@ -1,5 +1,6 @@
 """The reference documents every setting, environment variable and metric the code defines, the
-README starts with its two commands and links the reference, and the tests the docs cite exist."""
+README starts with its two commands and links the reference, the tests the docs cite exist, and
+the changelog keeps its layout: one line of at most 300 characters per entry."""
 
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ def test_every_test_the_docs_cite_exists() -> None:
         for path in (ROOT / "tests").glob("test_*.py")
     }
     missing, cited = [], 0
-    for doc in (ROOT / "README.md", ROOT / "docs" / "guarantees.md"):
+    for doc in (ROOT / "README.md", ROOT / "docs" / "guarantees.md", ROOT / "docs" / "reference.md"):
         for line in doc.read_text().splitlines():
             module = None
             for m in re.finditer(r"`(test_\w+\.py)?(?:::(\w+))?`", line):
@@ -71,3 +72,34 @@ def test_every_test_the_docs_cite_exists() -> None:
                         missing.append(f"{doc.name}: {module}::{m.group(2)}")
     assert cited > 50
     assert missing == []
+
+
+CHANGELOG = (ROOT / "CHANGELOG.md").read_text()
+CHANGELOG_SECTIONS = {"Added", "Changed", "Deprecated", "Removed", "Fixed", "Security"}
+
+
+def test_every_changelog_entry_is_one_line_of_at_most_300_characters() -> None:
+    lines = CHANGELOG.splitlines()
+    long, wrapped = [], []
+    for number, (line, after) in enumerate(zip(lines, [*lines[1:], ""]), 1):
+        if not line.startswith("- "):
+            continue
+        if len(line) > 300:
+            long.append(f"line {number}: {len(line)} characters")
+        if after.strip() and not after.startswith(("- ", "#")):
+            wrapped.append(f"line {number}: the entry goes on on the next line")
+    assert long == []
+    assert wrapped == []
+
+
+def test_the_changelog_sections_are_keep_a_changelogs() -> None:
+    assert "\n## [Unreleased]\n" in CHANGELOG
+    unreleased = CHANGELOG.split("\n## [Unreleased]\n", 1)[1].split("\n## ", 1)[0]
+    headings = re.findall(r"^#+ .*$", unreleased, re.M)
+    assert headings, "the Unreleased section has no subsections"
+    for heading in headings:
+        assert heading.startswith("### ") and heading[4:] in CHANGELOG_SECTIONS, heading
+    for heading in re.findall(r"^### (.*)$", CHANGELOG, re.M):
+        assert heading in CHANGELOG_SECTIONS, heading
+    for section in re.split(r"^### .*$", unreleased, flags=re.M)[1:]:
+        assert any(line.startswith("- ") for line in section.splitlines()), "an empty subsection"
