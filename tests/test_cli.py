@@ -447,13 +447,22 @@ def test_settings_into_a_pipe_that_closes_early_ends_quietly() -> None:
 def test_ctrl_c_stops_the_demo_with_one_line_and_status_130() -> None:
     command = [sys.executable, "-m", "mmcache", *SMALL_DEMO[:-1]]
     command[command.index("--requests") + 1] = "100000"
+    # A shell's background job (CI's, a tool's) starts with SIGINT ignored, and children
+    # inherit that: the demo gets the default disposition back, as in a terminal.
     with subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     ) as demo:
-        assert demo.stderr is not None
-        demo.stderr.readline()  # the first progress line: it is serving
-        demo.send_signal(signal.SIGINT)
-        _, err = demo.communicate(timeout=60)
+        try:
+            assert demo.stderr is not None
+            demo.stderr.readline()  # the first progress line: it is serving
+            demo.send_signal(signal.SIGINT)
+            _, err = demo.communicate(timeout=60)
+        finally:
+            demo.kill()
     assert demo.returncode == 130
     assert err.strip() == "mmcache: interrupted", err
 
