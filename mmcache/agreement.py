@@ -53,15 +53,16 @@ _GRACE_S: Final = 5.0
 _Job = tuple[bytearray, asyncio.Future[bytearray], asyncio.AbstractEventLoop] | None
 
 
-def check_group(group: object) -> None:
-    """Refuse anything but a torch.distributed ProcessGroup (InvalidValueError)."""
+def check_group(group: object) -> torch.distributed.ProcessGroup:
+    """group, if it is a torch.distributed ProcessGroup; else InvalidValueError."""
     import torch.distributed as dist
 
-    if not dist.is_available() or not isinstance(group, dist.ProcessGroup):
-        raise InvalidValueError(
-            f"group must be a torch.distributed ProcessGroup (dist.new_group(ranks, "
-            f"backend='gloo'), or SGLang's get_tp_group().cpu_group), not {type(group).__name__}"
-        )
+    if dist.is_available() and isinstance(group, dist.ProcessGroup):
+        return group
+    raise InvalidValueError(
+        f"group must be a torch.distributed ProcessGroup (dist.new_group(ranks, "
+        f"backend='gloo'), or SGLang's get_tp_group().cpu_group), not {type(group).__name__}"
+    )
 
 
 def _timeout_of(group: torch.distributed.ProcessGroup, device: torch.device) -> float:
