@@ -284,6 +284,39 @@ def test_get_or_compute_runs_fn_on_every_rank_where_any_rank_misses(tmp_path: Pa
     assert reports[0]["group_misses"] == 2 and reports[1]["group_misses"] == 0
 
 
+# --- what a rank hit is held until it is served --------------------------------------------
+
+
+def discard_while_agreeing(rank: int, world: int, control: Any) -> Report:
+    return asyncio.run(_discard_while_agreeing(rank))
+
+
+async def _discard_while_agreeing(rank: int) -> Report:
+    async with _cache(rank, CollectorRegistry(), gpu_cache_mb=48 / 1024, cpu_cache_mb=0) as cache:
+        await cache.put(5, value(5))
+        if rank == 1:
+            await asyncio.sleep(0.3)  # rank 0 waits for this rank's answer meanwhile
+            got = await cache.get(5)
+        else:
+            reading = asyncio.create_task(cache.get(5))
+            await asyncio.sleep(0.1)  # its local read is done: it waits for rank 1
+            assert cache.discard(5)  # released, and its memory handed to other features
+            for key in (6, 7, 8, 9):
+                await cache.put(key, value(key))
+            got = await reading
+        exact = got is not None and same_bytes(got, value(5))
+        stats = cache.stats()
+    return {"exact": exact, "leaked": stats.leaked_bytes}
+
+
+def test_a_hit_is_held_until_served_though_discarded_while_the_ranks_agree(
+    tmp_path: Path,
+) -> None:
+    reports = run_ranks(tmp_path, 2, discard_while_agreeing)
+    assert reports[0]["exact"] and reports[1]["exact"]
+    assert reports[0]["leaked"] == 0 and reports[1]["leaked"] == 0
+
+
 # --- ranks that call with other keys -----------------------------------------------------
 
 
