@@ -6,6 +6,7 @@ as it does (host tier off, same byte budget), and never miss where it hits (host
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
 import random
@@ -551,6 +552,13 @@ def _encode_counting(calls: list[int]) -> Callable[[list[Item]], torch.Tensor]:
     return encode
 
 
+@dataclasses.dataclass(kw_only=True)
+class Framed(EmbeddingResult):  # type: ignore[misc]
+    """An EmbeddingResult that carries more than its tensor, as EVS's does."""
+
+    frames: list[int]
+
+
 def tp_rank(rank: int, world: int, control: Any) -> dict[str, Any]:
     """One TP rank's scheduler: SGLang's own mm_schedule, the adapter installed on the group.
 
@@ -590,8 +598,18 @@ def tp_rank(rank: int, world: int, control: Any) -> dict[str, Any]:
         )
         exact = exact and torch.equal(chunk, _encode_counting([])(items)[:8])
         encodes.append(len(calls))
+    # A result that carries more than its tensor (EVS's frame counts) keeps it through a
+    # miss that another rank caused.
+    assert cache.set(9, Framed(embedding=feature(9, 4, torch.float32), frames=[1, 3]))
+    if rank == 1:
+        assert cache.free(9, None)
+    missed = cache.get_single(9) is None
+    if rank == 1:
+        assert cache.set(9, Framed(embedding=feature(9, 4, torch.float32), frames=[1, 3]))
+    again = cache.get_single(9)
+    framed = isinstance(again, Framed) and again.frames == [1, 3]
     done.uninstall()
-    return {"encodes": encodes, "exact": exact}
+    return {"encodes": encodes, "exact": exact, "missed": missed, "framed": framed}
 
 
 def test_with_the_tp_group_every_rank_runs_the_encoder_or_none(tmp_path: Path) -> None:
@@ -603,6 +621,8 @@ def test_with_the_tp_group_every_rank_runs_the_encoder_or_none(tmp_path: Path) -
     # Round 3: both hold it: neither encodes.
     assert reports[0]["encodes"] == reports[1]["encodes"] == [1, 2, 2]
     assert reports[0]["exact"] and reports[1]["exact"]
+    assert reports[0]["missed"] and reports[1]["missed"]
+    assert reports[0]["framed"] and reports[1]["framed"]
 
 
 @pytest.fixture
