@@ -317,6 +317,45 @@ def test_a_hit_is_held_until_served_though_discarded_while_the_ranks_agree(
     assert reports[0]["leaked"] == 0 and reports[1]["leaked"] == 0
 
 
+# --- a call whose caller is cancelled ------------------------------------------------------
+
+
+def cancel_a_call(rank: int, world: int, control: Any) -> Report:
+    return asyncio.run(_cancel_a_call(rank))
+
+
+async def _cancel_a_call(rank: int) -> Report:
+    async with _cache(rank, CollectorRegistry(), gpu_cache_mb=1, cpu_cache_mb=1) as cache:
+        for key in (1, 2, 3):
+            await cache.put(key, value(key))
+        if rank == 0:
+            first = asyncio.create_task(cache.get(1))
+            second = asyncio.create_task(cache.get(2))  # made after the first: its turn is next
+            await asyncio.sleep(0)  # both calls are made; the second waits for the first
+            second.cancel()
+            got = [await first]
+            cancelled = False
+            try:
+                await second
+            except asyncio.CancelledError:
+                cancelled = True
+        else:
+            await asyncio.sleep(0.3)
+            got = [await cache.get(1), await cache.get(2)]
+            cancelled = True
+        got.append(await cache.get(3))  # the ranks still pair their calls: 3 with 3
+        exact = all(
+            t is not None and same_bytes(t, value(k))
+            for k, t in zip((1, 3) if rank == 0 else (1, 2, 3), got, strict=True)
+        )
+    return {"exact": exact, "cancelled": cancelled}
+
+
+def test_a_call_whose_caller_is_cancelled_still_meets_the_other_ranks(tmp_path: Path) -> None:
+    reports = run_ranks(tmp_path, 2, cancel_a_call)
+    assert reports[0]["cancelled"] and reports[0]["exact"] and reports[1]["exact"]
+
+
 # --- ranks that call with other keys -----------------------------------------------------
 
 
