@@ -29,7 +29,7 @@ from mmcache.device import SimDevice
 KiB = 1024
 KEYS = 24
 #: The group's collective timeout in the scenarios where a peer dies or hangs.
-PEER_TIMEOUT_S = 3.0
+PEER_TIMEOUT_S = 2.0
 
 Report = dict[str, Any]
 
@@ -250,11 +250,43 @@ def test_ranks_agree_on_every_hit_under_random_operations(
     assert len({r["computed"] for r in reports.values()}) == 1
 
 
+# --- scenarios of two ranks, run in one pair of processes ---------------------------------
+
+
+def several_scenarios(rank: int, world: int, control: Any) -> Report:
+    """Each scenario below in turn, each with caches of its own; a failure is its own."""
+
+    async def all_of_them() -> Report:
+        scenarios = {
+            "compute": _compute_where_one_rank_misses,
+            "hold": _discard_while_agreeing,
+            "cancel": _cancel_a_call,
+            "other_keys": _other_keys,
+        }
+        reports: Report = {}
+        for name, scenario in scenarios.items():
+            try:
+                reports[name] = await scenario(rank)
+            except Exception:
+                reports[name] = {"error": traceback.format_exc()}
+        return reports
+
+    return asyncio.run(all_of_them())
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Report]:
+    return run_ranks(tmp_path_factory.mktemp("two_ranks"), 2, several_scenarios)
+
+
+def part(reports: dict[int, Report], name: str) -> dict[int, Report]:
+    """Each rank's report of one of several_scenarios (failing with a rank's error)."""
+    for rank, report in reports.items():
+        assert "error" not in report[name], f"rank {rank}:\n{report[name]['error']}"
+    return {rank: report[name] for rank, report in reports.items()}
+
+
 # --- get_or_compute --------------------------------------------------------------------
-
-
-def compute_where_one_rank_misses(rank: int, world: int, control: Any) -> Report:
-    return asyncio.run(_compute_where_one_rank_misses(rank))
 
 
 async def _compute_where_one_rank_misses(rank: int) -> Report:
@@ -277,18 +309,16 @@ async def _compute_where_one_rank_misses(rank: int) -> Report:
     return {"ran": ran, "exact": ok, "group_misses": stats.group_misses}
 
 
-def test_get_or_compute_runs_fn_on_every_rank_where_any_rank_misses(tmp_path: Path) -> None:
-    reports = run_ranks(tmp_path, 2, compute_where_one_rank_misses)
+def test_get_or_compute_runs_fn_on_every_rank_where_any_rank_misses(
+    two_ranks: dict[int, Report],
+) -> None:
+    reports = part(two_ranks, "compute")
     assert reports[0]["ran"] == [0] and reports[1]["ran"] == [1]
     assert reports[0]["exact"] and reports[1]["exact"]
     assert reports[0]["group_misses"] == 2 and reports[1]["group_misses"] == 0
 
 
 # --- what a rank hit is held until it is served --------------------------------------------
-
-
-def discard_while_agreeing(rank: int, world: int, control: Any) -> Report:
-    return asyncio.run(_discard_while_agreeing(rank))
 
 
 async def _discard_while_agreeing(rank: int) -> Report:
@@ -310,18 +340,14 @@ async def _discard_while_agreeing(rank: int) -> Report:
 
 
 def test_a_hit_is_held_until_served_though_discarded_while_the_ranks_agree(
-    tmp_path: Path,
+    two_ranks: dict[int, Report],
 ) -> None:
-    reports = run_ranks(tmp_path, 2, discard_while_agreeing)
+    reports = part(two_ranks, "hold")
     assert reports[0]["exact"] and reports[1]["exact"]
     assert reports[0]["leaked"] == 0 and reports[1]["leaked"] == 0
 
 
 # --- a call whose caller is cancelled ------------------------------------------------------
-
-
-def cancel_a_call(rank: int, world: int, control: Any) -> Report:
-    return asyncio.run(_cancel_a_call(rank))
 
 
 async def _cancel_a_call(rank: int) -> Report:
@@ -351,16 +377,14 @@ async def _cancel_a_call(rank: int) -> Report:
     return {"exact": exact, "cancelled": cancelled}
 
 
-def test_a_call_whose_caller_is_cancelled_still_meets_the_other_ranks(tmp_path: Path) -> None:
-    reports = run_ranks(tmp_path, 2, cancel_a_call)
+def test_a_call_whose_caller_is_cancelled_still_meets_the_other_ranks(
+    two_ranks: dict[int, Report],
+) -> None:
+    reports = part(two_ranks, "cancel")
     assert reports[0]["cancelled"] and reports[0]["exact"] and reports[1]["exact"]
 
 
 # --- ranks that call with other keys -----------------------------------------------------
-
-
-def other_keys(rank: int, world: int, control: Any) -> Report:
-    return asyncio.run(_other_keys(rank))
 
 
 async def _other_keys(rank: int) -> Report:
@@ -378,8 +402,10 @@ async def _other_keys(rank: int) -> Report:
     return {"errors": errors, "exact": exact}
 
 
-def test_ranks_calling_with_other_keys_all_get_a_clear_error(tmp_path: Path) -> None:
-    reports = run_ranks(tmp_path, 2, other_keys)
+def test_ranks_calling_with_other_keys_all_get_a_clear_error(
+    two_ranks: dict[int, Report],
+) -> None:
+    reports = part(two_ranks, "other_keys")
     for report in reports.values():
         assert len(report["errors"]) == 3 and report["exact"]
         assert "different keys" in report["errors"][0]
