@@ -18,11 +18,12 @@ from collections.abc import (
     Iterable,
     Sequence,
 )
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from prometheus_client import CollectorRegistry
 
+from mmcache.agreement import Agreement, check_group
 from mmcache.closing import CloseOnce, off_the_loop
 from mmcache.core.machine import check_budgets_fit
 from mmcache.core.puts import check_items, owns_storage
@@ -46,6 +47,9 @@ from mmcache.stats import CacheStats
 from mmcache.threadsafe import run_threadsafe
 from mmcache.waiting import FenceWatcher
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
 __all__ = ["FeatureCache"]
 
 ComputeFn = Callable[[], "torch.Tensor | Awaitable[torch.Tensor]"]
@@ -58,6 +62,11 @@ class FeatureCache:
     Hot features stay on the device; cold ones are offloaded to a pinned host
     arena through fenced asynchronous copies and promoted back on use. Every
     read resolves only after the copies it depends on have finished.
+
+    With group= (a torch.distributed ProcessGroup: the ranks of a tensor-parallel group,
+    each with its cache), get, get_many and get_or_compute are collectives: every rank
+    makes them with the same keys in the same order, and every rank gets the same hits
+    (a key missing on any rank is a miss on all). Every other method stays local.
     """
 
     def __init__(
@@ -67,9 +76,12 @@ class FeatureCache:
         *,
         name: str = "default",
         registry: CollectorRegistry | None = None,
+        group: ProcessGroup | None = None,
     ) -> None:
         self.settings = settings if settings is not None else CacheSettings()
         self.name = name
+        if group is not None:
+            check_group(group)  # before anything is allocated
         self._owns_device = not isinstance(device, Device)
         self._device = resolve_device(device)
         try:
@@ -81,6 +93,18 @@ class FeatureCache:
         self._gpu_capacity = self.settings.gpu_cache_bytes
         self._registry = registry
         self._metrics = CacheMetrics(name, registry)
+        self._group = group
+        self._agreement: Agreement | None = None
+        if group is not None:
+            try:
+                self._agreement = Agreement(
+                    group, cache_name=name, device_name=self._device.name, metrics=self._metrics
+                )
+            except BaseException:
+                self._metrics.close()
+                if self._owns_device:
+                    self._device.close()
+                raise
         self._metrics.set_capacity("gpu", self._gpu_capacity)
         self._tiers = DeferredPush(self._push_tier_gauges)
         self._copy_timeout = self.settings.copy_timeout_s
@@ -157,6 +181,8 @@ class FeatureCache:
         """close()'s work, in a task of its own (see close)."""
         self._tiers.unbind()
         self._core.producers.unbind()
+        if self._agreement is not None:
+            await self._agreement.close()  # a stuck peer must not hold close() up
         if timeout is None:
             timeout = self._copy_timeout  # a stuck copy must not hang close() for ever
         self._core.fail_waiting()  # and watch landings at once from here on
@@ -218,6 +244,11 @@ class FeatureCache:
     def device(self) -> Device:
         """The device the cache keeps its GPU tier on."""
         return self._device
+
+    @property
+    def group(self) -> ProcessGroup | None:
+        """The process group whose ranks agree on every lookup's hits (None: no group)."""
+        return self._group
 
     # --- public API ---------------------------------------------------------------------
 
@@ -353,6 +384,9 @@ class FeatureCache:
         if self._closed or self._loop is not asyncio.get_running_loop():
             await self._ready_to_serve()
         check_key(key)
+        if self._agreement is not None:
+            read = functools.partial(self._read_one, key, rows, to_host, stream)
+            return (await self._agreement.agree("get", (key,), read))[0]
         found = self._entries.get(key)
         if found is None:
             if self._remote is not None:  # both local tiers missed: ask the shared one
@@ -361,6 +395,19 @@ class FeatureCache:
                 self._counters.miss()
                 return None
         return await self._reads.serve(found, rows, to_host, stream)
+
+    async def _read_one(
+        self, key: Hashable, rows: slice | None, to_host: bool, stream: Stream
+    ) -> list[torch.Tensor | None]:
+        """get's read of key in this cache alone (local tiers, then the remote one)."""
+        found = self._entries.get(key)
+        if found is None:
+            if self._remote is not None:
+                found = await self._remote.fetch(key)
+            if found is None:
+                self._counters.miss()
+                return [None]
+        return [await self._reads.serve(found, rows, to_host, stream)]
 
     async def get_many(
         self,
@@ -380,8 +427,17 @@ class FeatureCache:
         to_host = self._reads.wants_host(device)
         if self._closed or self._loop is not asyncio.get_running_loop():
             await self._ready_to_serve()
+        if self._agreement is not None:
+            read = functools.partial(self._read_many, batch, to_host, stream)
+            return await self._agreement.agree("get_many", batch, read)
+        return await self._read_many(batch, to_host, stream)
+
+    async def _read_many(
+        self, batch: list[Hashable], to_host: bool, stream: Stream
+    ) -> list[torch.Tensor | None]:
+        """get_many's reads of batch in this cache alone (local tiers, then the remote one)."""
         if to_host:
-            return [await self.get(key, device="cpu") for key in batch]
+            return [(await self._read_one(key, None, True, stream))[0] for key in batch]
         if self._remote is not None:  # what both local tiers miss, asked of the shared one
             await self._remote.fetch_missing(batch)
         return await self._core.batch_reads.get_many(batch, stream)
@@ -401,7 +457,8 @@ class FeatureCache:
         does not cancel the shared computation; its result is cached even with no caller left.
         The result is put with put's cost= measured: the host's wall time from calling fn
         until it returned the tensor (or its awaitable did), so device work that fn queued
-        and did not wait for is not in it.
+        and did not wait for is not in it. With a group, the lookup is the group's: fn runs
+        on every rank or on none (the single flight stays per rank).
         """
         if stream is None:
             stream = self._device.current_stream()
@@ -454,6 +511,20 @@ class FeatureCache:
             timeout,
         )
 
+    def touch(self, key: Hashable) -> bool:
+        """Mark key as just used, as a hit does, without reading it; False if absent.
+
+        Never a collective, with a group too: it looks at this rank's cache alone.
+        """
+        self._check_open()
+        self._check_loop()
+        check_key(key)
+        found = self._entries.get(key)
+        if found is None:
+            return False
+        self._reads.touch(found)
+        return True
+
     def discard(self, key: Hashable) -> bool:
         """Remove key; its memory is released after the fences that use it. True if present."""
         self._check_open()
@@ -491,6 +562,8 @@ class FeatureCache:
         if self._remote is not None:
             remote: dict[str, Any] = self._remote.stats()
             stats = dataclasses.replace(stats, **remote)
+        if self._agreement is not None:
+            stats = dataclasses.replace(stats, group_misses=self._agreement.misses)
         return stats
 
     # --- checks -------------------------------------------------------------------------

@@ -55,6 +55,11 @@ class ReentrantComputeError(MMCacheError, RuntimeError):
     """A get_or_compute fn waited, directly or through a task it started, for its own key."""
 
 
+class GroupError(MMCacheError, RuntimeError):
+    """A collective of the cache's process group failed or timed out (a peer died or hung),
+    or the group's ranks called it with different keys."""
+
+
 class IPCError(MMCacheError):
     """Base class of the errors of the IPC transport (mmcache.ipc)."""
 

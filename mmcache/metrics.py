@@ -52,6 +52,7 @@ __all__ = [
     "DeferredPush",
     "DIRECTIONS",
     "FAULT_KINDS",
+    "GroupSeries",
     "IPC_FALLBACK_REASONS",
     "IPC_POOL_STATES",
     "LATENCY_BUCKETS",
@@ -246,6 +247,18 @@ METRICS_TABLE: Final[list[MetricInfo]] = [
         ("cache", "op"),
         "Latency of remote tier operations (get, put) that reached the server.",
     ),
+    MetricInfo(
+        "mmcache_group_misses_total",
+        "counter",
+        ("cache",),
+        "Local hits served as misses because another rank of the cache's group missed them.",
+    ),
+    MetricInfo(
+        "mmcache_group_seconds",
+        "histogram",
+        ("cache",),
+        "Time a lookup's agreement across the group took (its collective, issue to result).",
+    ),
 ]
 
 _INFO: Final = {info.name: info for info in METRICS_TABLE}
@@ -300,6 +313,8 @@ class _Families:
         self.remote_dropped = _counter("mmcache_remote_writes_dropped_total", registry)
         self.remote_queued = _gauge("mmcache_remote_queued_bytes", registry)
         self.remote_seconds = _histogram("mmcache_remote_seconds", registry)
+        self.group_misses = _counter("mmcache_group_misses_total", registry)
+        self.group_seconds = _histogram("mmcache_group_seconds", registry)
         self._owners: dict[str, weakref.ref[CacheMetrics]] = {}
         self._lock = threading.Lock()
 
@@ -420,6 +435,7 @@ class CacheMetrics:
         self._fallbacks = {r: self._bind(families.ipc_fallbacks, r) for r in IPC_FALLBACK_REASONS}
         self._faults = {k: self._bind(families.faults, k) for k in FAULT_KINDS}
         self._remote: RemoteSeries | None = None
+        self._group: GroupSeries | None = None
         # A cache reusing the name of one that was garbage-collected without close()
         # would otherwise inherit its gauges (pending copies never finished, bytes held).
         for _, _, child in self._children:
@@ -553,6 +569,13 @@ class CacheMetrics:
             self._remote = RemoteSeries(self)
         return self._remote
 
+    def group(self) -> GroupSeries:
+        """The group agreement's series of this cache (bound on first call: only caches
+        with a process group export them)."""
+        if self._group is None:
+            self._group = GroupSeries(self)
+        return self._group
+
     def bind(self, family: _M, *labels: str) -> _M:
         """family's series for this cache and labels, removed by close()."""
         return self._bind(family, *labels)
@@ -616,6 +639,16 @@ class RemoteSeries:
     def set_queued(self, nbytes: int) -> None:
         """Report the bytes of remote writes queued."""
         self._metrics.set_gauge(self._queued, nbytes)
+
+
+@final
+class GroupSeries:
+    """The group agreement's series of one cache, bound once (exported at 0 from the start)."""
+
+    def __init__(self, metrics: CacheMetrics) -> None:
+        families = metrics.families
+        self.misses = metrics.bind(families.group_misses)
+        self.seconds = metrics.bind(families.group_seconds)
 
 
 # The remote tier's error kinds (mmcache.remote.faults.ERROR_KINDS), pre-bound.

@@ -58,6 +58,9 @@ class CacheStats:
     remote_queued_bytes: int = 0
     #: remote writes dropped (queue full, too large, server unavailable, closed)
     remote_dropped_writes: int = 0
+    #: local hits served as misses because another rank of the group missed them (also
+    #: counted in hits_gpu or hits_cpu, where this rank found them)
+    group_misses: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         """The snapshot as a plain dict (for logs and JSON)."""

@@ -19,6 +19,7 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 #: script -> arguments for a short run without a GPU
 RUNS: dict[str, list[str]] = {
     "bench_adapters.py": ["--device", "sim", "--quick"],
+    "bench_groups.py": ["--quick"],  # TP 2 over gloo on loopback
     "bench_host_pool.py": ["--quick"],
     "bench_host_reads.py": ["--device", "sim", "--quick", "--gap-ms", "1"],
     "bench_ipc.py": ["--device", "sim", "--quick"],

@@ -6,6 +6,7 @@ as it does (host tier off, same byte budget), and never miss where it hits (host
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
 import random
@@ -381,13 +382,16 @@ def _module(name: str, **attrs: object) -> ModuleType:
     return module
 
 
-@pytest.fixture
-def mm_schedule(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
+def load_mm_schedule(
+    setitem: Callable[[dict[str, Any], str, Any], None],
+    delitem: Callable[[dict[str, Any], str], None],
+) -> ModuleType:
     """SGLang 0.5.23's own mm_schedule.py, loaded as sglang.srt.managers.mm_schedule.
 
     Its imports that need a GPU build of torchvision and transformers' processors (model
     configs, the scheduler's batch types) are replaced by small stand-ins: the seam itself,
-    the caller code and the cache class are SGLang's.
+    the caller code and the cache class are SGLang's. setitem and delitem change
+    sys.modules (monkeypatch's, to undo them after a test).
     """
     import sglang
 
@@ -409,16 +413,23 @@ def mm_schedule(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
         "sglang.srt.utils.async_probe": _module("async_probe", maybe_assert_sum=lambda *a: None),
         "sglang.utils": _module("utils", logger=logging.getLogger("sglang")),
     }
+    modules: Any = sys.modules
     for name, module in stand_ins.items():
-        monkeypatch.setitem(sys.modules, name, module)
+        setitem(modules, name, module)
     spec = importlib.util.spec_from_file_location(SEAM, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, SEAM, module)
+    setitem(modules, SEAM, module)
     spec.loader.exec_module(module)
     for name in stand_ins:  # SGLang's own modules again for everything after the load
-        monkeypatch.delitem(sys.modules, name)
-    yield module
+        delitem(modules, name)
+    return module
+
+
+@pytest.fixture
+def mm_schedule(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
+    """SGLang's own mm_schedule.py (load_mm_schedule), undone after the test."""
+    yield load_mm_schedule(monkeypatch.setitem, monkeypatch.delitem)
 
 
 class Item:
@@ -528,3 +539,149 @@ def test_install_refuses_a_seam_that_differs(seam: ModuleType) -> None:
     with pytest.raises(IntegrationError, match=r"0\.5\.23"):
         install(device="sim", module=seam)
     assert seam.__dict__ == before  # nothing changed
+
+
+# --- tensor parallelism ----------------------------------------------------------------------
+
+
+def _encode_counting(calls: list[int]) -> Callable[[list[Item]], torch.Tensor]:
+    def encode(items: list[Item]) -> torch.Tensor:
+        calls.append(len(items))
+        return torch.cat([feature(i.hash, 4, torch.float32) for i in items])
+
+    return encode
+
+
+@dataclasses.dataclass(kw_only=True)
+class Framed(EmbeddingResult):  # type: ignore[misc]
+    """An EmbeddingResult that carries more than its tensor, as EVS's does."""
+
+    frames: list[int]
+
+
+def tp_rank(rank: int, world: int, control: Any) -> dict[str, Any]:
+    """One TP rank's scheduler: SGLang's own mm_schedule, the adapter installed on the group.
+
+    Both ranks encode the request's items, then rank 1 alone frees them (as SGLang does with
+    an entry whose token count is off) and both look the request up again.
+    """
+    import torch.distributed as dist
+
+    def setitem(d: dict[str, Any], k: str, v: Any) -> None:
+        d[k] = v
+
+    def delitem(d: dict[str, Any], k: str) -> None:
+        del d[k]
+
+    mm = load_mm_schedule(setitem, delitem)
+    done = install(settings=HOST_ON, device="sim", module=mm, tp_group=dist.group.WORLD)
+    mm.init_mm_embedding_cache(64 * KiB)
+    cache = mm.embedding_cache
+    assert isinstance(cache, MMCacheMultimodalCache)
+    assert cache.feature_cache.group is dist.group.WORLD
+    calls: list[int] = []
+    items = [Item(21), Item(22)]
+    combined = MultiModalStaticCache.combine_hashes([21, 22])
+    exact = True
+    encodes = []
+    for step in range(3):
+        if step == 1 and rank == 1:
+            assert cache.free(combined, None)  # this rank alone no longer has it
+        chunk, _ids = mm._get_chunked_embedding_full(
+            _encode_counting(calls),
+            items,
+            [(0, 3), (4, 7)],
+            0,
+            8,
+            torch.zeros(8),
+            torch.device("cpu"),
+        )
+        exact = exact and torch.equal(chunk, _encode_counting([])(items)[:8])
+        encodes.append(len(calls))
+    # A result that carries more than its tensor (EVS's frame counts) keeps it through a
+    # miss that another rank caused.
+    assert cache.set(9, Framed(embedding=feature(9, 4, torch.float32), frames=[1, 3]))
+    if rank == 1:
+        assert cache.free(9, None)
+    missed = cache.get_single(9) is None
+    if rank == 1:
+        assert cache.set(9, Framed(embedding=feature(9, 4, torch.float32), frames=[1, 3]))
+    again = cache.get_single(9)
+    framed = isinstance(again, Framed) and again.frames == [1, 3]
+    done.uninstall()
+    return {"encodes": encodes, "exact": exact, "missed": missed, "framed": framed}
+
+
+def test_with_the_tp_group_every_rank_runs_the_encoder_or_none(tmp_path: Path) -> None:
+    """SGLang #40247: a rank that hit skipped the encoder while the others ran it."""
+    from test_tp_groups import run_ranks
+
+    reports = run_ranks(tmp_path, 2, tp_rank, timeout_s=30)
+    # Round 1: both encode. Round 2: rank 0 still holds it, rank 1 freed it: both encode.
+    # Round 3: both hold it: neither encodes.
+    assert reports[0]["encodes"] == reports[1]["encodes"] == [1, 2, 2]
+    assert reports[0]["exact"] and reports[1]["exact"]
+    assert reports[0]["missed"] and reports[1]["missed"]
+    assert reports[0]["framed"] and reports[1]["framed"]
+
+
+@pytest.fixture
+def world_of_one(tmp_path: Path) -> Iterator[Any]:
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+class Coordinator:
+    """What SGLang's GroupCoordinator offers the adapter: its width and its gloo group."""
+
+    def __init__(self, cpu_group: Any, world_size: int) -> None:
+        self.cpu_group = cpu_group
+        self.world_size = world_size
+
+
+def test_install_finds_sglangs_attention_tp_group(
+    mm_schedule: ModuleType, world_of_one: Any
+) -> None:
+    from sglang.srt.runtime_context import get_parallel
+
+    done = install(settings=HOST_OFF, device="sim", module=mm_schedule)
+    try:
+        mm_schedule.init_mm_embedding_cache(32 * KiB)  # outside SGLang's distributed set-up
+        assert mm_schedule.embedding_cache.feature_cache.group is None
+        with get_parallel().override(attn_tp_group=Coordinator(world_of_one, 1)):
+            mm_schedule.init_mm_embedding_cache(32 * KiB)  # TP of one: nothing to agree on
+            assert mm_schedule.embedding_cache.feature_cache.group is None
+        with get_parallel().override(attn_tp_group=Coordinator(world_of_one, 2)):
+            mm_schedule.init_mm_embedding_cache(32 * KiB)
+            assert mm_schedule.embedding_cache.feature_cache.group is world_of_one
+    finally:
+        done.uninstall()
+    explicit = install(
+        settings=HOST_OFF, device="sim", module=mm_schedule, tp_group=Coordinator(world_of_one, 2)
+    )
+    try:
+        mm_schedule.init_mm_embedding_cache(32 * KiB)
+        assert mm_schedule.embedding_cache.feature_cache.group is world_of_one
+    finally:
+        explicit.uninstall()
+    off = install(settings=HOST_OFF, device="sim", module=mm_schedule, tp_group=None)
+    try:
+        with get_parallel().override(attn_tp_group=Coordinator(world_of_one, 2)):
+            mm_schedule.init_mm_embedding_cache(32 * KiB)
+            assert mm_schedule.embedding_cache.feature_cache.group is None
+    finally:
+        off.uninstall()
+
+
+def test_install_refuses_a_tp_group_that_is_not_a_group(mm_schedule: ModuleType) -> None:
+    before = dict(mm_schedule.__dict__)
+    with pytest.raises(InvalidValueError, match="ProcessGroup"):
+        install(device="sim", module=mm_schedule, tp_group="nccl")
+    assert mm_schedule.__dict__ == before  # nothing changed

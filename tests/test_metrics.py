@@ -273,6 +273,7 @@ def test_metrics_table_describes_the_registry(
     registry: CollectorRegistry, metrics: CacheMetrics
 ) -> None:
     metrics.remote()  # bound by caches with a remote tier only
+    metrics.group()  # bound by caches with a process group only
     exposed = {
         family.name: (
             family.type,
@@ -384,6 +385,7 @@ def _defined_sample_names() -> set[str]:
     registry = CollectorRegistry()
     m = CacheMetrics("any", registry)
     m.remote()
+    m.group()
     names = {s.name for family in registry.collect() for s in family.samples}
     m.close()
     return names
@@ -391,7 +393,16 @@ def _defined_sample_names() -> set[str]:
 
 def test_dashboard_rows() -> None:
     rows = [p["title"] for p in DASHBOARD["panels"] if p["type"] == "row"]
-    assert rows == ["Capacity", "Traffic", "Copies", "Waiting", "IPC", "Health", "Remote tier"]
+    assert rows == [
+        "Capacity",
+        "Traffic",
+        "Copies",
+        "Waiting",
+        "IPC",
+        "Health",
+        "Remote tier",
+        "Tensor-parallel group",
+    ]
     ids = [p["id"] for p in DASHBOARD["panels"]]
     assert len(ids) == len(set(ids))
     for panel in PANELS:

@@ -109,6 +109,15 @@ class Reads:
             return await self.read_host(entry, span)
         return await self.upload(entry, span, stream, member if rows is None else None)
 
+    def touch(self, found: Entry | Member) -> None:
+        """Mark found as just used in its tier's order, as serve does, without reading it."""
+        entry = holder(found)
+        state = entry.state
+        if state is State.GPU:
+            self._gpu_order.touch(entry.key)
+        elif state is State.HOST:
+            self._host.order.touch(entry.key)
+
     def can_borrow(self, found: Entry | Member) -> bool:
         """Whether borrow() can lend found's host bytes (it has a host copy)."""
         return holder(found).block is not None and self._host.pool is not None

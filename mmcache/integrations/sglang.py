@@ -6,6 +6,11 @@ synchronously from its own thread. The adapter behaves as SGLang's own
 `MultiModalStaticCache` does for those callers (LRU within `max_size` bytes, views stored
 compact, an existing key refreshed on set), and adds the pinned host tier: what SGLang
 would drop is offloaded and comes back on a hit. `install()` puts it in SGLang's place.
+
+With tensor parallelism every rank's scheduler builds its own cache, and every rank's
+model runner looks the same items up. Given the ranks' group (install() finds SGLang's
+attention-TP group), `get` and `get_single` are collectives whose hits every rank agrees
+on, so that no rank skips the vision encoder while the others run it.
 """
 
 from __future__ import annotations
@@ -21,11 +26,12 @@ import sys
 import threading
 from collections.abc import Callable, Hashable
 from types import ModuleType
-from typing import Any, Final, final
+from typing import TYPE_CHECKING, Any, Final, Literal, final
 
 import torch
 from prometheus_client import CollectorRegistry
 
+from mmcache.agreement import check_group
 from mmcache.cache import FeatureCache
 from mmcache.device import Device, Stream
 from mmcache.entry import check_key
@@ -33,6 +39,9 @@ from mmcache.errors import InvalidKeyError, InvalidValueError, SettingsError
 from mmcache.integrations import IntegrationError
 from mmcache.integrations.loop_thread import LoopThread
 from mmcache.settings import CacheSettings
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 try:
     import sglang
@@ -110,6 +119,11 @@ class MMCacheMultimodalCache(MultimodalCache):  # type: ignore[misc]
     Every method is synchronous and may be called from any thread: the cache's event loop
     runs on a thread the adapter owns. A returned embedding is ordered on the calling
     thread's current stream (no host synchronisation on a GPU hit). `close()` stops it.
+
+    With group= (the TP ranks' gloo group, SGLang's `attn_tp_group.cpu_group`), `get` and
+    `get_single` are collectives: every rank calls them for the same items in the same
+    order, as SGLang's model runners do, and every rank gets the same hits. `set`, `has`,
+    `free` and `clear` stay local.
     """
 
     def __init__(
@@ -120,6 +134,7 @@ class MMCacheMultimodalCache(MultimodalCache):  # type: ignore[misc]
         device: str | Device = "cuda",
         name: str | None = None,
         registry: CollectorRegistry | None = None,
+        group: ProcessGroup | None = None,
     ) -> None:
         _check_max_size(max_size)
         _check_settings(settings)
@@ -127,7 +142,11 @@ class MMCacheMultimodalCache(MultimodalCache):  # type: ignore[misc]
         self.max_size = max_size
         name = name if name is not None else f"sglang-{next(_counter)}"
         self._cache = FeatureCache(
-            _adapter_settings(max_size, settings), device, name=name, registry=registry
+            _adapter_settings(max_size, settings),
+            device,
+            name=name,
+            registry=registry,
+            group=group,
         )
         self._device = self._cache.device
         # Per key, the caller's EmbeddingResult less its tensor, where it is a subclass that
@@ -265,7 +284,8 @@ class MMCacheMultimodalCache(MultimodalCache):  # type: ignore[misc]
     async def _get(self, key: Hashable, stream: Stream) -> EmbeddingResult | None:
         tensor = await self._cache.get(key, stream=stream)
         if tensor is None:
-            self._known.pop(key, None)
+            if key not in self._cache:  # with a group, a miss may still be held here
+                self._known.pop(key, None)
             return None
         shell = self._known.get(key)
         if shell is None:
@@ -282,8 +302,7 @@ class MMCacheMultimodalCache(MultimodalCache):  # type: ignore[misc]
         stream: Stream,
     ) -> bool:
         cache = self._cache
-        if key in cache:
-            await cache.get(key, stream=stream)  # refreshes its recency, as SGLang's does
+        if cache.touch(key):  # refreshes its recency, as SGLang's does; never a collective
             return True
         if tensor.layout is not torch.strided or tensor.is_nested:
             # The cache holds dense strided tensors only; such a tensor has no storage of
@@ -339,6 +358,7 @@ class Installation:
     rebound: list[ModuleType]
     settings: CacheSettings | None
     device: str | Device
+    tp_group: object = "auto"
     cache: MMCacheMultimodalCache | None = None
 
     def init_cache(self, max_size: int = 0) -> None:
@@ -348,10 +368,13 @@ class Installation:
         already built in place.
         """
         _check_max_size(max_size)
+        group = _resolve_group(self.tp_group)
         old, self.cache = self.cache, None
         if old is not None:
             old.close()
-        self.cache = MMCacheMultimodalCache(max_size, settings=self.settings, device=self.device)
+        self.cache = MMCacheMultimodalCache(
+            max_size, settings=self.settings, device=self.device, group=group
+        )
         seam: Any = self.module
         seam.embedding_cache = self.cache
 
@@ -373,6 +396,7 @@ def install(
     settings: CacheSettings | None = None,
     device: str | Device = "cuda",
     module: ModuleType | None = None,
+    tp_group: ProcessGroup | Literal["auto"] | object | None = "auto",
 ) -> Installation:
     """Make SGLang build MMCacheMultimodalCache wherever it builds its embedding cache.
 
@@ -382,8 +406,15 @@ def install(
     at the top level of the launch script, which SGLang's spawned processes import too.
     Raises IntegrationError where the installed SGLang's seam differs from 0.5.23's, and
     SettingsError where settings is not a CacheSettings, changing nothing.
+
+    tp_group: the group whose ranks agree on every lookup's hits, found when SGLang builds
+    the cache. "auto" (the default): SGLang's attention-TP group (the ranks that run one
+    batch: its TP group unless --enable-dp-attention), where it has more than one rank;
+    None: no agreement; else a ProcessGroup, or an SGLang GroupCoordinator (its gloo
+    cpu_group is taken).
     """
     _check_settings(settings)
+    _check_group_spec(tp_group)
     if module is None:
         try:
             module = importlib.import_module(_SEAM_MODULE)
@@ -405,7 +436,7 @@ def install(
         and owner is not module
         and getattr(owner, "init_mm_embedding_cache", None) is original
     ]
-    done = Installation(module, original, rebound, settings, device)
+    done = Installation(module, original, rebound, settings, device, tp_group)
     owner: Any
     for owner in (module, *rebound):
         owner.init_mm_embedding_cache = done.init_cache
@@ -413,6 +444,36 @@ def install(
     if built is not None:
         done.init_cache(int(built.max_size))  # SGLang built its own already: take its place
     return done
+
+
+def _check_group_spec(spec: object) -> None:
+    """Refuse a tp_group that is none of "auto", None, a ProcessGroup or a GroupCoordinator
+    (InvalidValueError), before install() changes anything."""
+    if spec is None or spec == "auto":
+        return
+    check_group(getattr(spec, "cpu_group", spec))
+
+
+def _resolve_group(spec: object) -> ProcessGroup | None:
+    """The ProcessGroup tp_group names, now that SGLang's groups exist (None: no group)."""
+    if spec is None:
+        return None
+    if isinstance(spec, str) and spec == "auto":
+        return _sglang_tp_group()
+    return check_group(getattr(spec, "cpu_group", spec))  # a GroupCoordinator: its gloo twin
+
+
+def _sglang_tp_group() -> ProcessGroup | None:
+    """SGLang's attention-TP group (gloo), where this process has one of several ranks."""
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        coordinator = get_parallel().attn_tp_group
+    except (ImportError, AttributeError, RuntimeError):
+        return None  # not inside SGLang's distributed set-up: every rank for itself
+    if coordinator is None or getattr(coordinator, "world_size", 1) <= 1:
+        return None
+    return check_group(getattr(coordinator, "cpu_group", None))
 
 
 def _check_seam(module: ModuleType) -> Callable[..., None]:

@@ -14,6 +14,11 @@ asks that server which outputs exist, and its worker reads them back onto its de
 `ec_connector_extra_config` holds `CacheSettings` fields, plus `device` (the cache's
 device, "cuda" by default; "sim" runs without a GPU) and `model` (the key namespace,
 by default the served model's name).
+
+With tensor parallelism each worker runs its own connector and cache, and needs no
+agreement between them (unlike SGLang's ranks, see FeatureCache's group=): vLLM's
+scheduler decides once which outputs are loaded and which are encoded, and sends every
+worker the same step. Each worker loads its outputs from the remote tier by itself.
 """
 
 from __future__ import annotations

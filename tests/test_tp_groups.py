@@ -1,0 +1,525 @@
+"""Tensor-parallel groups: the ranks of a group agree on every lookup's hits (group=).
+
+Each scenario runs its ranks as real processes (spawn) joined by gloo on loopback, each
+with its own cache on the simulator, its own budgets and its own discards. After every
+lookup a second group gathers each rank's answer and checks that they are the same.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import multiprocessing
+import os
+import random
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from prometheus_client import CollectorRegistry
+
+from mmcache import CacheSettings, FeatureCache, GroupError, InvalidValueError
+from mmcache.device import SimDevice
+
+KiB = 1024
+KEYS = 24
+#: The group's collective timeout in the scenarios where a peer dies or hangs.
+PEER_TIMEOUT_S = 2.0
+
+Report = dict[str, Any]
+
+
+def value(key: int) -> torch.Tensor:
+    """The feature of key: the same bytes on every rank, 2 to 12 KiB."""
+    g = torch.Generator().manual_seed(1000 + key)
+    return torch.randn(2 + key % 11, 256, generator=g)
+
+
+def same_bytes(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return (
+        got.dtype == want.dtype
+        and got.shape == want.shape
+        and torch.equal(got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8))
+    )
+
+
+# --- running ranks ----------------------------------------------------------------------
+
+
+def _rank_main(
+    scenario: Callable[..., Report],
+    rank: int,
+    world: int,
+    store_path: str,
+    timeout_s: float,
+    outbox: Any,
+    args: tuple[Any, ...],
+) -> None:
+    """One rank's process: join the group, run the scenario, report (or its error)."""
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{store_path}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        report = scenario(rank, world, *args)
+    except BaseException:
+        report = {"error": traceback.format_exc()}
+    outbox.put((rank, report))
+    outbox.close()
+    outbox.join_thread()
+    os._exit(0)  # no teardown of a group whose peers may be gone
+
+
+def run_ranks(
+    tmp_path: Path,
+    world: int,
+    scenario: Callable[..., Report],
+    *args: Any,
+    timeout_s: float = 30.0,
+    between: Callable[[dict[int, Any], Any], None] | None = None,
+    reporting: set[int] | None = None,
+) -> dict[int, Report]:
+    """Run scenario(rank, world, *args) on world spawned ranks; their reports by rank.
+
+    between(processes, control), if given, runs in the parent while the ranks run; only
+    the ranks in reporting (default: all) are waited for, the others are killed after.
+    """
+    expected = set(range(world)) if reporting is None else reporting
+    ctx = multiprocessing.get_context("spawn")
+    outbox = ctx.Queue()
+    control = ctx.Event()
+    store = str(tmp_path / "store")
+    processes = {
+        rank: ctx.Process(
+            target=_rank_main,
+            args=(scenario, rank, world, store, timeout_s, outbox, (control, *args)),
+            daemon=True,
+        )
+        for rank in range(world)
+    }
+    for process in processes.values():
+        process.start()
+    reports: dict[int, Report] = {}
+    try:
+        if between is not None:
+            between(processes, control)
+        deadline = time.monotonic() + 90
+        while not expected <= set(reports) and time.monotonic() < deadline:
+            if any(not processes[r].is_alive() for r in expected - set(reports)):
+                time.sleep(0.5)  # its report may still be in the pipe
+                if outbox.empty():
+                    break
+            try:
+                rank, report = outbox.get(timeout=0.5)
+            except Exception:
+                continue
+            reports[rank] = report
+    finally:
+        for rank, process in processes.items():
+            if rank in reports:
+                process.join(5)
+            if process.is_alive():
+                process.kill()
+                process.join(5)
+    assert expected <= set(reports), f"no report from ranks {sorted(expected - set(reports))}"
+    for rank, report in reports.items():
+        assert "error" not in report, f"rank {rank}:\n{report['error']}"
+    return reports
+
+
+def _cache(rank: int, registry: CollectorRegistry, **settings: Any) -> FeatureCache:
+    """A rank's cache: its own budgets, and copies slower the higher its rank."""
+    settings.setdefault("evict_ahead", 0)
+    return FeatureCache(
+        CacheSettings(**settings),
+        device=SimDevice(latency_s=0.0004 * rank),
+        name=f"rank{rank}",
+        registry=registry,
+        group=dist.group.WORLD,
+    )
+
+
+# --- agreement under random operations --------------------------------------------------
+
+
+def random_operations(rank: int, world: int, control: Any, seed: int, steps: int) -> Report:
+    return asyncio.run(_random_operations(rank, world, seed, steps))
+
+
+async def _random_operations(rank: int, world: int, seed: int, steps: int) -> Report:
+    shared = random.Random(seed)  # the calls every rank makes: same keys, same order
+    local = random.Random(seed * 1000 + rank)  # what only this rank does
+    checking = dist.new_group(backend="gloo")
+    registry = CollectorRegistry()
+    # Budgets differ by rank: 24 KiB to 72 KiB of GPU tier, 64 KiB down to 16 KiB of host.
+    cache = _cache(
+        rank, registry, gpu_cache_mb=(24 + 16 * rank) / 1024, cpu_cache_mb=(64 - 16 * rank) / 1024
+    )
+    device = cache.device
+    assert isinstance(device, SimDevice)
+    counts = {"lookups": 0, "agreed_hits": 0, "computed": 0, "faults": 0}
+    wrong: list[str] = []
+
+    def check(step: int, kind: str, found: list[torch.Tensor | None], keys: list[int]) -> None:
+        """Every rank got the same hits, and each hit is exactly its key's feature."""
+        hits = tuple(t is not None for t in found)
+        mine = (step, kind, tuple(keys), hits)
+        everyone: list[Any] = [None] * world
+        dist.all_gather_object(everyone, mine, group=checking)
+        assert all(other == mine for other in everyone), f"ranks disagree: {everyone}"
+        counts["lookups"] += 1
+        for key, got in zip(keys, found, strict=True):
+            if got is not None:
+                counts["agreed_hits"] += 1
+                if not same_bytes(got, value(key)):
+                    wrong.append(f"step {step}: {kind} of {key}")
+
+    async with cache:
+        for step in range(steps):
+            roll = shared.random()
+            if roll < 0.35:
+                key = shared.randrange(KEYS)
+                if local.random() < 0.8:  # some ranks do not keep it
+                    await cache.put(key, value(key))
+            elif roll < 0.45:
+                if local.random() < 0.6:
+                    cache.discard(local.randrange(KEYS))
+            elif roll < 0.7:
+                key = shared.randrange(KEYS)
+                where = "cpu" if shared.random() < 0.3 else None
+                check(step, f"get {where}", [await cache.get(key, device=where)], [key])
+            elif roll < 0.85:
+                keys = [shared.randrange(KEYS) for _ in range(shared.randint(1, 8))]
+                where = "cpu" if shared.random() < 0.2 else None
+                check(step, f"get_many {where}", await cache.get_many(keys, device=where), keys)
+            else:
+                key = shared.randrange(KEYS)
+                ran: list[int] = []
+
+                def compute(key: int = key, ran: list[int] = ran) -> torch.Tensor:
+                    ran.append(key)
+                    return value(key)
+
+                got = await cache.get_or_compute(key, compute)
+                counts["computed"] += len(ran)
+                # fn ran on every rank or on none: shown as a miss (ran) or a hit (did not).
+                check(step, "get_or_compute", [None if ran else got], [key])
+                if not same_bytes(got, value(key)):
+                    wrong.append(f"step {step}: get_or_compute of {key}")
+            if local.random() < 0.15:
+                await asyncio.sleep(0.002)  # lets this rank's copies land, not the others'
+            if local.random() < 0.03:
+                device.inject("copy_fails")
+                counts["faults"] += 1
+        await cache.drain()
+        stats = cache.stats()
+        metric = registry.get_sample_value("mmcache_group_misses_total", {"cache": f"rank{rank}"})
+    return {
+        **counts,
+        "wrong": wrong,
+        "group_misses": stats.group_misses,
+        "metric_group_misses": metric,
+        "leaked_bytes": stats.leaked_bytes,
+        "pending_copies": stats.pending_copies,
+    }
+
+
+@pytest.mark.parametrize(("world", "seed"), [(2, 1), (4, 2)])
+def test_ranks_agree_on_every_hit_under_random_operations(
+    tmp_path: Path, world: int, seed: int
+) -> None:
+    steps = 160 if world == 2 else 90
+    reports = run_ranks(tmp_path, world, random_operations, seed, steps)
+    assert len(reports) == world
+    for rank, report in reports.items():
+        assert report["wrong"] == [], f"rank {rank}"
+        assert report["leaked_bytes"] == 0 and report["pending_copies"] == 0, f"rank {rank}"
+        assert report["metric_group_misses"] == report["group_misses"], f"rank {rank}"
+    # The ranks did disagree locally (else the test proves nothing), and hits were served.
+    assert sum(r["group_misses"] for r in reports.values()) > 0
+    assert min(r["agreed_hits"] for r in reports.values()) > 0
+    assert len({r["lookups"] for r in reports.values()}) == 1
+    assert len({r["computed"] for r in reports.values()}) == 1
+
+
+# --- scenarios of two ranks, run in one pair of processes ---------------------------------
+
+
+def several_scenarios(rank: int, world: int, control: Any) -> Report:
+    """Each scenario below in turn, each with caches of its own; a failure is its own."""
+
+    async def all_of_them() -> Report:
+        scenarios = {
+            "compute": _compute_where_one_rank_misses,
+            "hold": _discard_while_agreeing,
+            "cancel": _cancel_a_call,
+            "other_keys": _other_keys,
+        }
+        reports: Report = {}
+        for name, scenario in scenarios.items():
+            try:
+                reports[name] = await scenario(rank)
+            except Exception:
+                reports[name] = {"error": traceback.format_exc()}
+        return reports
+
+    return asyncio.run(all_of_them())
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Report]:
+    return run_ranks(tmp_path_factory.mktemp("two_ranks"), 2, several_scenarios)
+
+
+def part(reports: dict[int, Report], name: str) -> dict[int, Report]:
+    """Each rank's report of one of several_scenarios (failing with a rank's error)."""
+    for rank, report in reports.items():
+        assert "error" not in report[name], f"rank {rank}:\n{report[name]['error']}"
+    return {rank: report[name] for rank, report in reports.items()}
+
+
+# --- get_or_compute --------------------------------------------------------------------
+
+
+async def _compute_where_one_rank_misses(rank: int) -> Report:
+    registry = CollectorRegistry()
+    ran: list[int] = []
+
+    def compute() -> torch.Tensor:
+        ran.append(rank)
+        return value(3)
+
+    async with _cache(rank, registry, gpu_cache_mb=1, cpu_cache_mb=1) as cache:
+        if rank == 0:
+            await cache.put(3, value(3))  # only rank 0 has it
+        assert (await cache.get(3) is None) is True  # a miss on both, though rank 0 holds it
+        got = await cache.get_or_compute(3, compute)  # so fn runs on both
+        ok = same_bytes(got, value(3))
+        again = await cache.get_or_compute(3, compute)  # now both hold it: fn runs nowhere
+        ok = ok and same_bytes(again, value(3))
+        stats = cache.stats()
+    return {"ran": ran, "exact": ok, "group_misses": stats.group_misses}
+
+
+def test_get_or_compute_runs_fn_on_every_rank_where_any_rank_misses(
+    two_ranks: dict[int, Report],
+) -> None:
+    reports = part(two_ranks, "compute")
+    assert reports[0]["ran"] == [0] and reports[1]["ran"] == [1]
+    assert reports[0]["exact"] and reports[1]["exact"]
+    assert reports[0]["group_misses"] == 2 and reports[1]["group_misses"] == 0
+
+
+# --- what a rank hit is held until it is served --------------------------------------------
+
+
+async def _discard_while_agreeing(rank: int) -> Report:
+    async with _cache(rank, CollectorRegistry(), gpu_cache_mb=48 / 1024, cpu_cache_mb=0) as cache:
+        await cache.put(5, value(5))
+        if rank == 1:
+            await asyncio.sleep(0.3)  # rank 0 waits for this rank's answer meanwhile
+            got = await cache.get(5)
+        else:
+            reading = asyncio.create_task(cache.get(5))
+            await asyncio.sleep(0.1)  # its local read is done: it waits for rank 1
+            assert cache.discard(5)  # released, and its memory handed to other features
+            for key in (6, 7, 8, 9):
+                await cache.put(key, value(key))
+            got = await reading
+        exact = got is not None and same_bytes(got, value(5))
+        stats = cache.stats()
+    return {"exact": exact, "leaked": stats.leaked_bytes}
+
+
+def test_a_hit_is_held_until_served_though_discarded_while_the_ranks_agree(
+    two_ranks: dict[int, Report],
+) -> None:
+    reports = part(two_ranks, "hold")
+    assert reports[0]["exact"] and reports[1]["exact"]
+    assert reports[0]["leaked"] == 0 and reports[1]["leaked"] == 0
+
+
+# --- a call whose caller is cancelled ------------------------------------------------------
+
+
+async def _cancel_a_call(rank: int) -> Report:
+    async with _cache(rank, CollectorRegistry(), gpu_cache_mb=1, cpu_cache_mb=1) as cache:
+        for key in (1, 2, 3):
+            await cache.put(key, value(key))
+        if rank == 0:
+            first = asyncio.create_task(cache.get(1))
+            second = asyncio.create_task(cache.get(2))  # made after the first: its turn is next
+            await asyncio.sleep(0)  # both calls are made; the second waits for the first
+            second.cancel()
+            got = [await first]
+            cancelled = False
+            try:
+                await second
+            except asyncio.CancelledError:
+                cancelled = True
+        else:
+            await asyncio.sleep(0.3)
+            got = [await cache.get(1), await cache.get(2)]
+            cancelled = True
+        got.append(await cache.get(3))  # the ranks still pair their calls: 3 with 3
+        exact = all(
+            t is not None and same_bytes(t, value(k))
+            for k, t in zip((1, 3) if rank == 0 else (1, 2, 3), got, strict=True)
+        )
+    return {"exact": exact, "cancelled": cancelled}
+
+
+def test_a_call_whose_caller_is_cancelled_still_meets_the_other_ranks(
+    two_ranks: dict[int, Report],
+) -> None:
+    reports = part(two_ranks, "cancel")
+    assert reports[0]["cancelled"] and reports[0]["exact"] and reports[1]["exact"]
+
+
+# --- ranks that call with other keys -----------------------------------------------------
+
+
+async def _other_keys(rank: int) -> Report:
+    errors: list[str] = []
+    async with _cache(rank, CollectorRegistry(), gpu_cache_mb=1, cpu_cache_mb=1) as cache:
+        await cache.put(1, value(1))
+        for keys in ([1, 2 + rank], [1] * (1 + rank), list(range(300 + rank))):
+            try:
+                await cache.get_many(keys)
+            except GroupError as exc:
+                errors.append(str(exc))
+        # Every rank raised at the same call: the next one, with the same keys, is served.
+        got = await cache.get(1)
+        exact = got is not None and same_bytes(got, value(1))
+    return {"errors": errors, "exact": exact}
+
+
+def test_ranks_calling_with_other_keys_all_get_a_clear_error(
+    two_ranks: dict[int, Report],
+) -> None:
+    reports = part(two_ranks, "other_keys")
+    for report in reports.values():
+        assert len(report["errors"]) == 3 and report["exact"]
+        assert "different keys" in report["errors"][0]
+        assert "different numbers of keys" in report["errors"][1]
+        assert "different numbers of keys" in report["errors"][2]  # 300 and 301: two rounds
+
+
+# --- a peer that dies or hangs -----------------------------------------------------------
+
+
+def lose_a_peer(rank: int, world: int, control: Any, how: str) -> Report:
+    return asyncio.run(_lose_a_peer(rank, control, how))
+
+
+async def _lose_a_peer(rank: int, control: Any, how: str) -> Report:
+    cache = _cache(rank, CollectorRegistry(), gpu_cache_mb=1, cpu_cache_mb=1)
+    await cache.start()
+    await cache.put(1, value(1))
+    first = await cache.get(1)
+    if rank == 1:
+        control.set()  # the parent kills this process now, or it just stops calling
+        await asyncio.sleep(3600)
+    await asyncio.to_thread(control.wait, 60)
+    await asyncio.sleep(0.2)  # the kill has landed
+    started = time.monotonic()
+    try:
+        await cache.get(1)
+        raised = ""
+    except GroupError as exc:
+        raised = str(exc)
+    took = time.monotonic() - started
+    try:
+        await cache.get_many([1])
+        again = ""
+    except GroupError as exc:
+        again = str(exc)
+    again_took = time.monotonic() - started - took
+    closing = time.monotonic()
+    await cache.close()
+    return {
+        "first_hit": first is not None,
+        "raised": raised,
+        "took": took,
+        "again": again,
+        "again_took": again_took,
+        "close_took": time.monotonic() - closing,
+    }
+
+
+@pytest.mark.parametrize("how", ["killed", "stuck"])
+def test_a_peer_that_dies_or_hangs_is_an_error_within_the_timeout(tmp_path: Path, how: str) -> None:
+    def between(processes: dict[int, Any], control: Any) -> None:
+        assert control.wait(60), "rank 1 never got to its first call"
+        if how == "killed":
+            processes[1].kill()
+            processes[1].join(10)
+        # stuck: rank 1 sleeps, alive, and makes no further call
+
+    reports = run_ranks(
+        tmp_path, 2, lose_a_peer, how, timeout_s=PEER_TIMEOUT_S, between=between, reporting={0}
+    )
+    report = reports[0]
+    assert report["first_hit"]
+    assert "could not agree" in report["raised"]
+    assert "rank 0 of a gloo group of 2" in report["raised"]
+    assert report["took"] < PEER_TIMEOUT_S + 2
+    if how == "stuck":
+        assert report["took"] > PEER_TIMEOUT_S - 0.5  # it did wait for the peer, for its timeout
+    assert "failed earlier" in report["again"] and report["again_took"] < 0.5
+    assert report["close_took"] < 5
+
+
+# --- in one process -----------------------------------------------------------------------
+
+
+@pytest.fixture
+def world_of_one(tmp_path: Path) -> Iterator[dist.ProcessGroup]:
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store1'}", rank=0, world_size=1
+    )
+    try:
+        assert dist.group.WORLD is not None
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("group", [object(), "gloo", 1])
+def test_a_group_that_is_not_a_process_group_is_refused(group: Any) -> None:
+    with pytest.raises(InvalidValueError, match="ProcessGroup"):
+        FeatureCache(device="sim", registry=CollectorRegistry(), group=group)
+
+
+async def test_a_group_of_one_serves_as_without_a_group(world_of_one: dist.ProcessGroup) -> None:
+    settings = CacheSettings(gpu_cache_mb=1, cpu_cache_mb=1)
+    async with FeatureCache(
+        settings, device="sim", registry=CollectorRegistry(), group=world_of_one
+    ) as cache:
+        assert cache.group is world_of_one
+        await cache.put(1, value(1))
+        got = await cache.get(1)
+        assert got is not None and same_bytes(got, value(1))
+        both = await cache.get_many([1, 2])
+        assert both[0] is not None and same_bytes(both[0], value(1)) and both[1] is None
+        assert cache.stats().group_misses == 0
+
+
+async def test_touch_refreshes_recency_without_a_read(sim_rig: Any) -> None:
+    settings = CacheSettings(gpu_cache_mb=16 / 1024, cpu_cache_mb=0, evict_ahead=0)
+    async with FeatureCache(settings, device=sim_rig.device, registry=CollectorRegistry()) as cache:
+        for key in (1, 2):
+            await cache.put(key, torch.randn(8, 256))  # 8 KiB each
+        before = cache.stats()
+        assert cache.touch(1) and not cache.touch(3)
+        assert cache.stats().hits_gpu == before.hits_gpu  # not counted as a read
+        await cache.put(4, torch.randn(8, 256))  # evicts the least recently used: 2
+        assert 1 in cache and 2 not in cache
