@@ -61,7 +61,8 @@ def test_every_test_the_docs_cite_exists() -> None:
         for path in (ROOT / "tests").glob("test_*.py")
     }
     missing, cited = [], 0
-    for doc in (ROOT / "README.md", ROOT / "docs" / "guarantees.md", ROOT / "docs" / "reference.md"):
+    docs = (ROOT / "README.md", ROOT / "docs" / "guarantees.md", ROOT / "docs" / "reference.md")
+    for doc in docs:
         for line in doc.read_text().splitlines():
             module = None
             for m in re.finditer(r"`(test_\w+\.py)?(?:::(\w+))?`", line):
@@ -81,7 +82,7 @@ CHANGELOG_SECTIONS = {"Added", "Changed", "Deprecated", "Removed", "Fixed", "Sec
 def test_every_changelog_entry_is_one_line_of_at_most_300_characters() -> None:
     lines = CHANGELOG.splitlines()
     long, wrapped = [], []
-    for number, (line, after) in enumerate(zip(lines, [*lines[1:], ""]), 1):
+    for number, (line, after) in enumerate(zip(lines, [*lines[1:], ""], strict=True), 1):
         if not line.startswith("- "):
             continue
         if len(line) > 300:
