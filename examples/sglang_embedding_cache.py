@@ -2,8 +2,14 @@
 
     .venv/bin/python examples/sglang_embedding_cache.py [--device sim|cuda] [--requests N]
 
-In a real deployment one call, at the top level of the script that launches SGLang
-(SGLang's scheduler processes import that script too), is all it takes:
+In a real deployment, launch SGLang through mmcache's launcher, which takes
+`python -m sglang.launch_server`'s arguments and installs the adapter in every SGLang
+process, the scheduler processes SGLang spawns included:
+
+    .venv/bin/python -m mmcache.integrations.sglang --model-path MODEL [--tp-size N ...]
+
+or make one call at the top level of a script of your own that launches SGLang (SGLang's
+scheduler processes import that script too):
 
     from mmcache.integrations.sglang import install
     install()  # SGLang now builds MMCacheMultimodalCache instead of MultiModalStaticCache

@@ -405,9 +405,16 @@ def _check_port(text: str, where: str) -> None:
         raise ValueError(f"port {_shown(text)} {where}is not a port number from 1 to 65535")
 
 
-#: MMCACHE_ variables that are not settings: those of the project's scripts and tests.
+#: MMCACHE_ variables that are not settings: those of the project's scripts and tests, and
+#: the one that installs the SGLang adapter in SGLang's processes (mmcache.integrations).
 _NOT_SETTINGS: Final = frozenset(
-    {"MMCACHE_VENV", "MMCACHE_TORCH", "MMCACHE_GRAFANA_SCHEMA_DIR", "MMCACHE_STATEFUL_EXAMPLES"}
+    {
+        "MMCACHE_VENV",
+        "MMCACHE_TORCH",
+        "MMCACHE_GRAFANA_SCHEMA_DIR",
+        "MMCACHE_STATEFUL_EXAMPLES",
+        "MMCACHE_SGLANG_INSTALL",
+    }
 )
 _PREFIX: Final = len("MMCACHE_")
 #: Variables already warned about: each is, once per process.

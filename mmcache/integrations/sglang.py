@@ -11,6 +11,16 @@ With tensor parallelism every rank's scheduler builds its own cache, and every r
 model runner looks the same items up. Given the ranks' group (install() finds SGLang's
 attention-TP group), `get` and `get_single` are collectives whose hits every rank agrees
 on, so that no rank skips the vision encoder while the others run it.
+
+Install SGLang with `pip install sglang==0.5.23` into mmcache's environment on a GPU
+machine: it brings the torch it pins, which mmcache takes (any torch 2.4 or later). In a
+checkout without a GPU, `bash scripts/install_integrations.sh` puts sglang 0.5.23 into
+.venv without its dependencies (they pin another torch and need a GPU): enough for
+examples/sglang_embedding_cache.py and the tests, not to serve a model.
+
+Launch SGLang with `python -m mmcache.integrations.sglang <launch_server's arguments>`
+(see `launch`): SGLang spawns its scheduler processes, and each of them installs the
+adapter through mmcache's SGLang plugin before it builds its embedding cache.
 """
 
 from __future__ import annotations
@@ -18,13 +28,16 @@ from __future__ import annotations
 import copy
 import dataclasses
 import importlib
+import importlib.metadata
 import inspect
 import logging
 import numbers
+import os
 import reprlib
+import runpy
 import sys
 import threading
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Final, Literal, final
 
@@ -36,7 +49,13 @@ from mmcache.cache import FeatureCache
 from mmcache.device import Device, Stream
 from mmcache.entry import check_key
 from mmcache.errors import InvalidKeyError, InvalidValueError, SettingsError
-from mmcache.integrations import IntegrationError
+from mmcache.integrations import (
+    SGLANG_INSTALL_VARIABLE,
+    SGLANG_PLUGIN,
+    SGLANG_PLUGIN_GROUP,
+    SGLANG_PLUGIN_NAME,
+    IntegrationError,
+)
 from mmcache.integrations.loop_thread import LoopThread
 from mmcache.settings import CacheSettings
 
@@ -48,11 +67,11 @@ try:
     from sglang.srt.mem_cache.multimodal_cache import EmbeddingResult, MultimodalCache
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise IntegrationError(
-        f"mmcache.integrations.sglang needs sglang 0.5.23 ({exc}); "
-        "install it with `pip install sglang==0.5.23`"
+        f"mmcache.integrations.sglang needs sglang 0.5.23 ({exc}); install it with "
+        "`pip install sglang==0.5.23` (bash scripts/install_integrations.sh on a CPU machine)"
     ) from exc
 
-__all__ = ["TESTED_VERSION", "Installation", "MMCacheMultimodalCache", "install"]
+__all__ = ["TESTED_VERSION", "Installation", "MMCacheMultimodalCache", "install", "launch", "main"]
 
 #: The SGLang release whose seam and cache semantics the adapter was tested against.
 TESTED_VERSION: Final = "0.5.23"
@@ -404,6 +423,7 @@ def install(
     SGLang modules that imported it by name), and the `embedding_cache` it already built,
     if any. Call it in the process that runs SGLang's scheduler before the model loads:
     at the top level of the launch script, which SGLang's spawned processes import too.
+    `python -m mmcache.integrations.sglang` (`launch`) calls it in every SGLang process.
     Raises IntegrationError where the installed SGLang's seam differs from 0.5.23's, and
     SettingsError where settings is not a CacheSettings, changing nothing.
 
@@ -509,3 +529,57 @@ def _check_seam(module: ModuleType) -> Callable[..., None]:
             f"MultimodalCache's abstract methods are {sorted(abstract)}, not {sorted(_ABSTRACT)}"
         )
     return init  # type: ignore[no-any-return]
+
+
+# --- the launcher: python -m mmcache.integrations.sglang <launch_server's arguments> ---------
+
+
+def launch(argv: Sequence[str], *, server: str = "sglang.launch_server") -> None:
+    """Run SGLang's launcher (the module server) with argv, each SGLang process on mmcache.
+
+    SGLang spawns its scheduler processes, so an install() here would not reach them.
+    Instead the launcher sets MMCACHE_SGLANG_INSTALL=1 (kept where it already says 1, cuda
+    or sim), which the processes SGLang starts inherit, and mmcache's SGLang plugin runs
+    install() in each process as SGLang loads its plugins: this one first, at the top of
+    launch_server, then every scheduler before it builds its embedding cache. Where
+    SGLANG_PLUGINS restricts SGLang's plugins, mmcache's is added to it. Then server runs
+    as `python -m server argv...` would run it, and this returns when it does.
+
+    Raises IntegrationError where the plugin is not registered in this environment
+    (mmcache imported from a path, not installed): SGLang would not find it.
+    """
+    if not _plugin_registered():
+        raise IntegrationError(
+            f"mmcache's SGLang plugin ({SGLANG_PLUGIN}, entry point group "
+            f"{SGLANG_PLUGIN_GROUP}) is not registered in this environment, so SGLang's "
+            "scheduler processes would keep their own cache: install mmcache into it "
+            "(pip install /path/to/checkout, or bash scripts/run in a checkout)"
+        )
+    if os.environ.get(SGLANG_INSTALL_VARIABLE, "").strip() in ("", "0"):
+        os.environ[SGLANG_INSTALL_VARIABLE] = "1"
+    allowed = [name.strip() for name in os.environ.get("SGLANG_PLUGINS", "").split(",")]
+    allowed = [name for name in allowed if name]
+    if allowed and SGLANG_PLUGIN_NAME not in allowed:
+        os.environ["SGLANG_PLUGINS"] = ",".join([*allowed, SGLANG_PLUGIN_NAME])
+    sys.argv = [server, *argv]
+    runpy.run_module(server, run_name="__main__", alter_sys=True)
+
+
+def _plugin_registered() -> bool:
+    """Whether an installed distribution registers mmcache's SGLang plugin."""
+    return any(
+        entry.value.replace(" ", "") == SGLANG_PLUGIN
+        for entry in importlib.metadata.entry_points(group=SGLANG_PLUGIN_GROUP)
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """`python -m mmcache.integrations.sglang [launch_server's arguments]`: launch()."""
+    try:
+        launch(sys.argv[1:] if argv is None else argv)
+    except IntegrationError as exc:
+        sys.exit(f"error: {exc}")
+
+
+if __name__ == "__main__":
+    main()
