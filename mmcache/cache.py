@@ -29,7 +29,7 @@ from mmcache.core.machine import check_budgets_fit
 from mmcache.core.puts import check_items, owns_storage
 from mmcache.core.tiers import Tiers
 from mmcache.device import Device, Fence, Stream, resolve_device
-from mmcache.entry import check_key, key_list, row_range
+from mmcache.entry import Entry, Member, check_key, key_list, row_range
 from mmcache.errors import (
     CacheClosedError,
     CopyTimeoutError,
@@ -516,21 +516,22 @@ class FeatureCache:
 
         Never a collective, with a group too: it looks at this rank's cache alone.
         """
-        self._check_open()
-        self._check_loop()
-        check_key(key)
-        found = self._entries.get(key)
+        found = self._local_entry(key)
         if found is None:
             return False
         self._reads.touch(found)
         return True
 
-    def discard(self, key: Hashable) -> bool:
-        """Remove key; its memory is released after the fences that use it. True if present."""
+    def _local_entry(self, key: Hashable) -> Entry | Member | None:
+        """key's entry in this cache's own tiers (open, on its loop, a valid key), or None."""
         self._check_open()
         self._check_loop()
         check_key(key)
-        found = self._entries.get(key)
+        return self._entries.get(key)
+
+    def discard(self, key: Hashable) -> bool:
+        """Remove key; its memory is released after the fences that use it. True if present."""
+        found = self._local_entry(key)
         if found is None:
             return False
         self._core.life.remove(found)

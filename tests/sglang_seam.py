@@ -25,17 +25,14 @@ def _module(name: str, **attrs: object) -> ModuleType:
     return module
 
 
-def load_seam() -> ModuleType:
-    """The seam module, loaded once per process and kept in sys.modules under SEAM."""
-    if SEAM in sys.modules:
-        return sys.modules[SEAM]
-    import sglang
+def seam_stand_ins() -> dict[str, ModuleType]:
+    """The modules the seam imports that need a GPU build, as small stand-ins by name."""
     from sglang.srt.mem_cache.multimodal_cache import EmbeddingResult
 
     class EVSEmbeddingResult(EmbeddingResult):  # type: ignore[misc]
         pass
 
-    stand_ins = {
+    return {
         "sglang.srt.managers.schedule_batch": _module("schedule_batch", MultimodalDataItem=object),
         "sglang.srt.multimodal.evs": _module("evs", EVSEmbeddingResult=EVSEmbeddingResult),
         "sglang.srt.multimodal.transport.cuda_ipc": _module(
@@ -48,6 +45,15 @@ def load_seam() -> ModuleType:
         "sglang.srt.utils.async_probe": _module("async_probe", maybe_assert_sum=lambda *a: None),
         "sglang.utils": _module("utils", logger=logging.getLogger("sglang")),
     }
+
+
+def load_seam() -> ModuleType:
+    """The seam module, loaded once per process and kept in sys.modules under SEAM."""
+    if SEAM in sys.modules:
+        return sys.modules[SEAM]
+    import sglang
+
+    stand_ins = seam_stand_ins()
     saved = {name: sys.modules.get(name) for name in stand_ins}
     sys.modules.update(stand_ins)
     try:

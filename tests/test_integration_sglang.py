@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
+from sglang_seam import seam_stand_ins
 
 from mmcache import CacheClosedError, CacheSettings, InvalidValueError, SettingsError
 
@@ -397,22 +398,7 @@ def load_mm_schedule(
 
     path = Path(sglang.__file__).parent / "srt" / "managers" / "mm_schedule.py"
 
-    class EVSEmbeddingResult(EmbeddingResult):  # type: ignore[misc]
-        pass
-
-    stand_ins = {
-        "sglang.srt.managers.schedule_batch": _module("schedule_batch", MultimodalDataItem=object),
-        "sglang.srt.multimodal.evs": _module("evs", EVSEmbeddingResult=EVSEmbeddingResult),
-        "sglang.srt.multimodal.transport.cuda_ipc": _module(
-            "cuda_ipc", BORROW_CUDA_IPC_FEATURE_KEY="borrow"
-        ),
-        "sglang.srt.runtime_context": _module("runtime_context", get_schedule=lambda: None),
-        "sglang.srt.utils": _module(
-            "utils", is_hip=lambda: False, is_npu=lambda: False, is_xpu=lambda: False
-        ),
-        "sglang.srt.utils.async_probe": _module("async_probe", maybe_assert_sum=lambda *a: None),
-        "sglang.utils": _module("utils", logger=logging.getLogger("sglang")),
-    }
+    stand_ins = seam_stand_ins()
     modules: Any = sys.modules
     for name, module in stand_ins.items():
         setitem(modules, name, module)
