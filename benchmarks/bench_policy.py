@@ -37,8 +37,8 @@ from _common import MiB, fmt, markdown_table, write_json  # noqa: E402
 
 import mmcache.cache  # noqa: E402
 from mmcache import CacheSettings, FeatureCache  # noqa: E402
+from mmcache.core.entry import Entry  # noqa: E402
 from mmcache.core.policy import POLICY_NAMES, PolicyName  # noqa: E402
-from mmcache.entry import Entry  # noqa: E402
 
 #: kind -> (feature bytes, encoder seconds); each item's seconds vary by ±20 %
 KINDS = {"image": (1 * MiB, 0.005), "clip": (8 * MiB, 0.080)}

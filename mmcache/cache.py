@@ -25,11 +25,11 @@ from prometheus_client import CollectorRegistry
 
 from mmcache.agreement import Agreement, check_group
 from mmcache.closing import CloseOnce, off_the_loop
+from mmcache.core.entry import Entry, Member, check_key, key_list, row_range
 from mmcache.core.machine import check_budgets_fit
 from mmcache.core.puts import check_items, owns_storage
 from mmcache.core.tiers import Tiers
 from mmcache.device import Device, Fence, Stream, resolve_device
-from mmcache.entry import Entry, Member, check_key, key_list, row_range
 from mmcache.errors import (
     CacheClosedError,
     CopyTimeoutError,

@@ -211,7 +211,7 @@ async def served_from(cache: FeatureCache, key: Hashable) -> str | None:
 def live_units() -> list[Any]:
     """The cache entries alive in this process (a group counts once): how the tiers hold
     the features, found without reaching into a cache."""
-    from mmcache.entry import Entry
+    from mmcache.core.entry import Entry
 
     gc.collect()
     return [o for o in gc.get_objects() if type(o) is Entry]
@@ -219,7 +219,7 @@ def live_units() -> list[Any]:
 
 def live_members() -> int:
     """How many features alive in this process are members of a group (rows of its entry)."""
-    from mmcache.entry import Member
+    from mmcache.core.entry import Member
 
     gc.collect()
     return sum(type(o) is Member for o in gc.get_objects())

@@ -55,8 +55,8 @@ from mmcache import (
     FeatureCache,
     InvalidRowsError,
 )
+from mmcache.core.entry import Entry, State
 from mmcache.device import Device, SimDevice
-from mmcache.entry import Entry, State
 
 MiB = 1 << 20
 ROW_BYTES = 1024  # 128 int64 a row before the dtype view

@@ -18,7 +18,7 @@ from mmcache import (
     MMCacheError,
     WrongLoopError,
 )
-from mmcache.entry import check_keys
+from mmcache.core.entry import check_keys
 
 BAD_KEYS = [
     pytest.param([1, 2], id="list"),

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from mmcache.core.budget import FifoBudget
+from mmcache.budget import FifoBudget
 
 
 class Room:

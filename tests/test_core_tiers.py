@@ -13,10 +13,10 @@ from prometheus_client import CollectorRegistry
 
 from mmcache import CacheSettings
 from mmcache.core import evictor as evictor_module
+from mmcache.core.entry import Entry, State
+from mmcache.core.grants import Grant
 from mmcache.core.tiers import Tiers
 from mmcache.device import Fence, SimDevice
-from mmcache.entry import Entry, State
-from mmcache.grants import Grant
 from mmcache.metrics import CacheMetrics
 from mmcache.waiting import FenceWatcher
 

@@ -19,8 +19,8 @@ from prometheus_client import CollectorRegistry
 
 from mmcache import CacheSettings, FeatureCache
 from mmcache.core.cost_policy import FIRST_SECONDS_PER_BYTE, CostPolicy
+from mmcache.core.entry import Entry, State
 from mmcache.core.policy import make_policy
-from mmcache.entry import Entry, State
 from mmcache.errors import InvalidValueError
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import TimedFence
 
-from mmcache.entry import Entry, GroupKey, Member, State
+from mmcache.core.entry import Entry, GroupKey, Member, State
 from mmcache.host_pool import HostBlock
 
 DONE = TimedFence(0)  # a fence already done

@@ -14,8 +14,8 @@ import pytest
 import torch
 from conftest import CacheFactory, Rig, TimedFence, put_feature
 
+from mmcache.core.entry import Entry, State
 from mmcache.core.policy import POLICY_NAMES, LruPolicy, make_policy
-from mmcache.entry import Entry, State
 
 FIRST_VICTIM = {"lru": "c", "lfu": "b", "fifo": "a", "cost": "b"}
 VICTIM_ORDER = {

@@ -8,9 +8,9 @@ import pytest
 import torch
 from conftest import TimedFence
 
+from mmcache.core.entry import Entry, Member, State
 from mmcache.core.index import KeyIndex, holder
 from mmcache.core.quarantine import Quarantine
-from mmcache.entry import Entry, Member, State
 from mmcache.single_flight import SingleFlight
 
 DONE = TimedFence(0)  # a fence already done

@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mmcache import InvalidKeyError, InvalidValueError, MMCacheError
-from mmcache.entry import MAX_KEY_DEPTH, MAX_KEY_SIZE, check_key, check_keys
+from mmcache.core.entry import MAX_KEY_DEPTH, MAX_KEY_SIZE, check_key, check_keys
 from mmcache.keys import (
     MAX_PREPROCESS_DEPTH,
     FeatureKey,

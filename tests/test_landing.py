@@ -24,11 +24,11 @@ from prometheus_client import CollectorRegistry
 
 import mmcache.core.offload
 from mmcache import CacheSettings, FeatureCache
+from mmcache.core.entry import Entry
 from mmcache.core.offload import OffloadPipeline
 from mmcache.device import SimDevice
 from mmcache.device.base import Fence
 from mmcache.device.sim import SimFence
-from mmcache.entry import Entry
 from mmcache.host_pool import HostBlock
 from mmcache.waiting import FenceWatcher
 

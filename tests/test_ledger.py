@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from conftest import TimedFence
 
+from mmcache.core.entry import Entry, State
 from mmcache.core.ledger import TierLedger
-from mmcache.entry import Entry, State
 
 
 def _entry(nbytes: int, state: State = State.GPU) -> Entry:

@@ -12,13 +12,13 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from mmcache.core.counters import Counters
+from mmcache.core.entry import Entry, State
 from mmcache.core.index import KeyIndex
 from mmcache.core.ledger import TierLedger
 from mmcache.core.offload import OffloadPipeline
 from mmcache.core.policy import LruPolicy
 from mmcache.core.quarantine import Quarantine
 from mmcache.device import Fence, SimDevice
-from mmcache.entry import Entry, State
 from mmcache.host_pool import HostBlock
 from mmcache.metrics import CacheMetrics
 from mmcache.waiting import FenceWatcher

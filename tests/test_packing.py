@@ -9,9 +9,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from mmcache.core.entry import Entry
 from mmcache.core.packing import Packings
 from mmcache.device.base import Fence
-from mmcache.entry import Entry
 
 
 class HandFence(Fence):

@@ -18,9 +18,9 @@ import torch
 from conftest import CacheFactory, Rig, assert_exact, feature, stall
 
 from mmcache import FeatureCache
+from mmcache.core.producer_fences import ProducerFences
 from mmcache.device import SimDevice
 from mmcache.device.base import DeferredFence, Fence, Stream
-from mmcache.producer_fences import ProducerFences
 
 KIB = 16  # per feature
 

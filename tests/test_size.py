@@ -21,8 +21,8 @@ from conftest import (
 )
 
 from mmcache import CacheSettings, CacheStats, FeatureCache, ValueTooLargeError
+from mmcache.core.entry import Entry
 from mmcache.core.evictor import Evictor
-from mmcache.entry import Entry
 
 
 def within_budget(s: CacheStats) -> None:

@@ -25,8 +25,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from prometheus_client import CollectorRegistry
 
 from mmcache import CacheSettings, FeatureCache
+from mmcache.core.entry import State
 from mmcache.device import SimDevice
-from mmcache.entry import State
 
 KEYS = st.sampled_from(["a", "b", "c", ("img", 1), ("img", 2), 7])
 ROWS = st.sampled_from([8, 16, 32])

@@ -8,11 +8,11 @@ from typing import final
 import torch
 
 from mmcache.core.counters import Counters
+from mmcache.core.entry import Entry, Member, State
 from mmcache.core.index import KeyIndex
 from mmcache.core.policy import EvictionPolicy
 from mmcache.core.reads import Reads, raise_if_failed
 from mmcache.device import Device, Fence, Stream
-from mmcache.entry import Entry, Member, State
 from mmcache.errors import CopyTimeoutError
 
 __all__ = ["UPLOAD_ALIGNMENT", "BatchReads"]

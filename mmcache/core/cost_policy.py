@@ -8,7 +8,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Final, final
 
-from mmcache.entry import Entry
+from mmcache.core.entry import Entry
 
 __all__ = ["CostPolicy"]
 

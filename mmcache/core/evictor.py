@@ -7,8 +7,10 @@ from typing import final
 
 import torch
 
-from mmcache.core.budget import FifoBudget
+from mmcache.budget import FifoBudget
 from mmcache.core.counters import Counters
+from mmcache.core.entry import Entry
+from mmcache.core.grants import Grant
 from mmcache.core.host import HostTier
 from mmcache.core.index import KeyIndex
 from mmcache.core.ledger import TierLedger
@@ -16,9 +18,7 @@ from mmcache.core.offload import OffloadPipeline
 from mmcache.core.packing import BATCH_BYTES, LARGE_BATCH_BYTES
 from mmcache.core.policy import EvictionPolicy
 from mmcache.device import Device, Fence
-from mmcache.entry import Entry
 from mmcache.errors import CacheClosedError
-from mmcache.grants import Grant
 from mmcache.host_pool import HostBlock
 
 __all__ = ["Evictor"]

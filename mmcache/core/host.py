@@ -14,10 +14,10 @@ from typing import Any, Protocol, final
 import torch
 
 from mmcache.core.counters import Counters
+from mmcache.core.entry import Entry
 from mmcache.core.ledger import TierLedger
 from mmcache.core.policy import EvictionPolicy, make_policy
 from mmcache.device import Device, Fence
-from mmcache.entry import Entry
 from mmcache.errors import CacheClosedError
 from mmcache.host_pool import HostBlock, HostPool
 

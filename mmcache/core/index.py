@@ -7,8 +7,8 @@ from collections.abc import Hashable
 
 import torch
 
+from mmcache.core.entry import Entry, GroupKey, Member, State
 from mmcache.device.base import Fence
-from mmcache.entry import Entry, GroupKey, Member, State
 
 __all__ = ["KeyIndex", "holder"]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import final
 
-from mmcache.entry import Entry, State
-from mmcache.grants import Grant, Grants
+from mmcache.core.entry import Entry, State
+from mmcache.core.grants import Grant, Grants
 
 __all__ = ["TierLedger"]
 
@@ -17,7 +17,7 @@ class TierLedger:
 
     used = bytes of entries on the device + granted + releasing, and never exceeds
     capacity. Granted bytes are reserved for puts that have not inserted yet, each
-    put's in a Grant of its own (mmcache.grants), so that the audit sees budget that no
+    put's in a Grant of its own (mmcache.core.grants), so that the audit sees budget that no
     running put holds; releasing is device memory of entries being offloaded and of
     tensors released after fences, of which released_pending is no entry's any more.
     The host tier's bytes are the host pool's own ledger.

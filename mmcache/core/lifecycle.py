@@ -8,12 +8,12 @@ from typing import final
 import torch
 
 from mmcache.core.counters import Counters
+from mmcache.core.entry import Entry, Member, State
 from mmcache.core.host import HostTier
 from mmcache.core.index import KeyIndex
 from mmcache.core.ledger import TierLedger
 from mmcache.core.policy import EvictionPolicy
 from mmcache.device import Device, Fence
-from mmcache.entry import Entry, Member, State
 
 __all__ = ["Lifecycle"]
 

@@ -13,11 +13,11 @@ from typing import Final, final
 import torch
 
 from mmcache.core.counters import Counters
+from mmcache.core.entry import Entry, State
 from mmcache.core.index import KeyIndex
 from mmcache.core.ledger import TierLedger
 from mmcache.core.quarantine import Quarantine
 from mmcache.device import Device, Fence
-from mmcache.entry import Entry, State
 from mmcache.host_pool import HostBlock
 from mmcache.waiting import FenceWatcher
 

@@ -9,8 +9,8 @@ from typing import Final, final
 
 import torch
 
+from mmcache.core.entry import Entry
 from mmcache.device.base import Fence
-from mmcache.entry import Entry
 from mmcache.errors import CopyFailedError, CopyTimeoutError
 from mmcache.waiting import wait_fences
 

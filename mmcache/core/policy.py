@@ -10,7 +10,7 @@ from typing import Final, Literal, Protocol, final
 import cachetools
 
 from mmcache.core.cost_policy import CostPolicy
-from mmcache.entry import Entry
+from mmcache.core.entry import Entry
 
 __all__ = [
     "POLICY_NAMES",

@@ -12,6 +12,7 @@ from typing import Final, final
 import torch
 
 from mmcache.core.counters import Counters
+from mmcache.core.entry import Entry, State, check_keys
 from mmcache.core.evictor import Evictor
 from mmcache.core.host import HostTier
 from mmcache.core.index import KeyIndex
@@ -20,13 +21,12 @@ from mmcache.core.lifecycle import Lifecycle
 from mmcache.core.offload import OffloadPipeline
 from mmcache.core.packing import BATCH_BYTES, GROUP_BELOW, Packings, group_spans, runs
 from mmcache.core.policy import EvictionPolicy
+from mmcache.core.producer_fences import ProducerFences
 from mmcache.device import Device, Fence, Stream
 from mmcache.device.base import feature_bytes
-from mmcache.entry import Entry, State, check_keys
 from mmcache.errors import InvalidKeyError, InvalidValueError, ValueTooLargeError
 from mmcache.host_pool import HostBlock
 from mmcache.layouts import check_strided
-from mmcache.producer_fences import ProducerFences
 
 __all__ = ["Puts", "check_items", "owns_storage"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import final
 
-from mmcache.entry import Entry
+from mmcache.core.entry import Entry
 
 __all__ = ["Quarantine"]
 

@@ -9,8 +9,10 @@ from typing import final
 
 import torch
 
-from mmcache.core.budget import FifoBudget
+from mmcache.budget import FifoBudget
 from mmcache.core.counters import Counters
+from mmcache.core.entry import Entry, Member, State, row_range
+from mmcache.core.grants import Grant
 from mmcache.core.host import HostTier
 from mmcache.core.index import holder
 from mmcache.core.ledger import TierLedger
@@ -18,9 +20,7 @@ from mmcache.core.lifecycle import Lifecycle
 from mmcache.core.offload import OffloadPipeline
 from mmcache.core.policy import EvictionPolicy
 from mmcache.device import Device, Fence, Stream
-from mmcache.entry import Entry, Member, State, row_range
 from mmcache.errors import CopyFailedError, CopyTimeoutError, InvalidValueError
-from mmcache.grants import Grant
 from mmcache.host_copy import copy_host_bytes_in_slices
 from mmcache.waiting import wait_fences
 

@@ -15,12 +15,12 @@ from mmcache.core.lifecycle import Lifecycle
 from mmcache.core.offload import OffloadPipeline
 from mmcache.core.packing import Packings
 from mmcache.core.policy import make_policy
+from mmcache.core.producer_fences import ProducerFences
 from mmcache.core.puts import Puts
 from mmcache.core.quarantine import Quarantine
 from mmcache.core.reads import Reads
 from mmcache.device import Device, Fence
 from mmcache.metrics import CacheMetrics
-from mmcache.producer_fences import ProducerFences
 from mmcache.settings import CacheSettings
 from mmcache.stats import CacheStats
 

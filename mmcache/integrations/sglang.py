@@ -46,8 +46,8 @@ from prometheus_client import CollectorRegistry
 
 from mmcache.agreement import check_group
 from mmcache.cache import FeatureCache
+from mmcache.core.entry import check_key
 from mmcache.device import Device, Stream
-from mmcache.entry import check_key
 from mmcache.errors import InvalidKeyError, InvalidValueError, SettingsError
 from mmcache.integrations import (
     SGLANG_INSTALL_VARIABLE,

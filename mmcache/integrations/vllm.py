@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeGuard, final
 import torch
 
 from mmcache.cache import FeatureCache
-from mmcache.entry import check_key
+from mmcache.core.entry import check_key
 from mmcache.errors import InvalidKeyError, MMCacheError, SettingsError
 from mmcache.integrations import IntegrationError
 from mmcache.integrations.loop_thread import LoopThread

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Final, Literal
 
-from mmcache.core.budget import FifoBudget
+from mmcache.budget import FifoBudget
 from mmcache.device import Fence
 from mmcache.errors import ValueTooLargeError
 from mmcache.host_pool import HostBlock

@@ -7,11 +7,11 @@ import ctypes
 from collections.abc import Callable, Hashable
 from typing import final
 
+from mmcache.core.entry import Entry, State
 from mmcache.core.host import HostTier
 from mmcache.core.index import KeyIndex
 from mmcache.core.ledger import TierLedger
 from mmcache.device import Device
-from mmcache.entry import Entry, State
 from mmcache.host_pool import HostBlock
 from mmcache.remote.codec import Header
 

@@ -11,9 +11,9 @@ import time
 from collections.abc import Callable, Hashable, Iterable
 from typing import final
 
+from mmcache.core.entry import Entry, Member
 from mmcache.core.tiers import Tiers
 from mmcache.device import Device
-from mmcache.entry import Entry, Member
 from mmcache.metrics import CacheMetrics, RemoteSeries
 from mmcache.remote.calls import Failed, ServerCalls
 from mmcache.remote.codec import OtherVersionError, RemoteValueError, parse, server_key

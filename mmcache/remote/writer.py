@@ -9,9 +9,9 @@ from typing import Final, final
 
 import torch
 
+from mmcache.core.entry import Entry, Member, State
 from mmcache.core.index import KeyIndex
 from mmcache.device import Device
-from mmcache.entry import Entry, Member, State
 from mmcache.metrics import RemoteSeries
 from mmcache.remote.calls import Failed, ServerCalls
 from mmcache.remote.codec import encode_value, supported
