@@ -102,6 +102,10 @@ class Device(abc.ABC):
     #: "cuda:0", "sim", ...
     name: str
 
+    #: What the device is: "sim" (the simulator) or "cuda"; callers that must treat memory
+    #: differently by device (the IPC pool) read this rather than the device's type.
+    kind: str
+
     #: True when a consumer stream can be ordered after a fence without host
     #: synchronisation (CUDA). False when consumers read on the host thread
     #: (the simulator): then the cache awaits the fence before handing out data.
@@ -112,6 +116,10 @@ class Device(abc.ABC):
     #: copy's stream), so dropping an alias at once is safe; False when release() must be
     #: given the copy's fence (see after_copy).
     copies_keep_destinations: bool = False
+
+    #: The CUDA device ordinal, on which CUDA IPC memory is opened and host memory
+    #: pinned; None where the device is no CUDA GPU (the simulator).
+    cuda_index: int | None = None
 
     # --- streams and fences -------------------------------------------------
 

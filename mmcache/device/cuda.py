@@ -70,6 +70,7 @@ class _LazyDriver:
 class CudaDevice(Device):
     """The Device interface over torch.cuda: copy streams, event fences and a pinned host arena."""
 
+    kind = "cuda"
     stream_ordered_reads = True
     copies_keep_destinations = True
 
@@ -104,6 +105,7 @@ class CudaDevice(Device):
         self._device = _resolve_device(index)
         self.name = str(self._device)
         self.index: int = self._device.index if self._device.index is not None else 0
+        self.cuda_index = self.index
         self._driver = _LazyDriver()
         copier: BatchCopier | None = None
         d2d_copier: BatchCopier | None = None

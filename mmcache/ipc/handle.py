@@ -17,17 +17,22 @@ import json
 import math
 import struct
 from dataclasses import dataclass, field
-from typing import Final, Literal, final
+from typing import TYPE_CHECKING, Final, Literal, final
 
 import torch
 
-from mmcache.errors import InvalidHandleError
+from mmcache.errors import InvalidHandleError, InvalidValueError
+
+if TYPE_CHECKING:
+    from mmcache.device import Device
 
 __all__ = [
     "FORMAT_VERSION",
+    "DeviceKind",
     "FeatureBatch",
     "FeatureHandle",
     "SenderEndpoint",
+    "device_kind",
     "dtype_from_name",
     "dtype_name",
 ]
@@ -136,6 +141,22 @@ def _exact_keys(fields: dict[str, object], keys: frozenset[str], what: str) -> N
         raise InvalidHandleError(f"{what} has fields {sorted(fields)}, expected {sorted(keys)}")
 
 
+#: Where a sender's pool lies: a shared CPU segment ("sim") or CUDA IPC memory ("cuda").
+DeviceKind = Literal["sim", "cuda"]
+
+
+def device_kind(device: Device) -> DeviceKind:
+    """The kind of the device a sender or receiver runs on, as its endpoint names it."""
+    kind = device.kind
+    if kind == "sim":
+        return "sim"
+    if kind == "cuda":
+        return "cuda"
+    raise InvalidValueError(
+        f"the IPC transport runs on a 'sim' or a 'cuda' device, not {device.name} ({kind!r:.40})"
+    )
+
+
 @final
 @dataclass(frozen=True, slots=True)
 class SenderEndpoint:
@@ -151,7 +172,7 @@ class SenderEndpoint:
 
     control_path: str
     pid: int
-    device_kind: Literal["sim", "cuda"]
+    device_kind: DeviceKind
     device_uuid: str
     pool_path: str
     pool_nbytes: int

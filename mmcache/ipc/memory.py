@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Literal
 
 import torch
 
 from mmcache.closing import run_each
 from mmcache.device import Device, Fence
+from mmcache.errors import InvalidValueError
 from mmcache.host_pool import Defer
 from mmcache.ipc.control import ControlBlock
 from mmcache.ipc.cuda_ipc import CudaPool, pin_off_the_loop, unpin_after
+from mmcache.ipc.handle import DeviceKind
 from mmcache.ipc.pool import SliceArena
 from mmcache.ipc.shm import PrivateDirectory, SharedSegment
 from mmcache.settings import CacheSettings
@@ -30,7 +31,7 @@ class SenderMemory:
     def __init__(
         self,
         device: Device,
-        kind: Literal["sim", "cuda"],
+        kind: DeviceKind,
         settings: CacheSettings,
         alignment: int,
     ) -> None:
@@ -79,6 +80,13 @@ class SenderMemory:
             lazy_commit_hint=lazy_commit_hint,
         )
 
+    def _cuda_index(self) -> int:
+        """The GPU the pool and the fallback's pinning are made on (a "cuda" device's)."""
+        index = self._device.cuda_index
+        if index is None:
+            raise InvalidValueError(f"{self._device.name} offers no CUDA device for an IPC pool")
+        return index
+
     async def make_pool(self, control_path: str) -> None:
         """Make the IPC pool: a shared segment on the simulator, CUDA IPC memory on a GPU."""
         self.pool = await self._make_pool(control_path)
@@ -95,10 +103,7 @@ class SenderMemory:
             self._sim_pool = alias
             self._device.poison_host(alias)  # fresh device memory holds garbage, never zeros
             return self._arena(alias)
-        from mmcache.device.cuda import CudaDevice
-
-        assert isinstance(self._device, CudaDevice)
-        pool = CudaPool(self._device.index, self.pool_bytes, control_path)
+        pool = CudaPool(self._cuda_index(), self.pool_bytes, control_path)
         self.cuda_pool = pool
         assert pool.tensor is not None
         return self._arena(pool.tensor)
@@ -115,14 +120,11 @@ class SenderMemory:
         self.fallback_path = segment.path
         if self._kind == "sim":
             return self._arena(segment.tensor(), segment=segment, lazy_commit_hint=hint)
-        from mmcache.device.cuda import CudaDevice
-
-        assert isinstance(self._device, CudaDevice)
         # Pinned, the copies into it are asynchronous and run at full speed; pinning
         # touches every page, so reserve them all first (a clean error if /dev/shm is full).
         segment.commit(0, self.fallback_bytes, hint)
         tensor = segment.tensor()
-        self.unpin = await pin_off_the_loop(self._device.index, tensor)
+        self.unpin = await pin_off_the_loop(self._cuda_index(), tensor)
         return self._arena(tensor)
 
     def teardown(

@@ -21,12 +21,12 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextvars import ContextVar
-from typing import Final, Literal, final
+from typing import Final, final
 
 import torch
 
 from mmcache.closing import CloseOnce, off_the_loop, run_each
-from mmcache.device import Device, Fence, SimDevice, Stream, resolve_device
+from mmcache.device import Device, Fence, Stream, resolve_device
 from mmcache.device.cuda import as_cuda_stream
 from mmcache.errors import CacheClosedError, CopyFailedError, InvalidValueError
 from mmcache.ipc.control import WHERE_CODES, ControlBlock
@@ -38,7 +38,14 @@ from mmcache.ipc.errors import (
     SenderGoneError,
     UnknownSenderError,
 )
-from mmcache.ipc.handle import FeatureBatch, FeatureHandle, Part, SenderEndpoint, dtype_from_name
+from mmcache.ipc.handle import (
+    FeatureBatch,
+    FeatureHandle,
+    Part,
+    SenderEndpoint,
+    device_kind,
+    dtype_from_name,
+)
 from mmcache.ipc.pool import ArenaViews
 from mmcache.ipc.reaper import FenceReaper
 from mmcache.ipc.shm import SharedSegment
@@ -144,7 +151,7 @@ class _Channel:
         try:
             e = self.endpoint
             tensor = self._map(e.fallback_path, "fallback", e.fallback_nbytes)
-            index = getattr(device, "index", None)
+            index = device.cuda_index
             if index is not None:
                 # Pinned in this process too, the copy to the GPU is asynchronous and fast.
                 try:
@@ -159,7 +166,7 @@ class _Channel:
 
     def cuda_pool(self, device: Device) -> PeerPool:
         if self.peer_pool is None:
-            index = getattr(device, "index", None)
+            index = device.cuda_index
             if index is None:
                 raise NoPeerAccessError(
                     f"a receiver on {device.name} cannot read a CUDA IPC pool; the sender "
@@ -211,9 +218,7 @@ class FeatureReceiver:
     def __init__(self, device: str | Device = "cuda") -> None:
         self._owns_device = not isinstance(device, Device)
         self._device = resolve_device(device)
-        self._kind: Literal["sim", "cuda"] = (
-            "sim" if isinstance(self._device, SimDevice) else "cuda"
-        )
+        self._kind = device_kind(self._device)
         self._channels: dict[str, _Channel] = {}
         self._closed = False
         self._closing = CloseOnce(cleans_up_when_cancelled=True)  # see _close
@@ -547,7 +552,7 @@ class FeatureReceiver:
         """Whether this receiver can read the sender's pool where it is."""
         if endpoint.device_kind == "sim" or not endpoint.cuda_pool:
             return True  # shared host memory: every device can read it
-        index = getattr(self._device, "index", None)
+        index = self._device.cuda_index
         if index is None:
             return False
         sender = ordinal_of(endpoint.device_uuid)

@@ -17,13 +17,13 @@ import functools
 import logging
 import time
 from collections.abc import Sequence
-from typing import Final, Literal
+from typing import Final
 
 import torch
 from prometheus_client import CollectorRegistry
 
 from mmcache.closing import CloseOnce, off_the_loop, run_each
-from mmcache.device import Device, Fence, SimDevice, Stream, resolve_device
+from mmcache.device import Device, Fence, Stream, resolve_device
 from mmcache.device.base import DeferredFence, feature_bytes
 from mmcache.errors import (
     CacheClosedError,
@@ -35,7 +35,7 @@ from mmcache.errors import (
 )
 from mmcache.ipc.control import LIVE, ControlBlock, LaneInfo
 from mmcache.ipc.errors import TransportFullError
-from mmcache.ipc.handle import FeatureBatch, FeatureHandle, SenderEndpoint
+from mmcache.ipc.handle import FeatureBatch, FeatureHandle, SenderEndpoint, device_kind
 from mmcache.ipc.leases import Lease, LeaseLedger
 from mmcache.ipc.memory import SenderMemory
 from mmcache.ipc.reclaim import LeaseReclaimer
@@ -57,18 +57,6 @@ DEFAULT_MAX_SLICES: Final = 1024  # one CUDA IPC event each: a scarce driver res
 # Receivers release slices by writing shared cells, which wake nobody: while sends wait
 # for room the recycler reads them this often instead of every ipc_recycle_interval_s.
 _BACKPRESSURE_POLL_S: Final = 0.002
-
-
-def _device_kind(device: Device) -> Literal["sim", "cuda"]:
-    if isinstance(device, SimDevice):
-        return "sim"
-    from mmcache.device.cuda import CudaDevice  # lazily: the module is only useful with a GPU
-
-    if isinstance(device, CudaDevice):
-        return "cuda"
-    raise InvalidValueError(
-        f"the IPC transport runs on a SimDevice or a CudaDevice, not {type(device).__name__}"
-    )
 
 
 class FeatureSender:
@@ -100,7 +88,7 @@ class FeatureSender:
         self.consumers = consumers
         self._owns_device = not isinstance(device, Device)
         self._device = resolve_device(device)
-        self._kind = _device_kind(self._device)
+        self._kind = device_kind(self._device)
         self._n_lanes = lanes
         self._interval = self.settings.ipc_recycle_interval_s
         self._metrics = CacheMetrics(name, registry)
