@@ -23,6 +23,7 @@ from mmcache.device import Fence, SimDevice
 from mmcache.errors import CacheClosedError
 from mmcache.ipc import FeatureReceiver, FeatureSender, SenderEndpoint, cuda_ipc
 from mmcache.ipc import receiver as receiver_module
+from mmcache.ipc.channel import SenderChannel
 from mmcache.ipc.control import ControlBlock
 from mmcache.ipc.shm import SharedSegment
 
@@ -64,7 +65,7 @@ async def test_a_receiver_leaves_its_senders_off_the_loop(
     sim_rig: Rig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     async with transport(sim_rig, consumers=1, pool_mb=1) as tr:
-        channel_type = receiver_module._Channel
+        channel_type = SenderChannel
         monkeypatch.setattr(channel_type, "close", slowed(channel_type.close, 0.2))
         assert await longest_loop_gap(tr.receivers[0].close()) < 0.1
         tr.sender.sweep()
@@ -133,7 +134,7 @@ async def copy_out_of(
     handle = await tr.sender.send(torch.ones(64, 256))
     await asyncio.sleep(0.02)  # its copy into the pool has landed
     channel = receiver._channels[tr.sender.endpoint.control_path]
-    receiver._open(channel, handle)
+    channel.open(handle)
     receiver._release_after(channel, handle, fence, verify=verify)
 
 
@@ -284,7 +285,7 @@ async def test_a_close_during_start_frees_what_start_made(
     endpoint = sender.endpoint
     paths = segment_paths(endpoint)
     assert not any(map(os.path.exists, paths))
-    assert sender._recycler is not None and sender._recycler.done()
+    assert sender._recycler.stopped
     assert await settled_bytes(sim_rig, 0) == 0
 
 
@@ -558,7 +559,7 @@ async def test_a_copy_reported_while_close_decides_leaves_nothing_kept(
     """The copy's report, on another thread, may run between close()'s look at the channel
     and its mark being stored, or while the warning for a kept channel is written (here:
     a thread switch at either place)."""
-    real_busy, real_warning = receiver_module._Channel.busy, receiver_module.log.warning
+    real_busy, real_warning = SenderChannel.busy, receiver_module.log.warning
 
     def busy_then_switch(channel: Any) -> bool:
         result = real_busy(channel)
@@ -574,7 +575,7 @@ async def test_a_copy_reported_while_close_decides_leaves_nothing_kept(
         receiver = tr.receivers[0]
         await copy_out_of(tr, receiver, TimedFence(0.1))
         if switch_in == "look":
-            monkeypatch.setattr(receiver_module._Channel, "busy", busy_then_switch)
+            monkeypatch.setattr(SenderChannel, "busy", busy_then_switch)
         else:
             monkeypatch.setattr(receiver_module.log, "warning", switch_then_warn)
         await receiver.close(timeout=0.05)

@@ -87,7 +87,7 @@ _POINTS: dict[str, tuple[dict[str, Any], _Injector]] = {
     "pool lease": ({}, lambda mp, s: mp.setattr(LeaseLedger, "add", _fail)),
     "fallback count": (
         {"use_cuda_ipc": False},
-        lambda mp, s: mp.setattr(s, "_count_fallback", _fail),
+        lambda mp, s: mp.setattr(s._placer, "count_fallback", _fail),
     ),
     "fallback copy": (
         {"use_cuda_ipc": False},

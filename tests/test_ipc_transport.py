@@ -22,7 +22,8 @@ from test_ipc_support import (
 
 from mmcache.device import SimDevice
 from mmcache.errors import CacheClosedError, InvalidValueError
-from mmcache.ipc import FeatureHandle, FeatureReceiver, FeatureSender, HandleExpiredError
+from mmcache.ipc import FeatureHandle, FeatureSender, HandleExpiredError
+from mmcache.ipc.channel import SenderChannel
 from mmcache.ipc.control import ControlBlock
 from mmcache.ipc.pool import ArenaViews
 
@@ -99,7 +100,7 @@ async def test_a_receiver_that_skips_the_ready_signal_reads_poison(
     async def no_wait(*args: object) -> None:
         return None
 
-    monkeypatch.setattr(FeatureReceiver, "_wait_ready", no_wait)
+    monkeypatch.setattr(SenderChannel, "wait_ready", no_wait)
     device = sim_rig.device
     assert isinstance(device, SimDevice)
     async with transport(sim_rig, consumers=1) as tr:

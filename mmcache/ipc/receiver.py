@@ -28,14 +28,14 @@ import torch
 from mmcache.closing import CloseOnce, off_the_loop, run_each
 from mmcache.device import Device, Fence, Stream, resolve_device
 from mmcache.device.cuda import as_cuda_stream
-from mmcache.errors import CacheClosedError, CopyFailedError, InvalidValueError
-from mmcache.ipc.control import WHERE_CODES, ControlBlock
-from mmcache.ipc.cuda_ipc import PeerPool, ordinal_of, pin_off_the_loop
+from mmcache.errors import CacheClosedError, InvalidValueError
+from mmcache.ipc.channel import SenderChannel, Sent
+from mmcache.ipc.control import ControlBlock
+from mmcache.ipc.cuda_ipc import ordinal_of
 from mmcache.ipc.errors import (
     HandleExpiredError,
     InvalidHandleError,
     NoPeerAccessError,
-    SenderGoneError,
     UnknownSenderError,
 )
 from mmcache.ipc.handle import (
@@ -48,7 +48,6 @@ from mmcache.ipc.handle import (
 )
 from mmcache.ipc.pool import ArenaViews
 from mmcache.ipc.reaper import FenceReaper
-from mmcache.ipc.shm import SharedSegment
 from mmcache.layouts import rows_back_to_back
 from mmcache.waiting import wait_fences
 
@@ -56,14 +55,6 @@ __all__ = ["FeatureReceiver"]
 
 log = logging.getLogger("mmcache.ipc")
 
-# The ready mark is a shared cell the sender's fence callback writes from another process:
-# nothing can wake this loop when it changes without a channel per receiver. Handles
-# usually arrive after their copy finished (no wait at all); otherwise short sleeps,
-# doubling from 50 us to 2 ms, bound the delay without spinning a core. CUDA receivers
-# of pool slices wait on the slot's IPC event on their stream instead.
-_POLL_MIN_S: Final = 50e-6
-_POLL_MAX_S: Final = 2e-3
-_SENDER_CHECK_S: Final = 0.1
 _CLOSE_POLL_S: Final = 0.005  # close() looks this often for receives and leases to finish
 _KNOWN_ENDPOINTS: Final = 64
 #: The receives and leases the current context is inside (tasks started there inherit
@@ -71,145 +62,6 @@ _KNOWN_ENDPOINTS: Final = 64
 _OPEN_READS: ContextVar[frozenset[object]] = ContextVar(
     "mmcache_ipc_open_reads", default=frozenset()
 )
-#: One send as a receiver reads it: a feature, or the features of one send_many.
-Sent = FeatureHandle | FeatureBatch
-
-
-class _Channel:
-    """One sender as this receiver sees it: its control block, our lane, its memory mapped once."""
-
-    def __init__(
-        self,
-        endpoint: SenderEndpoint,
-        control: ControlBlock,
-        lane: int,
-        epoch: int,
-        when_kept_read: Callable[[_Channel], None],
-    ) -> None:
-        self.endpoint = endpoint
-        self.control = control
-        self.lane = lane
-        self.epoch = epoch
-        self.sim_pool: ArenaViews | None = None
-        self.fallback: ArenaViews | None = None
-        self.peer_pool: PeerPool | None = None
-        self.peer_views: ArenaViews | None = None  # the peer pool's memory
-        self._segments: list[SharedSegment] = []
-        self._unpin: Callable[[], None] | None = None
-        self._mapping_fallback: asyncio.Future[None] | None = None
-        # What still reads the sender's memory: receives, leases and the fallback's mapping
-        # under way (counted on the loop's thread), copies queued out of it (any thread,
-        # under lock). close() waits for them, or keeps the channel.
-        self.readers = 0
-        self.pending: set[Fence] = set()
-        self.lock = threading.Lock()
-        self.kept = False  # close() timed out on it: closed once nothing reads it
-        self._when_kept_read = when_kept_read  # a read of a kept channel ended
-
-    def start_reading(self) -> None:
-        self.readers += 1
-
-    def stop_reading(self) -> None:
-        self.readers -= 1
-        if self.kept:
-            self._when_kept_read(self)
-
-    def busy(self) -> bool:
-        """Whether anything still reads the sender's memory: a copy counts until its slice
-        is released (a fence done, its report not yet run, still owes the release)."""
-        with self.lock:
-            copies = bool(self.pending)
-        return self.readers > 0 or copies
-
-    def release(self, handle: Sent) -> None:
-        """Tell the sender we are done with handle's bytes (any thread)."""
-        self.control.release(handle.slot, self.lane, handle.seq)
-
-    def sim_pool_views(self) -> ArenaViews:
-        if self.sim_pool is None:
-            e = self.endpoint
-            self.sim_pool = ArenaViews(self._map(e.pool_path, "pool", e.pool_nbytes))
-        return self.sim_pool
-
-    def cuda_pool_views(self, device: Device) -> ArenaViews:
-        if self.peer_views is None:
-            self.peer_views = ArenaViews(self.cuda_pool(device).tensor)
-        return self.peer_views
-
-    async def fallback_views(self, device: Device) -> ArenaViews:
-        if self.fallback is None:
-            # Mapped and pinned once, also for receives that ask meanwhile; counted as a
-            # reader until pinned, wherever the receive that started it went.
-            if self._mapping_fallback is None:
-                self.start_reading()
-                self._mapping_fallback = asyncio.ensure_future(self._map_fallback(device))
-            await asyncio.shield(self._mapping_fallback)
-        assert self.fallback is not None
-        return self.fallback
-
-    async def _map_fallback(self, device: Device) -> None:
-        try:
-            e = self.endpoint
-            tensor = self._map(e.fallback_path, "fallback", e.fallback_nbytes)
-            index = device.cuda_index
-            if index is not None:
-                # Pinned in this process too, the copy to the GPU is asynchronous and fast.
-                try:
-                    self._unpin = await pin_off_the_loop(index, tensor, read_only=True)
-                except Exception as exc:
-                    reason = str(exc)
-                    log.warning("cannot pin the IPC host fallback (%s); copies are slower", reason)
-            self.fallback = ArenaViews(tensor)
-        finally:
-            self._mapping_fallback = None
-            self.stop_reading()
-
-    def cuda_pool(self, device: Device) -> PeerPool:
-        if self.peer_pool is None:
-            index = device.cuda_index
-            if index is None:
-                raise NoPeerAccessError(
-                    f"a receiver on {device.name} cannot read a CUDA IPC pool; the sender "
-                    "falls back to host memory for receivers that registered before its send "
-                    "(call FeatureReceiver.connect(sender.endpoint) first)"
-                )
-            e = self.endpoint
-            self.peer_pool = PeerPool(e.control_path, e.pid, e.cuda_pool, e.pool_nbytes, index)
-        return self.peer_pool
-
-    def close(self) -> None:
-        """Leave the sender (it reclaims what we still owed) and unmap its memory."""
-        peer_pool, self.peer_pool = self.peer_pool, None
-        unpin, self._unpin = self._unpin, None
-        self.sim_pool = self.fallback = self.peer_views = None
-        steps: list[Callable[[], object]] = [
-            functools.partial(self.control.leave, self.lane, self.epoch)
-        ]
-        if peer_pool is not None:
-            steps.append(peer_pool.close)
-        if unpin is not None:
-            steps.append(unpin)
-        steps += [segment.close for segment in self._segments]
-        steps.append(functools.partial(self.control.close, unlink=False))
-        run_each(steps)
-
-    def _map(self, path: str, tag: str, nbytes: int) -> torch.Tensor:
-        """The first nbytes of the sender's segment tag ("pool", "fallback"), read-only."""
-        if not path:
-            raise InvalidHandleError(f"the sender of this handle has no {tag} segment")
-        try:
-            segment = SharedSegment.attach(path, tag)
-        except FileNotFoundError:
-            raise SenderGoneError(
-                f"the sender's {tag} segment ({path}) is gone: the sender closed or exited"
-            ) from None
-        if segment.nbytes < nbytes:
-            segment.close()
-            raise InvalidHandleError(
-                f"the sender's {tag} segment ({path}) is smaller than the sender published"
-            )
-        self._segments.append(segment)
-        return segment.tensor()[:nbytes]
 
 
 class FeatureReceiver:
@@ -219,7 +71,7 @@ class FeatureReceiver:
         self._owns_device = not isinstance(device, Device)
         self._device = resolve_device(device)
         self._kind = device_kind(self._device)
-        self._channels: dict[str, _Channel] = {}
+        self._channels: dict[str, SenderChannel] = {}
         self._closed = False
         self._closing = CloseOnce(cleans_up_when_cancelled=True)  # see _close
         self._reads: set[object] = set()  # receives and leases under way
@@ -231,7 +83,7 @@ class FeatureReceiver:
         self.received = 0
         self._releases = FenceReaper()  # slices released once their reads are done
         #: id -> (endpoint, its channel) for endpoint objects already matched (kept alive here).
-        self._known_endpoints: dict[int, tuple[SenderEndpoint, _Channel]] = {}
+        self._known_endpoints: dict[int, tuple[SenderEndpoint, SenderChannel]] = {}
 
     @property
     def device(self) -> Device:
@@ -275,10 +127,10 @@ class FeatureReceiver:
         self._check_open()
         self._releases.reap(full=False)  # slices read by now go back before we take another
         channel = self._verified_channel(sent, kind)
-        self._open(channel, sent)
+        channel.open(sent)
         with _Read(self._reads, channel, in_context=False):
             try:
-                await self._wait_ready(channel, sent, stream)
+                await channel.wait_ready(sent, stream, self._device, self._check_open)
                 arena = await self._arena(channel, sent)
                 if isinstance(sent, FeatureHandle):  # copied as the feature itself
                     src = arena.view(sent.offset, sent.shape, dtype_from_name(sent.dtype))
@@ -363,12 +215,12 @@ class FeatureReceiver:
         self._check_open()
         self._releases.reap(full=False)  # slices read by now go back before we take another
         channel = self._verified_channel(sent, kind)
-        self._open(channel, sent)
+        channel.open(sent)
         # Tagged in the context: a close() awaited inside the lease does not wait for it.
         read = _Read(self._reads, channel, in_context=True)
         read.__enter__()
         try:
-            await self._wait_ready(channel, sent, stream)
+            await channel.wait_ready(sent, stream, self._device, self._check_open)
             views = _features(await self._arena(channel, sent), sent.offset, sent.parts)
         except BaseException:
             try:
@@ -447,13 +299,13 @@ class FeatureReceiver:
             # unpinning a large fallback holds the thread for a while.
             await off_the_loop(functools.partial(run_each, steps))
 
-    def _still_read(self, channels: list[_Channel]) -> bool:
+    def _still_read(self, channels: list[SenderChannel]) -> bool:
         excused = frozenset[object]().union(*self._closers) & self._reads
         if sum(channel.readers for channel in channels) > len(excused):
             return True
         return any(channel.busy() for channel in channels if not channel.readers)
 
-    def _release(self, channel: _Channel) -> None:
+    def _release(self, channel: SenderChannel) -> None:
         """Leave channel's sender and unmap its memory; after the last channel, close the
         device we made (any thread)."""
         try:
@@ -465,7 +317,7 @@ class FeatureReceiver:
             if last and self._owns_device:
                 self._device.close()
 
-    def _close_kept(self, channel: _Channel) -> None:
+    def _close_kept(self, channel: SenderChannel) -> None:
         """A channel close() kept: release it on a thread once nothing reads it (any thread;
         needs no event loop, which may have ended by then)."""
         with self._kept_lock:
@@ -474,7 +326,7 @@ class FeatureReceiver:
             channel.kept = False
         threading.Thread(target=self._release_kept, args=(channel,), name="mmcache-close").start()
 
-    def _release_kept(self, channel: _Channel) -> None:
+    def _release_kept(self, channel: SenderChannel) -> None:
         try:
             self._release(channel)
         except Exception:  # nobody awaits this release
@@ -494,7 +346,7 @@ class FeatureReceiver:
 
     def _verified_channel(
         self, sent: Sent, kind: type[FeatureHandle] | type[FeatureBatch]
-    ) -> _Channel:
+    ) -> SenderChannel:
         """The channel to the sender of sent, once sent is well formed and its endpoint
         is the one the sender published (InvalidHandleError otherwise)."""
         if not isinstance(sent, kind):
@@ -514,7 +366,7 @@ class FeatureReceiver:
         self._known_endpoints[id(sent.sender)] = (sent.sender, channel)
         return channel
 
-    def _channel(self, endpoint: SenderEndpoint) -> _Channel:
+    def _channel(self, endpoint: SenderEndpoint) -> SenderChannel:
         if not isinstance(endpoint, SenderEndpoint):
             raise InvalidValueError(f"expected a SenderEndpoint, got {type(endpoint).__name__}")
         endpoint.check()
@@ -544,7 +396,7 @@ class FeatureReceiver:
         except BaseException:
             control.close(unlink=False)
             raise
-        channel = _Channel(endpoint, control, lane, epoch, self._close_kept)
+        channel = SenderChannel(endpoint, control, lane, epoch, self._close_kept)
         self._channels[endpoint.control_path] = channel
         return channel
 
@@ -560,76 +412,7 @@ class FeatureReceiver:
             return False
         return sender == index or bool(torch.cuda.can_device_access_peer(index, sender))
 
-    def _open(self, channel: _Channel, handle: Sent) -> None:
-        """Check handle against the slice its sender published, lease its slot, then check
-        the slot still holds this send."""
-        control, slot = channel.control, handle.slot
-        if slot >= control.n_slots:
-            raise InvalidHandleError(
-                f"{handle.describe()} names slot {slot}; its sender has {control.n_slots}"
-            )
-        # Read between two reads of the seq: the sender rewrites a slot's record only
-        # after it cleared the seq (ControlBlock.arm).
-        before = control.slot_seq(slot)
-        published = control.published(slot)
-        if before != handle.seq or control.slot_seq(slot) != handle.seq:
-            raise HandleExpiredError(
-                f"{handle.describe()} is not held by its sender: it was received twice by this "
-                "receiver, or arrived after the sender reclaimed it or closed, or its seq was "
-                "altered"
-            )
-        claimed = (WHERE_CODES[handle.where], handle.offset, handle.nbytes, handle.slice_digest())
-        if published != claimed:
-            raise InvalidHandleError(
-                f"{handle.describe()} does not match the slice its sender published for that "
-                "send (where, offset, size, dtype, shape or event differ); the handle was "
-                "altered. Nothing was read"
-            )
-        if control.leased(slot, channel.lane) == handle.seq:
-            # Read once per receiver: our release of the first read lets the sender reuse
-            # the slice while a second one would still be reading it.
-            raise HandleExpiredError(
-                f"{handle.describe()} was already received or leased by this receiver; "
-                "each receiver reads a handle once (keep the tensor received)"
-            )
-        control.lease(slot, channel.lane, handle.seq)
-        if control.slot_seq(slot) != handle.seq:
-            raise HandleExpiredError(
-                f"{handle.describe()} is no longer held by its sender: it was received twice "
-                "by this receiver, or arrived after the sender reclaimed it (it credits a "
-                "receiver that died with what it owed), or the sender closed"
-            )
-
-    async def _wait_ready(self, channel: _Channel, handle: Sent, stream: Stream) -> None:
-        """Order stream after the sender's copy (CUDA IPC event), or wait for its ready mark."""
-        if handle.where == "pool" and handle.cuda_event and self._kind == "cuda":
-            event = channel.cuda_pool(self._device).event(handle.cuda_event)
-            if event is not None:
-                as_cuda_stream(stream).wait_event(event)
-                return
-        control, slot, seq = channel.control, handle.slot, handle.seq
-        delay = 0.0
-        next_check = time.monotonic() + _SENDER_CHECK_S
-        while True:
-            mark = control.ready(slot)
-            if mark == seq:
-                return
-            if mark == -seq:
-                raise CopyFailedError(f"the sender's copy into {handle.describe()} failed")
-            if control.slot_seq(slot) != seq:
-                raise HandleExpiredError(f"{handle.describe()} was reclaimed before it was ready")
-            now = time.monotonic()
-            if now >= next_check:
-                if not control.sender_alive():
-                    raise SenderGoneError(
-                        f"the sender of {handle.describe()} closed or exited before it was ready"
-                    )
-                next_check = now + _SENDER_CHECK_S
-            await asyncio.sleep(delay)
-            self._check_open()
-            delay = min(_POLL_MAX_S, max(_POLL_MIN_S, delay * 2))
-
-    async def _arena(self, channel: _Channel, handle: Sent) -> ArenaViews:
+    async def _arena(self, channel: SenderChannel, handle: Sent) -> ArenaViews:
         """The sender's memory that holds handle's bytes, once they are checked to lie in it."""
         if handle.where == "host":
             arena = await channel.fallback_views(self._device)
@@ -665,7 +448,7 @@ class FeatureReceiver:
         raise NoPeerAccessError(f"a receiver on {device.name} cannot read memory on {src.device}")
 
     def _release_after(
-        self, channel: _Channel, handle: Sent, fence: Fence, *, verify: bool
+        self, channel: SenderChannel, handle: Sent, fence: Fence, *, verify: bool
     ) -> None:
         """Release handle's slice once fence (the last read of it) is done (FenceReaper:
         found by this loop, or by device threads once the loop stops looking)."""
@@ -676,7 +459,7 @@ class FeatureReceiver:
             channel.pending.add(fence)
         self._releases.add(fence, functools.partial(self._released, channel, handle, fence, verify))
 
-    def _released(self, channel: _Channel, handle: Sent, fence: Fence, verify: bool) -> None:
+    def _released(self, channel: SenderChannel, handle: Sent, fence: Fence, verify: bool) -> None:
         """fence is done: release handle's slice (any thread)."""
         if verify and channel.control.slot_seq(handle.slot) != handle.seq:
             log.error(
@@ -713,7 +496,7 @@ class _Read:
 
     __slots__ = ("_in_context", "_reads", "channel")
 
-    def __init__(self, reads: set[object], channel: _Channel, *, in_context: bool) -> None:
+    def __init__(self, reads: set[object], channel: SenderChannel, *, in_context: bool) -> None:
         self._reads = reads
         self.channel = channel
         self._in_context = in_context

@@ -33,13 +33,14 @@ from mmcache.errors import (
     SettingsError,
     WrongLoopError,
 )
-from mmcache.ipc.control import LIVE, ControlBlock, LaneInfo
-from mmcache.ipc.errors import TransportFullError
+from mmcache.ipc.control import LIVE, ControlBlock
 from mmcache.ipc.handle import FeatureBatch, FeatureHandle, SenderEndpoint, device_kind
 from mmcache.ipc.leases import Lease, LeaseLedger
 from mmcache.ipc.memory import SenderMemory
+from mmcache.ipc.placer import SendPlacer
 from mmcache.ipc.reclaim import LeaseReclaimer
-from mmcache.ipc.room import Placement, SendRoom
+from mmcache.ipc.recycler import Recycler
+from mmcache.ipc.room import SendRoom
 from mmcache.ipc.stats import TransportStats
 from mmcache.ipc.writer import MAX_BATCH, SliceWriter, Source, part_offsets, release_all
 from mmcache.layouts import check_strided
@@ -54,9 +55,6 @@ log = logging.getLogger("mmcache.ipc")
 _MiB: Final = 1 << 20
 DEFAULT_ALIGNMENT: Final = 512
 DEFAULT_MAX_SLICES: Final = 1024  # one CUDA IPC event each: a scarce driver resource
-# Receivers release slices by writing shared cells, which wake nobody: while sends wait
-# for room the recycler reads them this often instead of every ipc_recycle_interval_s.
-_BACKPRESSURE_POLL_S: Final = 0.002
 
 
 class FeatureSender:
@@ -105,6 +103,19 @@ class FeatureSender:
             self._gauges,
             lambda: self._closed,
         )
+        self._recycler = Recycler(
+            name, self._interval, self._room, functools.partial(self._sweep, full=False)
+        )
+        self._placer = SendPlacer(
+            self.settings,
+            self._memory,
+            self._room,
+            self._reclaimer,
+            self._metrics,
+            functools.partial(self._sweep, full=False),
+            self._recycler.wake,
+            lambda: self._closed,
+        )
 
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
@@ -112,16 +123,10 @@ class FeatureSender:
         self._control: ControlBlock | None = None
         self._ledger: LeaseLedger | None = None
         self._endpoint: SenderEndpoint | None = None
-        self._poke: asyncio.Event | None = None
-        self._recycler: asyncio.Task[None] | None = None
         self._closing = CloseOnce(cleans_up_when_cancelled=True)  # see _close
         self._starting: asyncio.Event | None = None  # set once start() has finished
         self._start_failed = False
         self._sends = 0
-        self._fallbacks: dict[str, int] = {}
-        # Pool bytes in use when a wait for pool room last timed out (None: none did, or
-        # the pool took a send since): sends skip the wait until the pool frees some.
-        self._pool_stalled_at: int | None = None
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -138,7 +143,6 @@ class FeatureSender:
         loop = asyncio.get_running_loop()
         self._loop = loop
         self._watcher = FenceWatcher(loop)
-        self._poke = asyncio.Event()
         self._starting = asyncio.Event()  # a close() meanwhile waits for it
         try:
             await self._start(loop)
@@ -182,7 +186,7 @@ class FeatureSender:
         control.publish_endpoint(self._endpoint.digest())
         assert self._ledger is not None and self._watcher is not None
         self._writer.bind(control, self._ledger, self._endpoint, self._watcher)
-        self._recycler = loop.create_task(self._recycle_forever(), name=f"mmcache-ipc-{self.name}")
+        self._recycler.start(loop)
         self._gauges.bind(loop)
         self._gauges.request()
 
@@ -240,10 +244,7 @@ class FeatureSender:
                 self._sweep()
                 if len(self._ledger):
                     await asyncio.sleep(min(self._interval, 0.01))
-            if self._recycler is not None:
-                self._recycler.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await self._recycler
+            await self._recycler.stop()
             leftover = self._ledger.drop_all()
             for lease in leftover:
                 log.warning(
@@ -356,7 +357,7 @@ class FeatureSender:
             lanes = self._control.lanes()
             owed = frozenset((i.lane, i.epoch) for i in lanes if i.state == LIVE)
             needed = self._ledger.needed(len(owed))
-            placement, reason = await self._place(nbytes, lanes, wait)
+            placement, reason = await self._placer.place(nbytes, lanes, wait)
         except BaseException:
             release_all(owns, [ready])
             raise
@@ -370,7 +371,7 @@ class FeatureSender:
                     pieces, placement, ready, stream, (owed, needed), batch
                 )
             else:
-                self._count_fallback(reason)
+                self._placer.count_fallback(reason)
                 sent = await self._writer.write_host(
                     pieces, placement, ready, stream, (owed, needed), batch
                 )
@@ -395,14 +396,14 @@ class FeatureSender:
             fallback_used_bytes=fallback.used_bytes if fallback is not None else 0,
             fallback_capacity_bytes=fallback.capacity_bytes if fallback is not None else 0,
             sends=self._sends,
-            fallbacks=sum(self._fallbacks.values()),
+            fallbacks=sum(self._placer.fallbacks.values()),
             live_leases=len(leases),
             open_leases=sum(1 for lease in leases if lease.open_by),
             leaked_bytes=self._room.leaked_bytes(),
             receivers=live,
             receivers_lost=ledger.lost_receivers if ledger is not None else 0,
             waiting_sends=len(self._room.waiters),
-            fallbacks_by_reason=dict(self._fallbacks),
+            fallbacks_by_reason=dict(self._placer.fallbacks),
         )
 
     def sweep(self) -> None:
@@ -443,114 +444,11 @@ class FeatureSender:
             # Start-up only: registration writes a shared cell that wakes nobody.
             await asyncio.sleep(0.01)
 
-    # --- placement ------------------------------------------------------------------------
-
-    async def _place(
-        self, nbytes: int, lanes: Sequence[LaneInfo], wait: bool
-    ) -> tuple[Placement, str]:
-        """Room for nbytes, and why it is not in the pool if it is not."""
-        refusal = self._room.pool_refusal(nbytes, lanes)
-        pool_ok = refusal is None
-        self._room.check_fits(nbytes, refusal)
-        reason = refusal or "pool_full"
-        if not self._room.waiters:
-            owner = asyncio.current_task()
-            placement = None
-            if pool_ok:
-                # Also after a short wait for receivers' releases: in a burst they free a
-                # slice within a receive or two, far sooner than the fallback's two trips
-                # over PCIe would take.
-                placement = self._try_place(nbytes, owner, pool=True)
-                if placement is not None:
-                    self._pool_stalled_at = None
-                elif wait and self._pool_wait_worthwhile():
-                    placement = await self._wait_for_pool(nbytes, owner)
-            if placement is None:
-                placement = self._try_place(nbytes, owner, pool=False)
-            if placement is not None:
-                return placement, reason
-        if not wait:
-            raise TransportFullError(self._room.full_message(nbytes, None))
-        return await self._wait_for_room(nbytes, pool_ok), reason
-
-    def _try_place(
-        self, nbytes: int, owner: asyncio.Task[object] | None, *, pool: bool
-    ) -> Placement | None:
-        """A pool slice (pool) or a fallback block now, after a quick sweep if it is due."""
-        placement = self._room.try_place(nbytes, pool, owner, host_ok=not pool)
-        if placement is None and self._reclaimer.due():
-            self._sweep(full=False)
-            placement = self._room.try_place(nbytes, pool, owner, host_ok=not pool)
-        return placement
-
-    def _pool_wait_worthwhile(self) -> bool:
-        """Whether a send that found the pool full should wait for it: not when waiting is
-        off, and not again before a slice was freed since the last wait that timed out
-        (a pool held by slow readers would make every send pay the whole wait)."""
-        pool = self._memory.pool
-        if pool is None or self.settings.ipc_pool_wait_s <= 0:
-            return False
-        return self._pool_stalled_at is None or pool.used_bytes < self._pool_stalled_at
-
-    async def _wait_for_pool(
-        self, nbytes: int, owner: asyncio.Task[object] | None
-    ) -> Placement | None:
-        """A pool slice freed within ipc_pool_wait_s, or None (then the fallback is used).
-
-        Receivers release slices by writing shared cells, which wake nobody: the loop
-        looks again each time it has run what else is ready, as a slice's fences landing
-        do, for this short while only.
-        """
-        assert self._loop is not None
-        pool = self._memory.pool
-        assert pool is not None
-        deadline = self._loop.time() + self.settings.ipc_pool_wait_s
-        while True:
-            await asyncio.sleep(0)
-            if self._closed:
-                raise CacheClosedError("the IPC sender closed while send waited for room")
-            self._sweep(full=False)
-            placement = self._room.try_place(nbytes, True, owner, host_ok=False)
-            if placement is not None:
-                return placement
-            if self._room.waiters or self._loop.time() >= deadline:
-                self._pool_stalled_at = pool.used_bytes
-                return None
-
-    async def _wait_for_room(self, nbytes: int, pool_ok: bool) -> Placement:
-        assert self._loop is not None and self._poke is not None
-        waiter = self._room.waiters.join((nbytes, pool_ok, asyncio.current_task()))
-        self._poke.set()  # the recycler sweeps often while sends wait
-        timeout = self.settings.ipc_lease_timeout_s
-        try:
-            async with asyncio.timeout(timeout):
-                return await self._room.waiters.wait(waiter)  # gives back a grant come too late
-        except TimeoutError:
-            raise TransportFullError(self._room.full_message(nbytes, timeout)) from None
-
     def _release_source(self, own: torch.Tensor, after: Sequence[Fence]) -> None:
         """Give the sender's alias of a sent tensor back to the device after the fences."""
         self._device.release(own, after)
 
-    def _count_fallback(self, reason: str) -> None:
-        self._fallbacks[reason] = self._fallbacks.get(reason, 0) + 1
-        self._metrics.ipc_fallback(reason)
-
     # --- recycling ----------------------------------------------------------------------------
-
-    async def _recycle_forever(self) -> None:
-        assert self._poke is not None
-        while True:
-            delay = (
-                min(self._interval, _BACKPRESSURE_POLL_S) if self._room.waiters else self._interval
-            )
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._poke.wait(), delay)
-            self._poke.clear()
-            try:
-                self._sweep(full=False)
-            except Exception:
-                log.exception("IPC sender %r: a recycler sweep failed", self.name)
 
     def _sweep(self, *, full: bool = True) -> None:
         """Reclaim what receivers released or left behind; flag late leases; wake waiters
