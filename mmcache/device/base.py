@@ -102,6 +102,10 @@ class Device(abc.ABC):
     #: "cuda:0", "sim", ...
     name: str
 
+    #: What the device is: "sim" (the simulator) or "cuda"; callers that must treat memory
+    #: differently by device (the IPC pool) read this rather than the device's type.
+    kind: str
+
     #: True when a consumer stream can be ordered after a fence without host
     #: synchronisation (CUDA). False when consumers read on the host thread
     #: (the simulator): then the cache awaits the fence before handing out data.

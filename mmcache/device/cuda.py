@@ -70,6 +70,7 @@ class _LazyDriver:
 class CudaDevice(Device):
     """The Device interface over torch.cuda: copy streams, event fences and a pinned host arena."""
 
+    kind = "cuda"
     stream_ordered_reads = True
     copies_keep_destinations = True
 

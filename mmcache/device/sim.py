@@ -134,6 +134,7 @@ class _Allocation:
 class SimDevice(Device):
     """A CPU simulator of a CUDA device, adversarial about fences and memory reuse."""
 
+    kind = "sim"
     stream_ordered_reads = False
     poisons_host = True
     tensor_note = " (the simulator's device memory: CPU tensors, whose .device says cpu)"
