@@ -119,7 +119,7 @@ def copy_bandwidth(
 
 
 def small_copy_paths(device: CudaDevice, arena: torch.Tensor) -> dict[str, dict[str, float]]:
-    """1,024 x 64 KB and 64 x 1 MB evictions: one copy_d2h each vs one copy_d2h_batch (wall)."""
+    """1,024 x 64 KB and 64 x 1 MB evictions: a d2h copy each vs one d2h plan (wall)."""
     results: dict[str, dict[str, float]] = {}
     for label, size, count in (("1024x64KB", 64 << 10, 1024), ("64x1MB", MiB, 64)):
         srcs = [
