@@ -39,6 +39,7 @@ from _common import (  # noqa: E402
     write_json,
 )
 
+from mmcache.device import CopyPlan, Fence  # noqa: E402
 from mmcache.device.cuda import CudaDevice, CudaFence  # noqa: E402
 
 SIZES = {"64KB": 64 << 10, "1MB": 1 * MiB, "8MB": 8 * MiB, "64MB": 64 * MiB, "512MB": 512 * MiB}
@@ -46,6 +47,24 @@ WAKE_COPY_BYTES = 64 << 10
 
 
 # --- bandwidth ------------------------------------------------------------------------------
+
+
+def _copy_d2h(
+    device: CudaDevice, src: torch.Tensor, dst: torch.Tensor, after: Sequence[Fence]
+) -> Fence:
+    """One device-to-host copy, submitted as a plan."""
+    return device.submit(CopyPlan("d2h", (src,), (dst,), after=after))
+
+
+def _copy_d2h_batch(
+    device: CudaDevice,
+    srcs: Sequence[torch.Tensor],
+    host: torch.Tensor,
+    offsets: Sequence[int],
+    after: Sequence[Fence],
+) -> Fence:
+    """Device-to-host copies into host's bytes at offsets, submitted as one plan."""
+    return device.submit(CopyPlan("d2h", srcs, into=host, offsets=offsets, after=after))
 
 
 def copy_bandwidth(
@@ -100,7 +119,7 @@ def copy_bandwidth(
 
 
 def small_copy_paths(device: CudaDevice, arena: torch.Tensor) -> dict[str, dict[str, float]]:
-    """1,024 x 64 KB and 64 x 1 MB evictions: one copy_d2h each vs one copy_d2h_batch (wall)."""
+    """1,024 x 64 KB and 64 x 1 MB evictions: a d2h copy each vs one d2h plan (wall)."""
     results: dict[str, dict[str, float]] = {}
     for label, size, count in (("1024x64KB", 64 << 10, 1024), ("64x1MB", MiB, 64)):
         srcs = [
@@ -118,10 +137,10 @@ def small_copy_paths(device: CudaDevice, arena: torch.Tensor) -> dict[str, dict[
                 if path == "separate":
                     fence = None
                     for src, dst in zip(srcs, dsts, strict=True):
-                        fence = device.copy_d2h(src, dst, ())
+                        fence = _copy_d2h(device, src, dst, ())
                 else:
                     offsets = [i * size for i in range(count)]
-                    fence = device.copy_d2h_batch(srcs, arena, offsets, ())
+                    fence = _copy_d2h_batch(device, srcs, arena, offsets, ())
                 enqueued = time.perf_counter() - start
                 assert fence is not None
                 fence.wait()
@@ -140,7 +159,7 @@ def straddling_copy(index: int, gpu: torch.Tensor) -> dict[str, Any]:
     half = 32 * MiB
     device = CudaDevice(index, background_pinning=False, pin_chunk_bytes=2 * half)
     try:
-        arena = device.host_arena(4 * half)
+        arena = device.host_arena(4 * half).result()
         window = arena[half : 3 * half]  # crosses the boundary between the first two chunks
         results: dict[str, Any] = {}
         for name, copy in (
@@ -150,7 +169,7 @@ def straddling_copy(index: int, gpu: torch.Tensor) -> dict[str, Any]:
             ),
             (
                 "CudaDevice.copy_d2h (split)",
-                lambda w=window: device.copy_d2h(gpu[: 2 * half], w, ()),
+                lambda w=window: _copy_d2h(device, gpu[: 2 * half], w, ()),
             ),
         ):
             window.zero_()
@@ -184,7 +203,7 @@ def pinning_cost(index: int, quick: bool) -> dict[str, dict[str, float]]:
         for method, kwargs in methods:
             device = CudaDevice(index, **kwargs)
             start = time.perf_counter()
-            arena = device.host_arena(size)
+            arena = device.host_arena(size).result()
             pin_s = time.perf_counter() - start
             pinned = arena.is_pinned()
             # First touch of a page is part of the price for register: make it comparable.
@@ -317,7 +336,7 @@ async def fence_wake_latency(
         samples = []
         for rep in range(reps + 20):
             start = time.perf_counter()
-            fence = device.copy_d2h(src, dst, ())
+            fence = _copy_d2h(device, src, dst, ())
             assert isinstance(fence, CudaFence)
             await method(fence)
             if rep >= 20:  # warm-up: thread start, executor spin-up
@@ -341,8 +360,11 @@ async def loop_lag_while_pending(
             async with LoopLag() as lag:
                 fences = []
                 for i in range(count):
-                    fence = device.copy_d2h(
-                        gpu[i * chunk : (i + 1) * chunk], arena[i * chunk : (i + 1) * chunk], ()
+                    fence = _copy_d2h(
+                        device,
+                        gpu[i * chunk : (i + 1) * chunk],
+                        arena[i * chunk : (i + 1) * chunk],
+                        (),
                     )
                     assert isinstance(fence, CudaFence)
                     fences.append(fence)
@@ -351,7 +373,7 @@ async def loop_lag_while_pending(
             worst = max(worst, lag.max_lag_s)
         results[f"{name}_ms"] = worst * 1e3
     start = time.perf_counter()
-    fence = device.copy_d2h(gpu[: count * chunk], arena[: count * chunk], ())
+    fence = _copy_d2h(device, gpu[: count * chunk], arena[: count * chunk], ())
     fence.wait()
     results["blocking synchronize (loop blocked)_ms"] = (time.perf_counter() - start) * 1e3
     return results
@@ -409,7 +431,7 @@ def primitive_costs(device: CudaDevice, arena: torch.Tensor) -> dict[str, float]
         ),
         "record_stream_us": per_call(lambda: src.record_stream(stream)),
         "wait_on_us": per_call(lambda: device.wait_on(stream, fence)),
-        "copy_d2h_64KB_enqueue_us": per_call(lambda: device.copy_d2h(src, dst, ())),
+        "copy_d2h_64KB_enqueue_us": per_call(lambda: _copy_d2h(device, src, dst, ())),
     }
     torch.cuda.synchronize(device.index)
     return results
@@ -424,7 +446,7 @@ async def probe(index: int, quick: bool) -> dict[str, Any]:
     device = CudaDevice(index, arena_method="hostalloc")
     arena_bytes = 1024 * MiB
     start = time.perf_counter()
-    arena = await asyncio.wrap_future(device.host_arena_async(arena_bytes))
+    arena = await asyncio.wrap_future(device.host_arena(arena_bytes))
     pin_s = time.perf_counter() - start
     gpu = torch.randint(0, 255, (arena_bytes,), dtype=torch.uint8, device=device.name)
     cycles_per_s = sleep_cycles_per_second(device.d2h_stream)

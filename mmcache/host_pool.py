@@ -213,7 +213,7 @@ class HostPool:
                 self._add_range(i, end, off + free - end)
         self.used_bytes += size
         if self._device.poisons_host:
-            self._device.hand_out_host(self.arena, start, start + size)
+            self._device.poison_host(self.arena, start, start + size, unused=True)
         return start
 
     def _fit(self, off: int, free: int, size: int) -> int | None:

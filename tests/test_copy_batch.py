@@ -1,4 +1,4 @@
-"""Device.copy_d2h_batch: many sources into one host tensor at byte offsets, one fence."""
+"""A "d2h" CopyPlan into a host tensor: many sources at byte offsets, one fence."""
 
 from __future__ import annotations
 
@@ -7,13 +7,14 @@ import random
 import pytest
 import torch
 from conftest import Rig
+from device_copies import copy_d2h_batch, host_arena
 
 from mmcache.errors import InvalidValueError
 
 
 def host_bytes(rig: Rig, nbytes: int) -> torch.Tensor:
     """A host tensor the batch copies may target (the device's arena kind)."""
-    arena = rig.device.host_arena(nbytes)
+    arena = host_arena(rig.device, nbytes)
     arena.fill_(0xAB)
     return arena
 
@@ -34,8 +35,8 @@ def test_sources_land_at_their_offsets_in_any_order(rig: Rig) -> None:
     host = host_bytes(rig, at + 512)
     order = list(range(len(srcs)))
     random.Random(1).shuffle(order)
-    fence = rig.device.copy_d2h_batch(
-        [srcs[i] for i in order], host, [offsets[i] for i in order], []
+    fence = copy_d2h_batch(
+        rig.device, [srcs[i] for i in order], host, [offsets[i] for i in order], []
     )
     assert fence.wait(30) and fence.exception() is None
     for src, offset in zip(srcs, offsets, strict=True):
@@ -52,7 +53,7 @@ def test_a_batch_runs_after_its_producers(rig: Rig) -> None:
     offsets = [i * srcs[0].nbytes for i in range(4)]
     produced = rig.device.record(rig.device.current_stream())
     with rig.hold():
-        fence = rig.device.copy_d2h_batch(srcs, host, offsets, [produced])
+        fence = copy_d2h_batch(rig.device, srcs, host, offsets, [produced])
         if rig.kind == "sim":
             assert not fence.done()
     assert fence.wait(30)
@@ -91,7 +92,7 @@ def test_bad_batches_are_refused_before_anything_is_queued(
     elif case == "typed_host":
         target = host.view(torch.float32)
     with pytest.raises(InvalidValueError, match=message):
-        rig.device.copy_d2h_batch(srcs, target, offsets, [])
+        copy_d2h_batch(rig.device, srcs, target, offsets, [])
     rig.settle()
     assert bool((host == 0xAB).all()), "a refused batch wrote host memory"
 
@@ -101,4 +102,4 @@ def test_a_source_on_another_device_is_refused(rig: Rig) -> None:
         pytest.skip("the simulator's device tensors are CPU tensors")
     host = host_bytes(rig, 4096)
     with pytest.raises(InvalidValueError, match="not cuda"):
-        rig.device.copy_d2h_batch([torch.ones(16)], host, [0], [])
+        copy_d2h_batch(rig.device, [torch.ones(16)], host, [0], [])

@@ -23,10 +23,19 @@ from typing import Any
 import pytest
 import torch
 from conftest import stall
+from device_copies import (
+    copy_d2d_into,
+    copy_d2d_many,
+    copy_d2d_new,
+    copy_d2h,
+    copy_d2h_batch,
+    copy_h2d,
+    host_arena,
+)
 from prometheus_client import CollectorRegistry
 
 from mmcache import CacheSettings, CacheStats, FeatureCache
-from mmcache.device import cuda_streams
+from mmcache.device import DONE, cuda_streams
 from mmcache.device.cuda import ArenaMethod, CudaDevice, CudaFence
 from mmcache.device.cuda_driver import BatchCopier, CudaDriver
 from mmcache.device.cuda_streams import OnStream
@@ -247,13 +256,13 @@ def test_round_trip_is_bit_exact(
     device: CudaDevice, dtype: torch.dtype, shape: tuple[int, ...]
 ) -> None:
     src = random_tensor(shape, dtype, seed=1)
-    arena = device.host_arena(4 * MiB)
+    arena = host_arena(device, 4 * MiB)
     host = arena[: src.nbytes]
     # The H2D must wait for the D2H that fills host: hold the D2H back to prove it does.
     hold(device.d2h_stream)
-    down = device.copy_d2h(src, host, [])
+    down = copy_d2h(device, src, host, [])
     back = device.empty(src.shape, src.dtype)
-    up = device.copy_h2d(host, back, [down])
+    up = copy_h2d(device, host, back, [down])
     assert not down.done()
     assert up.wait(30)
     assert torch.equal(host, as_bytes(src).cpu())
@@ -280,13 +289,13 @@ def test_source_survives_release_right_after_queuing(device: CudaDevice) -> None
     assert again.data_ptr() == probe_ptr
     del again
 
-    arena = device.host_arena(n)
+    arena = host_arena(device, n)
     src = torch.full((n,), 7, dtype=torch.uint8, device="cuda:0")
     src_ptr = src.data_ptr()
     side = side_stream()
     hold(side)
     gate = device.record(side)
-    fence = device.copy_d2h(src, arena, [gate])
+    fence = copy_d2h(device, src, arena, [gate])
     del src  # the cache releases its alias as soon as the copy is queued
     assert_block_kept(n, src_ptr)
     assert fence.wait(30)
@@ -315,7 +324,7 @@ def test_copies_into_held_memory_keep_each_source_block_once(
     side = side_stream()
     hold(side)
     pairs = [(src[i], held[i * (n // 4) : (i + 1) * (n // 4)]) for i in range(4)]
-    fence = device.copy_d2d_many(pairs, side, dsts_held=True)
+    fence = copy_d2d_many(device, pairs, side, dsts_held=True)
     del pairs, src  # the sender releases its sources as soon as the copies are queued
     assert recorded == [src_ptr]
     assert_block_kept(n, src_ptr)
@@ -361,7 +370,7 @@ def test_copies_within_the_gpu_are_exact_and_wait_for_the_stream(
     gate, expected = rewritten_behind_a_hold(device, srcs, seed=50)
     stream = side_stream()
     device.wait_on(stream, gate)
-    fence = device.copy_d2d_many(list(zip(srcs, dsts, strict=True)), stream, dsts_held=True)
+    fence = copy_d2d_many(device, list(zip(srcs, dsts, strict=True)), stream, dsts_held=True)
     assert not fence.done()
     assert fence.wait(30)
     for dst, want in zip(dsts, expected, strict=True):
@@ -371,7 +380,7 @@ def test_copies_within_the_gpu_are_exact_and_wait_for_the_stream(
     strided = random_tensor((64, 32), torch.float32, seed=9).t()
     out = [torch.empty((32, 64), dtype=torch.float32, device="cuda:0") for _ in range(2)]
     pairs = [(strided, out[0]), (strided.contiguous(), out[1])]
-    assert device.copy_d2d_many(pairs, stream).wait(30)
+    assert copy_d2d_many(device, pairs, stream).wait(30)
     assert torch.equal(out[0], strided) and torch.equal(out[1], strided)
     assert len(batches) == (1 if batch_copies else 0)
     device.close()
@@ -396,18 +405,18 @@ def test_copies_into_a_held_buffer_land_at_their_offsets(batch_copies: bool, on:
     buffer = torch.zeros(sum(s.nbytes for s in srcs) + 3 * 4096, dtype=torch.uint8, device="cuda:0")
     offsets = [0, srcs[0].nbytes + 512, srcs[0].nbytes + 1024]
     expected = copied_into_behind_a_hold(device, srcs, buffer, offsets, stream, seed=70)
-    alone = device.copy_d2d_into(srcs[2:], buffer, [0], stream)
+    alone = copy_d2d_into(device, srcs[2:], buffer, [0], stream)
     assert alone.wait(30)
     assert torch.equal(buffer[: srcs[2].nbytes].cpu(), expected[2])
     assert device.describe()["batched_copies_within_gpu"] == (
         "cuMemcpyBatchAsync" if batch_copies else "torch copy_"
     )  # no batch was refused
     end = offsets[-1] + srcs[-1].nbytes + 512
-    assert device.copy_d2d_into([strided, srcs[2]], buffer, [end, end + 8192], stream).wait(30)
+    assert copy_d2d_into(device, [strided, srcs[2]], buffer, [end, end + 8192], stream).wait(30)
     got = buffer[end : end + strided.nbytes].view(torch.float32).view(32, 64)
     assert torch.equal(got, strided)
     with pytest.raises(InvalidValueError, match="falls outside"):
-        device.copy_d2d_into(srcs[:1], buffer, [buffer.numel() - 8], stream)
+        copy_d2d_into(device, srcs[:1], buffer, [buffer.numel() - 8], stream)
     device.close()
 
 
@@ -450,12 +459,12 @@ def test_alike_features_back_to_back_are_gathered_by_one_kernel(
     )
     twins = [values.conj(), values.clone()]
     calls.clear()
-    assert device.copy_d2d_into(twins, buffer, [0, values.nbytes], stream).wait(30)
+    assert copy_d2d_into(device, twins, buffer, [0, values.nbytes], stream).wait(30)
     assert "cat" not in calls
     got = buffer[: 2 * values.nbytes].view(torch.complex64).view(32, 8)
     assert torch.equal(got, torch.cat([values.conj().resolve_conj(), values]))
     calls.clear()
-    assert device.copy_d2d_into(srcs[:2], buffer, [0, srcs[0].nbytes + 256], stream).wait(30)
+    assert copy_d2d_into(device, srcs[:2], buffer, [0, srcs[0].nbytes + 256], stream).wait(30)
     assert "cat" not in calls
     assert torch.equal(
         buffer[srcs[0].nbytes + 256 :][: srcs[1].nbytes].cpu(), as_bytes(srcs[1]).cpu()
@@ -479,7 +488,7 @@ def test_a_batch_within_the_gpu_the_driver_refuses_goes_through_torch(
     monkeypatch.setattr(BatchCopier, "copy", refuse)
     srcs = [random_tensor((256, 1024), torch.bfloat16, seed=i) for i in range(2)]
     dsts = [torch.zeros_like(s) for s in srcs]
-    assert device.copy_d2d_many(list(zip(srcs, dsts, strict=True)), side_stream()).wait(30)
+    assert copy_d2d_many(device, list(zip(srcs, dsts, strict=True)), side_stream()).wait(30)
     assert all(torch.equal(s, d) for s, d in zip(srcs, dsts, strict=True))
     assert device.describe()["batched_copies_within_gpu"] == "torch copy_"  # from then on
     assert device.describe()["batched_copies"] == "cuMemcpyBatchAsync"  # offloads keep theirs
@@ -514,7 +523,7 @@ def test_on_stream_switches_only_to_another_stream_and_back(
 
 def test_copy_waits_for_a_producer_on_a_side_stream(device: CudaDevice) -> None:
     n = 8 * MiB
-    arena = device.host_arena(n)
+    arena = host_arena(device, n)
     src = torch.zeros(n, dtype=torch.uint8, device="cuda:0")
     torch.cuda.synchronize()
     side = side_stream()
@@ -523,7 +532,7 @@ def test_copy_waits_for_a_producer_on_a_side_stream(device: CudaDevice) -> None:
         src.fill_(9)  # the producer's kernel is still queued when the copy is
     src.record_stream(side)
     ready = device.record(side)
-    fence = device.copy_d2h(src, arena, [ready])
+    fence = copy_d2h(device, src, arena, [ready])
     assert not ready.done()
     assert fence.wait(30)
     assert bool((arena == 9).all())
@@ -536,23 +545,23 @@ def test_copy_d2d_new_is_exact_and_ordered_after_its_streams_work(device: CudaDe
     with torch.cuda.stream(side):
         stall(torch.cuda.current_stream(), HOLD_SECONDS)
         src.fill_(9)  # the producer's kernel is still queued when the copy is
-    dst, fence = device.copy_d2d_new(src.view(1024, 4096), side)
+    dst, fence = copy_d2d_new(device, src.view(1024, 4096), side)
     assert not fence.done()
     assert fence.wait(30)
     assert (dst.shape, dst.dtype, dst.device) == ((1024, 4096), torch.float32, src.device)
     assert dst.is_contiguous() and dst.data_ptr() != src.data_ptr()
     assert bool((dst == 9).all())
     with pytest.raises(InvalidValueError, match="not cuda"):
-        device.copy_d2d_new(torch.zeros(4), side)
+        copy_d2d_new(device, torch.zeros(4), side)
 
 
 def test_consumer_stream_waits_on_an_upload(device: CudaDevice) -> None:
     n = 8 * MiB
-    arena = device.host_arena(n)
+    arena = host_arena(device, n)
     arena.copy_(torch.randint(0, 255, (n,), dtype=torch.uint8))
     hold(device.h2d_stream)
     dst = device.empty((n,), torch.uint8)
-    fence = device.copy_h2d(arena, dst, [])
+    fence = copy_h2d(device, arena, dst, [])
     consumer = side_stream()
     device.wait_on(consumer, fence)
     with torch.cuda.stream(consumer):
@@ -583,7 +592,7 @@ def test_batch_copy_is_exact_in_any_order_and_waits_for_its_producers(
     ] * 6
     srcs = [random_tensor(shape, dtype, seed=i) for i, (shape, dtype) in enumerate(specs)]
     expected = [as_bytes(s).cpu() for s in srcs]
-    arena = device.host_arena(sum(s.nbytes for s in srcs) + 64 * MiB)
+    arena = host_arena(device, sum(s.nbytes for s in srcs) + 64 * MiB)
     offsets: list[int] = []
     offset = 0
     for i, s in enumerate(srcs):
@@ -598,10 +607,10 @@ def test_batch_copy_is_exact_in_any_order_and_waits_for_its_producers(
     del warm
     shuffled = [srcs[i] for i in order]
     at = [offsets[i] for i in order]
-    assert device.copy_d2h_batch(shuffled, arena, at, []).wait(30)
+    assert copy_d2h_batch(device, shuffled, arena, at, []).wait(30)
     arena.fill_(0)  # so the held batch below must write every byte again
     gate, expected = rewritten_behind_a_hold(device, srcs, seed=100)
-    fence = device.copy_d2h_batch(shuffled, arena, at, [gate])
+    fence = copy_d2h_batch(device, shuffled, arena, at, [gate])
     assert not fence.done()
     assert fence.wait(30)
     for i, want in enumerate(expected):
@@ -641,7 +650,7 @@ def copied_into_behind_a_hold(
     and land the new bytes at each offset. Returns the bytes written."""
     gate, expected = rewritten_behind_a_hold(device, srcs, seed=seed)
     device.wait_on(stream, gate)
-    fence = device.copy_d2d_into(srcs, buffer, offsets, stream)
+    fence = copy_d2d_into(device, srcs, buffer, offsets, stream)
     assert not fence.done()
     assert fence.wait(30)
     for at, want in zip(offsets, expected, strict=True):
@@ -689,17 +698,17 @@ def test_offloads_into_the_arena_take_one_driver_call(
     monkeypatch.setattr(BatchCopier, "copy", counting)
     srcs = [random_tensor((128, 4096), torch.bfloat16, seed=i) for i in range(8)]  # 1 MiB
     srcs += [random_tensor((8, 4096), torch.bfloat16, seed=10 + i) for i in range(4)]  # 64 KiB
-    arena = device.host_arena(16 * MiB)
+    arena = host_arena(device, 16 * MiB)
     offsets = list(itertools.accumulate((s.nbytes for s in srcs[:-1]), initial=0))
-    assert device.copy_d2h_batch(srcs, arena, offsets, []).wait(30)
+    assert copy_d2h_batch(device, srcs, arena, offsets, []).wait(30)
     assert calls == [9]  # eight 1 MiB features one by one, the 64 KiB ones gathered
     for src, offset in zip(srcs, offsets, strict=True):
         assert torch.equal(arena[offset : offset + src.nbytes], as_bytes(src).cpu())
     # One copy, and a host tensor outside the arena (not the cache's), go through torch.
-    assert device.copy_d2h_batch([srcs[1]], arena, [0], []).wait(30)
+    assert copy_d2h_batch(device, [srcs[1]], arena, [0], []).wait(30)
     assert torch.equal(arena[: srcs[1].nbytes], as_bytes(srcs[1]).cpu())
     outside = torch.zeros(2 * MiB, dtype=torch.uint8, pin_memory=True)
-    assert device.copy_d2h_batch(srcs[:2], outside, [0, MiB], []).wait(30)
+    assert copy_d2h_batch(device, srcs[:2], outside, [0, MiB], []).wait(30)
     assert calls == [9]
     assert torch.equal(outside[:MiB], as_bytes(srcs[0]).cpu())
 
@@ -735,7 +744,7 @@ def test_queueing_driver_calls_keep_the_gil(device: CudaDevice) -> None:
     """
     needs_driver_batches(device)
     srcs = [random_tensor((8, 4096), torch.bfloat16, seed=i) for i in range(4)]  # 64 KiB
-    arena = device.host_arena(MiB)
+    arena = host_arena(device, MiB)
     offsets = [i * MiB // 4 for i in range(4)]
     done = device.record(side_stream())
     assert done.wait(30)
@@ -819,7 +828,7 @@ def test_batched_copies_across_arena_chunks_are_exact(
 ) -> None:
     device = CudaDevice(0, arena_method=method, pin_chunk_bytes=4 * MiB)
     needs_driver_batches(device)
-    arena = device.host_arena(14 * MiB)
+    arena = host_arena(device, 14 * MiB)
     arena.fill_(0xAB)
     # 3 MiB at 2.5 MiB crosses the first boundary, 5 MiB at 6 MiB the second, and a run
     # of small ones, gathered, the third.
@@ -836,7 +845,7 @@ def test_batched_copies_across_arena_chunks_are_exact(
         queue_batch(dsts, srcs, sizes, stream)
 
     monkeypatch.setattr(device._batches, "queue_batch", recorded)
-    assert device.copy_d2h_batch(srcs, arena, offsets, []).wait(30)
+    assert copy_d2h_batch(device, srcs, arena, offsets, []).wait(30)
     # One call; with registrations of 4 MiB, no copy crosses one (a copy over two
     # registrations is not a copy into one pinned range).
     chunk = 4 * MiB if method == "register" else arena.numel()
@@ -854,7 +863,7 @@ def test_owned_batches_go_to_the_driver_as_they_are(
     splits or the bounds; a batch with a source to gather takes the checked path."""
     device = CudaDevice(0, arena_method=method, pin_chunk_bytes=4 * MiB)
     needs_driver_batches(device)
-    arena = device.host_arena(14 * MiB)
+    arena = host_arena(device, 14 * MiB)
     arena.fill_(0xAB)
     srcs = [random_tensor((3 * MiB,), torch.uint8, seed=1)]  # across the first boundary
     srcs += [random_tensor((5 * MiB,), torch.uint8, seed=2)]  # across the second
@@ -875,7 +884,7 @@ def test_owned_batches_go_to_the_driver_as_they_are(
     monkeypatch.setattr(device._batches, "packed_runs", counted)
     monkeypatch.setattr(device._batches, "queue_batch", recorded)
     gate, _ = rewritten_behind_a_hold(device, srcs, seed=10)
-    fence = device.copy_d2h_batch(srcs, arena, offsets, [gate], owned=True)
+    fence = copy_d2h_batch(device, srcs, arena, offsets, [gate], owned=True)
     assert not fence.done()
     assert fence.wait(30)
     assert checked == []  # no source checked again
@@ -884,12 +893,12 @@ def test_owned_batches_go_to_the_driver_as_they_are(
     # Bounds are still checked, before anything is queued.
     queued = len(pieces)
     with pytest.raises(InvalidValueError, match="outside"):
-        device.copy_d2h_batch(srcs[1:], arena, [0, 14 * MiB - 4096], [], owned=True)
+        copy_d2h_batch(device, srcs[1:], arena, [0, 14 * MiB - 4096], [], owned=True)
     assert len(pieces) == queued
     # A source small enough to gather with its neighbours: the checked path.
     small = [random_tensor((16, 1024), torch.float32, seed=20 + i) for i in range(2)]
     batch = [srcs[2], *small]
-    assert device.copy_d2h_batch(batch, arena, [0, MiB, MiB + 65536], [], owned=True).wait(30)
+    assert copy_d2h_batch(device, batch, arena, [0, MiB, MiB + 65536], [], owned=True).wait(30)
     assert checked == [3]
     for src, offset in zip([srcs[2], *small], [0, MiB, MiB + 65536], strict=True):
         assert torch.equal(arena[offset : offset + src.nbytes], as_bytes(src).cpu())
@@ -933,7 +942,7 @@ def test_release_holds_the_tensor_until_its_fences(device: CudaDevice) -> None:
         hold(side)
         reader = device.record(side)
         ref = weakref.ref(t)
-        device.release(t, [reader, device.completed_fence()])
+        device.release(t, [reader, DONE])
         del t
         assert ref() is not None
     finally:
@@ -946,19 +955,19 @@ def test_release_holds_the_tensor_until_its_fences(device: CudaDevice) -> None:
 
 
 def test_invalid_operands_are_refused(device: CudaDevice) -> None:
-    arena = device.host_arena(MiB)
+    arena = host_arena(device, MiB)
     gpu = torch.zeros(256, dtype=torch.float32, device="cuda:0")
     with pytest.raises(InvalidValueError):
         device.adopt(torch.zeros(4), device.current_stream())
     with pytest.raises(InvalidValueError):
-        device.copy_d2h(gpu, arena[:100], [])  # 1024 bytes into 100
+        copy_d2h(device, gpu, arena[:100], [])  # 1024 bytes into 100
     with pytest.raises(InvalidValueError):
-        device.copy_d2h(gpu.view(16, 16).t(), arena[:1024], [])  # not contiguous
+        copy_d2h(device, gpu.view(16, 16).t(), arena[:1024], [])  # not contiguous
     with pytest.raises(InvalidValueError):
-        device.copy_h2d(arena[:1024], torch.zeros(256), [])  # destination on the host
+        copy_h2d(device, arena[:1024], torch.zeros(256), [])  # destination on the host
     device.close()
     with pytest.raises(CacheClosedError):
-        device.copy_d2h(gpu, arena[:1024], [])
+        copy_d2h(device, gpu, arena[:1024], [])
 
 
 def test_adopt_returns_an_alias(device: CudaDevice) -> None:
@@ -982,21 +991,21 @@ def pinned_for_the_driver(address: int) -> bool:
 def test_host_arena_is_pinned_and_copies_across_chunks(method: ArenaMethod) -> None:
     dev = CudaDevice(0, arena_method=method, pin_chunk_bytes=4 * MiB)
     n = 10 * MiB + 123
-    arena = dev.host_arena(n)
+    arena = host_arena(dev, n)
     assert arena.dtype == torch.uint8
     assert arena.numel() == n
     for offset in (0, 4 * MiB - 1, 4 * MiB, 8 * MiB + 5, n - 1):
         # Asked of the driver: torch's is_pinned did not always see registered memory.
         assert pinned_for_the_driver(arena.data_ptr() + offset), offset
     with pytest.raises(MMCacheError):
-        dev.host_arena(1)  # made once
+        host_arena(dev, 1)  # made once
     # 3 MiB .. 9 MiB crosses two 4 MiB registrations.
     src = torch.randint(0, 255, (6 * MiB,), dtype=torch.uint8, device="cuda:0")
     window = arena[3 * MiB : 9 * MiB]
     made = dev.record(dev.current_stream())  # randint's kernel on the default stream
-    down = dev.copy_d2h(src, window, [made])
+    down = copy_d2h(dev, src, window, [made])
     back = dev.empty((6 * MiB,), torch.uint8)
-    assert dev.copy_h2d(window, back, [down]).wait(30)
+    assert copy_h2d(dev, window, back, [down]).wait(30)
     assert torch.equal(window, src.cpu())
     assert torch.equal(back, src)
     dev.close()
@@ -1008,7 +1017,7 @@ def test_host_arena_is_pinned_and_copies_across_chunks(method: ArenaMethod) -> N
 @pytest.mark.parametrize("method", ["register", "hostalloc"])
 def test_one_pinned_range_follows_the_registrations(method: ArenaMethod) -> None:
     dev = CudaDevice(0, arena_method=method, pin_chunk_bytes=4 * MiB)
-    arena = dev.host_arena(12 * MiB)
+    arena = host_arena(dev, 12 * MiB)
     inside = [arena[: 4 * MiB], arena[4 * MiB : 8 * MiB], arena[9 * MiB : 10 * MiB]]
     across = [arena[3 * MiB : 5 * MiB], arena[: 12 * MiB]]
     assert all(dev.one_pinned_range(view) for view in inside)
@@ -1038,7 +1047,7 @@ async def test_a_borrowed_feature_across_two_chunks_copies_to_the_gpu() -> None:
 
 
 async def test_host_arena_pins_in_the_background(device: CudaDevice) -> None:
-    future = device.host_arena_async(64 * MiB)
+    future = device.host_arena(64 * MiB)
     arena = await asyncio.wrap_future(future)
     assert arena.numel() == 64 * MiB
     assert pinned_for_the_driver(arena.data_ptr() + arena.numel() - 1)
@@ -1052,7 +1061,7 @@ def test_background_pinning_keeps_kernel_launches_moving() -> None:
     device = CudaDevice(0)
     x = torch.zeros(1024, device="cuda:0")
     torch.cuda.synchronize()
-    future = device.host_arena_async(1024 * MiB)
+    future = device.host_arena(1024 * MiB)
     worst, launches = 0.0, 0
     while not future.done():
         started = time.perf_counter()
@@ -1068,7 +1077,7 @@ def test_background_pinning_keeps_kernel_launches_moving() -> None:
 
 def test_close_stops_a_background_pinning() -> None:
     device = CudaDevice(0)
-    future = device.host_arena_async(8 * 1024 * MiB)  # about 3 s of pinning
+    future = device.host_arena(8 * 1024 * MiB)  # about 3 s of pinning
     time.sleep(0.05)
     started = time.perf_counter()
     device.close()
@@ -1113,12 +1122,12 @@ z = torch.empty(4, 16, 64, dtype=torch.bfloat16, device="cuda")
 square = torch.empty(64, 64, dtype=torch.bfloat16, device="cuda")
 stream = device.current_stream()
 times = {
-    "pack bf16": first_ms(lambda: device.pack([x[:10], x[10:30]], stream)),
-    "pack fp32": first_ms(lambda: device.pack([y[:10], y[10:30]], stream)),
-    "pack 3-D bf16": first_ms(lambda: device.pack([z[:1], z[1:3], z[3:]], stream)),
-    "strided copy_d2d": first_ms(lambda: device.copy_d2d(x[:, :64].t(), square, stream)),
+    "pack bf16": first_ms(lambda: pack(device, [x[:10], x[10:30]], stream)),
+    "pack fp32": first_ms(lambda: pack(device, [y[:10], y[10:30]], stream)),
+    "pack 3-D bf16": first_ms(lambda: pack(device, [z[:1], z[1:3], z[3:]], stream)),
+    "strided copy_d2d": first_ms(lambda: copy_d2d(device, x[:, :64].t(), square, stream)),
     "record_stream": first_ms(lambda: device.use_on(x, device.d2h_stream)),
-    "pinned host tensor": first_ms(lambda: device.host_empty((16, 4096), torch.bfloat16)),
+    "pinned host tensor": first_ms(lambda: device.empty((16, 4096), torch.bfloat16, host=True)),
     # Not warmed by the device: shows whether this process loads kernels lazily at all.
     "control: cumsum": first_ms(lambda: torch.cumsum(y, dim=0)),
 }
@@ -1146,6 +1155,7 @@ import asyncio, ctypes, torch
 from mmcache import CacheSettings, FeatureCache
 from mmcache.device.cuda import CudaDevice
 from prometheus_client import CollectorRegistry
+from mmcache.device import CopyPlan
 
 async def main():
     device = CudaDevice(0)
@@ -1155,10 +1165,11 @@ async def main():
     buffer = torch.zeros(4 * values.nbytes, dtype=torch.uint8, device="cuda")
     for i, view in enumerate((values.conj(), values._neg_view())):
         own = device.empty(tuple(view.shape), view.dtype, stream)
-        assert device.copy_d2d(view, own, stream).wait(30)
+        assert device.submit(CopyPlan("d2d", (view,), (own,), stream=stream)).wait(30)
         assert torch.equal(own, view.resolve_conj().resolve_neg())
         at = [2 * i * values.nbytes, (2 * i + 1) * values.nbytes]
-        assert device.copy_d2d_into([view, values.clone()], buffer, at, stream).wait(30)
+        plan = CopyPlan("d2d", [view, values.clone()], into=buffer, offsets=at, stream=stream)
+        assert device.submit(plan).wait(30)
         expected += [view.resolve_conj().resolve_neg(), values]
     assert torch.equal(buffer.view(torch.complex64).view(-1, 64), torch.cat(expected))
     cache = FeatureCache(CacheSettings(gpu_cache_mb=1, cpu_cache_mb=4), device,

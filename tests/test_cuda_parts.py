@@ -178,7 +178,7 @@ def test_a_dropped_device_unpins_its_arena_at_once(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(cuda.CudaDevice, "_warm_up", lambda self: None)
     monkeypatch.setattr(CudaDriver, "get", classmethod(lambda cls: driver))
     device = cuda.CudaDevice(0, pin_chunk_bytes=MiB, background_pinning=False)
-    arena = device.host_arena(2 * MiB)
+    arena = device.host_arena(2 * MiB).result()
     assert len(driver.registered) == 2
     gc.disable()
     try:

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 import pytest
 import torch
 from conftest import Rig, leaked, live_units, served_from, with_registry
+from device_copies import copy_d2h
 from prometheus_client import CollectorRegistry
 
 from mmcache import (
@@ -457,7 +458,7 @@ async def test_oom_is_counted(sim_rig: Rig) -> None:
 @pytest.mark.parametrize("batched", [True, False], ids=["batched", "single"])
 async def test_an_offload_refused_at_enqueue_leaks_nothing(sim_rig: Rig, batched: bool) -> None:
     dev = sim(sim_rig)
-    name = "copy_d2h_batch" if batched else "copy_d2h"
+    name = "_copy_d2h_batch" if batched else "_copy_d2h"
     oom = DeviceOutOfMemoryError("simulated: no memory for the staging buffer")
     setattr(dev, name, raising_once(oom, getattr(dev, name)))
     try:
@@ -564,7 +565,7 @@ async def test_a_host_arena_that_cannot_be_allocated(
     def no_arena(nbytes: int) -> torch.Tensor:
         raise MemoryError(f"cannot pin {nbytes} bytes")
 
-    dev.host_arena = no_arena  # type: ignore[method-assign]
+    dev._host_arena = no_arena  # type: ignore[method-assign]
     try:
         with caplog.at_level(logging.ERROR, logger="mmcache"):
             async with make(sim_rig, 8, 64) as cache:
@@ -579,7 +580,7 @@ async def test_a_host_arena_that_cannot_be_allocated(
                 await assert_exact(cache, 3, value(3))
                 await settled(sim_rig, cache)
     finally:
-        del dev.host_arena
+        del dev._host_arena
 
 
 # --- a fence that never completes -------------------------------------------------------
@@ -709,7 +710,7 @@ async def test_a_failed_fence_keeps_none_of_the_readers_that_awaited_it() -> Non
     try:
         dev.inject("copy_fails")
         src = dev.empty((4,), torch.float32)
-        fence = dev.copy_d2h(src, torch.empty(4), after=[])
+        fence = copy_d2h(dev, src, torch.empty(4), after=[])
 
         class Held:  # stands in for what a reader's frame holds: an entry, a device tensor
             pass
@@ -747,7 +748,7 @@ def test_each_injected_fault_fires_exactly_count_times(kind: str) -> None:
                     outcomes.append(True)
             else:
                 src = dev.empty((4,), torch.float32)
-                fence: Fence = dev.copy_d2h(src, torch.empty(4), after=())
+                fence: Fence = copy_d2h(dev, src, torch.empty(4), after=())
                 assert fence.wait(2)
                 outcomes.append(fence.exception() is None)
                 dev.release(src, after=[fence])

@@ -434,7 +434,7 @@ class _PackWithoutHolding(SimDevice):
         super().__init__()
         self.sources: list[weakref.ref[torch.Tensor]] = []
 
-    def pack(self, srcs: Sequence[torch.Tensor], stream: Stream) -> tuple[torch.Tensor, Fence]:
+    def _pack(self, srcs: Sequence[torch.Tensor], stream: Stream) -> tuple[torch.Tensor, Fence]:
         first = srcs[0]
         packed = self.empty((sum(s.shape[0] for s in srcs), *first.shape[1:]), first.dtype)
         torch.cat(list(srcs), out=packed)
@@ -518,7 +518,7 @@ async def test_a_refused_offload_straight_to_the_host_tier_leaves_the_ledger_exa
     def refused(*args: Any, **kwargs: Any) -> Fence:
         raise DeviceOutOfMemoryError("simulated: no memory for the staging buffer")
 
-    monkeypatch.setattr(dev, "copy_d2h_batch", refused)
+    monkeypatch.setattr(dev, "_copy_d2h_batch", refused)
     assert await cache.put_many(enumerate(features(rig, 4, 8)))
     await cache.drain()
     s = cache.stats()

@@ -62,14 +62,14 @@ async def cache_awaiting_its_arena(
         pending.append(Future())
         return pending[-1]
 
-    rig.device.host_arena_async = later  # type: ignore[method-assign]
+    rig.device.host_arena = later  # type: ignore[method-assign]
     try:
         cache = make_cache(gpu_mb=0, cpu_mb=4)
         await cache.start()
         assert not cache.stats().host_ready
         yield cache, pending
     finally:
-        del rig.device.host_arena_async
+        del rig.device.host_arena
     assert await settled_bytes(rig, baseline) == baseline
 
 
@@ -90,7 +90,7 @@ async def test_with_the_gpu_tier_off_puts_wait_for_the_arena(
         await asyncio.sleep(0.05)
         assert not any(put.done() for put in puts)  # waiting for host room, holding nothing
         assert len(cache) == 0
-        pending[0].set_result(rig.device.host_arena(cache.stats().cpu_capacity_bytes))
+        pending[0].set_result(rig.device._host_arena(cache.stats().cpu_capacity_bytes))
         assert await asyncio.wait_for(asyncio.gather(*puts), 10) == [True, True, True]
         for k, value in want.items():
             assert_exact(await cache.get(k, device="cpu"), value)
@@ -256,15 +256,15 @@ def pinned_in_part(device: Device) -> Iterator[Callable[[], None]]:
     def half(nbytes: int, on_pinned: ArenaProgress | None = None) -> Future[torch.Tensor]:
         future: Future[torch.Tensor] = Future()
         assert on_pinned is not None
-        on_pinned(device.host_arena(nbytes), MiB)
+        on_pinned(device._host_arena(nbytes), MiB)
         finish.append(lambda: future.set_exception(MemoryError("cannot pin more")))
         return future
 
-    device.host_arena_async = half  # type: ignore[method-assign]
+    device.host_arena = half  # type: ignore[method-assign]
     try:
         yield lambda: finish[0]()
     finally:
-        del device.host_arena_async
+        del device.host_arena
 
 
 async def test_an_arena_pinned_only_in_part_keeps_serving_what_was_pinned(

@@ -81,7 +81,7 @@ def _fail(*args: object, **kwargs: object) -> None:
 #: (where the failure is injected, the transport's settings, how to inject it)
 _Injector = Callable[[pytest.MonkeyPatch, FeatureSender], None]
 _POINTS: dict[str, tuple[dict[str, Any], _Injector]] = {
-    "pool copy": ({}, lambda mp, s: mp.setattr(s.device, "copy_d2d_into", _fail)),
+    "pool copy": ({}, lambda mp, s: mp.setattr(s.device, "_copy_d2d_into", _fail)),
     "pool ready event": ({}, lambda mp, s: mp.setattr(s._writer, "_record_event", _fail)),
     "pool slot publish": ({}, lambda mp, s: mp.setattr(ControlBlock, "arm", _fail)),
     "pool lease": ({}, lambda mp, s: mp.setattr(LeaseLedger, "add", _fail)),
@@ -91,7 +91,7 @@ _POINTS: dict[str, tuple[dict[str, Any], _Injector]] = {
     ),
     "fallback copy": (
         {"use_cuda_ipc": False},
-        lambda mp, s: mp.setattr(s.device, "copy_d2h_batch", _fail),
+        lambda mp, s: mp.setattr(s.device, "_copy_d2h_batch", _fail),
     ),
     "fallback slot publish": (
         {"use_cuda_ipc": False},

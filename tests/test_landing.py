@@ -276,13 +276,13 @@ async def test_a_landed_offload_keeps_device_bytes_charged_while_a_download_read
     await cache.drain()
     # Host gets of a and b whose downloads (copied, but not reported done) read on.
     ends: list[tuple[Fence, SimFence]] = []
-    copy = device.copy_d2h
+    copy = device._copy_d2h
 
     def download(src: Any, dst: Any, after: Sequence[Fence]) -> Fence:
         ends.append((copy(src, dst, after), SimFence(threading.Lock())))
         return ends[-1][1]
 
-    monkeypatch.setattr(device, "copy_d2h", download)
+    monkeypatch.setattr(device, "_copy_d2h", download)
     reads = {key: asyncio.create_task(cache.get(key, device="cpu")) for key in "ab"}
     await asyncio.sleep(0.01)
     monkeypatch.undo()

@@ -18,7 +18,7 @@ from mmcache.core.ledger import TierLedger
 from mmcache.core.offload import OffloadPipeline
 from mmcache.core.policy import LruPolicy
 from mmcache.core.quarantine import Quarantine
-from mmcache.device import Fence, SimDevice
+from mmcache.device import DONE, Fence, SimDevice
 from mmcache.host_pool import HostBlock
 from mmcache.metrics import CacheMetrics
 from mmcache.waiting import FenceWatcher
@@ -87,7 +87,7 @@ class Rig:
     def entry(self, key: Hashable, device: SimDevice) -> Entry:
         """A GPU entry of 1 KiB, indexed and charged to the ledger."""
         tensor = device.adopt(torch.zeros(256), device.current_stream())
-        entry = Entry(key, (256,), torch.float32, 1024, State.GPU, tensor, device.completed_fence())
+        entry = Entry(key, (256,), torch.float32, 1024, State.GPU, tensor, DONE)
         self.index[key] = entry
         grant = self.ledger.open_grant()
         self.ledger.grant(grant, 1024)

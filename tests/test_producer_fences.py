@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import CacheFactory, Rig, assert_exact, feature, stall
+from device_copies import copy_d2d
 
 from mmcache import FeatureCache
 from mmcache.core.producer_fences import ProducerFences
@@ -172,7 +173,7 @@ async def test_a_shared_fence_is_recorded_when_its_iteration_ends(
     dev = rig.device
     if isinstance(dev, SimDevice):  # the stream's next work never completes until unstuck
         dev.inject("fence_never_completes")
-        dev.copy_d2d(feature(rig, 1), dev.empty((1, 256), torch.float32), stream)
+        copy_d2d(dev, feature(rig, 1), dev.empty((1, 256), torch.float32), stream)
     else:
         stall(stream, 5.0)
 

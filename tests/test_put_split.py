@@ -24,6 +24,7 @@ from conftest import (
     served_from,
     stall,
 )
+from device_copies import copy_d2d
 from test_groups import assert_clean, assert_reads, offload_copies, simulator
 
 from mmcache import FeatureCache, InvalidKeyError, InvalidValueError, ValueTooLargeError
@@ -173,7 +174,7 @@ async def test_reads_wait_for_a_producer_still_running_when_the_batch_is_put(
         source = rig.tensor(60, 256, dtype=torch.float32, seed=9)
         with rig.hold():
             batch = sim.empty((60, 256), torch.float32, producer)  # poison until written
-            sim.copy_d2d(source, batch, producer)  # the producer's work, held back
+            copy_d2d(sim, source, batch, producer)  # the producer's work, held back
             assert await cache.put_split(["a", "b", "c"], batch, rows, stream=producer)
             del batch
             host_read = asyncio.ensure_future(cache.get("b", device="cpu"))

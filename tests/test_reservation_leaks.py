@@ -63,7 +63,7 @@ async def caches(sim: SimDevice) -> Any:
 
 def unreadable_after_reserving(sim: SimDevice, monkeypatch: pytest.MonkeyPatch) -> None:
     """From now on the cache's own tensors read their shape once, after the budget is taken."""
-    adopt, pack = sim.adopt, sim.pack
+    adopt, pack = sim.adopt, sim._pack
     packing_now: list[
         bool
     ] = []  # the device's own adopt inside pack: its copies must read the shape
@@ -82,7 +82,7 @@ def unreadable_after_reserving(sim: SimDevice, monkeypatch: pytest.MonkeyPatch) 
         return torch.Tensor._make_subclass(_Unreadable, packed), fence
 
     monkeypatch.setattr(sim, "adopt", adopting)
-    monkeypatch.setattr(sim, "pack", packing)
+    monkeypatch.setattr(sim, "_pack", packing)
 
 
 def value(kib: int, seed: int = 0) -> torch.Tensor:
@@ -228,7 +228,7 @@ async def test_an_offload_refused_with_any_error_leaks_nothing(
     def refused(*args: object, **kwargs: object) -> Fence:
         raise RuntimeError("injected: the driver refused the copy")
 
-    monkeypatch.setattr(sim, "copy_d2h_batch", refused)
+    monkeypatch.setattr(sim, "_copy_d2h_batch", refused)
     # GPU tier: the put evicts "a", whose offload is refused; host-only: its own offload is.
     assert await asyncio.wait_for(cache.put("b", value(1024, 2)), 5)
     monkeypatch.undo()
@@ -277,7 +277,7 @@ async def test_a_put_cancelled_while_it_waits_for_room_gives_back_what_it_was_gr
 
 
 @pytest.mark.parametrize("promote", [True, False])
-@pytest.mark.parametrize("fault", ["copy_on", "empty"])
+@pytest.mark.parametrize("fault", ["copy_on", "_empty"])
 async def test_a_read_whose_upload_cannot_be_queued_frees_its_device_memory(
     sim: SimDevice, caches: Any, monkeypatch: pytest.MonkeyPatch, promote: bool, fault: str
 ) -> None:

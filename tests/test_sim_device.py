@@ -9,6 +9,7 @@ import weakref
 
 import pytest
 import torch
+from device_copies import copy_d2d, copy_d2d_into, copy_d2h, copy_h2d, host_arena
 
 from mmcache.device import SimDevice, storage_use_count
 from mmcache.device.base import host_memory_bytes
@@ -51,7 +52,7 @@ def test_release_without_fence_then_queued_copy_reads_poison() -> None:
     src = dev.adopt(torch.arange(1024, dtype=torch.float32), dev.default_stream)
     dst = torch.zeros(1024, dtype=torch.float32)
     with dev.hold():
-        fence = dev.copy_d2h(src, dst, after=[])
+        fence = copy_d2h(dev, src, dst, after=[])
         dev.release(src, after=[])  # the seed bug: no fence, source recycled at once
         del src
     fence.wait(5)
@@ -65,7 +66,7 @@ def test_release_after_copy_fence_keeps_data() -> None:
     src = dev.adopt(torch.arange(1024, dtype=torch.float32), dev.default_stream)
     dst = torch.zeros(1024, dtype=torch.float32)
     with dev.hold():
-        fence = dev.copy_d2h(src, dst, after=[])
+        fence = copy_d2h(dev, src, dst, after=[])
         dev.release(src, after=[fence])
         del src
         assert not fence.done()
@@ -94,7 +95,7 @@ def test_copies_read_their_source_when_they_run_not_when_queued() -> None:
     src = dev.adopt(torch.zeros(8), dev.default_stream)
     dst = torch.empty(8)
     with dev.hold():
-        fence = dev.copy_d2h(src, dst, after=[])
+        fence = copy_d2h(dev, src, dst, after=[])
         src.fill_(3.0)
     fence.wait(5)
     assert torch.equal(dst, torch.full((8,), 3.0))
@@ -106,9 +107,9 @@ def test_stream_order_and_held_copies_block_later_work_on_their_stream() -> None
     a = dev.adopt(torch.ones(4), dev.default_stream)
     b = torch.empty(4)
     with dev.hold():
-        first = dev.copy_d2h(a, b, after=[])
-    second = dev.copy_d2h(a, torch.empty(4), after=[])  # not held, but queued behind
-    other = dev.copy_h2d(torch.ones(4), dev.empty((4,), torch.float32), after=[])
+        first = copy_d2h(dev, a, b, after=[])
+    second = copy_d2h(dev, a, torch.empty(4), after=[])  # not held, but queued behind
+    other = copy_h2d(dev, torch.ones(4), dev.empty((4,), torch.float32), after=[])
     other.wait(5)
     assert first.done() and second.done()  # the hold ended before these ran
     dev.close()
@@ -118,8 +119,8 @@ def test_hold_keeps_copies_pending_until_the_block_exits() -> None:
     dev = SimDevice()
     a = dev.adopt(torch.ones(4), dev.default_stream)
     with dev.hold():
-        fence = dev.copy_d2h(a, torch.empty(4), after=[])
-        later = dev.copy_d2h(a, torch.empty(4), after=[])
+        fence = copy_d2h(dev, a, torch.empty(4), after=[])
+        later = copy_d2h(dev, a, torch.empty(4), after=[])
         assert not fence.wait(0.05)
         assert not later.done()
     assert fence.wait(5) and later.wait(5)
@@ -137,16 +138,16 @@ def test_copies_into_a_flat_buffer_land_at_their_offsets_in_stream_order() -> No
     dst = dev.adopt(torch.zeros(256, dtype=torch.uint8), stream)
     offsets = [0, 64, 128]
     with dev.hold():
-        fence = dev.copy_d2d_into(srcs, dst, offsets, stream)
+        fence = copy_d2d_into(dev, srcs, dst, offsets, stream)
         srcs[0].fill_(7.0)  # the copy reads its source when it runs
     assert fence.wait(5)
     for src, at in zip(srcs, offsets, strict=True):
         got = dst[at : at + src.nbytes].view(src.dtype).view(src.shape)
         assert torch.equal(got, src)
     with pytest.raises(InvalidValueError, match="falls outside the 256-byte destination"):
-        dev.copy_d2d_into(srcs[:1], dst, [240], stream)
+        copy_d2d_into(dev, srcs[:1], dst, [240], stream)
     with pytest.raises(InvalidValueError, match="flat uint8"):
-        dev.copy_d2d_into(srcs[:1], dst.view(torch.float32), [0], stream)
+        copy_d2d_into(dev, srcs[:1], dst.view(torch.float32), [0], stream)
     dev.close()
 
 
@@ -159,7 +160,7 @@ def test_dependencies_order_copies_across_streams() -> None:
         dev.launch(producer, lambda: (gate.wait(5), out.fill_(5.0)))
         ready = dev.record(producer)
     dst = torch.empty(4)
-    fence = dev.copy_d2h(out, dst, after=[ready])
+    fence = copy_d2h(dev, out, dst, after=[ready])
     gate.set()
     fence.wait(5)
     assert torch.equal(dst, torch.full((4,), 5.0))
@@ -168,7 +169,7 @@ def test_dependencies_order_copies_across_streams() -> None:
 
 def test_fresh_arena_blocks_and_fresh_device_memory_are_poisoned() -> None:
     dev = SimDevice()
-    arena = dev.host_arena(3 * ARENA_PAGE)
+    arena = host_arena(dev, 3 * ARENA_PAGE)
     arena.zero_()  # what untouched pages read as
     pool = HostPool(dev, arena, alignment=512, defer=lambda fences, fn: fn())
     first = pool.allocate(4096)
@@ -187,7 +188,7 @@ def test_fresh_arena_blocks_and_fresh_device_memory_are_poisoned() -> None:
 def test_an_arena_pins_chunk_by_chunk_and_only_pinned_bytes_are_handed_out() -> None:
     dev = SimDevice(pin_chunk_bytes=ARENA_PAGE, pin_chunk_s=0.05)
     reports: list[int] = []
-    future = dev.host_arena_async(3 * ARENA_PAGE, lambda arena, ready: reports.append(ready))
+    future = dev.host_arena(3 * ARENA_PAGE, lambda arena, ready: reports.append(ready))
     arena = future.result(timeout=5)
     assert reports == [ARENA_PAGE, 2 * ARENA_PAGE, 3 * ARENA_PAGE]
     assert dev.pinned_bytes == 3 * ARENA_PAGE
@@ -203,11 +204,11 @@ def test_an_arena_pins_chunk_by_chunk_and_only_pinned_bytes_are_handed_out() -> 
         seen.append(arena)
         first.set()
 
-    future = dev.host_arena_async(64 * ARENA_PAGE, pinned)
+    future = dev.host_arena(64 * ARENA_PAGE, pinned)
     assert first.wait(5)
     arena = seen[0]
     with pytest.raises(RuntimeError, match="pinned"):  # a pool must never get this far
-        dev.hand_out_host(arena, 0, 60 * ARENA_PAGE)
+        dev.poison_host(arena, 0, 60 * ARENA_PAGE, unused=True)
     started = time.monotonic()
     dev.close()  # stops at the next chunk and unpins
     assert time.monotonic() - started < 1.0
@@ -221,7 +222,7 @@ def test_injected_faults(kind: str) -> None:
     dev = SimDevice()
     src = dev.adopt(torch.ones(4), dev.default_stream)
     dev.inject(kind)  # type: ignore[arg-type]
-    fence = dev.copy_d2h(src, torch.empty(4), after=[])
+    fence = copy_d2h(dev, src, torch.empty(4), after=[])
     if kind == "copy_fails":
         assert fence.wait(5) and fence.exception() is not None
     else:
@@ -232,7 +233,7 @@ def test_injected_faults(kind: str) -> None:
 def test_bandwidth_and_latency_slow_copies_down() -> None:
     dev = SimDevice(bandwidth_gbps=0.01, latency_s=0.0)  # 10 MB/s
     src = dev.adopt(torch.ones(256 * 1024, dtype=torch.uint8), dev.default_stream)
-    fence = dev.copy_d2h(src, torch.empty(256 * 1024, dtype=torch.uint8), after=[])
+    fence = copy_d2h(dev, src, torch.empty(256 * 1024, dtype=torch.uint8), after=[])
     assert not fence.wait(0.005)  # 256 KiB at 10 MB/s takes ~26 ms
     assert fence.wait(5)
     dev.close()
@@ -260,7 +261,7 @@ def test_a_device_dropped_without_close_keeps_no_thread_and_is_collected() -> No
     device = SimDevice()
     src = torch.arange(16.0)
     dst = torch.empty(16)
-    assert device.copy_d2d(src, dst, device.default_stream).wait(5)
+    assert copy_d2d(device, src, dst, device.default_stream).wait(5)
     assert workers() == before + 1
     dropped = weakref.ref(device)
     del device
@@ -277,7 +278,7 @@ def test_a_worker_that_ended_while_idle_is_started_again_by_the_next_copy() -> N
         src = torch.arange(16.0)
         for _ in range(2):
             dst = torch.empty(16)
-            assert device.copy_d2d(src, dst, device.default_stream).wait(5)
+            assert copy_d2d(device, src, dst, device.default_stream).wait(5)
             assert torch.equal(dst, src)
             time.sleep(1.3)  # past the idle limit: the worker ends
     finally:

@@ -12,7 +12,7 @@ from mmcache.core.entry import Entry, Member, State
 from mmcache.core.index import KeyIndex
 from mmcache.core.policy import EvictionPolicy
 from mmcache.core.reads import Reads, raise_if_failed
-from mmcache.device import Device, Fence, Stream
+from mmcache.device import CopyPlan, Device, Fence, NewCopyPlan, Stream
 from mmcache.errors import CopyTimeoutError
 
 __all__ = ["UPLOAD_ALIGNMENT", "BatchReads"]
@@ -178,8 +178,15 @@ class BatchReads:
             offsets.append(size)
             size += _aligned(src.numel())
         with self._counters.counting_oom():
-            buffer, fence = device.upload_packed_on(
-                srcs, offsets, size, stream, _offload_fences(uploads)
+            buffer, fence = device.submit(
+                NewCopyPlan(
+                    "h2d",
+                    srcs,
+                    (size,),
+                    offsets=offsets,
+                    after=_offload_fences(uploads),
+                    stream=stream,
+                )
             )
         entries: list[Entry] = []
         moved = 0  # the features' bytes, padding left out
@@ -194,7 +201,9 @@ class BatchReads:
             self._counters.uploaded_on_reader_stream(moved)
             return None
         self._reads.track_upload(entries, fence, moved)
-        device.release(buffer, after=device.after_copy(fence))  # the outputs keep it alive
+        device.release(
+            buffer, after=() if device.copies_keep_destinations else (fence,)
+        )  # the outputs keep it alive
         return fence
 
     def _upload_on_copy_stream(
@@ -230,7 +239,7 @@ class BatchReads:
                         piece = buffer[offset : offset + nbytes]
                         dsts.append(piece.view(entry.dtype).view(shape))
                         offset += _aligned(nbytes)
-            fence = device.copy_h2d_many(srcs, dsts, after=_offload_fences(uploads))
+            fence = device.submit(CopyPlan("h2d", srcs, dsts, after=_offload_fences(uploads)))
         except BaseException:
             del dsts
             for tensor in owned:
@@ -254,11 +263,11 @@ class BatchReads:
             else:
                 entries.append(entry)
                 if buffer is None:  # an empty feature: its own (empty) allocation
-                    device.release(dst, after=device.after_copy(fence))
+                    device.release(dst, after=() if device.copies_keep_destinations else (fence,))
         if buffer is not None:
             used.append(buffer)  # one record for every view of it
             # The outputs' views keep it alive for their holders.
-            device.release(buffer, after=device.after_copy(fence))
+            device.release(buffer, after=() if device.copies_keep_destinations else (fence,))
         reads.track_upload(entries, fence, nbytes_all)
         return fence
 

@@ -17,7 +17,7 @@ from mmcache.core.ledger import TierLedger
 from mmcache.core.offload import OffloadPipeline
 from mmcache.core.packing import BATCH_BYTES, LARGE_BATCH_BYTES
 from mmcache.core.policy import EvictionPolicy
-from mmcache.device import Device, Fence
+from mmcache.device import CopyPlan, Device, Fence
 from mmcache.errors import CacheClosedError
 from mmcache.host_pool import HostBlock
 
@@ -210,8 +210,8 @@ class Evictor:
                 if not ready.done() or ready.exception() is not None:
                     readies.append(ready)
         try:
-            fence = self._device.copy_d2h_batch(
-                srcs, pool.arena, offsets, after=readies, owned=True
+            fence = self._device.submit(
+                CopyPlan("d2h", srcs, into=pool.arena, offsets=offsets, after=readies, owned=True)
             )
         except Exception as e:
             # Refused at enqueue (e.g. no memory for a gather buffer, or a driver error):

@@ -137,7 +137,7 @@ class HostTier:
                 with contextlib.suppress(RuntimeError):  # the loop is closed: nobody uses it
                     loop.call_soon_threadsafe(grow)
 
-        future = self._device.host_arena_async(self.capacity, pinned)
+        future = self._device.host_arena(self.capacity, pinned)
 
         def arrived(f: concurrent.futures.Future[Any]) -> None:
             with contextlib.suppress(RuntimeError):

@@ -17,7 +17,7 @@ from mmcache.core.entry import Entry, State
 from mmcache.core.index import KeyIndex
 from mmcache.core.ledger import TierLedger
 from mmcache.core.quarantine import Quarantine
-from mmcache.device import Device, Fence
+from mmcache.device import DONE, Device, Fence
 from mmcache.host_pool import HostBlock
 from mmcache.waiting import FenceWatcher
 
@@ -82,7 +82,7 @@ class OffloadPipeline:
         self._urgent = urgent  # a put waits for room: watch at once, not late
         self._changed = changed  # the tiers' figures changed outside a landing
         self._copy_timeout = copy_timeout
-        self._done_fence = device.completed_fence()
+        self._done_fence = DONE
         self._loop: asyncio.AbstractEventLoop | None = None
         self._watcher: FenceWatcher | None = None
         # Every offload in flight (linked or already discarded) -> whether it is GPU-charged.

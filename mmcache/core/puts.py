@@ -22,7 +22,7 @@ from mmcache.core.offload import OffloadPipeline
 from mmcache.core.packing import BATCH_BYTES, GROUP_BELOW, Packings, group_spans, runs
 from mmcache.core.policy import EvictionPolicy
 from mmcache.core.producer_fences import ProducerFences
-from mmcache.device import Device, Fence, Stream
+from mmcache.device import CopyPlan, Device, Fence, NewCopyPlan, Stream
 from mmcache.device.base import feature_bytes
 from mmcache.errors import InvalidKeyError, InvalidValueError, ValueTooLargeError
 from mmcache.host_pool import HostBlock
@@ -463,12 +463,16 @@ class Puts:
         # Charging the budget for a view would under-count what it keeps alive: copy it
         # into storage of its own, ordered after the producer on the producer's stream.
         own = self._allocate(tuple(value.shape), value.dtype, stream)
-        return own, self._device.copy_d2d(value, own, stream)
+        return own, self._device.submit(CopyPlan("d2d", (value,), (own,), stream=stream))
 
     def _pack(self, values: list[torch.Tensor], stream: Stream) -> tuple[torch.Tensor, Fence]:
         """A group's values packed into one device tensor of the cache's own, on stream."""
         with self._counters.counting_oom():
-            return self._device.pack(values, stream)
+            packed, fence = self._device.submit(
+                NewCopyPlan("d2d", values, rows=True, stream=stream)
+            )
+        assert fence is not None  # a d2d copy always has one
+        return packed, fence
 
     def _allocate(
         self, shape: tuple[int, ...], dtype: torch.dtype, stream: Stream | None = None

@@ -19,7 +19,7 @@ from mmcache.core.ledger import TierLedger
 from mmcache.core.lifecycle import Lifecycle
 from mmcache.core.offload import OffloadPipeline
 from mmcache.core.policy import EvictionPolicy
-from mmcache.device import Device, Fence, Stream
+from mmcache.device import Device, Fence, NewCopyPlan, Stream
 from mmcache.errors import CopyFailedError, CopyTimeoutError, InvalidValueError
 from mmcache.host_copy import copy_host_bytes_in_slices
 from mmcache.waiting import wait_fences
@@ -204,8 +204,8 @@ class Reads:
         # bytes until it runs is the reader's tensor (get_or_compute's result, the only
         # holder once a discard releases the cache's alias) or the entry's reader list.
         src = tensor.detach() if span is None else tensor[span[0] : span[1]]
-        dst = self._device.host_empty(tuple(src.shape), src.dtype)
-        fence = self._device.copy_d2h(src, dst, after=[ready])
+        dst, fence = self._device.submit(NewCopyPlan("d2h", (src,), after=(ready,)))
+        assert fence is not None  # a download always has one
         if entry is not None:
             # A release of the tensor waits for this copy too.
             entry.add_device_reader(fence)
@@ -254,7 +254,7 @@ class Reads:
         1 MiB a turn, or, once a burst of reads repays waking them and unless they stalled
         lately, on torch's intra-op threads, 1 MiB per thread a turn.
         """
-        out = self._device.host_empty(tuple(view.shape), view.dtype)
+        out = self._device.empty(tuple(view.shape), view.dtype, host=True)
         await copy_host_bytes_in_slices(out, view)
         return out
 
@@ -306,10 +306,10 @@ class Reads:
         on_reader = not promote and src.nbytes < self.small_copy_bytes
         fence: Fence | None
         with self._counters.counting_oom():
-            if on_reader:
-                dst, fence = self._device.upload_on(src, shape, entry.dtype, stream, after)
-            else:
-                dst, fence = self._device.copy_h2d_new(src, shape, entry.dtype, after)
+            reader = stream if on_reader else None
+            dst, fence = self._device.submit(
+                NewCopyPlan("h2d", (src,), shape, entry.dtype, after=after, stream=reader)
+            )
         del src
         if not on_reader:
             assert fence is not None
@@ -331,7 +331,9 @@ class Reads:
             raise
         finally:
             # The caller's alias keeps it alive.
-            self._device.release(dst, after=self._device.after_copy(fence))
+            self._device.release(
+                dst, after=() if self._device.copies_keep_destinations else (fence,)
+            )
 
     def _upload_done(
         self, entries: Sequence[Entry], fence: Fence, nbytes: int, started: float

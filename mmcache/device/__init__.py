@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
-from mmcache.device.base import Device, Fence, Stream, storage_use_count
+from mmcache.device.base import DONE, Device, Fence, Stream, storage_use_count
+from mmcache.device.plan import Copied, CopyPlan, NewCopyPlan
 from mmcache.device.sim import SimDevice, SimFence, SimStream
 
 __all__ = [
+    "DONE",
+    "Copied",
+    "CopyPlan",
     "Device",
     "Fence",
+    "NewCopyPlan",
     "SimDevice",
     "SimFence",
     "SimStream",

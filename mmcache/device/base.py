@@ -10,18 +10,23 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import Any, Protocol, final
+from typing import Any, Protocol, final, overload
 
 import torch
 
+from mmcache.device.plan import Copied, CopyPlan, NewCopyPlan
 from mmcache.errors import InvalidValueError
 
 __all__ = [
+    "DONE",
     "AllFences",
+    "Copied",
+    "CopyPlan",
     "ArenaProgress",
     "DeferredFence",
     "Device",
     "Fence",
+    "NewCopyPlan",
     "Stream",
     "Views",
     "batch_order",
@@ -111,10 +116,11 @@ class Device(abc.ABC):
     #: (the simulator): then the cache awaits the fence before handing out data.
     stream_ordered_reads: bool
 
-    #: True when copy_h2d and copy_d2d themselves keep their destination's (and copy_d2d
-    #: its source's) memory from reuse until the copy is done (CUDA: record_stream on the
-    #: copy's stream), so dropping an alias at once is safe; False when release() must be
-    #: given the copy's fence (see after_copy).
+    #: True when submitted copies themselves keep their destinations' (and "d2d" copies
+    #: their sources') memory from reuse until done (CUDA: record_stream on the copy's
+    #: stream; allocation on it for a NewCopyPlan), so dropping an alias at once is safe;
+    #: False when release() must be given the copy's fence: release(t, after=() if
+    #: device.copies_keep_destinations else (fence,)).
     copies_keep_destinations: bool = False
 
     #: The CUDA device ordinal, on which CUDA IPC memory is opened and host memory
@@ -135,10 +141,6 @@ class Device(abc.ABC):
     def wait_on(self, stream: Stream, fence: Fence) -> None:
         """Make later work on stream wait for fence (no host synchronisation)."""
 
-    def completed_fence(self) -> Fence:
-        """A fence that is already done."""
-        return _DONE
-
     # --- memory -------------------------------------------------------------
 
     @abc.abstractmethod
@@ -149,42 +151,41 @@ class Device(abc.ABC):
     def adopt(self, tensor: torch.Tensor, stream: Stream) -> torch.Tensor:
         """Take ownership of a device tensor: return the cache's own alias of it."""
 
-    @abc.abstractmethod
     def empty(
-        self, shape: Sequence[int], dtype: torch.dtype, stream: Stream | None = None
+        self,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        stream: Stream | None = None,
+        *,
+        host: bool = False,
     ) -> torch.Tensor:
-        """Allocate an uninitialised device tensor owned by the cache, for use on stream."""
-
-    def host_empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        """A host tensor a caller will own, fit to receive an asynchronous copy."""
-        return torch.empty(tuple(shape), dtype=dtype)
+        """Allocate an uninitialised device tensor owned by the cache, for use on stream;
+        with host, a host tensor the caller will own, fit to receive an asynchronous copy."""
+        if host:
+            return torch.empty(tuple(shape), dtype=dtype)
+        return self._empty(shape, dtype, stream)
 
     def one_pinned_range(self, host: torch.Tensor) -> bool:
         """Whether a host tensor of the arena lies in one pinned range, so that one device
         copy may read or write it whole (the driver refuses a copy over two registrations)."""
         return True
 
-    def after_copy(self, fence: Fence) -> tuple[Fence, ...]:
-        """The fences a release() of a tensor this device's copy (fence) reads or writes
-        must wait for: none where the copy keeps its memory until done."""
-        return () if self.copies_keep_destinations else (fence,)
-
     @abc.abstractmethod
     def release(self, tensor: torch.Tensor, after: Sequence[Fence]) -> None:
-        """Give back the cache's alias of device memory once every fence in after is done."""
+        """Give back the cache's alias of device memory once every fence in after is done.
 
-    @abc.abstractmethod
-    def host_arena(self, nbytes: int) -> torch.Tensor:
-        """Allocate the host arena once (pinned on CUDA): a flat uint8 tensor."""
+        Where copies_keep_destinations is False, after must hold the fence of any copy
+        still reading or writing it (True: a copy keeps its own operands until done)."""
 
     #: When the arena is made of separately pinned chunks, a block must not
     #: straddle two of them (one copy cannot span two registrations).
     arena_chunk_bytes: int | None = None
 
-    def host_arena_async(
+    def host_arena(
         self, nbytes: int, on_pinned: ArenaProgress | None = None
     ) -> Future[torch.Tensor]:
-        """Allocate the host arena in the background (pinning is slow); default: at once.
+        """Allocate the host arena once (pinned on CUDA), a flat uint8 tensor, in the
+        background where pinning is slow; this default makes it at once.
 
         A device that pins the arena piece by piece calls on_pinned(arena, ready), from its
         pinning thread, each time the arena's first ready bytes are pinned, so that they
@@ -192,7 +193,7 @@ class Device(abc.ABC):
         """
         future: Future[torch.Tensor] = Future()
         try:
-            future.set_result(self.host_arena(nbytes))
+            future.set_result(self._host_arena(nbytes))
         except BaseException as e:  # handed to whoever waits on the future
             future.set_exception(e)
         return future
@@ -203,188 +204,95 @@ class Device(abc.ABC):
     #: Said after the device's name in errors, where its tensors report another device.
     tensor_note: str = ""
 
-    #: True if poison_host overwrites freed host blocks (the simulator), so that callers
-    #: skip building a view for nothing on devices that do not.
+    #: True if poison_host overwrites host bytes (the simulator), so that callers skip
+    #: building a view for nothing on devices that do not.
     poisons_host: bool = False
 
-    def poison_host(self, view: torch.Tensor) -> None:  # noqa: B027 - optional hook
-        """Overwrite a freed host block (the simulator poisons it; CUDA does nothing)."""
+    def poison_host(  # noqa: B027 - optional hook
+        self, host: torch.Tensor, start: int = 0, stop: int | None = None, *, unused: bool = False
+    ) -> None:
+        """Overwrite bytes start..stop (default: all) of a host tensor, freed or fresh, so
+        that an early reader sees poison, never plausible data (the simulator; CUDA does
+        nothing).
 
-    def hand_out_host(self, arena: torch.Tensor, start: int, stop: int) -> None:  # noqa: B027
-        """Bytes start..stop of a host arena are about to be handed out (with poisons_host).
-
-        The simulator poisons arena pages here, on first use, rather than all at once when
-        the arena is made: a production-sized arena then costs memory only as it is used.
+        unused: host is a host arena whose bytes start..stop are about to be handed out;
+        only the pages no block used before are poisoned (the simulator poisons an arena
+        on first use rather than all at once when made: a production-sized arena then
+        costs memory only as it is used).
         """
 
     # --- copies (queued on the device's copy streams) -------------------------
 
-    @abc.abstractmethod
-    def copy_d2h(self, src: torch.Tensor, dst: torch.Tensor, after: Sequence[Fence]) -> Fence:
-        """Queue src (device) -> dst (host, same byte size) after the fences; return its fence."""
+    @overload
+    def submit(self, plan: CopyPlan) -> Fence: ...
 
-    @abc.abstractmethod
-    def copy_h2d(self, src: torch.Tensor, dst: torch.Tensor, after: Sequence[Fence]) -> Fence:
-        """Queue src (host) -> dst (device, same byte size) after the fences; return its fence."""
+    @overload
+    def submit(self, plan: NewCopyPlan) -> Copied: ...
 
-    def copy_h2d_new(
-        self, src: torch.Tensor, shape: Sequence[int], dtype: torch.dtype, after: Sequence[Fence]
-    ) -> tuple[torch.Tensor, Fence]:
-        """A new device tensor of shape and dtype filled from src (host, same byte size)
-        after the fences: empty() then copy_h2d(), as one step a device may make cheaper."""
-        dst = self.empty(shape, dtype)
-        try:
-            return dst, self.copy_h2d(src, dst, after)
-        except BaseException:
-            self.release(dst, after=())  # nothing was queued: nothing reads it
-            raise
-
-    def upload_on(
-        self,
-        src: torch.Tensor,
-        shape: Sequence[int],
-        dtype: torch.dtype,
-        stream: Stream,
-        after: Sequence[Fence],
-    ) -> tuple[torch.Tensor, Fence | None]:
-        """A new device tensor of shape and dtype filled from src (host) for a reader on
-        stream, after the fences; copied on stream itself where the device can.
-
-        Returns the tensor and the fence readers must still order after, or None where the
-        copy is queued on stream, stream order alone covers it and the tensor is the
-        caller's (nothing to release). Either way the copy reads src until work queued on
-        stream so far is done: a fence recorded on stream later covers that read. This
-        default copies on the H2D stream (copy_h2d_new) and returns its fence.
-        """
-        return self.copy_h2d_new(src, shape, dtype, after)
-
-    def upload_packed_on(
-        self,
-        srcs: Sequence[torch.Tensor],
-        offsets: Sequence[int],
-        nbytes: int,
-        stream: Stream,
-        after: Sequence[Fence],
-    ) -> tuple[torch.Tensor, Fence | None]:
-        """upload_on for several host sources (flat bytes) packed into one new flat uint8
-        device buffer of nbytes, each at its offset: one allocation, one ordering.
-
-        Returns the buffer and the fence of its copies, or None as upload_on does. This
-        default copies on the H2D stream (copy_h2d_many) and returns its fence.
-        """
-        buffer = self.empty((nbytes,), torch.uint8)
-        dsts = [buffer[o : o + src.numel()] for src, o in zip(srcs, offsets, strict=True)]
-        try:
-            return buffer, self.copy_h2d_many(srcs, dsts, after)
-        except BaseException:
-            del dsts
-            self.release(buffer, after=())  # nothing was queued: nothing reads it
-            raise
-
-    def copy_h2d_many(
-        self, srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], after: Sequence[Fence]
-    ) -> Fence:
-        """Queue srcs[i] (host) -> dsts[i] (device, same byte size) after the fences, behind
-        one fence that fails if any copy fails: the host hits of one batch read."""
-        fences = [self.copy_h2d(src, dst, after) for src, dst in zip(srcs, dsts, strict=True)]
-        return fences[0] if len(fences) == 1 else AllFences(fences)
-
-    def copy_d2h_batch(
-        self,
-        srcs: Sequence[torch.Tensor],
-        host: torch.Tensor,
-        offsets: Sequence[int],
-        after: Sequence[Fence],
-        *,
-        owned: bool = False,
-    ) -> Fence:
-        """Queue copies of srcs (device, contiguous) into host's bytes at offsets, after
-        the fences, behind one fence that fails if any copy fails.
-
-        host is a flat uint8 host tensor (the arena); the byte ranges must not overlap.
-        Unlike copy_d2h, the caller keeps every source alive until the fence is done: a
-        batch is many small features, and per-source allocator bookkeeping adds up.
-        Batches complete in the order queued (one copy stream): the cache handles
-        landings oldest first and has only the oldest one watched.
-
-        owned: the sources are the cache's own aliases (whole, contiguous tensors of this
-        device with no lazy conjugate or negation, checked at put) and the ranges are its
-        host pool's blocks, which never overlap; a device may then skip checking each
-        source and the ranges' overlap again (not their bounds).
-        """
-        fences = [
-            self.copy_d2h(src, host[offset : offset + src.nbytes], after)
-            for offset, src in batch_order(srcs, host, offsets)
-        ]
-        return fences[0] if len(fences) == 1 else AllFences(fences)
-
-    @abc.abstractmethod
-    def copy_d2d(self, src: torch.Tensor, dst: torch.Tensor, stream: Stream) -> Fence:
-        """Queue src -> dst on stream (compaction of views at put); return its fence."""
-
-    def copy_d2d_many(
-        self,
-        pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
-        stream: Stream,
-        *,
-        dsts_held: bool = False,
-    ) -> Fence:
-        """Queue each src -> dst of pairs on stream; one fence, failed if any copy fails.
-
-        The copies may run in any order among themselves: no pair may read or write bytes
-        that another pair writes.
-
-        dsts_held: the caller keeps every destination valid until the fence is done (memory
-        outside the device's allocator, such as the IPC pool), so a device may skip keeping
-        them for the copies.
-        """
-        fences = [self.copy_d2d(src, dst, stream) for src, dst in pairs]
-        return fences[0] if len(fences) == 1 else AllFences(fences)
-
-    def copy_d2d_into(
-        self,
-        srcs: Sequence[torch.Tensor],
-        dst: torch.Tensor,
-        offsets: Sequence[int],
-        stream: Stream,
-        views: Views | None = None,
-    ) -> Fence:
-        """Queue each of srcs (this device, any layout) into the bytes of dst (a flat uint8
-        tensor of this device, kept valid by the caller until the fence is done, as the IPC
-        pool) at offsets, on stream; one fence. The ranges written may not overlap each
-        other or the sources (the copies may run in any order). views(offset, shape,
-        dtype) makes a typed destination where a copy needs one (default: a slice of dst
-        viewed as it)."""
-        check_flat_destination(srcs, dst, offsets)
-        pairs = destination_pairs(srcs, dst, offsets, views)
-        return self.copy_d2d_many(pairs, stream, dsts_held=True)
-
-    def copy_d2d_new(self, src: torch.Tensor, stream: Stream) -> tuple[torch.Tensor, Fence]:
-        """A new device tensor of src's shape and dtype, allocated for stream and filled from
-        src (this device, contiguous) on stream: empty() then copy_d2d(), as one step a
-        device may make cheaper. The caller keeps src valid until the fence is done."""
-        dst = self.empty(src.shape, src.dtype, stream)
-        try:
-            return dst, self.copy_d2d(src, dst, stream)
-        except BaseException:
-            self.release(dst, after=())  # nothing was queued: nothing reads it
-            raise
-
-    def pack(self, srcs: Sequence[torch.Tensor], stream: Stream) -> tuple[torch.Tensor, Fence]:
-        """A new device tensor holding srcs' rows back to back, filled on stream.
-
-        srcs share dtype and the shape after their first dimension (views welcome). The
-        copies are ordered after earlier work on stream; the caller keeps the sources
-        referenced until the fence (the copies', failed if any of them fails) is done.
-        """
-        packed = self.empty(packed_shape(srcs), srcs[0].dtype, stream)
-        fences = []
-        start = 0
-        for src in srcs:
-            stop = start + src.shape[0]
-            fences.append(self.copy_d2d(src, packed[start:stop], stream))
-            start = stop
-        return packed, fences[0] if len(fences) == 1 else AllFences(fences)
+    def submit(self, plan: CopyPlan | NewCopyPlan) -> Fence | Copied:
+        """Queue the copies plan describes, routed by its direction (see CopyPlan and
+        NewCopyPlan): a CopyPlan's fence, or a NewCopyPlan's new tensor and fence."""
+        direction = plan.direction
+        srcs = plan.srcs
+        if type(plan) is CopyPlan:
+            into = plan.into
+            if direction == "d2h" and plan.stream is None:
+                if into is not None:
+                    return self._copy_d2h_batch(
+                        srcs, into, plan.offsets, plan.after, owned=plan.owned
+                    )
+                if len(srcs) == 1:
+                    return self._copy_d2h(srcs[0], plan.dsts[0], plan.after)
+                return _all(
+                    [
+                        self._copy_d2h(src, dst, plan.after)
+                        for src, dst in zip(srcs, plan.dsts, strict=True)
+                    ]
+                )
+            if direction == "h2d" and plan.stream is None:
+                dsts = plan.dsts if into is None else _slices(srcs, into, plan.offsets)
+                if len(srcs) == 1:
+                    return self._copy_h2d(srcs[0], dsts[0], plan.after)
+                return self._copy_h2d_many(srcs, dsts, plan.after)
+            if direction == "d2d" and plan.stream is not None:
+                stream = plan.stream
+                for fence in plan.after:
+                    self.wait_on(stream, fence)
+                if into is not None:
+                    return self._copy_d2d_into(srcs, into, plan.offsets, stream, plan.views)
+                if len(srcs) == 1 and not plan.dsts_held:
+                    return self._copy_d2d(srcs[0], plan.dsts[0], stream)
+                pairs = list(zip(srcs, plan.dsts, strict=True))
+                return self._copy_d2d_many(pairs, stream, dsts_held=plan.dsts_held)
+            raise _bad_plan(plan)
+        if type(plan) is not NewCopyPlan:
+            raise InvalidValueError(f"submit takes a CopyPlan or NewCopyPlan, not {plan!r}")
+        stream = plan.stream
+        if direction == "h2d":
+            if plan.offsets:
+                if plan.shape is None or len(plan.shape) != 1:
+                    raise InvalidValueError("a packed NewCopyPlan needs shape (nbytes,)")
+                nbytes = plan.shape[0]
+                if stream is not None:
+                    return self._upload_packed_on(srcs, plan.offsets, nbytes, stream, plan.after)
+                return self._copy_h2d_packed(srcs, plan.offsets, nbytes, plan.after)
+            src = _one(srcs)
+            shape = src.shape if plan.shape is None else plan.shape
+            dtype = src.dtype if plan.dtype is None else plan.dtype
+            if stream is not None:
+                return self._upload_on(src, shape, dtype, stream, plan.after)
+            return self._copy_h2d_new(src, shape, dtype, plan.after)
+        if direction == "d2h" and stream is None:
+            src = _one(srcs)
+            dst = self.empty(tuple(src.shape), src.dtype, host=True)
+            return dst, self._copy_d2h(src, dst, plan.after)
+        if direction == "d2d" and stream is not None:
+            for fence in plan.after:
+                self.wait_on(stream, fence)
+            if plan.rows:
+                return self._pack(srcs, stream)
+            return self._copy_d2d_new(_one(srcs), stream)
+        raise _bad_plan(plan)
 
     # --- lifecycle ------------------------------------------------------------
 
@@ -400,6 +308,188 @@ class Device(abc.ABC):
     def describe(self) -> dict[str, Any]:
         """A few facts about the device for logs and benchmark tables."""
         return {"name": self.name}
+
+    # --- what a device implements: memory and copies behind the verbs above -----------
+
+    @abc.abstractmethod
+    def _empty(
+        self, shape: Sequence[int], dtype: torch.dtype, stream: Stream | None
+    ) -> torch.Tensor:
+        """empty() of device memory: allocate for use on stream (None: the device's choice)."""
+
+    @abc.abstractmethod
+    def _host_arena(self, nbytes: int) -> torch.Tensor:
+        """Allocate the host arena at once: a flat uint8 tensor of nbytes."""
+
+    @abc.abstractmethod
+    def _copy_d2h(self, src: torch.Tensor, dst: torch.Tensor, after: Sequence[Fence]) -> Fence:
+        """Queue src (device) -> dst (host, same byte size) after the fences; return its fence."""
+
+    @abc.abstractmethod
+    def _copy_h2d(self, src: torch.Tensor, dst: torch.Tensor, after: Sequence[Fence]) -> Fence:
+        """Queue src (host) -> dst (device, same byte size) after the fences; return its fence."""
+
+    @abc.abstractmethod
+    def _copy_d2d(self, src: torch.Tensor, dst: torch.Tensor, stream: Stream) -> Fence:
+        """Queue src -> dst on stream (compaction of views at put); return its fence."""
+
+    def _copy_h2d_new(
+        self, src: torch.Tensor, shape: Sequence[int], dtype: torch.dtype, after: Sequence[Fence]
+    ) -> tuple[torch.Tensor, Fence]:
+        """A new device tensor of shape and dtype filled from src (host, same byte size)
+        after the fences: empty() then a copy, as one step a device may make cheaper."""
+        dst = self._empty(shape, dtype, None)
+        try:
+            return dst, self._copy_h2d(src, dst, after)
+        except BaseException:
+            self.release(dst, after=())  # nothing was queued: nothing reads it
+            raise
+
+    def _upload_on(
+        self,
+        src: torch.Tensor,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        stream: Stream,
+        after: Sequence[Fence],
+    ) -> tuple[torch.Tensor, Fence | None]:
+        """NewCopyPlan "h2d" with a stream (see there). This default copies on the H2D
+        stream (_copy_h2d_new) and returns its fence."""
+        return self._copy_h2d_new(src, shape, dtype, after)
+
+    def _upload_packed_on(
+        self,
+        srcs: Sequence[torch.Tensor],
+        offsets: Sequence[int],
+        nbytes: int,
+        stream: Stream,
+        after: Sequence[Fence],
+    ) -> tuple[torch.Tensor, Fence | None]:
+        """_upload_on for several host sources (flat bytes) packed into one new flat uint8
+        device buffer of nbytes, each at its offset. This default copies on the H2D stream
+        (_copy_h2d_packed) and returns its fence."""
+        return self._copy_h2d_packed(srcs, offsets, nbytes, after)
+
+    def _copy_h2d_packed(
+        self,
+        srcs: Sequence[torch.Tensor],
+        offsets: Sequence[int],
+        nbytes: int,
+        after: Sequence[Fence],
+    ) -> tuple[torch.Tensor, Fence]:
+        """Several host sources (flat bytes) into one new flat uint8 device buffer of
+        nbytes, each at its offset, on the H2D stream (_copy_h2d_many)."""
+        buffer = self._empty((nbytes,), torch.uint8, None)
+        dsts = [buffer[o : o + src.numel()] for src, o in zip(srcs, offsets, strict=True)]
+        try:
+            return buffer, self._copy_h2d_many(srcs, dsts, after)
+        except BaseException:
+            del dsts
+            self.release(buffer, after=())  # nothing was queued: nothing reads it
+            raise
+
+    def _copy_h2d_many(
+        self, srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], after: Sequence[Fence]
+    ) -> Fence:
+        """Queue srcs[i] (host) -> dsts[i] (device, same byte size) after the fences, behind
+        one fence that fails if any copy fails: the host hits of one batch read."""
+        return _all([self._copy_h2d(src, dst, after) for src, dst in zip(srcs, dsts, strict=True)])
+
+    def _copy_d2h_batch(
+        self,
+        srcs: Sequence[torch.Tensor],
+        host: torch.Tensor,
+        offsets: Sequence[int],
+        after: Sequence[Fence],
+        *,
+        owned: bool = False,
+    ) -> Fence:
+        """CopyPlan "d2h" into host (a flat uint8 host tensor, the arena) at offsets, behind
+        one fence that fails if any copy fails (see CopyPlan). Batches complete in the order
+        queued (one copy stream): the cache handles landings oldest first and has only the
+        oldest one watched."""
+        return _all(
+            [
+                self._copy_d2h(src, host[offset : offset + src.nbytes], after)
+                for offset, src in batch_order(srcs, host, offsets)
+            ]
+        )
+
+    def _copy_d2d_many(
+        self,
+        pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        stream: Stream,
+        *,
+        dsts_held: bool = False,
+    ) -> Fence:
+        """Queue each src -> dst of pairs on stream; one fence, failed if any copy fails
+        (dsts_held: see CopyPlan)."""
+        return _all([self._copy_d2d(src, dst, stream) for src, dst in pairs])
+
+    def _copy_d2d_into(
+        self,
+        srcs: Sequence[torch.Tensor],
+        dst: torch.Tensor,
+        offsets: Sequence[int],
+        stream: Stream,
+        views: Views | None = None,
+    ) -> Fence:
+        """CopyPlan "d2d" into dst (a flat uint8 tensor of this device, kept valid by the
+        caller until the fence is done, as the IPC pool) at offsets, on stream; one fence."""
+        check_flat_destination(srcs, dst, offsets)
+        pairs = destination_pairs(srcs, dst, offsets, views)
+        return self._copy_d2d_many(pairs, stream, dsts_held=True)
+
+    def _copy_d2d_new(self, src: torch.Tensor, stream: Stream) -> tuple[torch.Tensor, Fence]:
+        """A new device tensor of src's shape and dtype, allocated for stream and filled from
+        src (this device, contiguous) on stream: empty then a copy, as one step a device
+        may make cheaper. The caller keeps src valid until the fence is done."""
+        dst = self._empty(src.shape, src.dtype, stream)
+        try:
+            return dst, self._copy_d2d(src, dst, stream)
+        except BaseException:
+            self.release(dst, after=())  # nothing was queued: nothing reads it
+            raise
+
+    def _pack(self, srcs: Sequence[torch.Tensor], stream: Stream) -> tuple[torch.Tensor, Fence]:
+        """A new device tensor holding srcs' rows back to back, filled on stream (see
+        NewCopyPlan "d2d" with rows)."""
+        packed = self._empty(packed_shape(srcs), srcs[0].dtype, stream)
+        fences = []
+        start = 0
+        for src in srcs:
+            stop = start + src.shape[0]
+            fences.append(self._copy_d2d(src, packed[start:stop], stream))
+            start = stop
+        return packed, _all(fences)
+
+
+def _all(fences: list[Fence]) -> Fence:
+    """One fence for the copies: the one, or all of them."""
+    return fences[0] if len(fences) == 1 else AllFences(fences)
+
+
+def _one(srcs: Sequence[torch.Tensor]) -> torch.Tensor:
+    if len(srcs) != 1:
+        raise InvalidValueError(f"this NewCopyPlan copies one source, not {len(srcs)}")
+    return srcs[0]
+
+
+def _slices(
+    srcs: Sequence[torch.Tensor], into: torch.Tensor, offsets: Sequence[int]
+) -> list[torch.Tensor]:
+    """Each source's destination: into's bytes at its offset."""
+    return [into[o : o + src.nbytes] for src, o in zip(srcs, offsets, strict=True)]
+
+
+def _bad_plan(plan: CopyPlan | NewCopyPlan) -> InvalidValueError:
+    if plan.direction not in ("h2d", "d2h", "d2d"):
+        return InvalidValueError(f"copy direction must be h2d, d2h or d2d, not {plan.direction!r}")
+    if plan.direction == "d2d":
+        return InvalidValueError("a d2d copy needs the stream it runs on")
+    return InvalidValueError(
+        f"{plan.direction} copies run on the device's copy stream: no stream for them"
+    )
 
 
 class AllFences(Fence):
@@ -513,7 +603,8 @@ class _CompletedFence(Fence):
         return True
 
 
-_DONE = _CompletedFence()
+#: A fence that is already done.
+DONE: Fence = _CompletedFence()
 
 
 def packed_shape(srcs: Sequence[torch.Tensor]) -> tuple[int, ...]:
@@ -537,14 +628,15 @@ def feature_bytes(device: Device, value: object, caller: str) -> int:
 def batch_order(
     srcs: Sequence[torch.Tensor], host: torch.Tensor, offsets: Sequence[int]
 ) -> list[tuple[int, torch.Tensor]]:
-    """copy_d2h_batch's (offset, source) pairs in host order, its arguments checked."""
+    """A "d2h" CopyPlan into a host tensor as (offset, source) pairs in host order, its
+    arguments checked."""
     if not srcs:
-        raise InvalidValueError("copy_d2h_batch needs at least one source")
+        raise InvalidValueError("a d2h copy into a host tensor needs at least one source")
     if len(srcs) != len(offsets):
         raise InvalidValueError(f"{len(srcs)} sources but {len(offsets)} offsets")
     if host.device.type != "cpu" or host.dtype != torch.uint8 or host.dim() != 1:
         raise InvalidValueError(
-            f"copy_d2h_batch writes into a flat uint8 host tensor, not a {host.dtype} "
+            f"a d2h copy writes into a flat uint8 host tensor, not a {host.dtype} "
             f"tensor of shape {tuple(host.shape)} on {host.device}"
         )
     # Offloads allocate blocks front to back, so this is mostly sorted already (linear).
@@ -567,11 +659,12 @@ def batch_order(
 def check_flat_destination(
     srcs: Sequence[torch.Tensor], dst: torch.Tensor, offsets: Sequence[int]
 ) -> None:
-    """copy_d2d_into's arguments: a flat uint8 destination, each source's bytes inside it."""
+    """A "d2d" CopyPlan into a flat tensor: a flat uint8 destination, each source's bytes
+    inside it."""
     if dst.dtype != torch.uint8 or dst.dim() != 1 or not dst.is_contiguous():
         raise InvalidValueError(
-            f"copy_d2d_into writes into a flat uint8 tensor, not a {dst.dtype} tensor of "
-            f"shape {tuple(dst.shape)}"
+            f"a d2d copy into a tensor writes into a flat uint8 tensor, not a {dst.dtype} "
+            f"tensor of shape {tuple(dst.shape)}"
         )
     if len(srcs) != len(offsets):
         raise InvalidValueError(f"{len(srcs)} sources but {len(offsets)} offsets")
@@ -587,7 +680,7 @@ def check_flat_destination(
 def destination_pairs(
     srcs: Sequence[torch.Tensor], dst: torch.Tensor, offsets: Sequence[int], views: Views | None
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """copy_d2d_into's copies as (source, typed destination) pairs, for copy_d2d_many: each
+    """A "d2d" CopyPlan into a flat tensor as (source, typed destination) pairs: each
     destination made by views (default: a slice of dst viewed as the source's dtype)."""
     make = views if views is not None else functools.partial(typed_view, dst)
     return [

@@ -163,7 +163,7 @@ class CudaDevice(Device):
                             part = rows.reshape(-1) if dims == 1 else rows.flatten(0, 3 - dims)
                             torch.cat([part, part, part])
                         # A contiguous copy is a plain memcpy; a strided source (as
-                        # copy_d2d may get) runs torch's copy kernel.
+                        # a d2d CopyPlan may get) runs torch's copy kernel.
                         rows[0].transpose(0, 1).contiguous()
                 torch.empty(PAGE, dtype=torch.uint8, pin_memory=True)
                 # Only the streams used here: a device-wide wait would also wait for (or
@@ -182,7 +182,7 @@ class CudaDevice(Device):
 
     @property
     def background_pinning(self) -> bool:
-        """Whether host_arena_async pins on a background thread."""
+        """Whether host_arena pins on a background thread."""
         return self._arena.background_pinning
 
     @property
@@ -251,14 +251,24 @@ class CudaDevice(Device):
         return self._memory.adopt(tensor)
 
     def empty(
-        self, shape: Sequence[int], dtype: torch.dtype, stream: Stream | None = None
+        self,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        stream: Stream | None = None,
+        *,
+        host: bool = False,
     ) -> torch.Tensor:
-        """Allocate on this GPU from the pool of stream (default: the H2D copy stream)."""
+        """Allocate on this GPU from the pool of stream (default: the H2D copy stream); a
+        host tensor is pinned, so a download into it is asynchronous (a pageable one blocks
+        the loop)."""
+        if host:
+            return self._memory.host_empty(shape, dtype)
         return self._memory.empty(shape, dtype, stream)
 
-    def host_empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        """Pinned, so a download into it is asynchronous (a pageable one blocks the loop)."""
-        return self._memory.host_empty(shape, dtype)
+    def _empty(
+        self, shape: Sequence[int], dtype: torch.dtype, stream: Stream | None
+    ) -> torch.Tensor:
+        return self._memory.empty(shape, dtype, stream)
 
     def use_on(self, tensor: torch.Tensor, stream: Stream) -> None:
         """record_stream: the allocator keeps tensor's block until stream's queued work is done."""
@@ -268,17 +278,18 @@ class CudaDevice(Device):
         """Drop the cache's alias once every fence in after is done."""
         self._memory.release(tensor, after)
 
-    def host_arena(self, nbytes: int) -> torch.Tensor:
+    def _host_arena(self, nbytes: int) -> torch.Tensor:
         """Allocate and pin the host arena, once: a flat uint8 tensor of nbytes."""
         return self._arena.host_arena(nbytes)
 
-    def host_arena_async(
+    def host_arena(
         self, nbytes: int, on_pinned: ArenaProgress | None = None
     ) -> concurrent.futures.Future[torch.Tensor]:
-        """Pin the host arena on a background thread (pinning is slow): a future of
-        host_arena(); a "register" arena reports each chunk pinned to on_pinned."""
+        """Pin the host arena on a background thread (pinning is slow), unless
+        background_pinning is off; a "register" arena reports each chunk pinned to
+        on_pinned."""
         if not self._arena.background_pinning:
-            return super().host_arena_async(nbytes, on_pinned)
+            return super().host_arena(nbytes, on_pinned)
         return self._arena.host_arena_async(nbytes, on_pinned)
 
     def one_pinned_range(self, host: torch.Tensor) -> bool:
@@ -287,21 +298,21 @@ class CudaDevice(Device):
 
     # --- copies -------------------------------------------------------------
 
-    def copy_d2h(self, src: torch.Tensor, dst: torch.Tensor, after: Sequence[Fence]) -> CudaFence:
+    def _copy_d2h(self, src: torch.Tensor, dst: torch.Tensor, after: Sequence[Fence]) -> CudaFence:
         """Queue src (this GPU) -> dst (pinned host) on the D2H stream after the fences."""
         return self._copies.copy_d2h(src, dst, after)
 
-    def copy_h2d(self, src: torch.Tensor, dst: torch.Tensor, after: Sequence[Fence]) -> CudaFence:
+    def _copy_h2d(self, src: torch.Tensor, dst: torch.Tensor, after: Sequence[Fence]) -> CudaFence:
         """Queue src (pinned host) -> dst (this GPU) on the H2D stream after the fences."""
         return self._copies.copy_h2d(src, dst, after)
 
-    def copy_h2d_new(
+    def _copy_h2d_new(
         self, src: torch.Tensor, shape: Sequence[int], dtype: torch.dtype, after: Sequence[Fence]
     ) -> tuple[torch.Tensor, CudaFence]:
         """A new tensor filled from src: allocated and copied in one switch to the H2D stream."""
         return self._copies.copy_h2d_new(src, shape, dtype, after)
 
-    def upload_on(
+    def _upload_on(
         self,
         src: torch.Tensor,
         shape: Sequence[int],
@@ -313,7 +324,7 @@ class CudaDevice(Device):
         with no event, stream switch or record_stream of ours."""
         return self._copies.upload_on(src, shape, dtype, stream, after), None
 
-    def upload_packed_on(
+    def _upload_packed_on(
         self,
         srcs: Sequence[torch.Tensor],
         offsets: Sequence[int],
@@ -321,20 +332,20 @@ class CudaDevice(Device):
         stream: Stream,
         after: Sequence[Fence],
     ) -> tuple[torch.Tensor, None]:
-        """One buffer allocated and filled on the reader's stream, as upload_on does."""
+        """One buffer allocated and filled on the reader's stream, as _upload_on does."""
         return self._copies.upload_packed_on(srcs, offsets, nbytes, stream, after), None
 
-    def copy_h2d_many(
+    def _copy_h2d_many(
         self, srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], after: Sequence[Fence]
     ) -> CudaFence:
-        """copy_h2d of several pairs: one ordering on the H2D stream, one fence for all."""
+        """Several host-to-device pairs: one ordering on the H2D stream, one fence for all."""
         return self._copies.copy_h2d_many(srcs, dsts, after)
 
-    def copy_d2d(self, src: torch.Tensor, dst: torch.Tensor, stream: Stream) -> CudaFence:
+    def _copy_d2d(self, src: torch.Tensor, dst: torch.Tensor, stream: Stream) -> CudaFence:
         """Queue src -> dst (both on this GPU; src may be strided) on stream."""
         return self._copies.copy_d2d(src, dst, stream)
 
-    def copy_d2d_many(
+    def _copy_d2d_many(
         self,
         pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
         stream: Stream,
@@ -345,7 +356,7 @@ class CudaDevice(Device):
         record_stream for the destinations, which the caller keeps)."""
         return self._copies.copy_d2d_many(pairs, stream, dsts_held=dsts_held)
 
-    def copy_d2d_into(
+    def _copy_d2d_into(
         self,
         srcs: Sequence[torch.Tensor],
         dst: torch.Tensor,
@@ -357,15 +368,15 @@ class CudaDevice(Device):
         gather kernel, other dense sources by one driver batch where it has them."""
         return self._copies.copy_d2d_into(srcs, dst, offsets, stream, views)
 
-    def copy_d2d_new(self, src: torch.Tensor, stream: Stream) -> tuple[torch.Tensor, CudaFence]:
+    def _copy_d2d_new(self, src: torch.Tensor, stream: Stream) -> tuple[torch.Tensor, CudaFence]:
         """A new tensor filled from src: allocated and copied in one switch to stream."""
         return self._copies.copy_d2d_new(src, stream)
 
-    def pack(self, srcs: Sequence[torch.Tensor], stream: Stream) -> tuple[torch.Tensor, CudaFence]:
+    def _pack(self, srcs: Sequence[torch.Tensor], stream: Stream) -> tuple[torch.Tensor, CudaFence]:
         """srcs' rows back to back in a new tensor: one torch.cat kernel on stream."""
         return self._copies.pack(srcs, stream)
 
-    def copy_d2h_batch(
+    def _copy_d2h_batch(
         self,
         srcs: Sequence[torch.Tensor],
         host: torch.Tensor,

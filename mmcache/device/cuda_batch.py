@@ -98,7 +98,7 @@ class BatchedCopies:
         nothing through the driver), and so does every batch once the driver has refused
         one. The caller keeps the sources alive until the fence is done.
 
-        owned (the cache's own sources, see Device.copy_d2h_batch): a batch of sources
+        owned (the cache's own sources, see CopyPlan "d2h" into): a batch of sources
         that need no gather goes to the driver as it is, each range only bounds-checked.
         """
         self._copies.check_open()
@@ -154,7 +154,7 @@ class BatchedCopies:
         copies, fewer than driver_min_runs sources, a target outside the arena, or a source
         small enough to be gathered with its neighbours).
 
-        The sources were checked at put (see Device.copy_d2h_batch): checking each again
+        The sources were checked at put (see CopyPlan "d2h" into): checking each again
         here would cost the loop host time per feature, and the sort and runs as much.
         """
         arena = self._arena

@@ -360,7 +360,7 @@ class CudaCopies:
         views: Views | None = None,
     ) -> CudaFence:
         """Queue srcs into dst's bytes at offsets on stream behind one fence (see
-        Device.copy_d2d_into): sources alike and destined back to back (a request's
+        CopyPlan "d2d" into): sources alike and destined back to back (a request's
         features) by one gather kernel; other dense ones by one driver batch, naming
         addresses (no destination views), where the driver has batched copies; else view
         by view."""

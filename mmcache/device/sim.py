@@ -22,6 +22,7 @@ from typing import Any, Literal
 import torch
 
 from mmcache.device.base import (
+    DONE,
     AllFences,
     ArenaProgress,
     Device,
@@ -204,7 +205,7 @@ class SimDevice(Device):
         s = self._as_sim_stream(stream)
         with self._cond:
             if not s.ops:
-                return self.completed_fence()
+                return DONE
             return self._enqueue(s, [], None).fence
 
     def wait_on(self, stream: Stream, fence: Fence) -> None:
@@ -283,8 +284,8 @@ class SimDevice(Device):
                 self._allocated_bytes += nbytes
         return alias
 
-    def empty(
-        self, shape: Sequence[int], dtype: torch.dtype, stream: Stream | None = None
+    def _empty(
+        self, shape: Sequence[int], dtype: torch.dtype, stream: Stream | None
     ) -> torch.Tensor:
         with self._cond:
             if self._take_fault("alloc_fails"):
@@ -334,15 +335,15 @@ class SimDevice(Device):
             else:
                 self._try_recycle(key, alloc)
 
-    def host_arena(self, nbytes: int) -> torch.Tensor:
+    def _host_arena(self, nbytes: int) -> torch.Tensor:
         return self._arenas.host_arena(nbytes)
 
-    def host_arena_async(
+    def host_arena(
         self, nbytes: int, on_pinned: ArenaProgress | None = None
     ) -> Future[torch.Tensor]:
         """At once; with pin_chunk_s > 0, chunk by chunk on a thread, as CUDA pins it."""
         if self._arenas.pin_chunk_s == 0 or nbytes == 0:
-            return super().host_arena_async(nbytes, on_pinned)
+            return super().host_arena(nbytes, on_pinned)
         return self._arenas.pin_async(nbytes, on_pinned)
 
     @property
@@ -350,11 +351,15 @@ class SimDevice(Device):
         """Bytes of this device's host arenas pinned now (0 once closed)."""
         return self._arenas.pinned_bytes
 
-    def hand_out_host(self, arena: torch.Tensor, start: int, stop: int) -> None:
-        self._arenas.hand_out(arena, start, stop)
-
-    def poison_host(self, view: torch.Tensor) -> None:
-        view.fill_(POISON_BYTE)
+    def poison_host(
+        self, host: torch.Tensor, start: int = 0, stop: int | None = None, *, unused: bool = False
+    ) -> None:
+        if unused:
+            self._arenas.hand_out(host, start, host.numel() if stop is None else stop)
+        elif start == 0 and stop is None:
+            host.fill_(POISON_BYTE)
+        else:
+            host[start:stop].fill_(POISON_BYTE)
 
     # --- copies ---------------------------------------------------------------
 
@@ -389,16 +394,16 @@ class SimDevice(Device):
                 op.stuck = True
         return op.fence
 
-    def copy_d2h(self, src: torch.Tensor, dst: torch.Tensor, after: Sequence[Fence]) -> Fence:
+    def _copy_d2h(self, src: torch.Tensor, dst: torch.Tensor, after: Sequence[Fence]) -> Fence:
         return self.copy_on(self.d2h_stream, src, dst, after)
 
-    def copy_h2d(self, src: torch.Tensor, dst: torch.Tensor, after: Sequence[Fence]) -> Fence:
+    def _copy_h2d(self, src: torch.Tensor, dst: torch.Tensor, after: Sequence[Fence]) -> Fence:
         return self.copy_on(self.h2d_stream, src, dst, after)
 
-    def copy_d2d(self, src: torch.Tensor, dst: torch.Tensor, stream: Stream) -> Fence:
+    def _copy_d2d(self, src: torch.Tensor, dst: torch.Tensor, stream: Stream) -> Fence:
         return self.copy_on(self._as_sim_stream(stream), src, dst, ())
 
-    def upload_on(
+    def _upload_on(
         self,
         src: torch.Tensor,
         shape: Sequence[int],
@@ -408,14 +413,14 @@ class SimDevice(Device):
     ) -> tuple[torch.Tensor, Fence | None]:
         """Queued on the reader's stream; reads here are not stream-ordered, so its fence."""
         sim_stream = self._as_sim_stream(stream)
-        dst = self.empty(shape, dtype)
+        dst = self._empty(shape, dtype, None)
         try:
             return dst, self.copy_on(sim_stream, src, dst, after)
         except BaseException:
             self.release(dst, after=())  # nothing was queued: nothing reads it
             raise
 
-    def upload_packed_on(
+    def _upload_packed_on(
         self,
         srcs: Sequence[torch.Tensor],
         offsets: Sequence[int],
@@ -425,7 +430,7 @@ class SimDevice(Device):
     ) -> tuple[torch.Tensor, Fence | None]:
         """Queued on the reader's stream, behind one fence for all (reads wait for it)."""
         sim_stream = self._as_sim_stream(stream)
-        buffer = self.empty((nbytes,), torch.uint8)
+        buffer = self._empty((nbytes,), torch.uint8, None)
         fences: list[Fence] = []
         try:
             for src, offset in zip(srcs, offsets, strict=True):

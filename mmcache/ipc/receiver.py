@@ -28,6 +28,7 @@ import torch
 from mmcache.closing import CloseOnce, off_the_loop, run_each
 from mmcache.device import Device, Fence, Stream, resolve_device
 from mmcache.device.cuda import as_cuda_stream
+from mmcache.device.plan import NewCopyPlan
 from mmcache.errors import CacheClosedError, InvalidValueError
 from mmcache.ipc.channel import SenderChannel, Sent
 from mmcache.ipc.control import ControlBlock
@@ -141,7 +142,7 @@ class FeatureReceiver:
             except BaseException:
                 channel.release(sent)  # nothing of ours reads the slice
                 raise
-            after = self._device.after_copy(fence)  # what our alias of dst goes back after
+            after = () if self._device.copies_keep_destinations else (fence,)  # our alias's
             try:
                 # The caller's tensors: aliases of dst, never dst itself (released below).
                 if isinstance(sent, FeatureHandle):
@@ -433,9 +434,12 @@ class FeatureReceiver:
         """
         device = self._device
         if device.is_device_tensor(src):
-            return device.copy_d2d_new(src, stream)
+            dst, fence = device.submit(NewCopyPlan("d2d", (src,), stream=stream))
+            assert fence is not None  # a d2d copy always has one
+            return dst, fence
         if src.device.type == "cpu":
-            dst, fence = device.copy_h2d_new(src, src.shape, src.dtype, ())
+            dst, fence = device.submit(NewCopyPlan("h2d", (src,)))
+            assert fence is not None  # one on the H2D stream always has one
             device.wait_on(stream, fence)
             device.use_on(dst, stream)
             return dst, fence

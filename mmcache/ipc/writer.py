@@ -8,7 +8,7 @@ from typing import Final
 
 import torch
 
-from mmcache.device import Device, Fence, Stream
+from mmcache.device import CopyPlan, Device, Fence, Stream
 from mmcache.errors import CacheClosedError, CopyFailedError
 from mmcache.ipc.control import ControlBlock
 from mmcache.ipc.handle import FeatureBatch, FeatureHandle, Part, SenderEndpoint, dtype_name
@@ -142,8 +142,16 @@ class SliceWriter:
             srcs = _held_tensors(owns)
             # On the producer's stream: ordered after the work that made the tensors. The
             # slice is the pool's, kept until the copy is done (placement.after).
-            written = self._device.copy_d2d_into(
-                srcs, arena.tensor, [start + at for _, at in pieces], stream, arena.views.view
+            offsets = [start + at for _, at in pieces]
+            written = self._device.submit(
+                CopyPlan(
+                    "d2d",
+                    srcs,
+                    into=arena.tensor,
+                    offsets=offsets,
+                    stream=stream,
+                    views=arena.views.view,
+                )
             )
             del srcs
             placement.after.append(written)
@@ -158,7 +166,7 @@ class SliceWriter:
             self._marks.add(written, mark)
         else:  # receivers poll the mark: published as soon as a device thread sees the copy
             written.add_done_callback(mark)
-        release_all(owns, self._device.after_copy(written))
+        release_all(owns, () if self._device.copies_keep_destinations else (written,))
         return self.lease(placement, handle, written, owed)
 
     async def write_host(
@@ -183,12 +191,15 @@ class SliceWriter:
                 if not own.tensor.is_contiguous():
                     # A device-to-host copy needs one dense range: pack the view on the device.
                     packed = self._device.empty(own.tensor.shape, own.tensor.dtype, stream)
-                    compacted = self._device.copy_d2d(own.tensor, packed, stream)
+                    compacted = self._device.submit(
+                        CopyPlan("d2d", (own.tensor,), (packed,), stream=stream)
+                    )
                     own.replace(packed, [compacted])
                     after = [compacted]  # the last on stream: after the tensors' makers too
             srcs = _held_tensors(owns)
-            copied = self._device.copy_d2h_batch(
-                srcs, placement.block.view, [at for _, at in pieces], after
+            offsets = [at for _, at in pieces]
+            copied = self._device.submit(
+                CopyPlan("d2h", srcs, into=placement.block.view, offsets=offsets, after=after)
             )
             placement.after.append(copied)
         except BaseException:

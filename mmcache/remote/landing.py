@@ -11,7 +11,7 @@ from mmcache.core.entry import Entry, State
 from mmcache.core.host import HostTier
 from mmcache.core.index import KeyIndex
 from mmcache.core.ledger import TierLedger
-from mmcache.device import Device
+from mmcache.device import DONE, Device
 from mmcache.host_pool import HostBlock
 from mmcache.remote.codec import Header
 
@@ -35,7 +35,7 @@ class HostLanding:
         self._index = index
         self._ledger = ledger
         self._changed = changed
-        self._done = device.completed_fence()
+        self._done = DONE
 
     def block_for(self, nbytes: int) -> HostBlock | None:
         """A host block for a value of nbytes (dropping host entries for room), or None when

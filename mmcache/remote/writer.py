@@ -11,7 +11,7 @@ import torch
 
 from mmcache.core.entry import Entry, Member, State
 from mmcache.core.index import KeyIndex
-from mmcache.device import Device
+from mmcache.device import Device, NewCopyPlan
 from mmcache.metrics import RemoteSeries
 from mmcache.remote.calls import Failed, ServerCalls
 from mmcache.remote.codec import encode_value, supported
@@ -82,8 +82,8 @@ class RemoteWriter:
         if tensor is None or entry.state is State.GONE:
             return
         src = tensor if entry.members is None else tensor[start:stop]
-        dst = self._device.host_empty(tuple(src.shape), src.dtype)
-        fence = self._device.copy_d2h(src, dst, after=[entry.ready])
+        dst, fence = self._device.submit(NewCopyPlan("d2h", (src,), after=(entry.ready,)))
+        assert fence is not None  # a download always has one
         entry.add_device_reader(fence)  # the tensor's release waits for this copy
         del src, tensor
         self.queue.offer(Write(self._key(key), dst, fence, nbytes))
