@@ -191,7 +191,7 @@ class FeatureCache:
                 await asyncio.wait_for(asyncio.shield(task), timeout)
         if self._remote is not None:
             await self._remote.close()  # sends what it can within remote_timeout_sec
-        remove = self._core.life.remove
+        remove = self._core.remove
         for found in list(self._entries.values()):
             remove(found)
         if self._watcher is not None:
@@ -534,7 +534,7 @@ class FeatureCache:
         found = self._local_entry(key)
         if found is None:
             return False
-        self._core.life.remove(found)
+        self._core.remove(found)
         self._core.room_freed()
         return True
 
@@ -666,9 +666,9 @@ def _leak_gpu_grant_for_tests(cache: FeatureCache, nbytes: int) -> bool:
 
     Returns whether the budget was granted (False: no room now, nothing taken).
     """
-    ledger = cache._core.ledger
-    grant = ledger.open_grant()
+    state = cache._core.state
+    grant = state.open_grant()
     try:
         return cache._core.evictor.take(nbytes, grant)
     finally:
-        ledger.close_grant(grant)
+        state.close_grant(grant)

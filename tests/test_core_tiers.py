@@ -12,9 +12,10 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from mmcache import CacheSettings
-from mmcache.core import evictor as evictor_module
-from mmcache.core.entry import Entry, State
+from mmcache.core import state as state_module
+from mmcache.core.entry import State
 from mmcache.core.grants import Grant
+from mmcache.core.state import EvictionPlan
 from mmcache.core.tiers import Tiers
 from mmcache.device import Fence, SimDevice
 from mmcache.metrics import CacheMetrics
@@ -67,7 +68,7 @@ class Core:
         tiers.producers.unbind()
         tiers.fail_waiting()
         for found in list(tiers.index.values()):
-            tiers.life.remove(found)
+            tiers.remove(found)
         await tiers.pipeline.all_landed()
         await tiers.packings.wait_all(5)
 
@@ -101,37 +102,29 @@ async def core_of() -> AsyncIterator[Callable[..., Any]]:
         core.device.close()
 
 
-def offload_batches(core: Core, monkeypatch: pytest.MonkeyPatch) -> list[list[Hashable]]:
-    """The keys of each batch the core's evictor offloads from now on, in order."""
-    batches: list[list[Hashable]] = []
-    offload = core.tiers.evictor._offload_batch
-
-    def recorded(entries: list[Entry]) -> None:
-        batches.append([entry.key for entry in entries])
-        offload(entries)
-
-    monkeypatch.setattr(core.tiers.evictor, "_offload_batch", recorded)
-    return batches
+def batch_keys(plan: EvictionPlan) -> list[list[Hashable]]:
+    """The keys of each offload batch an eviction plan queued, in order."""
+    return [[entry.key for entry, _ in items] for items in plan.batches]
 
 
 async def test_a_top_up_stops_at_a_large_victim_and_at_the_slack(
-    core_of: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+    core_of: Callable[..., Any],
 ) -> None:
     core: Core = await core_of(gpu_cache_mb=1, cpu_cache_mb=4, small_copy_bytes=32 * KiB)
     for key, kib in (("s1", 16), ("s2", 16), ("large", 64), ("s3", 16), ("s4", 16), ("s5", 16)):
         assert await core.put(key, kib)
-    evictor, ledger = core.tiers.evictor, core.tiers.ledger
-    batches = offload_batches(core, monkeypatch)
+    evictor, ledger = core.tiers.evictor, core.tiers.state.ledger
 
     def room_for(kib: int) -> int:  # bytes needed free or on their way for kib more
         return ledger.free() + ledger.releasing + kib * KiB
 
-    evictor.evict_for(room_for(16), slack=1024 * KiB)
-    assert batches == [["s1", "s2"]]  # topped up with s2, not with the large one after it
-    evictor.evict_for(room_for(16), slack=1024 * KiB)
-    assert batches[1:] == [["large"]]  # a large victim alone, nothing to top up
-    evictor.evict_for(room_for(16), slack=16 * KiB)
-    assert batches[2:] == [["s3", "s4"]]  # s4 fills the slack exactly; s5 would exceed it
+    plan = evictor.evict_for(room_for(16), slack=1024 * KiB)
+    assert batch_keys(plan) == [["s1", "s2"]]  # topped up with s2, not the large one after
+    assert plan.evicted == 2 and not plan.releases
+    plan = evictor.evict_for(room_for(16), slack=1024 * KiB)
+    assert batch_keys(plan) == [["large"]]  # a large victim alone, nothing to top up
+    plan = evictor.evict_for(room_for(16), slack=16 * KiB)
+    assert batch_keys(plan) == [["s3", "s4"]]  # s4 fills the slack exactly; s5 would exceed
     await core.tiers.pipeline.all_landed()
     assert [core.state(key) for key in ("s1", "s2", "large", "s3", "s4", "s5")] == [
         *[State.HOST] * 5,
@@ -145,7 +138,7 @@ async def test_large_victims_go_in_batches_only_when_offloaded_ahead(
     """Room for later puts: large victims share a copy and a fence, up to LARGE_BATCH_BYTES,
     in the policy's order around small ones. Room a put needs now: each alone, so that
     each comes back as soon as it lands."""
-    monkeypatch.setattr(evictor_module, "LARGE_BATCH_BYTES", 192 * KiB)
+    monkeypatch.setattr(state_module, "LARGE_BATCH_BYTES", 192 * KiB)
     # 512 KiB offloaded ahead: batches of up to half of it would allow 256 KiB.
     core: Core = await core_of(
         gpu_cache_mb=2, cpu_cache_mb=8, small_copy_bytes=32 * KiB, evict_ahead=0.25
@@ -153,20 +146,19 @@ async def test_large_victims_go_in_batches_only_when_offloaded_ahead(
     keys = [f"L{i}" for i in range(5)] + ["s1"] + [f"M{i}" for i in range(3)]
     for key in keys:
         assert await core.put(key, 16 if key.startswith("s") else 64)
-    evictor, ledger = core.tiers.evictor, core.tiers.ledger
-    batches = offload_batches(core, monkeypatch)
+    evictor, ledger = core.tiers.evictor, core.tiers.state.ledger
     room = ledger.free() + ledger.releasing
-    evictor.evict_for(room + 5 * 64 * KiB + 16 * KiB, ahead=True)
+    plan = evictor.evict_for(room + 5 * 64 * KiB + 16 * KiB, ahead=True)
     # Three of 64 KiB fill a batch; the small one ends the next, older, batch early.
-    assert batches == [["L0", "L1", "L2"], ["L3", "L4"], ["s1"]]
-    evictor.evict_for(ledger.free() + ledger.releasing + 2 * 64 * KiB)
-    assert batches[3:] == [["M0"], ["M1"]]
+    assert batch_keys(plan) == [["L0", "L1", "L2"], ["L3", "L4"], ["s1"]]
+    plan = evictor.evict_for(ledger.free() + ledger.releasing + 2 * 64 * KiB)
+    assert batch_keys(plan) == [["M0"], ["M1"]]
     await core.tiers.pipeline.all_landed()
     assert [core.state(key) for key in keys] == [*[State.HOST] * 8, State.GPU]
 
 
 async def test_large_victims_offloaded_ahead_leave_a_second_batch_queued(
-    core_of: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+    core_of: Callable[..., Any],
 ) -> None:
     """A batch of large victims holds at most half the room offloaded ahead: while one
     lands, the copy engine has the next (one batch of it all would idle the engine while
@@ -177,10 +169,9 @@ async def test_large_victims_offloaded_ahead_leave_a_second_batch_queued(
     keys = [f"L{i}" for i in range(6)]
     for key in keys:
         assert await core.put(key, 64)
-    evictor, ledger = core.tiers.evictor, core.tiers.ledger
-    batches = offload_batches(core, monkeypatch)
-    evictor.evict_for(ledger.free() + ledger.releasing + 6 * 64 * KiB, ahead=True)
-    assert batches == [["L0", "L1"], ["L2", "L3"], ["L4", "L5"]]
+    evictor, ledger = core.tiers.evictor, core.tiers.state.ledger
+    plan = evictor.evict_for(ledger.free() + ledger.releasing + 6 * 64 * KiB, ahead=True)
+    assert batch_keys(plan) == [["L0", "L1"], ["L2", "L3"], ["L4", "L5"]]
     await core.tiers.pipeline.all_landed()
     assert [core.state(key) for key in keys] == [State.HOST] * 6
 
@@ -206,7 +197,7 @@ async def test_a_put_whose_reservation_raises_gives_its_value_back(
     # The value was adopted and is released again; a replaced entry is gone.
     assert core.device.allocated_bytes == (before - 4 * KiB if replacing else before)
     assert "k" not in core.tiers.index
-    assert core.tiers.ledger.granted == 0  # given back, not only out of the audit's sight
+    assert core.tiers.state.ledger.granted == 0  # given back, not only out of the audit's sight
     assert core.tiers.audit() == {"gpu": 0, "cpu": 0}
 
 

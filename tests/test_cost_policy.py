@@ -211,8 +211,8 @@ async def test_the_setting_cost_from_the_environment_orders_both_tiers(
     settings = CacheSettings()
     assert settings.eviction_policy == "cost"
     async with FeatureCache(settings, device=rig.device, registry=CollectorRegistry()) as cache:
-        assert isinstance(cache._core.gpu_order, CostPolicy)
-        assert isinstance(cache._core.host.order, CostPolicy)
+        assert isinstance(cache._core.state.gpu_order, CostPolicy)
+        assert isinstance(cache._core.state.host_order, CostPolicy)
         for key, cost in (("expensive", 1.0), ("cheap1", 0.001), ("cheap2", 0.001)):
             t = feature(rig, 64)
             assert await cache.put(key, t, cost=cost)

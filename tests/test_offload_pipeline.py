@@ -13,11 +13,8 @@ from prometheus_client import CollectorRegistry
 
 from mmcache.core.counters import Counters
 from mmcache.core.entry import Entry, State
-from mmcache.core.index import KeyIndex
-from mmcache.core.ledger import TierLedger
 from mmcache.core.offload import OffloadPipeline
-from mmcache.core.policy import LruPolicy
-from mmcache.core.quarantine import Quarantine
+from mmcache.core.state import Release, TierState
 from mmcache.device import DONE, Fence, SimDevice
 from mmcache.host_pool import HostBlock
 from mmcache.metrics import CacheMetrics
@@ -57,27 +54,33 @@ class HandFence(Fence):
 
 
 class Rig:
-    """A pipeline over real parts, its device's releases and its landings recorded."""
+    """A pipeline over a real tier state, the releases it carries out and its landings
+    recorded."""
 
     def __init__(self, device: SimDevice, copy_timeout: float = 60.0) -> None:
-        self.ledger = TierLedger(1 << 20)
-        self.index = KeyIndex()
-        self.quarantine = Quarantine()
-        self.host = LruPolicy()
+        self.counters = Counters(CacheMetrics("p", CollectorRegistry()))
+        self.state = TierState(
+            gpu_capacity=1 << 20,
+            policy="lru",
+            counters=self.counters,
+            done_fence=DONE,
+            mark=device.record,
+            evict_ahead=0,
+            small_copy_bytes=0,
+        )
+        self.ledger = self.state.ledger
+        self.index = self.state.index
+        self.quarantine = self.state.quarantine
+        self.host = self.state.host_order
         self.landed: list[bool] = []
-        self.lost: list[Hashable] = []
+        self.released: list[Release] = []
         self.urgent = False
         self.watches: list[Sequence[Fence]] = []
-        self.counters = Counters(CacheMetrics("p", CollectorRegistry()))
         self.pipeline = OffloadPipeline(
             device=device,
-            ledger=self.ledger,
+            state=self.state,
             counters=self.counters,
-            index=self.index,
-            quarantine=self.quarantine,
-            host_insert=self.host.__setitem__,
-            release_device=lambda tensor, nbytes, after: None,
-            lost=lambda entry, failed: self.lost.append(entry.key),
+            carry_out=self.released.extend,
             after_landing=self.landed.append,
             urgent=lambda: self.urgent,
             changed=lambda: None,
@@ -88,11 +91,11 @@ class Rig:
         """A GPU entry of 1 KiB, indexed and charged to the ledger."""
         tensor = device.adopt(torch.zeros(256), device.current_stream())
         entry = Entry(key, (256,), torch.float32, 1024, State.GPU, tensor, DONE)
-        self.index[key] = entry
-        grant = self.ledger.open_grant()
-        self.ledger.grant(grant, 1024)
-        self.ledger.insert(grant, 1024, 1)
-        self.ledger.close_grant(grant)
+        grant = self.state.open_grant()
+        self.state.grant(grant, 1024)
+        self.state.admit(grant, entry)
+        self.state.close_grant(grant)
+        self.state.gpu_order.pop(key, None)  # chosen as a victim
         return entry
 
 
@@ -176,4 +179,5 @@ async def test_an_overdue_offload_is_quarantined_until_its_copy_lands(device: Si
     assert rig.counters.dropped == 1
     fence.complete()  # late, but it lands: the bytes come back
     await rig.pipeline.all_landed()
-    assert not rig.quarantine and rig.lost == ["a"]
+    assert not rig.quarantine and not rig.state.offloading(entry)
+    assert len(rig.released) == 1 and entry.tensor is None  # the device tensor is released

@@ -6,6 +6,7 @@ import asyncio
 import random
 import re
 from collections.abc import Callable, Hashable
+from typing import Any
 
 import pytest
 import torch
@@ -21,8 +22,7 @@ from conftest import (
 )
 
 from mmcache import CacheSettings, CacheStats, FeatureCache, ValueTooLargeError
-from mmcache.core.entry import Entry
-from mmcache.core.evictor import Evictor
+from mmcache.core.state import EvictionPlan, TierState
 
 
 def within_budget(s: CacheStats) -> None:
@@ -434,15 +434,16 @@ async def test_evict_ahead_keeps_room_beyond_what_the_put_needs(
 
 
 def record_offload_batches(monkeypatch: pytest.MonkeyPatch) -> list[list[Hashable]]:
-    """The keys of each offload batch the cache starts from now on."""
+    """The keys of each offload batch in the eviction plans the cache makes from now on."""
     batches: list[list[Hashable]] = []
-    offload = Evictor._offload_batch
+    plan_eviction = TierState.plan_eviction
 
-    def recorded(self: Evictor, entries: list[Entry]) -> None:
-        batches.append([entry.key for entry in entries])
-        offload(self, entries)
+    def recorded(self: TierState, needed: int, **options: Any) -> EvictionPlan:
+        plan = plan_eviction(self, needed, **options)
+        batches.extend([entry.key for entry, _ in items] for items in plan.batches)
+        return plan
 
-    monkeypatch.setattr(Evictor, "_offload_batch", recorded)
+    monkeypatch.setattr(TierState, "plan_eviction", recorded)
     return batches
 
 

@@ -253,12 +253,12 @@ class CacheMachine(RuleBasedStateMachine):
         is within the whole, the audit finds no byte unowned, and each tier's entry count
         is what the entries it holds (in the index or in flight) add up to."""
         core = self.cache._core
-        ledger = core.ledger
+        ledger = core.state.ledger
         assert core.audit() == {"gpu": 0, "cpu": 0}
         assert 0 <= ledger.released_pending <= ledger.releasing
         assert 0 <= ledger.granted and ledger.granted + ledger.releasing <= ledger.used
         assert ledger.used <= ledger.capacity
-        in_flight = core.pipeline.in_flight()
+        in_flight = core.state.in_flight()
         holders = {id(e): e for e in [*core.index.held(), *in_flight]}
         gpu = cpu = 0
         for e in holders.values():

@@ -9,9 +9,8 @@ import torch
 
 from mmcache.core.counters import Counters
 from mmcache.core.entry import Entry, Member, State
-from mmcache.core.index import KeyIndex
-from mmcache.core.policy import EvictionPolicy
 from mmcache.core.reads import Reads, raise_if_failed
+from mmcache.core.state import TierState
 from mmcache.device import CopyPlan, Device, Fence, NewCopyPlan, Stream
 from mmcache.errors import CopyTimeoutError
 
@@ -59,18 +58,16 @@ class BatchReads:
         self,
         *,
         device: Device,
+        state: TierState,
         counters: Counters,
-        index: KeyIndex,
         reads: Reads,
-        gpu_order: EvictionPolicy,
-        host_order: EvictionPolicy,
     ) -> None:
         self._device = device
         self._counters = counters
-        self._index = index
+        self._index = state.index
         self._reads = reads
-        self._gpu_order = gpu_order
-        self._host_order = host_order
+        self._gpu_order = state.gpu_order
+        self._host_order = state.host_order
 
     async def get_many(self, keys: Sequence[Hashable], stream: Stream) -> list[torch.Tensor | None]:
         """The features of keys on the device, usable on stream; None for a miss."""

@@ -1,4 +1,4 @@
-"""HostTier: the pinned host arena, its order of victims, and puts waiting for host room."""
+"""HostTier: the pinned host arena as it pins, and puts waiting for host room."""
 
 from __future__ import annotations
 
@@ -13,10 +13,8 @@ from typing import Any, Protocol, final
 
 import torch
 
-from mmcache.core.counters import Counters
 from mmcache.core.entry import Entry
-from mmcache.core.ledger import TierLedger
-from mmcache.core.policy import EvictionPolicy, make_policy
+from mmcache.core.state import Release, TierState
 from mmcache.device import Device, Fence
 from mmcache.errors import CacheClosedError
 from mmcache.host_pool import HostBlock, HostPool
@@ -35,38 +33,34 @@ class _Landings(Protocol):
 
 @final
 class HostTier:
-    """The host tier: arena (served chunk by chunk as it pins), order of victims, waiting puts.
+    """The host tier's arena (served chunk by chunk as it pins) and the puts waiting for
+    its room.
 
-    Its bytes are the pool's own ledger; its entry count is the TierLedger's. Nothing
-    here waits for room except a put that bypasses the GPU tier (its budget is 0).
+    The pool, its blocks and the host order are the TierState's; this part pins the
+    arena, hands each pinned chunk to the state's pool, and keeps the line of puts that
+    bypass the GPU tier (its budget is 0), the only ones that wait for host room.
     """
 
     def __init__(
         self,
         device: Device,
+        state: TierState,
         capacity: int,
         *,
         alignment: int,
-        policy: str,
-        counters: Counters,
-        ledger: TierLedger,
-        unlink: Callable[[Entry], None],
+        carry_out: Callable[[Sequence[Release]], None],
     ) -> None:
         self._device = device
+        self._state = state
         self.capacity = capacity
         self._alignment = alignment
-        self._counters = counters
-        self._ledger = ledger
-        self._unlink = unlink  # removes an evicted entry from the index and its tier
-        #: the order in which host entries are dropped for room
-        self.order: EvictionPolicy = make_policy(policy)
+        self._carry_out = carry_out
+        #: the arena's allocator once its first chunk is pinned (the state's too)
         self.pool: HostPool | None = None
         self._ready: asyncio.Event | None = None  # set once pinning ended, done or failed
         self._complete = False  # the whole arena is pinned
         self._waiters: deque[asyncio.Future[None]] = deque()
         self._closed = False
-        # Told of each entry the tier drops for room, before it goes (tell_evictions).
-        self._on_evict: Callable[[Entry], None] | None = None
 
     @property
     def waiting(self) -> bool:
@@ -103,7 +97,7 @@ class HostTier:
     def tell_evictions(self, on_evict: Callable[[Entry], None]) -> None:
         """Call on_evict(entry) for each entry the host tier drops to make room, before it
         goes (the remote tier's remote_write=evict writes them)."""
-        self._on_evict = on_evict
+        self._state.on_host_evict = on_evict
 
     def start(
         self,
@@ -174,6 +168,7 @@ class HostTier:
                 chunk_bytes=self._device.arena_chunk_bytes,
                 ready_bytes=nbytes,
             )
+            self._state.attach_pool(pool)
         elif not pool.grow(nbytes):
             return
         on_ready(pool.capacity_bytes, pool.ready_bytes)
@@ -209,37 +204,6 @@ class HostTier:
         self._complete = True
         self._grow(arena, arena.numel(), defer, on_ready)
         self.wake()
-
-    def allocate(self, nbytes: int) -> HostBlock | None:
-        """A host block now, dropping host entries in the policy's order if needed; never waits."""
-        pool = self.pool
-        if pool is None or nbytes > pool.ready_block_bytes:
-            return None  # dropping entries would make no room that fits it
-        while True:
-            block = pool.allocate(nbytes)
-            if block is not None or not self.order:
-                return block
-            self._evict_one()
-
-    def allocate_run(self, sizes: Sequence[int]) -> list[HostBlock] | None:
-        """One run of blocks for sizes in one free range, dropping nothing; None if none."""
-        return None if self.pool is None else self.pool.allocate_run(sizes)
-
-    def free(self, block: HostBlock, after: Sequence[Fence] = ()) -> None:
-        """Give a block back (reused only after the fences of copies that read it)."""
-        assert self.pool is not None
-        self.pool.free(block, after=after)
-
-    def free_block(self, entry: Entry) -> None:
-        """Release entry's host block, if any, after its readers; it leaves the tier's count."""
-        streams = entry.host_streams
-        block = entry.take_block()
-        if block is not None and self.pool is not None:
-            self._ledger.host_left(entry.count)
-            after = entry.readers_pending()
-            if streams:  # their copies were queued before these fences: covered by them
-                after.extend(self._device.record(stream) for stream in streams)
-            self.pool.free(block, after=after)
 
     async def reserve(
         self, sizes: Sequence[int], wait: bool, blocks: list[HostBlock], landings: _Landings
@@ -303,37 +267,10 @@ class HostTier:
             if not waiter.done():
                 waiter.set_exception(CacheClosedError("the cache closed while put waited"))
 
-    def _evict_one(self) -> None:
-        """Drop the host entry the policy gives up first (counted as a host-tier eviction)."""
-        victim = self.order.evict()
-        self._counters.evicted_cpu(victim.count)
-        if self._on_evict is not None:
-            self._on_evict(victim)
-        self._unlink(victim)
-
     def _allocate_all(self, sizes: Sequence[int]) -> list[HostBlock] | None:
-        """A host block for each size now, or none (dropping host entries as allocate does).
-
-        One by one first; if that fails, as one run, which an emptied arena always takes.
-        None while the arena is not pinned yet.
-        """
-        pool = self.pool
-        if pool is None:
-            return None
-        taken: list[HostBlock] = []
-        for nbytes in sizes:
-            block = self.allocate(nbytes)
-            if block is None:
-                break
-            taken.append(block)
-        else:
-            return taken
-        for block in taken:
-            pool.free(block)
-        if len(sizes) == 1 or sum(sizes) > pool.ready_block_bytes:
-            return None  # no run could take them: evicting more would be for nothing
-        while True:
-            run = pool.allocate_run(sizes)
-            if run is not None or not self.order:
-                return run
-            self._evict_one()
+        """A host block for each size now, dropping host entries for room, or none."""
+        releases: list[Release] = []
+        taken = self._state.allocate_host_all(sizes, releases)
+        if releases:
+            self._carry_out(releases)
+        return taken

@@ -6,19 +6,13 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Final, final
 
-import torch
-
 from mmcache.core.counters import Counters
-from mmcache.core.entry import Entry, State
-from mmcache.core.index import KeyIndex
-from mmcache.core.ledger import TierLedger
-from mmcache.core.quarantine import Quarantine
-from mmcache.device import DONE, Device, Fence
-from mmcache.host_pool import HostBlock
+from mmcache.core.entry import Entry
+from mmcache.core.state import Offload, OffloadItems, Release, TierState
+from mmcache.device import Device, Fence
 from mmcache.waiting import FenceWatcher
 
 __all__ = ["WATCH_DELAY_S", "OffloadPipeline"]
@@ -32,21 +26,8 @@ WhenDone = Callable[..., None]  # FenceWatcher.when_done(fences, callback, *, fr
 
 
 @final
-@dataclass(slots=True, eq=False)
-class _Offload:
-    """One queued offload copy: its fence, the entries it moves, when it was queued."""
-
-    fence: Fence
-    batch: list[Entry]
-    started: float
-    charged_gpu: bool  # its device bytes are the GPU tier's (not a put straight to the host)
-    nbytes: int
-    features: int  # when queued
-
-
-@final
 class OffloadPipeline:
-    """Device -> host copies from queueing to landing; changes an entry from D2H to HOST.
+    """Device -> host copies from queueing to landing (the state makes the transitions).
 
     Offloads land in the order they were queued (one copy stream), so the oldest is the
     only one worth watching: a put short of room reaps what has landed itself, and one
@@ -58,37 +39,25 @@ class OffloadPipeline:
         self,
         *,
         device: Device,
-        ledger: TierLedger,
+        state: TierState,
         counters: Counters,
-        index: KeyIndex,
-        quarantine: Quarantine,
-        host_insert: Callable[[Hashable, Entry], None],
-        release_device: Callable[[torch.Tensor, int, Sequence[Fence]], None],
-        lost: Callable[[Entry, BaseException | None], None],
+        carry_out: Callable[[Sequence[Release]], None],
         after_landing: Callable[[bool], None],
         urgent: Callable[[], bool],
         changed: Callable[[], None],
         copy_timeout: float,
     ) -> None:
-        self._device = device
-        self._ledger = ledger
+        self._state = state
         self._counters = counters
-        self._index = index
-        self._quarantine = quarantine
-        self._host_insert = host_insert
-        self._release_device = release_device
-        self._lost = lost  # an entry discarded meanwhile, or whose copy failed
+        self._carry_out = carry_out  # releases what a landing or a quarantine gave up
         self._after_landing = after_landing  # hands the room on (charged_gpu or not)
         self._urgent = urgent  # a put waits for room: watch at once, not late
         self._changed = changed  # the tiers' figures changed outside a landing
         self._copy_timeout = copy_timeout
-        self._done_fence = DONE
         self._loop: asyncio.AbstractEventLoop | None = None
         self._watcher: FenceWatcher | None = None
-        # Every offload in flight (linked or already discarded) -> whether it is GPU-charged.
-        self._offloading: dict[Entry, bool] = {}
         # Offloads not yet handled, in the order queued (and so the order they land).
-        self._landing: OrderedDict[_Offload, None] = OrderedDict()
+        self._landing: OrderedDict[Offload, None] = OrderedDict()
         self._watched = False  # the waiter thread watches the oldest of them
         self._watch_timer: asyncio.TimerHandle | None = None  # arms that watch a little late
         self._watchdog: asyncio.TimerHandle | None = None  # quarantines overdue offloads
@@ -106,44 +75,21 @@ class OffloadPipeline:
     def __len__(self) -> int:
         return len(self._landing)
 
-    def __contains__(self, entry: Entry) -> bool:
-        """Whether entry's offload is in flight (its entry may be discarded already)."""
-        return entry in self._offloading
-
     @property
     def watched(self) -> bool:
         """Whether the waiter thread watches the oldest offload now."""
         return self._watched
 
-    def charged(self, entry: Entry) -> bool:
-        """Whether entry's offload in flight is charged to the GPU tier."""
-        return self._offloading.get(entry, False)
-
-    def in_flight(self) -> Mapping[Entry, bool]:
-        """Every entry with an offload in flight -> whether it is GPU-charged (the audit's)."""
-        return self._offloading
-
     def fences(self) -> list[Fence]:
         """The fences of the offloads not yet handled, oldest first."""
         return [offload.fence for offload in self._landing]
 
-    def queue(
-        self, fence: Fence, items: Sequence[tuple[Entry, HostBlock]], *, charged_gpu: bool
-    ) -> None:
+    def queue(self, fence: Fence, items: OffloadItems, *, charged_gpu: bool) -> None:
         """Entries whose copies into blocks were queued behind fence: D2H until it lands."""
         started = time.perf_counter()
-        offloading = self._offloading
-        batch = []
-        features = nbytes = 0
-        for entry, block in items:
-            entry.begin_offload(block, fence)
-            offloading[entry] = charged_gpu
-            features += entry.count
-            nbytes += entry.nbytes
-            batch.append(entry)
-        self._ledger.offloading(nbytes, features, charged_gpu)
-        self._counters.copy_started("d2h", features)
-        self._landing[_Offload(fence, batch, started, charged_gpu, nbytes, features)] = None
+        offload = self._state.offload_queued(items, fence, started, charged_gpu=charged_gpu)
+        self._counters.copy_started("d2h", offload.features)
+        self._landing[offload] = None
         self.watch()
         if self._watchdog is None:
             self._arm_watchdog(started + self._copy_timeout)
@@ -212,19 +158,10 @@ class OffloadPipeline:
             self._watch_timer = None
 
     def quarantine(self, entry: Entry, fence: Fence) -> None:
-        """An offload past copy_timeout_s: drop its entry, keep its bytes reserved as leaked.
-
-        The copy may still run and read the tensor or write the block, so neither can be
-        reused; if its fence completes later, its landing releases both.
-        """
-        if fence.done() or entry not in self._offloading or entry in self._quarantine:
+        """An offload past copy_timeout_s: its entry is dropped, its bytes kept reserved as
+        leaked (the copy may still run); its landing releases both if it ever ends."""
+        if not self._state.quarantine_offload(entry, fence):
             return
-        block = entry.block
-        self._quarantine.hold(
-            entry,
-            entry.nbytes if self._offloading[entry] else 0,
-            block.nbytes if block is not None else 0,
-        )
         log.error(
             "offload of %r did not complete within %g s (MMCACHE_COPY_TIMEOUT_SEC): entry "
             "dropped, its %d bytes quarantined",
@@ -232,11 +169,6 @@ class OffloadPipeline:
             self._copy_timeout,
             entry.nbytes,
         )
-        self._counters.quarantined()
-        lost = self._index.forget(entry)
-        if lost:
-            self._counters.lost(lost)
-        entry.discard()  # D2H: its landing releases the tensor, if the copy ever ends
         self._changed()
 
     def _watch_late(self) -> None:
@@ -274,43 +206,12 @@ class OffloadPipeline:
                 for entry in offload.batch:
                     self.quarantine(entry, offload.fence)
 
-    def _land(self, offload: _Offload) -> None:
-        """An offload copy has finished: its entries become host-resident, or are lost.
-
-        Runs once per landed copy for all its features; the ledger moves once per batch.
-        """
-        charged_gpu = offload.charged_gpu
+    def _land(self, offload: Offload) -> None:
+        """An offload copy has finished: the state makes its entries host-resident (or
+        lost); the device tensors and lost blocks are released here."""
         self._counters.copy_finished("d2h", offload.nbytes, offload.started, offload.features)
-        failed = offload.fence.exception()  # asked once: it may be many fences (simulator)
-        offloading = self._offloading
-        # Looked at once, not per entry: landing releases quarantined entries, never adds.
-        quarantined = self._quarantine if self._quarantine else None
-        host_insert = self._host_insert
-        release = self._device.release
-        done_fence = self._done_fence
-        released = features = 0  # features still counted: members may have left since
-        for entry in offload.batch:
-            del offloading[entry]
-            features += entry.count
-            if quarantined is not None:
-                quarantined.release(entry)  # a late fence: its bytes come back now
-            landed = entry.state is State.D2H and failed is None
-            # Landed, both copies are done and good: a shared finished fence stands in for
-            # them, so a host entry keeps no CUDA event (nor the batch's fence) alive.
-            tensor = entry.land(done_fence) if landed else entry.end_offload()
-            # A host get's download may still read the device tensor.
-            readers = entry.device_readers_pending() if entry.device_readers else None
-            if readers and charged_gpu:
-                self._release_device(tensor, entry.nbytes, readers)
-            else:
-                release(tensor, readers or ())
-                released += entry.nbytes
-            if landed:
-                host_insert(entry.key, entry)
-            else:
-                self._lost(entry, failed)
-        if charged_gpu:
-            self._ledger.offloaded(offload.nbytes, features, released)
-        if failed is None:
+        landing = self._state.offload_landed(offload)
+        self._carry_out(landing.releases)
+        if landing.failed is None:
             self._counters.offloaded(offload.nbytes)
-        self._after_landing(charged_gpu)
+        self._after_landing(offload.charged_gpu)

@@ -15,13 +15,10 @@ from mmcache.core.counters import Counters
 from mmcache.core.entry import Entry, State, check_keys
 from mmcache.core.evictor import Evictor
 from mmcache.core.host import HostTier
-from mmcache.core.index import KeyIndex
-from mmcache.core.ledger import TierLedger
-from mmcache.core.lifecycle import Lifecycle
 from mmcache.core.offload import OffloadPipeline
 from mmcache.core.packing import BATCH_BYTES, GROUP_BELOW, Packings, group_spans, runs
-from mmcache.core.policy import EvictionPolicy
 from mmcache.core.producer_fences import ProducerFences
+from mmcache.core.state import Release, TierState
 from mmcache.device import CopyPlan, Device, Fence, NewCopyPlan, Stream
 from mmcache.device.base import feature_bytes
 from mmcache.errors import InvalidKeyError, InvalidValueError, ValueTooLargeError
@@ -47,39 +44,36 @@ class Puts:
         self,
         *,
         device: Device,
+        state: TierState,
         producers: ProducerFences,
         counters: Counters,
-        ledger: TierLedger,
-        index: KeyIndex,
-        gpu_order: EvictionPolicy,
         evictor: Evictor,
         host: HostTier,
         landings: OffloadPipeline,
-        life: Lifecycle,
         packings: Packings,
+        carry_out: Callable[[Sequence[Release]], None],
+        drop_if_failed: Callable[[Entry, Fence], None],
         when_done: Callable[[Sequence[Fence], Callable[[], None]], None],
         changed: Callable[[], None],
         gpu_capacity: int,
-        small_copy_bytes: int,
         how_to_change: Callable[[str], str],
     ) -> None:
         self._device = device
+        self._state = state
         self._producers = producers
         self._counters = counters
-        self._ledger = ledger
-        self._index = index
-        self._gpu_order = gpu_order
+        self._ledger = state.ledger  # read here; changed through the state's verbs
         self._evictor = evictor
         self._host = host
         self._landings = landings
-        self._remove = life.remove
-        self._check_ready = life.check_ready
+        self._carry_out = carry_out
+        self._check_ready = drop_if_failed
         self._packings = packings
         self._when_done = when_done
         self._changed = changed
         self._gpu_capacity = gpu_capacity
         self._how_to_change = how_to_change  # names the variable or keyword a budget came from
-        self._small_copy_bytes = small_copy_bytes
+        self._small_copy_bytes = state.small_copy_bytes
 
     def check_split(
         self, keys: Sequence[Hashable], value: torch.Tensor, split_sizes: Sequence[int]
@@ -139,24 +133,23 @@ class Puts:
         # Taken and inserted with no await in between: the shared synchronous grant.
         grant = ledger.synchronous_grant
         try:
-            if self._evictor.take(nbytes, grant):
-                entry: Entry | None = Entry(
-                    key, tuple(own.shape), own.dtype, nbytes, State.GPU, own, ready, cost=cost
+            admitted = self._evictor.take(nbytes, grant)
+            if admitted:
+                self._state.admit(
+                    grant,
+                    Entry(
+                        key, tuple(own.shape), own.dtype, nbytes, State.GPU, own, ready, cost=cost
+                    ),
                 )
-                ledger.insert(grant, nbytes, 1)
-            else:
-                entry = None
         except BaseException:
             self._evictor.give_back(grant)
             self._give_back([(own, ready)], [], [[]])
             del own  # nor may the traceback of a put that failed keep it alive
             raise
-        if entry is None:
+        if not admitted:
             return await self._insert_units(
                 [key], [], [(0, 1)], [nbytes], [(own, ready)], [[]], ready, wait, cost
             )
-        self._index[key] = entry
-        self._gpu_order[key] = entry
         # No put waits now (Evictor.take grants nothing ahead of one): none to wake.
         self._changed()
         return True
@@ -303,8 +296,8 @@ class Puts:
         # (nor be offloaded for nothing). A put that then fails leaves them absent.
         self._remove_keys(keys, wake=True)
         blocks: list[HostBlock] = []
-        ledger = self._ledger
-        grant = ledger.open_grant()
+        state = self._state
+        grant = state.open_grant()
         try:
             # Without room now, a put waits (yielding to the loop); a put that finds it, the
             # common case, takes it without a coroutine of its own.
@@ -341,9 +334,9 @@ class Puts:
                 self._give_back(owned, blocks, sources)
                 raise
             if to_gpu:
-                ledger.insert(grant, total, len(keys))
+                state.inserted(grant, total, len(keys))
         finally:
-            ledger.close_grant(grant)
+            state.close_grant(grant)
         if to_gpu:
             if self._evictor.waiting:
                 self._evictor.wake()  # the next waiter may need these entries offloaded
@@ -380,7 +373,7 @@ class Puts:
         to_gpu = self._gpu_capacity > 0
         offloads: list[tuple[Entry, HostBlock]] = []
         compacted: list[Entry] = []
-        entries = self._index
+        state = self._state
         for u, ((i, j), (own, ready)) in enumerate(zip(spans, owned, strict=True)):
             if j - i == 1:
                 key = keys[i]
@@ -388,9 +381,9 @@ class Puts:
                     key, tuple(own.shape), own.dtype, sizes[i], State.GPU, own, ready, cost=cost
                 )
                 made.append(entry)
-                entries[key] = entry
+                state.index_entry(entry, to_gpu)
             else:
-                entry = entries.add_group(keys[i:j], rows[i:j], own, ready, sum(sizes[i:j]))
+                entry = state.index_group(keys[i:j], rows[i:j], own, ready, sum(sizes[i:j]), to_gpu)
                 made.append(entry)
             if sources[u]:
                 # Its values stay referenced until the packing copy has read them, and a
@@ -398,29 +391,24 @@ class Puts:
                 self._packings.hold(ready, sources[u], entry)
             elif ready is not produced:
                 compacted.append(entry)
-            if to_gpu:
-                self._gpu_order[entry.key] = entry
-            else:
+            if not to_gpu:
                 offloads.append((entry, blocks[u]))
         return offloads, compacted
 
     def _unindex(self, made: list[Entry]) -> None:
         """Take the entries of a failed put out of the index; its caller gives back the rest."""
-        for entry in made:
-            self._index.forget(entry)
-            self._gpu_order.pop(entry.key, None)
-            entry.discard()  # its tensor goes back with the put's owned values
+        self._state.unindex(made)  # their tensors go back with the put's owned values
 
     def _remove_keys(self, keys: list[Hashable], *, wake: bool) -> None:
         """Remove what the index holds under keys (a put replacing them); wake: after each
         removal, let waiting puts use the room it made."""
-        entries = self._index
-        if entries.keys().isdisjoint(keys):
+        index = self._state.index
+        if index.keys().isdisjoint(keys):
             return
         for key in keys:
-            old = entries.get(key)
+            old = index.get(key)
             if old is not None:
-                self._remove(old)
+                self._carry_out(self._state.remove(old))
                 if wake:
                     self._evictor.wake()
 
@@ -501,7 +489,7 @@ class Puts:
             if values:  # a packing copy may still read them
                 self._packings.hold(ready, values, None)
         for block in blocks:
-            self._host.free(block)
+            self._state.free_block(block)
         blocks.clear()
 
 

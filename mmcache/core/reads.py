@@ -15,10 +15,8 @@ from mmcache.core.entry import Entry, Member, State, row_range
 from mmcache.core.grants import Grant
 from mmcache.core.host import HostTier
 from mmcache.core.index import holder
-from mmcache.core.ledger import TierLedger
-from mmcache.core.lifecycle import Lifecycle
 from mmcache.core.offload import OffloadPipeline
-from mmcache.core.policy import EvictionPolicy
+from mmcache.core.state import Release, TierState
 from mmcache.device import Device, Fence, NewCopyPlan, Stream
 from mmcache.errors import CopyFailedError, CopyTimeoutError, InvalidValueError
 from mmcache.host_copy import copy_host_bytes_in_slices
@@ -46,12 +44,13 @@ class Reads:
         self,
         *,
         device: Device,
+        state: TierState,
         counters: Counters,
-        ledger: TierLedger,
         host: HostTier,
         pipeline: OffloadPipeline,
-        life: Lifecycle,
-        gpu_order: EvictionPolicy,
+        carry_out: Callable[[Sequence[Release]], None],
+        room_freed: Callable[[], None],
+        changed: Callable[[], None],
         gpu_waiting: FifoBudget[tuple[int, Grant], Grant],
         when_done: Callable[[Sequence[Fence], Callable[[], None]], None],
         when_done_lazily: Callable[[Fence, Callable[[], None]], None],
@@ -60,12 +59,15 @@ class Reads:
         small_copy_bytes: int,
     ) -> None:
         self._device = device
+        self._state = state
         self._counters = counters
-        self._ledger = ledger
         self._host = host
         self._pipeline = pipeline
-        self._life = life
-        self._gpu_order = gpu_order
+        self._carry_out = carry_out
+        self._room_freed = room_freed
+        self._changed = changed  # the tiers' figures changed (a promotion)
+        self._gpu_order = state.gpu_order
+        self._host_order = state.host_order
         self._gpu_waiting = gpu_waiting  # a promotion never jumps the line of waiting puts
         self._when_done = when_done
         self._when_done_lazily = when_done_lazily
@@ -104,7 +106,7 @@ class Reads:
                 return await self.download(entry.tensor, entry.ready, span, entry)
             return await self.serve_device(entry.tensor, entry.ready, span, stream)
         self._counters.hit_cpu()
-        self._host.order.touch(entry.key)
+        self._host_order.touch(entry.key)
         if to_host:
             return await self.read_host(entry, span)
         return await self.upload(entry, span, stream, member if rows is None else None)
@@ -116,7 +118,7 @@ class Reads:
         if state is State.GPU:
             self._gpu_order.touch(entry.key)
         elif state is State.HOST:
-            self._host.order.touch(entry.key)
+            self._host_order.touch(entry.key)
 
     def can_borrow(self, found: Entry | Member) -> bool:
         """Whether borrow() can lend found's host bytes (it has a host copy)."""
@@ -262,7 +264,7 @@ class Reads:
         """GPU bytes host hits may be promoted into now (0: promotion off, or puts wait)."""
         if not self._promote or self._gpu_waiting:
             return 0  # a promotion never jumps the line of waiting puts
-        return self._ledger.free()
+        return self._state.promotion_room()
 
     def promote(
         self, entry: Entry, member: Member | None, tensor: torch.Tensor, fence: Fence
@@ -271,8 +273,12 @@ class Reads:
         returns the entry that now holds it."""
         if member is not None:
             # The member leaves its group as an entry of its own, made from this copy.
-            return self._life.promote_member(member, tensor, fence)
-        self._life.promote_entry(entry, tensor, fence)
+            entry, releases = self._state.promote_member(member, tensor, fence)
+        else:
+            releases = self._state.promote_entry(entry, tensor, fence)
+        if releases:
+            self._carry_out(releases)
+        self._changed()
         return entry
 
     def track_upload(self, entries: Sequence[Entry], fence: Fence, nbytes: int) -> None:
@@ -342,7 +348,8 @@ class Reads:
         if fence.exception() is None:
             self._counters.uploaded(nbytes)
             return
-        for entry in entries:
-            self._counters.copy_failed("upload", entry.key, fence.exception())
-            if entry.state is State.GPU and entry.ready is fence:
-                self._life.lose(entry)  # promoted from a copy that failed: the data is gone
+        # Those promoted from the copy that failed hold no data: they are dropped.
+        releases = self._state.upload_failed(entries, fence)
+        if releases:
+            self._carry_out(releases)
+            self._room_freed()

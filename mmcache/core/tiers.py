@@ -1,25 +1,24 @@
-"""Tiers: the parts of one cache, built and wired together."""
+"""Tiers: the tier state and the parts that carry out its decisions, built and wired."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import functools
+from collections.abc import Callable, Iterable, Sequence
 from typing import final
 
 from mmcache.core.batch_reads import BatchReads
 from mmcache.core.counters import Counters
+from mmcache.core.entry import Entry, Member
 from mmcache.core.evictor import Evictor
 from mmcache.core.host import HostTier
 from mmcache.core.index import KeyIndex
-from mmcache.core.ledger import TierLedger
-from mmcache.core.lifecycle import Lifecycle
 from mmcache.core.offload import OffloadPipeline
 from mmcache.core.packing import Packings
-from mmcache.core.policy import make_policy
 from mmcache.core.producer_fences import ProducerFences
 from mmcache.core.puts import Puts
-from mmcache.core.quarantine import Quarantine
 from mmcache.core.reads import Reads
-from mmcache.device import Device, Fence
+from mmcache.core.state import Release, TierState
+from mmcache.device import DONE, Device, Fence
 from mmcache.metrics import CacheMetrics
 from mmcache.settings import CacheSettings
 from mmcache.stats import CacheStats
@@ -31,11 +30,13 @@ WhenDone = Callable[[Sequence[Fence], Callable[[], None]], None]
 
 @final
 class Tiers:
-    """Every part of one cache, each owning its state, and the few hand-overs between them.
+    """One cache's TierState and the parts around it, which carry out what it decides.
 
-    The parts call each other's methods only; what one part must tell another that
-    it cannot know of (room came back, an offload landed) goes through the methods here.
-    docs/design.md draws them and the paths of a put, an eviction, a landing and a hit.
+    The state (core/state.py) owns the index, both tiers' ledgers and orders and every
+    entry transition, and returns what is left to the device as values; the parts here
+    queue copies, await fences and report back through its verbs. carry_out() is the one
+    place that releases memory the state gave up, and room_freed() the one wake-up for
+    puts waiting for room. docs/design.md draws them and the paths.
     """
 
     def __init__(
@@ -49,89 +50,72 @@ class Tiers:
         changed: Callable[[], None],
     ) -> None:
         self._metrics = metrics
+        self._device = device
+        self._when_done = when_done
         self._changed = changed  # the tiers' figures changed: push them (once a loop turn)
         gpu_capacity = settings.gpu_cache_bytes
-        self.ledger = ledger = TierLedger(gpu_capacity)
         self.counters = counters = Counters(metrics)
-        self.index = index = KeyIndex()
-        self.producers = ProducerFences(device)
-        # The order of GPU victims only; the byte ledger is ours. LRU, the default, is an
-        # OrderedDict: every offloaded feature is inserted, evicted and re-inserted there.
-        self.gpu_order = make_policy(settings.eviction_policy)
-        self.life = life = Lifecycle(
-            device=device,
-            ledger=ledger,
-            counters=counters,
-            index=index,
-            gpu_order=self.gpu_order,
-            when_done=when_done,
-            room_freed=self.room_freed,
-            changed=changed,
-        )
-        self.host = host = HostTier(
-            device,
-            settings.cpu_cache_bytes,
-            alignment=settings.host_alignment,
+        self.state = state = TierState(
+            gpu_capacity=gpu_capacity,
             policy=settings.eviction_policy,
             counters=counters,
-            ledger=ledger,
-            unlink=life.unlink,
+            done_fence=DONE,
+            mark=device.record,
+            evict_ahead=int(gpu_capacity * settings.evict_ahead),
+            small_copy_bytes=settings.small_copy_bytes,
         )
-        self.quarantine = Quarantine()
+        self.producers = ProducerFences(device)
+        self.host = host = HostTier(
+            device,
+            state,
+            settings.cpu_cache_bytes,
+            alignment=settings.host_alignment,
+            carry_out=self.carry_out,
+        )
         self.pipeline = pipeline = OffloadPipeline(
             device=device,
-            ledger=ledger,
+            state=state,
             counters=counters,
-            index=index,
-            quarantine=self.quarantine,
-            host_insert=host.order.__setitem__,
-            release_device=life.release_device,
-            lost=life.offload_lost,
+            carry_out=self.carry_out,
             after_landing=self.landed,
             urgent=self.waiting_for_room,
             changed=changed,
             copy_timeout=settings.copy_timeout_s,
         )
-        life.attach(host, pipeline.charged)
         self.evictor = evictor = Evictor(
             device=device,
-            ledger=ledger,
+            state=state,
             counters=counters,
-            index=index,
-            order=self.gpu_order,
-            host=host,
             pipeline=pipeline,
-            drop=life.drop,
+            carry_out=self.carry_out,
             evict_ahead=int(gpu_capacity * settings.evict_ahead),
-            small_copy_bytes=settings.small_copy_bytes,
         )
-        self.packings = Packings(when_done, life.check_ready)
+        self.packings = Packings(when_done, self.drop_if_failed)
         self.puts = Puts(
             device=device,
+            state=state,
             producers=self.producers,
             counters=counters,
-            ledger=ledger,
-            index=index,
-            gpu_order=self.gpu_order,
             evictor=evictor,
             host=host,
             landings=pipeline,
-            life=life,
             packings=self.packings,
+            carry_out=self.carry_out,
+            drop_if_failed=self.drop_if_failed,
             when_done=when_done,
             changed=changed,
             gpu_capacity=gpu_capacity,
-            small_copy_bytes=settings.small_copy_bytes,
             how_to_change=settings.how_to_change,
         )
         self.reads = reads = Reads(
             device=device,
+            state=state,
             counters=counters,
-            ledger=ledger,
             host=host,
             pipeline=pipeline,
-            life=life,
-            gpu_order=self.gpu_order,
+            carry_out=self.carry_out,
+            room_freed=self.room_freed,
+            changed=changed,
             gpu_waiting=evictor.waiting,
             when_done=when_done,
             when_done_lazily=when_done_lazily,
@@ -139,14 +123,38 @@ class Tiers:
             copy_timeout=settings.copy_timeout_s,
             small_copy_bytes=settings.small_copy_bytes,
         )
-        self.batch_reads = BatchReads(
-            device=device,
-            counters=counters,
-            index=index,
-            reads=reads,
-            gpu_order=self.gpu_order,
-            host_order=host.order,
-        )
+        self.batch_reads = BatchReads(device=device, state=state, counters=counters, reads=reads)
+
+    @property
+    def index(self) -> KeyIndex:
+        """Key -> its entry or group member (the state's index; read-only for callers)."""
+        return self.state.index
+
+    def carry_out(self, releases: Iterable[Release]) -> None:
+        """Release the device memory the state gave up, each tensor after its fences."""
+        device = self._device
+        for release in releases:
+            device.release(release.tensor, after=release.after)
+            if release.later:
+                self._when_done(
+                    release.after, functools.partial(self._released_later, release.later)
+                )
+
+    def remove(self, found: Entry | Member) -> None:
+        """Remove a key's feature (discard, close) and hand on the room it made."""
+        self.carry_out(self.state.remove(found))
+
+    def drop_if_failed(self, entry: Entry, ready: Fence) -> None:
+        """Drop a put whose producing copy failed (a compaction, a packing), handing its
+        room on."""
+        releases = self.state.drop_if_failed(entry, ready)
+        if releases:
+            self.carry_out(releases)
+            self.room_freed()
+
+    def _released_later(self, nbytes: int) -> None:
+        self.state.released(nbytes)
+        self.room_freed()
 
     def landed(self, charged_gpu: bool) -> None:
         """An offload has landed: hand the room it made on."""
@@ -179,16 +187,18 @@ class Tiers:
 
     def push_gauges(self) -> None:
         """Tier sizes to the metrics."""
-        ledger = self.ledger
+        ledger = self.state.ledger
         self._metrics.set_tier("gpu", ledger.used, ledger.gpu_entries)
-        pool = self.host.pool
+        pool = self.state.pool
         self._metrics.set_tier("cpu", pool.used_bytes if pool else 0, ledger.cpu_entries)
 
     def stats(self) -> CacheStats:
         """A snapshot of the ledger, the host tier and the counters, with the audit's leaks."""
         leaked = self.audit()
-        ledger = self.ledger
-        pool = self.host.pool
+        state = self.state
+        ledger = state.ledger
+        pool = state.pool
+        quarantine = state.quarantine
         return CacheStats(
             gpu_bytes=ledger.used,
             cpu_bytes=pool.used_bytes if pool else 0,
@@ -198,7 +208,7 @@ class Tiers:
             cpu_entries=ledger.cpu_entries,
             pending_copies=self.counters.pending_copies,
             leaked_bytes=leaked["gpu"] + leaked["cpu"],
-            quarantined_bytes=self.quarantine.device_bytes() + self.quarantine.host_bytes(),
+            quarantined_bytes=quarantine.device_bytes() + quarantine.host_bytes(),
             host_ready=self.host.ready,
             host_ready_bytes=self.host.ready_bytes,
             **self.counters.as_dict(),
@@ -206,11 +216,12 @@ class Tiers:
 
     def audit(self) -> dict[str, int]:
         """Bytes in the ledgers that no entry, copy or pending release owns (should be 0)."""
-        pool = self.host.pool
-        quarantine = self.quarantine
-        leaked = self.ledger.leaked(
-            self.index.held(),
-            self.pipeline.in_flight(),
+        state = self.state
+        pool = state.pool
+        quarantine = state.quarantine
+        leaked = state.ledger.leaked(
+            state.index.held(),
+            state.in_flight(),
             pool.used_bytes - pool.freeing_bytes if pool else 0,
             (quarantine.device_bytes(), quarantine.host_bytes()),
         )

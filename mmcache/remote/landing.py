@@ -4,14 +4,10 @@ offloaded one's, so a get serves it as a host hit (uploaded, and promoted if it 
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import final
 
-from mmcache.core.entry import Entry, State
-from mmcache.core.host import HostTier
-from mmcache.core.index import KeyIndex
-from mmcache.core.ledger import TierLedger
-from mmcache.device import DONE, Device
+from mmcache.core.state import Release, TierState
 from mmcache.host_pool import HostBlock
 from mmcache.remote.codec import Header
 
@@ -25,22 +21,24 @@ class HostLanding:
     def __init__(
         self,
         *,
-        device: Device,
-        host: HostTier,
-        index: KeyIndex,
-        ledger: TierLedger,
+        state: TierState,
+        carry_out: Callable[[Sequence[Release]], None],
         changed: Callable[[], None],
     ) -> None:
-        self._host = host
-        self._index = index
-        self._ledger = ledger
+        self._state = state  # the tier state changes only through its verbs
+        self._carry_out = carry_out
         self._changed = changed
-        self._done = DONE
 
     def block_for(self, nbytes: int) -> HostBlock | None:
         """A host block for a value of nbytes (dropping host entries for room), or None when
         the host tier cannot take it now (off, not pinned yet, or too small)."""
-        return self._host.allocate(nbytes) if nbytes > 0 else None
+        if nbytes <= 0:
+            return None
+        releases: list[Release] = []
+        block = self._state.allocate_host(nbytes, releases)
+        if releases:
+            self._carry_out(releases)
+        return block
 
     def fill(self, block: HostBlock, value: bytes, header: Header) -> None:
         """Copy the payload of value (a received bytes object) into block."""
@@ -53,27 +51,11 @@ class HostLanding:
 
     def insert(self, key: Hashable, block: HostBlock, header: Header) -> bool:
         """Index block as key's host entry; False (block freed) if key was put meanwhile."""
-        if key in self._index:
-            self._host.free(block)  # a local put is newer than what the server had
+        if not self._state.index_host(key, block, header.shape, header.dtype, header.length):
             return False
-        done = self._done
-        entry = Entry(
-            key,
-            header.shape,
-            header.dtype,
-            header.length,
-            State.HOST,
-            None,
-            done,
-            block=block,
-            copy_fence=done,
-        )
-        self._index[key] = entry
-        self._host.order[key] = entry
-        self._ledger.host_entered(1)
         self._changed()
         return True
 
     def release(self, block: HostBlock) -> None:
         """Give back a block that was not inserted."""
-        self._host.free(block)
+        self._state.free_block(block)

@@ -70,9 +70,7 @@ class RemoteTier:
         self._timeout = settings.remote_timeout_sec
         self._index = index = core.index
         self._series = series
-        self._landing = HostLanding(
-            device=device, host=core.host, index=index, ledger=core.ledger, changed=changed
-        )
+        self._landing = HostLanding(state=core.state, carry_out=core.carry_out, changed=changed)
         self._faults = faults = Faults(name, series.error, settings.remote_timeout_sec)
         self._call = calls = ServerCalls(
             faults,

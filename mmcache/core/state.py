@@ -1,0 +1,611 @@
+"""TierState: the index, both tiers' ledgers and orders, and every entry transition."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Final, final
+
+import torch
+
+from mmcache.core.counters import Counters
+from mmcache.core.entry import Entry, Member, State
+from mmcache.core.grants import Grant
+from mmcache.core.index import KeyIndex
+from mmcache.core.ledger import TierLedger
+from mmcache.core.packing import BATCH_BYTES, LARGE_BATCH_BYTES
+from mmcache.core.policy import EvictionPolicy, make_policy
+from mmcache.core.quarantine import Quarantine
+from mmcache.device.base import Fence, Stream
+from mmcache.host_pool import HostBlock, HostPool
+
+__all__ = [
+    "DeviceRelease",
+    "EvictionPlan",
+    "Landing",
+    "Offload",
+    "Release",
+    "TierState",
+]
+
+
+@final
+@dataclass(slots=True, eq=False)
+class DeviceRelease:
+    """A device tensor no entry holds any more: release it after `after`. Where `later` is
+    not 0, those bytes stay in the GPU ledger until then: report them with released()."""
+
+    tensor: torch.Tensor
+    after: Sequence[Fence]
+    later: int = 0
+
+
+Release = DeviceRelease
+
+#: the empty result of a verb that releases nothing (shared: most of them)
+NOTHING: Final[tuple[Release, ...]] = ()
+
+#: victims going to the host tier behind one copy: each with the block it is copied into
+OffloadItems = list[tuple[Entry, HostBlock]]
+
+
+@final
+@dataclass(slots=True, eq=False)
+class EvictionPlan:
+    """What plan_eviction decided: the offload copies to queue, in order (each one copy
+    behind one fence), what to release for the entries dropped on the way, and how many
+    features left the GPU tier."""
+
+    batches: list[OffloadItems] = field(default_factory=list)
+    releases: list[Release] = field(default_factory=list)
+    evicted: int = 0
+
+
+@final
+@dataclass(slots=True, eq=False)
+class Offload:
+    """One offload copy queued: its fence, the entries it moves, whether its device bytes
+    are the GPU tier's (not a put straight to the host tier), its bytes and features."""
+
+    fence: Fence
+    batch: list[Entry]
+    started: float
+    charged_gpu: bool
+    nbytes: int
+    features: int
+
+
+@final
+@dataclass(slots=True, eq=False)
+class Landing:
+    """What an offload's landing leaves to do: releases, and the entries whose copy failed
+    (lost) with the error."""
+
+    releases: list[Release]
+    lost: list[Entry]
+    failed: BaseException | None
+
+
+@final
+class TierState:
+    """The one owner of the tier state: key index, GPU ledger, host pool, both orders of
+    victims, offloads in flight and quarantined ones.
+
+    Synchronous: it never awaits, and of the device it holds only `mark`, a fence
+    recorded on a stream (on a host block's free, after the copies that readers queued
+    on their own streams). Each verb makes the transitions of a decision at once and
+    returns what is left to the device as values (copies to queue, device memory to
+    release after fences): the async side carries them out and reports completions back
+    through the verbs here. Host blocks are the state's own: freed here, reused by the
+    pool only after the fences of their readers.
+    """
+
+    def __init__(
+        self,
+        *,
+        gpu_capacity: int,
+        policy: str,
+        counters: Counters,
+        done_fence: Fence,
+        mark: Callable[[Stream], Fence],
+        evict_ahead: int,
+        small_copy_bytes: int,
+    ) -> None:
+        self.ledger = TierLedger(gpu_capacity)
+        self.index = KeyIndex()
+        #: the order of GPU victims; the byte ledger is ours
+        self.gpu_order: EvictionPolicy = make_policy(policy)
+        #: the order in which host entries are dropped for room
+        self.host_order: EvictionPolicy = make_policy(policy)
+        #: the pinned arena's allocator, once its first chunk is pinned
+        self.pool: HostPool | None = None
+        self.quarantine = Quarantine()
+        ledger = self.ledger
+        #: a grant for a put starting now (close_grant() it when the put ends, however)
+        self.open_grant = ledger.open_grant
+        #: a put has ended: what its grant still holds is held by nobody (the audit's)
+        self.close_grant = ledger.close_grant
+        #: features below this go to the host tier in batches behind one fence
+        self.small_copy_bytes = small_copy_bytes
+        self._counters = counters
+        self._done = done_fence  # a finished fence: a host entry's stands for its copies'
+        self._mark = mark
+        # Offloading a little ahead keeps the copy engine busy while the next puts run.
+        self._ahead = evict_ahead
+        self._small = small_copy_bytes
+        # Every offload in flight (linked or already discarded) -> whether GPU-charged.
+        self._offloading: dict[Entry, bool] = {}
+        #: told of each entry the host tier drops for room, before it goes
+        self.on_host_evict: Callable[[Entry], None] | None = None
+
+    # --- reading the state ---------------------------------------------------
+
+    def charged(self, entry: Entry) -> bool:
+        """Whether entry's offload in flight is charged to the GPU tier."""
+        return self._offloading.get(entry, False)
+
+    def in_flight(self) -> Mapping[Entry, bool]:
+        """Every entry with an offload in flight -> whether it is GPU-charged (the audit's)."""
+        return self._offloading
+
+    def offloading(self, entry: Entry) -> bool:
+        """Whether entry's offload is in flight (its entry may be discarded already)."""
+        return entry in self._offloading
+
+    def attach_pool(self, pool: HostPool) -> None:
+        """The host arena's allocator: host blocks come from it from now on."""
+        self.pool = pool
+
+    # --- puts ------------------------------------------------------------------
+
+    def take_if_free(self, want: tuple[int, Grant]) -> Grant | None:
+        """Grant want's bytes into its grant if they are free now (a FifoBudget's take)."""
+        return self.ledger.take_if_free(want)
+
+    def grant(self, grant: Grant, nbytes: int) -> None:
+        """Reserve nbytes of the GPU tier for grant's put (the caller checked free())."""
+        self.ledger.grant(grant, nbytes)
+
+    def return_grant(self, grant: Grant) -> None:
+        """grant's put will not insert what it holds: give it all back."""
+        self.ledger.return_grant(grant)
+
+    def admit(self, grant: Grant, entry: Entry) -> None:
+        """A new GPU entry of one feature under its key (absent now), from grant's bytes."""
+        self.ledger.insert(grant, entry.nbytes, 1)
+        self.index[entry.key] = entry
+        self.gpu_order[entry.key] = entry
+
+    def index_entry(self, entry: Entry, to_gpu: bool) -> None:
+        """A new entry (one feature) under its key, absent now; in the GPU order if to_gpu."""
+        self.index[entry.key] = entry
+        if to_gpu:
+            self.gpu_order[entry.key] = entry
+
+    def index_group(
+        self,
+        keys: list[Hashable],
+        rows: list[int],
+        packed: torch.Tensor,
+        ready: Fence,
+        nbytes: int,
+        to_gpu: bool,
+    ) -> Entry:
+        """A packed group of features (keys absent now): one entry, one member per key."""
+        group = self.index.add_group(keys, rows, packed, ready, nbytes)
+        if to_gpu:
+            self.gpu_order[group.key] = group
+        return group
+
+    def inserted(self, grant: Grant, nbytes: int, features: int) -> None:
+        """nbytes of grant's budget became GPU entries holding features."""
+        self.ledger.insert(grant, nbytes, features)
+
+    def unindex(self, made: list[Entry]) -> None:
+        """Take a failed put's entries out again; its caller gives back their memory."""
+        for entry in made:
+            self.index.forget(entry)
+            self.gpu_order.pop(entry.key, None)
+            entry.discard()
+
+    def remove_keys(self, keys: Sequence[Hashable]) -> list[Release]:
+        """Remove what the index holds under keys (a put replacing them)."""
+        index = self.index
+        if index.keys().isdisjoint(keys):
+            return []
+        releases: list[Release] = []
+        for key in keys:
+            old = index.get(key)
+            if old is not None:
+                releases.extend(self.remove(old))
+        return releases
+
+    def index_host(
+        self,
+        key: Hashable,
+        block: HostBlock,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        nbytes: int,
+    ) -> bool:
+        """A host entry for key from a block filled on the host (a remote hit); False
+        (block freed) if key was put meanwhile."""
+        if key in self.index:
+            self.free_block(block)  # a local put is newer than what the server had
+            return False
+        done = self._done
+        entry = Entry(
+            key, shape, dtype, nbytes, State.HOST, None, done, block=block, copy_fence=done
+        )
+        self.index[key] = entry
+        self.host_order[key] = entry
+        self.ledger.host_entered(1)
+        return True
+
+    # --- leaving ---------------------------------------------------------------
+
+    def remove(self, found: Entry | Member) -> Sequence[Release]:
+        """Remove a key's feature: its entry, or its place in a group."""
+        if isinstance(found, Member):
+            return self._leave_group(found)
+        return self._unlink(found)
+
+    def drop(self, entry: Entry) -> Sequence[Release]:
+        """Lose an entry (a GPU one the host tier cannot take now, or a destroyed one)."""
+        self._counters.lost(entry.count)
+        return self._unlink(entry)
+
+    def drop_if_failed(self, entry: Entry, ready: Fence) -> Sequence[Release]:
+        """A put whose producing copy (a compaction) failed must not serve poison: drop it."""
+        if ready.exception() is None or entry.ready is not ready:
+            return NOTHING
+        self._counters.copy_failed("compaction", entry.key, ready.exception())
+        if entry.state is State.GONE:
+            return NOTHING
+        return self.drop(entry)
+
+    def upload_failed(self, entries: Sequence[Entry], fence: Fence) -> list[Release]:
+        """An upload copy failed: entries promoted from it hold no data; drop them."""
+        releases: list[Release] = []
+        for entry in entries:
+            self._counters.copy_failed("upload", entry.key, fence.exception())
+            if entry.state is State.GPU and entry.ready is fence:
+                releases.extend(self.drop(entry))
+        return releases
+
+    def released(self, nbytes: int) -> None:
+        """Device bytes of a DeviceRelease with `later` whose fences are done."""
+        self.ledger.released(nbytes)
+
+    def _leave_group(self, member: Member) -> Sequence[Release]:
+        """Remove a member from the index; its group goes with its last member.
+
+        Its rows stay charged to the group's tier until then: a group is one block of
+        memory on either side, and slicing it would cost the copies it saves.
+        """
+        if not self.index.leave(member):
+            return NOTHING
+        group = member.group
+        state = group.state
+        ledger = self.ledger
+        if state is State.GPU:
+            ledger.gpu_left(1)
+        elif state is State.HOST:
+            ledger.host_left(1)
+        elif state is State.D2H:  # counted in the host tier since queued, in the GPU one if charged
+            ledger.host_left(1)
+            if self._offloading.get(group, False):
+                ledger.gpu_left(1)
+        if group.count == 0:
+            return self._unlink(group)
+        return NOTHING
+
+    def _unlink(self, entry: Entry) -> Sequence[Release]:
+        """Remove entry from the index; what it holds is released after its fences."""
+        self.index.forget(entry)
+        state = entry.state
+        tensor = entry.discard()
+        if state is State.GPU:
+            self.gpu_order.pop(entry.key, None)
+            self.ledger.gpu_left(entry.count)
+            assert tensor is not None
+            return (
+                self._release_charged(
+                    tensor, entry.nbytes, [entry.ready, *entry.device_readers_pending()]
+                ),
+            )
+        if state is State.HOST:
+            self.host_order.pop(entry.key, None)
+            return self._take_block(entry)
+        return NOTHING  # State.D2H: its landing releases both sides once the copy ends
+
+    def _release_charged(
+        self, tensor: torch.Tensor, nbytes: int, after: Sequence[Fence]
+    ) -> DeviceRelease:
+        """Release a device tensor charged to the GPU tier once after's fences are done."""
+        pending = [f for f in after if not f.done()]
+        if not pending:
+            self.ledger.release(nbytes)
+            return DeviceRelease(tensor, pending)
+        self.ledger.release_later(nbytes)
+        return DeviceRelease(tensor, pending, nbytes)
+
+    def _take_block(self, entry: Entry) -> Sequence[Release]:
+        """Free entry's host block, if any, after its readers; it leaves the tier's count."""
+        streams = entry.host_streams
+        block = entry.take_block()
+        if block is not None and self.pool is not None:
+            self.ledger.host_left(entry.count)
+            after = entry.readers_pending()
+            if streams:  # their copies were queued before these fences: covered by them
+                after.extend(map(self._mark, streams))
+            self.pool.free(block, after=after)
+        return NOTHING
+
+    def free_block(self, block: HostBlock, after: Sequence[Fence] = ()) -> None:
+        """Give back a block no entry holds (reused only after the fences given)."""
+        assert self.pool is not None
+        self.pool.free(block, after=after)
+
+    # --- the host tier's room ---------------------------------------------------
+
+    def allocate_host(self, nbytes: int, releases: list[Release]) -> HostBlock | None:
+        """A host block now, dropping host entries in the policy's order if needed (their
+        releases appended to releases); None if no room can be made."""
+        pool = self.pool
+        if pool is None or nbytes > pool.ready_block_bytes:
+            return None  # dropping entries would make no room that fits it
+        while True:
+            block = pool.allocate(nbytes)
+            if block is not None or not self.host_order:
+                return block
+            releases.extend(self._evict_host())
+
+    def allocate_host_all(
+        self, sizes: Sequence[int], releases: list[Release]
+    ) -> list[HostBlock] | None:
+        """A host block for each size now, or none (dropping host entries as
+        allocate_host does). One by one first; if that fails, as one run, which an emptied
+        arena always takes. None while the arena is not pinned yet."""
+        pool = self.pool
+        if pool is None:
+            return None
+        taken: list[HostBlock] = []
+        for nbytes in sizes:
+            block = self.allocate_host(nbytes, releases)
+            if block is None:
+                break
+            taken.append(block)
+        else:
+            return taken
+        for block in taken:
+            pool.free(block)
+        if len(sizes) == 1 or sum(sizes) > pool.ready_block_bytes:
+            return None  # no run could take them: evicting more would be for nothing
+        while True:
+            run = pool.allocate_run(sizes)
+            if run is not None or not self.host_order:
+                return run
+            releases.extend(self._evict_host())
+
+    def _evict_host(self) -> Sequence[Release]:
+        """Drop the host entry the policy gives up first (a host-tier eviction)."""
+        victim = self.host_order.evict()
+        self._counters.evicted_cpu(victim.count)
+        if self.on_host_evict is not None:
+            self.on_host_evict(victim)
+        return self._unlink(victim)
+
+    # --- the GPU tier's room: eviction ----------------------------------------
+
+    def plan_eviction(self, needed: int, *, slack: int = 0, ahead: bool = False) -> EvictionPlan:
+        """Choose GPU victims until needed bytes are free or on their way, with their host
+        blocks; victims the host tier cannot take are dropped at once.
+
+        Features below small_copy_bytes go in batches of about BATCH_BYTES behind one
+        fence: per-copy work (an enqueue, an event, a wake-up on landing) would otherwise
+        cap small features far below the copy engine's bandwidth. Up to slack bytes more
+        may go to top up a last batch left part full with the next small victims. Larger
+        ones go alone, so that the room each makes comes back as soon as it lands; when
+        the room is for later puts (ahead), in batches of up to LARGE_BATCH_BYTES and of
+        up to half of evict_ahead, so that the copy engine has a second batch queued while
+        the first lands.
+
+        The victims stay GPU entries, out of the GPU order, until offload_queued (or
+        offload_refused) is told of their copy: nothing may run in between.
+        """
+        plan = EvictionPlan()
+        order = self.gpu_order
+        ledger = self.ledger
+        small_limit = self._small
+        large_limit = min(LARGE_BATCH_BYTES, self._ahead // 2) if ahead else 0
+        limit = needed + slack
+        batch: list[Entry] = []
+        large: list[Entry] = []
+        batched = large_bytes = planned = 0
+        while order:
+            have = ledger.free() + ledger.releasing + planned + batched + large_bytes
+            if have >= needed:
+                if not batch:
+                    break
+                oldest = order.next_victim()
+                if oldest is None or oldest.nbytes >= small_limit or have + oldest.nbytes > limit:
+                    break
+            entry = order.evict()
+            plan.evicted += entry.count
+            if entry.nbytes < small_limit:
+                if large:  # older victims get their host room first, in the policy's order
+                    planned += self._plan_batch(large, plan)
+                    large, large_bytes = [], 0
+                batch.append(entry)
+                batched += entry.nbytes
+                if batched >= BATCH_BYTES:
+                    # One fence frees a whole batch: bounded, so room comes back in steps.
+                    planned += self._plan_batch(batch, plan)
+                    batch, batched = [], 0
+            else:
+                if batch:
+                    planned += self._plan_batch(batch, plan)
+                    batch, batched = [], 0
+                if large and large_bytes + entry.nbytes > large_limit:
+                    planned += self._plan_batch(large, plan)
+                    large, large_bytes = [], 0
+                large.append(entry)
+                large_bytes += entry.nbytes
+        if large:
+            self._plan_batch(large, plan)
+        if batch:
+            self._plan_batch(batch, plan)
+        if plan.evicted:
+            self._counters.evicted_gpu(plan.evicted)
+        return plan
+
+    def _plan_batch(self, entries: list[Entry], plan: EvictionPlan) -> int:
+        """Host blocks for a batch of victims (one run where one free range takes them all,
+        else one by one), dropping those the host tier cannot take; the bytes planned."""
+        run = None
+        pool = self.pool
+        if len(entries) > 1 and pool is not None:
+            run = pool.allocate_run([e.nbytes for e in entries])
+        if run is not None:
+            items = list(zip(entries, run, strict=True))
+        else:
+            items = []
+            for entry in entries:
+                block = self.allocate_host(entry.nbytes, plan.releases)
+                if block is None:
+                    plan.releases.extend(self.drop(entry))
+                else:
+                    items.append((entry, block))
+        if not items:
+            return 0
+        plan.batches.append(items)
+        return sum(entry.nbytes for entry, _ in items)
+
+    # --- offloads ----------------------------------------------------------------
+
+    def offload_queued(
+        self, items: OffloadItems, fence: Fence, started: float, *, charged_gpu: bool
+    ) -> Offload:
+        """Entries whose copies into blocks were queued behind fence: D2H until it lands."""
+        offloading = self._offloading
+        batch = []
+        features = nbytes = 0
+        for entry, block in items:
+            entry.begin_offload(block, fence)
+            offloading[entry] = charged_gpu
+            features += entry.count
+            nbytes += entry.nbytes
+            batch.append(entry)
+        self.ledger.offloading(nbytes, features, charged_gpu)
+        return Offload(fence, batch, started, charged_gpu, nbytes, features)
+
+    def offload_refused(self, items: OffloadItems, *, charged_gpu: bool) -> list[Release]:
+        """The device refused the copy of items at enqueue (nothing was queued): their
+        blocks go back and the entries are lost."""
+        releases: list[Release] = []
+        for entry, block in items:
+            self.free_block(block)
+            if charged_gpu:
+                releases.extend(self.drop(entry))
+            else:  # a put straight to the host tier: nothing was charged to the GPU tier
+                self._counters.lost(self.index.forget(entry))
+                tensor = entry.discard()
+                assert tensor is not None
+                releases.append(DeviceRelease(tensor, [entry.ready]))
+        return releases
+
+    def offload_landed(self, offload: Offload) -> Landing:
+        """An offload copy has finished: its entries become host-resident, or are lost.
+
+        Once per copy for all its features; the ledger moves once per batch.
+        """
+        charged_gpu = offload.charged_gpu
+        failed = offload.fence.exception()  # asked once: it may be many fences (simulator)
+        offloading = self._offloading
+        quarantined = self.quarantine if self.quarantine else None
+        host_order = self.host_order
+        done = self._done
+        releases: list[Release] = []
+        lost: list[Entry] = []
+        released = features = 0  # features still counted: members may have left since
+        for entry in offload.batch:
+            del offloading[entry]
+            features += entry.count
+            if quarantined is not None:
+                quarantined.release(entry)  # a late fence: its bytes come back now
+            landed = entry.state is State.D2H and failed is None
+            # Landed, both copies are done and good: a shared finished fence stands in for
+            # them, so a host entry keeps no CUDA event (nor the batch's fence) alive.
+            tensor = entry.land(done) if landed else entry.end_offload()
+            # A host get's download may still read the device tensor.
+            readers = entry.device_readers_pending() if entry.device_readers else None
+            if readers and charged_gpu:
+                releases.append(self._release_charged(tensor, entry.nbytes, readers))
+            else:
+                releases.append(DeviceRelease(tensor, readers or ()))
+                released += entry.nbytes
+            if landed:
+                host_order[entry.key] = entry
+            else:
+                lost.append(entry)
+                if entry.state is State.D2H:  # the copy failed: the feature is lost
+                    self._counters.copy_failed("offload", entry.key, failed)
+                    self._counters.lost(self.index.forget(entry))
+                    entry.discard()
+                releases.extend(self._take_block(entry))
+        if charged_gpu:
+            self.ledger.offloaded(offload.nbytes, features, released)
+        return Landing(releases, lost, failed)
+
+    def quarantine_offload(self, entry: Entry, fence: Fence) -> bool:
+        """An offload past copy_timeout_s: drop its entry, keep its bytes reserved as
+        leaked (the copy may still read the tensor or write the block); False if it is
+        done, gone or held already. Its landing releases both if the fence ever completes."""
+        if fence.done() or entry not in self._offloading or entry in self.quarantine:
+            return False
+        block = entry.block
+        self.quarantine.hold(
+            entry,
+            entry.nbytes if self._offloading[entry] else 0,
+            block.nbytes if block is not None else 0,
+        )
+        self._counters.quarantined()
+        lost = self.index.forget(entry)
+        if lost:
+            self._counters.lost(lost)
+        entry.discard()
+        return True
+
+    # --- reads ------------------------------------------------------------------
+
+    def promotion_room(self) -> int:
+        """GPU bytes free for host hits to be promoted into."""
+        return self.ledger.free()
+
+    def promote_member(
+        self, member: Member, tensor: torch.Tensor, fence: Fence
+    ) -> tuple[Entry, Sequence[Release]]:
+        """A GPU-resident entry of its own for a group member, from its uploaded rows."""
+        group = member.group
+        entry = Entry(
+            member.key, member.shape, group.dtype, member.nbytes, State.GPU, tensor, fence
+        )
+        releases = self._leave_group(member)
+        self.index[entry.key] = entry
+        self._promoted(entry)
+        return entry, releases
+
+    def promote_entry(self, entry: Entry, tensor: torch.Tensor, fence: Fence) -> Sequence[Release]:
+        """Make a host entry GPU-resident again (exclusive tiers: its host block is freed)."""
+        self.host_order.pop(entry.key, None)
+        releases = self._take_block(entry)
+        entry.promote(tensor, fence)
+        self._promoted(entry)
+        return releases
+
+    def _promoted(self, entry: Entry) -> None:
+        """Charge a promoted GPU-state entry to the GPU tier, most recently used."""
+        self.ledger.promote(entry.nbytes)
+        self.gpu_order[entry.key] = entry
+        self._counters.promoted()
