@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Generic, TypeVar, final
 
@@ -33,12 +33,15 @@ class FifoBudget(Generic[_W, _G]):
     cache's GPU tier and the IPC sender's pool both wait through one.
     """
 
-    __slots__ = ("_give_back", "_take", "_waiters")
+    __slots__ = ("_give_back", "_take", "_waiters", "line")
 
     def __init__(self, take: Callable[[_W], _G | None], give_back: Callable[[_G], None]) -> None:
         self._take = take
         self._give_back = give_back
         self._waiters: deque[BudgetWaiter[_W, _G]] = deque()
+        #: the waiters in order (read-only): truthy while any waits, for a caller that asks
+        #: on its hot path without a call
+        self.line: Collection[object] = self._waiters
 
     def __bool__(self) -> bool:
         return bool(self._waiters)

@@ -143,10 +143,17 @@ class HostPool:
         """
         if not sizes:
             return []
-        rounded = [self.rounded(nbytes) for nbytes in sizes]
-        total = sum(rounded)
+        a = self.alignment
+        rounded = []  # a loop, not rounded() per size: an offload batch's hot path
+        total = 0
+        for nbytes in sizes:
+            size = max(a, (nbytes + a - 1) // a * a)
+            rounded.append(size)
+            total += size
         # Within one chunk of the arena, so that no block of the run straddles an edge.
-        start = self._carve(total) if total <= self.max_block_bytes else None
+        if total > min(self._chunk, self.capacity_bytes):
+            return None
+        start = self._carve(total)
         if start is None:
             return None
         blocks = []
@@ -187,10 +194,14 @@ class HostPool:
     def _carve(self, size: int) -> int | None:
         """Take size bytes from the smallest free range that fits; their offset, or None."""
         by_size = self._by_size
+        chunk = self._chunk
         j = bisect.bisect_left(by_size, (size, -1))
         while j < len(by_size):
             free, off = by_size[j]
-            start = self._fit(off, free, size)
+            if off // chunk == (off + size - 1) // chunk:
+                start: int | None = off  # within one chunk: fits at its front (common)
+            else:
+                start = self._fit(off, free, size)
             if start is not None:
                 break
             j += 1  # only a chunked arena gets here: the range straddles a chunk edge

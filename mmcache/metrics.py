@@ -468,6 +468,13 @@ class CacheMetrics:
         except KeyError:
             raise _unknown("lookup result", result, LOOKUP_RESULTS) from None
 
+    def eviction_counter(self, tier: str) -> Counter:
+        """The series eviction(tier) increments, for a caller that counts on its hot path."""
+        try:
+            return self._evictions[tier]
+        except KeyError:
+            raise _unknown("tier", tier, TIERS) from None
+
     def set_tier(self, tier: str, nbytes: int, entries: int) -> None:
         """Report a tier's bytes (resident plus in flight) and entries."""
         try:
@@ -503,11 +510,11 @@ class CacheMetrics:
 
     def copy_started(self, direction: str, count: int = 1) -> None:
         """Count copies of count features as pending: direction is d2h or h2d."""
-        self._copy_series(direction)[0].inc(count)
+        self.copy_series(direction)[0].inc(count)
 
     def copy_finished(self, direction: str, nbytes: int, seconds: float, count: int = 1) -> None:
         """Record one copy observed complete: count features, nbytes in all, its latency."""
-        pending, copied, duration = self._copy_series(direction)
+        pending, copied, duration = self.copy_series(direction)
         pending.dec(count)
         copied.inc(nbytes)
         duration.observe(seconds)
@@ -515,9 +522,9 @@ class CacheMetrics:
     def copy_on_reader_stream(self, direction: str, nbytes: int) -> None:
         """Count the bytes of a copy queued on its reader's stream: never pending to the
         cache (the reader's own stream orders it), so it has no latency of ours either."""
-        self._copy_series(direction)[1].inc(nbytes)
+        self.copy_series(direction)[1].inc(nbytes)
 
-    def _copy_series(self, direction: str) -> tuple[Gauge, Counter, Histogram]:
+    def copy_series(self, direction: str) -> tuple[Gauge, Counter, Histogram]:
         """The pending, bytes and duration series of direction (d2h or h2d)."""
         try:
             return self._copies[direction]

@@ -14,7 +14,6 @@ from prometheus_client import CollectorRegistry
 from mmcache import CacheSettings
 from mmcache.core import state as state_module
 from mmcache.core.entry import State
-from mmcache.core.grants import Grant
 from mmcache.core.state import EvictionPlan
 from mmcache.core.tiers import Tiers
 from mmcache.device import Fence, SimDevice
@@ -185,10 +184,10 @@ async def test_a_put_whose_reservation_raises_gives_its_value_back(
         assert await core.put("k", 4)
     before = core.device.allocated_bytes
 
-    def failing(nbytes: int, grant: Grant) -> bool:
+    def failing(nbytes: int) -> bool:
         raise RuntimeError("the eviction failed")
 
-    monkeypatch.setattr(core.tiers.evictor, "take", failing)
+    monkeypatch.setattr(core.tiers.evictor, "room_for", failing)
     with pytest.raises(RuntimeError, match="the eviction failed"):
         await core.put("k", 4)
     monkeypatch.undo()

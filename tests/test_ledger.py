@@ -45,13 +45,12 @@ def test_a_grant_no_running_put_holds_is_leaked_until_returned() -> None:
     assert ledger.leaked([], {}, 0, (0, 0)) == {"gpu": 0, "cpu": 0}
 
 
-def test_bytes_left_in_the_synchronous_grant_are_leaked() -> None:
+def test_an_admitted_entry_owns_its_bytes_and_nothing_else_does() -> None:
     ledger = TierLedger(100)
-    grant = ledger.synchronous_grant  # always open: settled before any audit can look
-    ledger.grant(grant, 30)
-    assert ledger.leaked([], {}, 0, (0, 0)) == {"gpu": 30, "cpu": 0}
-    ledger.insert(grant, 30, 1)
+    ledger.admit(30)  # a put that found room at once: no grant in between
+    assert (ledger.used, ledger.gpu_entries, ledger.granted) == (30, 1, 0)
     assert ledger.leaked([_entry(30)], {}, 0, (0, 0)) == {"gpu": 0, "cpu": 0}
+    assert ledger.leaked([], {}, 0, (0, 0)) == {"gpu": 30, "cpu": 0}  # no entry holds them
 
 
 def test_an_offload_moves_entries_and_releases_bytes() -> None:

@@ -74,7 +74,7 @@ class Rig:
         self.host = self.state.host_order
         self.landed: list[bool] = []
         self.released: list[Release] = []
-        self.urgent = False
+        self.waiting: list[object] = []  # a line of puts waiting for room
         self.watches: list[Sequence[Fence]] = []
         self.pipeline = OffloadPipeline(
             device=device,
@@ -82,7 +82,7 @@ class Rig:
             counters=self.counters,
             carry_out=self.released.extend,
             after_landing=self.landed.append,
-            urgent=lambda: self.urgent,
+            lines=(self.waiting,),
             changed=lambda: None,
             copy_timeout=copy_timeout,
         )
@@ -91,10 +91,7 @@ class Rig:
         """A GPU entry of 1 KiB, indexed and charged to the ledger."""
         tensor = device.adopt(torch.zeros(256), device.current_stream())
         entry = Entry(key, (256,), torch.float32, 1024, State.GPU, tensor, DONE)
-        grant = self.state.open_grant()
-        self.state.grant(grant, 1024)
-        self.state.admit(grant, entry)
-        self.state.close_grant(grant)
+        self.state.admit(entry)
         self.state.gpu_order.pop(key, None)  # chosen as a victim
         return entry
 
@@ -139,7 +136,7 @@ async def test_landings_are_handled_in_order_and_entries_become_host_resident(
     watched(rig, asyncio.get_running_loop())
     fences = [HandFence(), HandFence()]
     entries = [rig.entry(k, device) for k in "ab"]
-    rig.urgent = True  # watched at once
+    rig.waiting.append(object())  # a put waits: watched at once
     for fence, entry, offset in zip(fences, entries, (0, 1024), strict=True):
         rig.pipeline.queue(fence, [(entry, block(offset))], charged_gpu=True)
     assert [e.state for e in entries] == [State.D2H, State.D2H] and len(rig.pipeline) == 2

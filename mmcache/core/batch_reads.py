@@ -12,7 +12,7 @@ from mmcache.core.entry import Entry, Member, State
 from mmcache.core.reads import Reads, raise_if_failed
 from mmcache.core.state import TierState
 from mmcache.device import CopyPlan, Device, Fence, NewCopyPlan, Stream
-from mmcache.errors import CopyTimeoutError
+from mmcache.errors import CopyTimeoutError, DeviceOutOfMemoryError
 
 __all__ = ["UPLOAD_ALIGNMENT", "BatchReads"]
 
@@ -24,14 +24,16 @@ UPLOAD_ALIGNMENT = 256
 _Upload = tuple[int, Entry, Member | None]
 
 
-def _aligned(nbytes: int) -> int:
-    """nbytes rounded up to UPLOAD_ALIGNMENT: a feature's room in a shared buffer."""
-    return -(-nbytes // UPLOAD_ALIGNMENT) * UPLOAD_ALIGNMENT
-
-
 def _host_source(entry: Entry, member: Member | None) -> torch.Tensor:
-    """The host bytes an upload copies: the entry's, or its member's rows."""
-    return entry.host_bytes() if member is None else entry.host_bytes(member.start, member.stop)
+    """The host bytes an upload copies: the entry's, or its member's rows (sliced from the
+    arena here: a batch's hot path)."""
+    block = entry.block
+    assert block is not None
+    start = block.offset
+    if member is None:
+        return block.arena[start : start + entry.nbytes]
+    row_bytes = entry.nbytes // entry.shape[0]
+    return block.arena[start + member.start * row_bytes : start + member.stop * row_bytes]
 
 
 def _offload_fences(uploads: list[_Upload]) -> list[Fence]:
@@ -79,7 +81,8 @@ class BatchReads:
         repeats: list[tuple[int, int]] = []
         touch_gpu = self._gpu_order.touch
         touch_host = self._host_order.touch
-        counters = self._counters
+        index = self._index
+        gpu_hits = missed = 0
         # Everything is looked up and every alias taken before the first await: a reader
         # holds what it will read, so nothing that lands or is evicted meanwhile changes it.
         for i, key in enumerate(keys):
@@ -88,9 +91,9 @@ class BatchReads:
                 repeats.append((i, seen))
                 continue
             first[key] = i
-            found = self._index.get(key)
+            found = index.get(key)
             if found is None:
-                counters.miss()
+                missed += 1
                 continue
             if isinstance(found, Member):
                 member: Member | None = found
@@ -100,7 +103,7 @@ class BatchReads:
                 entry = found
             state = entry.state
             if state is State.GPU or state is State.D2H:
-                counters.hit_gpu()
+                gpu_hits += 1
                 if state is State.GPU:
                     touch_gpu(entry.key)
                 tensor = entry.tensor
@@ -108,14 +111,15 @@ class BatchReads:
                 alias = tensor.detach() if member is None else tensor[member.start : member.stop]
                 out[i] = alias
                 used.append(alias)
-                if entry.ready.done():
-                    raise_if_failed(entry.ready)
-                else:
+                if not entry.ready.ok():  # one call in the common case: done and good
                     waits.append(entry.ready)
             else:
-                counters.hit_cpu()
                 touch_host(entry.key)
                 uploads.append((i, entry, member))
+        self._counters.looked_up(gpu_hits, len(uploads), missed)
+        for fence in waits:  # a feature whose producing copy failed: an error, no copies
+            if fence.done():
+                raise_if_failed(fence)
         if uploads:
             waits.extend(self._upload(uploads, out, used, stream))
         await self._wait(waits, used, stream)
@@ -149,8 +153,8 @@ class BatchReads:
             elif nbytes < small:
                 on_reader.append(upload)
                 continue
-            else:
-                shared += _aligned(nbytes)
+            else:  # its room in the shared buffer, aligned
+                shared += -(-nbytes // UPLOAD_ALIGNMENT) * UPLOAD_ALIGNMENT
             on_copy_stream.append(upload)
             promoted.append(promote)
         fences: list[Fence] = []
@@ -173,8 +177,8 @@ class BatchReads:
         size = 0  # the buffer's, each feature's room aligned
         for src in srcs:
             offsets.append(size)
-            size += _aligned(src.numel())
-        with self._counters.counting_oom():
+            size += -(-src.numel() // UPLOAD_ALIGNMENT) * UPLOAD_ALIGNMENT
+        try:
             buffer, fence = device.submit(
                 NewCopyPlan(
                     "h2d",
@@ -185,6 +189,9 @@ class BatchReads:
                     stream=stream,
                 )
             )
+        except DeviceOutOfMemoryError:
+            self._counters.alloc_failed()
+            raise
         entries: list[Entry] = []
         moved = 0  # the features' bytes, padding left out
         for (i, entry, member), src, offset in zip(uploads, srcs, offsets, strict=True):
@@ -219,7 +226,7 @@ class BatchReads:
         dsts: list[torch.Tensor] = []
         owned: list[torch.Tensor] = []  # allocations of ours, released if queuing fails
         try:
-            with self._counters.counting_oom():
+            try:
                 buffer = device.empty((shared,), torch.uint8) if shared else None
                 if buffer is not None:
                     owned.append(buffer)
@@ -235,7 +242,10 @@ class BatchReads:
                     else:
                         piece = buffer[offset : offset + nbytes]
                         dsts.append(piece.view(entry.dtype).view(shape))
-                        offset += _aligned(nbytes)
+                        offset += -(-nbytes // UPLOAD_ALIGNMENT) * UPLOAD_ALIGNMENT
+            except DeviceOutOfMemoryError:
+                self._counters.alloc_failed()
+                raise
             fence = device.submit(CopyPlan("h2d", srcs, dsts, after=_offload_fences(uploads)))
         except BaseException:
             del dsts

@@ -41,6 +41,9 @@ class Counters:
 
     __slots__ = (
         "_counting_oom",
+        "_d2h_pending",
+        "_evicted_cpu",
+        "_evicted_gpu",
         "_hit_cpu",
         "_hit_gpu",
         "_metrics",
@@ -68,6 +71,9 @@ class Counters:
         self._hit_gpu = metrics.lookup_counter("hit_gpu").inc
         self._hit_cpu = metrics.lookup_counter("hit_cpu").inc
         self._miss = metrics.lookup_counter("miss").inc
+        self._evicted_gpu = metrics.eviction_counter("gpu").inc
+        self._evicted_cpu = metrics.eviction_counter("cpu").inc
+        self._d2h_pending = metrics.copy_series("d2h")[0].inc
         self.hits_gpu = self.hits_cpu = self.misses = 0
         self.evictions_gpu = self.evictions_cpu = self.dropped = self.rejected = 0
         self.d2h_bytes = self.h2d_bytes = self.promotions = 0
@@ -93,6 +99,18 @@ class Counters:
         self.hits_cpu += 1
         self._hit_cpu()
 
+    def looked_up(self, gpu: int, cpu: int, missed: int) -> None:
+        """A batch of lookups: gpu and cpu hits, and misses (one call for a get_many)."""
+        if gpu:
+            self.hits_gpu += gpu
+            self._hit_gpu(gpu)
+        if cpu:
+            self.hits_cpu += cpu
+            self._hit_cpu(cpu)
+        if missed:
+            self.misses += missed
+            self._miss(missed)
+
     def miss(self) -> None:
         """A get found nothing."""
         self.misses += 1
@@ -101,12 +119,12 @@ class Counters:
     def evicted_gpu(self, features: int) -> None:
         """Features that left the GPU tier to make room (offloaded or dropped)."""
         self.evictions_gpu += features
-        self._metrics.eviction("gpu", features)
+        self._evicted_gpu(features)
 
     def evicted_cpu(self, features: int) -> None:
         """Features dropped from the host tier to make room."""
         self.evictions_cpu += features
-        self._metrics.eviction("cpu", features)
+        self._evicted_cpu(features)
 
     def lost(self, features: int) -> None:
         """Features the cache lost: the host tier could not take them, or a copy failed."""
@@ -154,6 +172,11 @@ class Counters:
     def quarantined(self) -> None:
         """A copy past copy_timeout_s whose bytes stay reserved."""
         self._metrics.fault("quarantined")
+
+    def offload_started(self, features: int) -> None:
+        """An offload copy of features queued (copy_started("d2h"), on the put path)."""
+        self.pending_d2h += features
+        self._d2h_pending(features)
 
     def copy_started(self, direction: str, features: int = 1) -> None:
         """A copy of features queued: direction is d2h or h2d."""

@@ -279,6 +279,15 @@ def check_key(key: object) -> None:
     refuse anything else clearly."""
     # Exact types first: put_many checks every key of a batch, thousands a second.
     cls = key.__class__
+    # _plain_size inline for the commonest keys: they cost one call, this one.
+    if cls is str:
+        if len(key) > MAX_KEY_SIZE:  # type: ignore[arg-type]
+            raise _too_large(key)
+        return
+    if cls is int:
+        if key.bit_length() >= MAX_KEY_SIZE * 8:  # type: ignore[attr-defined]
+            raise _too_large(key)
+        return
     if cls in _PLAIN_KEY_TYPES or isinstance(key, _KEY_TYPES):
         if _plain_size(key) > MAX_KEY_SIZE:  # type: ignore[arg-type]
             raise _too_large(key)
@@ -343,6 +352,16 @@ def key_list(keys: Iterable[Hashable], caller: str) -> list[Hashable]:
 
 def check_keys(keys: list[object]) -> None:
     """check_key for each of keys: a batch of plain or flat tuple keys costs no Python per key."""
+    if len(keys) <= 16:  # a request's few keys: one loop, no list built
+        for key in keys:
+            cls = key.__class__
+            if not (
+                (cls is str and len(key) <= MAX_KEY_SIZE)  # type: ignore[arg-type]
+                or (cls is int and key.bit_length() < MAX_KEY_SIZE * 8)  # type: ignore[attr-defined]
+            ):
+                break
+        else:
+            return
     classes = set(map(type, keys))
     if classes <= _PLAIN_OR_TUPLE:
         tuples: list[tuple[object, ...]] = (

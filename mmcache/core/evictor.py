@@ -36,6 +36,7 @@ class Evictor:
         state: TierState,
         counters: Counters,
         pipeline: OffloadPipeline,
+        waiting: FifoBudget[tuple[int, Grant], Grant],
         carry_out: Callable[[Sequence[Release]], None],
         evict_ahead: int,
     ) -> None:
@@ -49,31 +50,36 @@ class Evictor:
         # instead of each put waiting for the one copy that makes its room.
         self._ahead = evict_ahead
         #: puts waiting for GPU room, granted into their grants in arrival order
-        self.waiting: FifoBudget[tuple[int, Grant], Grant] = FifoBudget(
-            state.take_if_free, state.return_grant
-        )
+        self.waiting = waiting
+        self._line = waiting.line  # truthy while a put waits (no call to ask)
+        self._landings = pipeline.queued  # truthy while offloads are unhandled
         self._closed = False
 
     def take(self, nbytes: int, grant: Grant) -> bool:
         """Reserve nbytes of the GPU tier into grant if it has room now and no put waits
         before us."""
+        if self.room_for(nbytes):
+            self._state.grant(grant, nbytes)
+            return True
+        return False
+
+    def room_for(self, nbytes: int) -> bool:
+        """Whether nbytes are free for a put now, nobody waiting before it (a put that then
+        indexes with no await may take them); offloads ahead below the low-water mark."""
         ahead = self._ahead
         ledger = self._ledger
-        if ledger.free() < nbytes + ahead and self._pipeline:
+        if ledger.capacity - ledger.used < nbytes + ahead and self._landings:
             self._pipeline.reap()
         # Asked once: evicting adds no put to the line (only wait() does).
-        if self.waiting:
+        if self._line:
             return False
-        if ledger.free() + ledger.releasing < nbytes + ahead // 2:
+        if ledger.capacity - ledger.used + ledger.releasing < nbytes + ahead // 2:
             # Below the low-water mark: offload a batch now, so the copies of the next
             # batch overlap with the puts that use the room this one makes. Topping up a
             # batch saves a copy only where a host tier takes it (else it drops more).
             slack = ahead // 2 if self._state.pool is not None else 0
             self.evict_for(nbytes + ahead, slack=slack, ahead=True)
-        if ledger.free() >= nbytes:
-            self._state.grant(grant, nbytes)
-            return True
-        return False
+        return ledger.capacity - ledger.used >= nbytes
 
     def give_back(self, grant: Grant) -> None:
         """Give back the GPU budget grant holds (its put will not insert), waking waiters."""
@@ -134,8 +140,9 @@ class Evictor:
         assert pool is not None
         srcs: list[torch.Tensor] = []
         offsets: list[int] = []
-        # Producers long finished need no ordering; failed ones must fail the copy too.
-        # A put_many group shares one producer fence: look at each fence once.
+        # The copy orders after each producer (the device skips those long done, and
+        # fails the copy after one that failed). Puts of one loop turn, and a put_many
+        # group, share one producer fence: each is given once.
         readies: list[Fence] = []
         last: Fence | None = None
         for entry, block in items:
@@ -145,8 +152,7 @@ class Evictor:
             ready = entry.ready
             if ready is not last:
                 last = ready
-                if not ready.done() or ready.exception() is not None:
-                    readies.append(ready)
+                readies.append(ready)
         try:
             fence = self._device.submit(
                 CopyPlan("d2h", srcs, into=pool.arena, offsets=offsets, after=readies, owned=True)

@@ -8,7 +8,7 @@ import contextlib
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, Protocol, final
 
 import torch
@@ -60,6 +60,8 @@ class HostTier:
         self._ready: asyncio.Event | None = None  # set once pinning ended, done or failed
         self._complete = False  # the whole arena is pinned
         self._waiters: deque[asyncio.Future[None]] = deque()
+        #: the puts waiting for host room (read-only): truthy while any waits
+        self.line: Collection[object] = self._waiters
         self._closed = False
 
     @property

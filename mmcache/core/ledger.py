@@ -32,7 +32,6 @@ class TierLedger:
         "open_grant",
         "released_pending",
         "releasing",
-        "synchronous_grant",
         "used",
     )
 
@@ -47,10 +46,6 @@ class TierLedger:
         self.open_grant: Callable[[], Grant] = grants.open
         #: a put has ended: what its grant still holds is held by nobody (the audit's)
         self.close_grant: Callable[[Grant], None] = grants.close
-        #: the grant of a put that takes and inserts (or gives back) without awaiting in
-        #: between: always open, settled before the put lets the loop run anything else,
-        #: so it holds nothing whenever the audit looks.
-        self.synchronous_grant = grants.open()
 
     @property
     def granted(self) -> int:
@@ -86,6 +81,12 @@ class TierLedger:
         """nbytes of grant's budget became entries holding features on the device."""
         self.grants.settle(grant, nbytes)
         self.gpu_entries += features
+
+    def admit(self, nbytes: int) -> None:
+        """A new entry of one feature took nbytes that were free, with no grant between
+        (a put that found room at once)."""
+        self.used += nbytes
+        self.gpu_entries += 1
 
     def promote(self, nbytes: int) -> None:
         """A host entry (or group member) came back to the device as one entry."""
@@ -146,8 +147,7 @@ class TierLedger:
         which count as leaked since they may never come back.
         """
         # Granted bytes count as owned only while the put they were granted to runs.
-        # The synchronous grant is settled before anything can audit: bytes in it are lost.
-        granted = self.grants.held_bytes() - self.synchronous_grant.nbytes
+        granted = self.grants.held_bytes()
         gpu_owned = granted + self.released_pending
         holders = {id(e): e for e in held}
         for e, charged in offloading.items():

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Final, final
 
 from mmcache.core.counters import Counters
@@ -43,7 +43,7 @@ class OffloadPipeline:
         counters: Counters,
         carry_out: Callable[[Sequence[Release]], None],
         after_landing: Callable[[bool], None],
-        urgent: Callable[[], bool],
+        lines: Sequence[Collection[object]],
         changed: Callable[[], None],
         copy_timeout: float,
     ) -> None:
@@ -51,13 +51,16 @@ class OffloadPipeline:
         self._counters = counters
         self._carry_out = carry_out  # releases what a landing or a quarantine gave up
         self._after_landing = after_landing  # hands the room on (charged_gpu or not)
-        self._urgent = urgent  # a put waits for room: watch at once, not late
+        # The lines of puts waiting for room: while one waits, watch at once, not late.
+        self._lines = lines
         self._changed = changed  # the tiers' figures changed outside a landing
         self._copy_timeout = copy_timeout
         self._loop: asyncio.AbstractEventLoop | None = None
         self._watcher: FenceWatcher | None = None
         # Offloads not yet handled, in the order queued (and so the order they land).
         self._landing: OrderedDict[Offload, None] = OrderedDict()
+        #: the offloads not yet handled (read-only): truthy while any is, with no call
+        self.queued: Collection[Offload] = self._landing
         self._watched = False  # the waiter thread watches the oldest of them
         self._watch_timer: asyncio.TimerHandle | None = None  # arms that watch a little late
         self._watchdog: asyncio.TimerHandle | None = None  # quarantines overdue offloads
@@ -88,7 +91,7 @@ class OffloadPipeline:
         """Entries whose copies into blocks were queued behind fence: D2H until it lands."""
         started = time.perf_counter()
         offload = self._state.offload_queued(items, fence, started, charged_gpu=charged_gpu)
-        self._counters.copy_started("d2h", offload.features)
+        self._counters.offload_started(offload.features)
         self._landing[offload] = None
         self.watch()
         if self._watchdog is None:
@@ -128,7 +131,7 @@ class OffloadPipeline:
         """
         if self._watched or not self._landing:
             return
-        if not (now or self._urgent()):
+        if not (now or any(self._lines)):
             if self._watch_timer is None and not self._closed:
                 assert self._loop is not None
                 self._watch_timer = self._loop.call_later(WATCH_DELAY_S, self._watch_late)

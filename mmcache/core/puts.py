@@ -129,20 +129,15 @@ class Puts:
         ready = self._producers.fence(stream)
         own = self._device.adopt(tensor, stream)
         del tensor
-        ledger = self._ledger
-        # Taken and inserted with no await in between: the shared synchronous grant.
-        grant = ledger.synchronous_grant
         try:
-            admitted = self._evictor.take(nbytes, grant)
+            # Room now, nobody waiting before it: indexed with no grant and no await.
+            admitted = self._evictor.room_for(nbytes)
             if admitted:
-                self._state.admit(
-                    grant,
-                    Entry(
-                        key, tuple(own.shape), own.dtype, nbytes, State.GPU, own, ready, cost=cost
-                    ),
-                )
+                shape = tuple(own.shape)
+                entry = Entry(key, shape, own.dtype, nbytes, State.GPU, own, ready, cost=cost)
+                self._state.admit(entry)
+                del entry
         except BaseException:
-            self._evictor.give_back(grant)
             self._give_back([(own, ready)], [], [[]])
             del own  # nor may the traceback of a put that failed keep it alive
             raise
@@ -150,7 +145,7 @@ class Puts:
             return await self._insert_units(
                 [key], [], [(0, 1)], [nbytes], [(own, ready)], [[]], ready, wait, cost
             )
-        # No put waits now (Evictor.take grants nothing ahead of one): none to wake.
+        # No put waits now (room_for admits nothing ahead of one): none to wake.
         self._changed()
         return True
 

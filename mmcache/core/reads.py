@@ -68,7 +68,8 @@ class Reads:
         self._changed = changed  # the tiers' figures changed (a promotion)
         self._gpu_order = state.gpu_order
         self._host_order = state.host_order
-        self._gpu_waiting = gpu_waiting  # a promotion never jumps the line of waiting puts
+        self._gpu_line = gpu_waiting.line  # a promotion never jumps the line of waiting puts
+        self._ledger = state.ledger  # read here; changed through the state's verbs
         self._when_done = when_done
         self._when_done_lazily = when_done_lazily
         self._promote = promote
@@ -175,12 +176,13 @@ class Reads:
         # The alias exists before any wait: a reader holds what it will read, so a release
         # that lands meanwhile cannot recycle it.
         out = tensor.detach() if span is None else tensor[span[0] : span[1]]
-        if ready.done():
+        if ready.ok():  # one call in the common case: done and good
+            pass
+        elif ready.done():
             # Checked here, not before the alias: a copy that failed in between must not
             # slip through as done.
-            if ready.exception() is not None:
-                del out
-                raise_if_failed(ready)
+            del out
+            raise_if_failed(ready)
         else:
             if self._device.stream_ordered_reads:
                 self._device.wait_on(stream, ready)
@@ -262,9 +264,10 @@ class Reads:
 
     def promotion_room(self) -> int:
         """GPU bytes host hits may be promoted into now (0: promotion off, or puts wait)."""
-        if not self._promote or self._gpu_waiting:
+        if not self._promote or self._gpu_line:
             return 0  # a promotion never jumps the line of waiting puts
-        return self._state.promotion_room()
+        ledger = self._ledger
+        return ledger.capacity - ledger.used
 
     def promote(
         self, entry: Entry, member: Member | None, tensor: torch.Tensor, fence: Fence

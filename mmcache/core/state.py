@@ -170,11 +170,13 @@ class TierState:
         """grant's put will not insert what it holds: give it all back."""
         self.ledger.return_grant(grant)
 
-    def admit(self, grant: Grant, entry: Entry) -> None:
-        """A new GPU entry of one feature under its key (absent now), from grant's bytes."""
-        self.ledger.insert(grant, entry.nbytes, 1)
-        self.index[entry.key] = entry
-        self.gpu_order[entry.key] = entry
+    def admit(self, entry: Entry) -> None:
+        """A new GPU entry of one feature under its key (absent now), in bytes that are
+        free now (Evictor.admit checked)."""
+        self.ledger.admit(entry.nbytes)
+        key = entry.key
+        self.index[key] = entry
+        self.gpu_order[key] = entry
 
     def index_entry(self, entry: Entry, to_gpu: bool) -> None:
         """A new entry (one feature) under its key, absent now; in the GPU order if to_gpu."""
@@ -424,7 +426,9 @@ class TierState:
         large: list[Entry] = []
         batched = large_bytes = planned = 0
         while order:
-            have = ledger.free() + ledger.releasing + planned + batched + large_bytes
+            # Free, on its way, or planned: drops change the ledger as they are planned.
+            have = ledger.capacity - ledger.used + ledger.releasing + planned
+            have += batched + large_bytes
             if have >= needed:
                 if not batch:
                     break
@@ -435,52 +439,56 @@ class TierState:
             plan.evicted += entry.count
             if entry.nbytes < small_limit:
                 if large:  # older victims get their host room first, in the policy's order
-                    planned += self._plan_batch(large, plan)
+                    planned += self._plan_batch(large, large_bytes, plan)
                     large, large_bytes = [], 0
                 batch.append(entry)
                 batched += entry.nbytes
                 if batched >= BATCH_BYTES:
                     # One fence frees a whole batch: bounded, so room comes back in steps.
-                    planned += self._plan_batch(batch, plan)
+                    planned += self._plan_batch(batch, batched, plan)
                     batch, batched = [], 0
             else:
                 if batch:
-                    planned += self._plan_batch(batch, plan)
+                    planned += self._plan_batch(batch, batched, plan)
                     batch, batched = [], 0
                 if large and large_bytes + entry.nbytes > large_limit:
-                    planned += self._plan_batch(large, plan)
+                    planned += self._plan_batch(large, large_bytes, plan)
                     large, large_bytes = [], 0
                 large.append(entry)
                 large_bytes += entry.nbytes
         if large:
-            self._plan_batch(large, plan)
+            self._plan_batch(large, large_bytes, plan)
         if batch:
-            self._plan_batch(batch, plan)
+            self._plan_batch(batch, batched, plan)
         if plan.evicted:
             self._counters.evicted_gpu(plan.evicted)
         return plan
 
-    def _plan_batch(self, entries: list[Entry], plan: EvictionPlan) -> int:
-        """Host blocks for a batch of victims (one run where one free range takes them all,
-        else one by one), dropping those the host tier cannot take; the bytes planned."""
+    def _plan_batch(self, entries: list[Entry], nbytes: int, plan: EvictionPlan) -> int:
+        """Host blocks for a batch of victims of nbytes in all (one run where one free
+        range takes them all, else one by one), dropping those the host tier cannot take;
+        the bytes planned."""
         run = None
         pool = self.pool
         if len(entries) > 1 and pool is not None:
-            run = pool.allocate_run([e.nbytes for e in entries])
-        if run is not None:
-            items = list(zip(entries, run, strict=True))
-        else:
-            items = []
+            sizes = []
             for entry in entries:
-                block = self.allocate_host(entry.nbytes, plan.releases)
-                if block is None:
-                    plan.releases.extend(self.drop(entry))
-                else:
-                    items.append((entry, block))
-        if not items:
-            return 0
-        plan.batches.append(items)
-        return sum(entry.nbytes for entry, _ in items)
+                sizes.append(entry.nbytes)
+            run = pool.allocate_run(sizes)
+        if run is not None:
+            plan.batches.append(list(zip(entries, run, strict=True)))
+            return nbytes
+        items: OffloadItems = []
+        for entry in entries:
+            block = self.allocate_host(entry.nbytes, plan.releases)
+            if block is None:
+                nbytes -= entry.nbytes
+                plan.releases.extend(self.drop(entry))
+            else:
+                items.append((entry, block))
+        if items:
+            plan.batches.append(items)
+        return nbytes
 
     # --- offloads ----------------------------------------------------------------
 

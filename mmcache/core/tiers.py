@@ -6,10 +6,12 @@ import functools
 from collections.abc import Callable, Iterable, Sequence
 from typing import final
 
+from mmcache.budget import FifoBudget
 from mmcache.core.batch_reads import BatchReads
 from mmcache.core.counters import Counters
 from mmcache.core.entry import Entry, Member
 from mmcache.core.evictor import Evictor
+from mmcache.core.grants import Grant
 from mmcache.core.host import HostTier
 from mmcache.core.index import KeyIndex
 from mmcache.core.offload import OffloadPipeline
@@ -72,13 +74,17 @@ class Tiers:
             alignment=settings.host_alignment,
             carry_out=self.carry_out,
         )
+        # Puts waiting for GPU room, granted into their grants in arrival order.
+        gpu_line: FifoBudget[tuple[int, Grant], Grant] = FifoBudget(
+            state.take_if_free, state.return_grant
+        )
         self.pipeline = pipeline = OffloadPipeline(
             device=device,
             state=state,
             counters=counters,
             carry_out=self.carry_out,
             after_landing=self.landed,
-            urgent=self.waiting_for_room,
+            lines=(gpu_line.line, host.line),
             changed=changed,
             copy_timeout=settings.copy_timeout_s,
         )
@@ -87,6 +93,7 @@ class Tiers:
             state=state,
             counters=counters,
             pipeline=pipeline,
+            waiting=gpu_line,
             carry_out=self.carry_out,
             evict_ahead=int(gpu_capacity * settings.evict_ahead),
         )
@@ -168,10 +175,6 @@ class Tiers:
         """GPU room came back: hand it on to waiting puts."""
         self.evictor.wake()
         self._changed()
-
-    def waiting_for_room(self) -> bool:
-        """Whether a put waits for room in either tier."""
-        return bool(self.evictor.waiting) or self.host.waiting
 
     def closing(self) -> None:
         """No put inserts from now on, nor arms a timer of its own (the cache is closing)."""

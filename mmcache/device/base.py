@@ -72,6 +72,11 @@ class Fence(abc.ABC):
         """The recorded fence this stands for: itself, but for a DeferredFence."""
         return self
 
+    def ok(self) -> bool:
+        """Done without error: what a read asks first (one call where done() and
+        exception() would be two)."""
+        return self.done() and self.exception() is None
+
 
 #: on_pinned(arena, ready): the host arena's first ready bytes are pinned (any thread).
 ArenaProgress = Callable[[torch.Tensor, int], None]
