@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry
 
 from mmcache.agreement import Agreement, check_group
 from mmcache.closing import CloseOnce, off_the_loop
-from mmcache.core.entry import Entry, Member, check_key, key_list, row_range
+from mmcache.core.entry import Entry, Member, State, check_key, key_list, row_range
 from mmcache.core.machine import check_budgets_fit
 from mmcache.core.puts import check_items, owns_storage
 from mmcache.core.tiers import Tiers
@@ -126,6 +126,7 @@ class FeatureCache:
         self._counters = core.counters
         self._puts = core.puts
         self._reads = core.reads
+        self._turn_reads = core.turn_reads
         self._inflight: SingleFlight[tuple[torch.Tensor, Fence]] = SingleFlight()
         # The shared third tier (remote_url): asked on local misses, written in the background.
         self._remote = remote_tier_for(
@@ -380,7 +381,7 @@ class FeatureCache:
         """
         if stream is None:
             stream = self._device.current_stream()
-        to_host = self._reads.wants_host(device)
+        to_host = False if device is None else self._reads.wants_host(device)
         if self._closed or self._loop is not asyncio.get_running_loop():
             await self._ready_to_serve()
         check_key(key)
@@ -394,6 +395,13 @@ class FeatureCache:
             if found is None:
                 self._counters.miss()
                 return None
+        elif (
+            rows is None
+            and not to_host
+            and (found.group if isinstance(found, Member) else found).state is State.HOST
+        ):
+            # A host hit: served with the turn's other gets, one copy batch for all.
+            return await self._turn_reads.read(key, stream)
         return await self._reads.serve(found, rows, to_host, stream)
 
     async def _read_one(

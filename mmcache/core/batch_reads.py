@@ -73,6 +73,16 @@ class BatchReads:
 
     async def get_many(self, keys: Sequence[Hashable], stream: Stream) -> list[torch.Tensor | None]:
         """The features of keys on the device, usable on stream; None for a miss."""
+        out, waits, used = self.queue(keys, stream)
+        await self.wait(waits, used, stream)
+        return out
+
+    def queue(
+        self, keys: Sequence[Hashable], stream: Stream
+    ) -> tuple[list[torch.Tensor | None], list[Fence], list[torch.Tensor]]:
+        """get_many up to its first await: every key looked up, every alias taken and every
+        host hit's copy queued. Returns the outputs (usable on stream once wait() has
+        ordered them), the fences they depend on and the device memory they use."""
         out: list[torch.Tensor | None] = [None] * len(keys)
         waits: list[Fence] = []
         used: list[torch.Tensor] = []  # one tensor per block of device memory served
@@ -122,11 +132,10 @@ class BatchReads:
                 raise_if_failed(fence)
         if uploads:
             waits.extend(self._upload(uploads, out, used, stream))
-        await self._wait(waits, used, stream)
         for i, seen in repeats:
             found_tensor = out[seen]
             out[i] = None if found_tensor is None else found_tensor.detach()
-        return out
+        return out, waits, used
 
     def _upload(
         self,
@@ -225,6 +234,7 @@ class BatchReads:
         srcs: list[torch.Tensor] = []
         dsts: list[torch.Tensor] = []
         owned: list[torch.Tensor] = []  # allocations of ours, released if queuing fails
+        buffer = piece = None
         try:
             try:
                 buffer = device.empty((shared,), torch.uint8) if shared else None
@@ -249,8 +259,9 @@ class BatchReads:
             fence = device.submit(CopyPlan("h2d", srcs, dsts, after=_offload_fences(uploads)))
         except BaseException:
             del dsts
-            for tensor in owned:
-                device.release(tensor, after=())  # nothing was queued: nothing reads it
+            while owned:  # emptied: the traceback keeps this frame, and must not keep them
+                device.release(owned.pop(), after=())  # nothing was queued: nothing reads it
+            buffer = piece = None
             raise
         del srcs
         nbytes_all = 0
@@ -278,14 +289,26 @@ class BatchReads:
         reads.track_upload(entries, fence, nbytes_all)
         return fence
 
-    async def _wait(self, waits: list[Fence], used: list[torch.Tensor], stream: Stream) -> None:
+    def order(self, waits: list[Fence], used: list[torch.Tensor], stream: Stream) -> None:
+        """wait() where the device orders reads on streams (no await): stream waits for
+        the fences, a failed one raises."""
+        device = self._device
+        for fence in dict.fromkeys(waits):
+            if not fence.ok():
+                if not fence.done():
+                    device.wait_on(stream, fence)
+                raise_if_failed(fence)
+        for tensor in used:
+            device.use_on(tensor, stream)
+
+    async def wait(self, waits: list[Fence], used: list[torch.Tensor], stream: Stream) -> None:
         """Order the served memory after the fences it depends on, on stream (or wait)."""
         device = self._device
-        pending = [fence for fence in dict.fromkeys(waits) if not fence.done()]
         if device.stream_ordered_reads:
-            for fence in pending:
-                device.wait_on(stream, fence)
-        elif pending:
+            self.order(waits, used, stream)
+            return
+        pending = [fence for fence in dict.fromkeys(waits) if not fence.done()]
+        if pending:
             try:
                 self._counters.waited(await self._reads.wait(pending))
             except CopyTimeoutError:

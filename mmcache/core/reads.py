@@ -22,13 +22,21 @@ from mmcache.errors import CopyFailedError, CopyTimeoutError, InvalidValueError
 from mmcache.host_copy import copy_host_bytes_in_slices
 from mmcache.waiting import wait_fences
 
-__all__ = ["Reads", "raise_if_failed"]
+__all__ = ["Reads", "copy_failure", "raise_if_failed"]
 
 
 def raise_if_failed(ready: Fence) -> None:
     """A feature whose producing copy already failed is an error to read, never poison."""
+    failure = copy_failure(ready)
+    if failure is not None:
+        raise failure
+
+
+def copy_failure(ready: Fence) -> CopyFailedError | None:
+    """The error to read a feature whose producing copy already failed, or None."""
     if ready.done() and ready.exception() is not None:
-        raise CopyFailedError(f"the copy that made this feature failed: {ready.exception()}")
+        return CopyFailedError(f"the copy that made this feature failed: {ready.exception()}")
+    return None
 
 
 @final

@@ -20,6 +20,7 @@ from mmcache.core.producer_fences import ProducerFences
 from mmcache.core.puts import Puts
 from mmcache.core.reads import Reads
 from mmcache.core.state import Release, TierState
+from mmcache.core.turn_reads import TurnReads
 from mmcache.device import DONE, Device, Fence
 from mmcache.metrics import CacheMetrics
 from mmcache.settings import CacheSettings
@@ -130,7 +131,12 @@ class Tiers:
             copy_timeout=settings.copy_timeout_s,
             small_copy_bytes=settings.small_copy_bytes,
         )
-        self.batch_reads = BatchReads(device=device, state=state, counters=counters, reads=reads)
+        self.batch_reads = batch_reads = BatchReads(
+            device=device, state=state, counters=counters, reads=reads
+        )
+        self.turn_reads = TurnReads(
+            batch_reads, device, counters, when_done, settings.copy_timeout_s
+        )
 
     @property
     def index(self) -> KeyIndex:

@@ -1,0 +1,115 @@
+"""Single gets of host-tier hits issued in one loop turn are served as one batch."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import torch
+from conftest import CacheFactory, KiB, Rig, assert_exact, put_feature
+
+from mmcache.device import CopyPlan, NewCopyPlan, SimDevice
+
+pytestmark = pytest.mark.usefixtures("no_collection_during_reports")
+
+FEATURE_KIB = 64
+
+
+def count_uploads(device: SimDevice, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The number of sources of each host -> device copy submitted from now on."""
+    uploads: list[int] = []
+    submit = device.submit
+
+    def counted(plan: CopyPlan | NewCopyPlan) -> Any:
+        if plan.direction == "h2d":
+            uploads.append(len(plan.srcs))
+        return submit(plan)
+
+    monkeypatch.setattr(device, "submit", counted)
+    return uploads
+
+
+async def host_resident(rig: Rig, cache: Any, count: int) -> dict[int, torch.Tensor]:
+    """count features put and pushed to the host tier by as many more; their values."""
+    want = {i: await put_feature(cache, rig, i, FEATURE_KIB, seed=i) for i in range(count)}
+    for i in range(count, 2 * count):
+        await put_feature(cache, rig, i, FEATURE_KIB, seed=i)
+    await cache.drain()
+    assert all(_on_host(cache, i) for i in range(count))
+    return want
+
+
+def _on_host(cache: Any, key: int) -> bool:
+    entry = cache._core.state.index[key]  # the tier a feature is in, without reading it
+    return bool(entry.state.value == "host")
+
+
+@pytest.mark.parametrize("small_copy_kib", [4096, 0], ids=["reader-stream", "copy-stream"])
+async def test_host_hits_of_one_turn_share_one_upload(
+    rig: Rig, make_cache: CacheFactory, monkeypatch: pytest.MonkeyPatch, small_copy_kib: int
+) -> None:
+    if not isinstance(rig.device, SimDevice):
+        pytest.skip("counts the simulator's submitted copies")
+    cache = make_cache(
+        gpu_mb=8 * FEATURE_KIB / KiB,
+        cpu_mb=4,
+        promote_on_hit=False,
+        small_copy_bytes=small_copy_kib * KiB,
+    )
+    want = await host_resident(rig, cache, 8)
+    uploads = count_uploads(rig.device, monkeypatch)
+    got = await asyncio.gather(*(cache.get(i) for i in range(8)))
+    assert uploads == [8], "one copy of all eight, not one each"
+    for i, tensor in enumerate(got):
+        assert_exact(tensor, want[i])
+    assert cache.stats().hits_cpu == 8
+
+
+async def test_a_host_hit_alone_in_its_turn_is_served(rig: Rig, make_cache: CacheFactory) -> None:
+    cache = make_cache(gpu_mb=FEATURE_KIB / KiB, cpu_mb=1)
+    want = await host_resident(rig, cache, 1)
+    assert_exact(await cache.get(0), want[0])
+
+
+async def test_a_key_discarded_before_its_turn_ends_is_a_miss(
+    rig: Rig, make_cache: CacheFactory
+) -> None:
+    cache = make_cache(gpu_mb=2 * FEATURE_KIB / KiB, cpu_mb=1, promote_on_hit=False)
+    want = await host_resident(rig, cache, 2)
+    first = asyncio.ensure_future(cache.get(0))
+    second = asyncio.ensure_future(cache.get(1))
+    await asyncio.sleep(0)  # both queued in this turn, not served yet
+    assert cache.discard(0)
+    assert await first is None
+    assert_exact(await second, want[1])
+    assert cache.stats().leaked_bytes == 0
+
+
+async def test_a_cancelled_get_leaves_the_others_of_its_turn(
+    rig: Rig, make_cache: CacheFactory
+) -> None:
+    cache = make_cache(gpu_mb=3 * FEATURE_KIB / KiB, cpu_mb=1, promote_on_hit=False)
+    want = await host_resident(rig, cache, 3)
+    reads = [asyncio.ensure_future(cache.get(i)) for i in range(3)]
+    await asyncio.sleep(0)
+    reads[1].cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await reads[1]
+    assert_exact(await reads[0], want[0])
+    assert_exact(await reads[2], want[2])
+    await cache.drain()
+    assert cache.stats().leaked_bytes == 0
+
+
+async def test_gets_on_two_streams_are_each_ordered_on_their_own(
+    rig: Rig, make_cache: CacheFactory
+) -> None:
+    if not isinstance(rig.device, SimDevice):
+        pytest.skip("streams of the simulator")
+    cache = make_cache(gpu_mb=4 * FEATURE_KIB / KiB, cpu_mb=1, promote_on_hit=False)
+    want = await host_resident(rig, cache, 4)
+    one, two = rig.device.stream("one"), rig.device.stream("two")
+    got = await asyncio.gather(*(cache.get(i, stream=one if i % 2 else two) for i in range(4)))
+    for i, tensor in enumerate(got):
+        assert_exact(tensor, want[i])
