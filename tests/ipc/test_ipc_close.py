@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import torch
 from conftest import Rig, TimedFence, longest_loop_gap
+from ipc_support import Transport, ipc_settings, settled_bytes, transport
 from prometheus_client import CollectorRegistry
-from test_ipc_support import Transport, ipc_settings, settled_bytes, transport
 
 from mmcache.device import Fence, SimDevice
 from mmcache.errors import CacheClosedError
