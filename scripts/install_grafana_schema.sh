@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install Grafana's own dashboard schema (npm @grafana/schema) and the TypeScript compiler
-# that checks grafana/mmcache.json against it (tests/test_dashboard_schema.py), into
+# that checks grafana/mmcache.json against it (tests/api/test_dashboard_schema.py), into
 # build/grafana-schema (or $MMCACHE_GRAFANA_SCHEMA_DIR). Does nothing when both are there.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

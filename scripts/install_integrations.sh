@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Install the serving engine that tests/test_integration_sglang.py runs against, into the
-# project's venv (.venv or $MMCACHE_VENV, created here if missing): sglang 0.5.23 without its
-# dependencies (they pin another torch and need a GPU), plus the modules that importing
-# sglang.srt.mem_cache.multimodal_cache needs on a CPU machine. Does nothing when it imports.
+# Install the serving engine that tests/integrations/test_integration_sglang.py runs against,
+# into the project's venv (.venv or $MMCACHE_VENV, created here if missing): sglang 0.5.23
+# without its dependencies (they pin another torch and need a GPU), plus the modules that
+# importing sglang.srt.mem_cache.multimodal_cache needs on a CPU machine. Does nothing when it
+# imports.
 set -euo pipefail
 # shellcheck source=scripts/engine_venv.sh
 source "$(dirname "${BASH_SOURCE[0]}")/engine_venv.sh"

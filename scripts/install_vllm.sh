@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install vLLM for tests/test_integration_vllm.py into the project's venv (.venv or
+# Install vLLM for tests/integrations/test_integration_vllm.py into the project's venv (.venv or
 # $MMCACHE_VENV, created here if missing): vllm 0.33.0 without its dependencies (they pin
 # another torch and need a GPU), plus the modules that importing vLLM's EC connector base,
 # factory, config and model-runner mixin, and building a VllmConfig on vLLM's CPU platform

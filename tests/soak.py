@@ -17,7 +17,7 @@ simulated device memory == the GPU entries' bytes).
     python tests/soak.py --device sim --seconds 30
     python tests/soak.py --device cuda --seconds 120 --json soak-h200.json
 
-tests/test_soak.py runs it briefly on the simulator; the command line runs it longer,
+tests/api/test_soak.py runs it briefly on the simulator; the command line runs it longer,
 or on a GPU.
 """
 

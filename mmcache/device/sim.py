@@ -451,6 +451,11 @@ class SimDevice(Device):
             worker.join(timeout=5)
 
     @property
+    def closed(self) -> bool:
+        """Whether close() has run (a receiver closes its own device after its last lease)."""
+        return self._closed
+
+    @property
     def memory_bytes(self) -> int | None:
         return self._memory_bytes
 

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import Rig
-from test_ipc_support import Transport, new_receiver, same_bytes, transport
+from ipc_support import Transport, new_receiver, same_bytes, transport
 
 import mmcache
 from mmcache.ipc import (

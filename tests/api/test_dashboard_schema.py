@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from dashboard_queries import DASHBOARD_PATH
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCHEMA_DIR = Path(os.environ.get("MMCACHE_GRAFANA_SCHEMA_DIR", ROOT / "build" / "grafana-schema"))
 TSC = SCHEMA_DIR / "node_modules" / ".bin" / "tsc"
 

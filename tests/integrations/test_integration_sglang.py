@@ -600,7 +600,7 @@ def tp_rank(rank: int, world: int, control: Any) -> dict[str, Any]:
 
 def test_with_the_tp_group_every_rank_runs_the_encoder_or_none(tmp_path: Path) -> None:
     """SGLang #40247: a rank that hit skipped the encoder while the others ran it."""
-    from test_tp_groups import run_ranks
+    from ranks import run_ranks
 
     reports = run_ranks(tmp_path, 2, tp_rank, timeout_s=30)
     # Round 1: both encode. Round 2: rank 0 still holds it, rank 1 freed it: both encode.

@@ -52,7 +52,7 @@ from mmcache.integrations.sglang import (  # noqa: E402
     main,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TESTS = ROOT / "tests"
 KiB = 1024
 

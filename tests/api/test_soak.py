@@ -73,7 +73,7 @@ async def test_soak_with_failed_copies_too() -> None:
 def test_the_soak_runs_as_a_script_from_any_directory(tmp_path: Path) -> None:
     """benchmarks/gpu_suite.sh runs it as `python3 tests/soak.py`: it finds mmcache and the
     benchmarks' helpers by its own path."""
-    script = Path(__file__).resolve().parent / "soak.py"
+    script = Path(__file__).resolve().parents[1] / "soak.py"
     done = subprocess.run(
         [sys.executable, str(script), "--seconds", "1", "--warmup", "0.2", "--workers", "8"],
         capture_output=True,

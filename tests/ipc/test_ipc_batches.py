@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 from conftest import Rig
-from test_ipc_support import same_bytes, settled_bytes, transport
+from ipc_support import same_bytes, settled_bytes, transport
 
 from mmcache.errors import InvalidValueError
 from mmcache.ipc import FeatureBatch, FeatureHandle, InvalidHandleError

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 from conftest import Rig
-from test_ipc_support import MiB, Transport, settled_bytes, transport
+from ipc_support import MiB, Transport, settled_bytes, transport
 
 from mmcache.device import SimDevice
 from mmcache.errors import ValueTooLargeError

@@ -54,7 +54,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 #: The venv the README's `.venv/bin/` stands for here: the one running the tests.
 VENV_BIN = Path(sys.executable).parent

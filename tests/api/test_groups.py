@@ -469,7 +469,7 @@ async def test_packings_finishing_out_of_order_let_go_of_their_values(
     rig: Rig, make_cache: CacheFactory
 ) -> None:
     """A packing stuck on one stream keeps no other stream's values (that it does not poll
-    is tests/test_packing.py's)."""
+    is tests/core/test_packing.py's)."""
     dev = simulator(rig)
     cache = make_cache(gpu_mb=1, cpu_mb=4, copy_timeout_s=0.2)
     stuck_stream, other = dev.stream("encoder-a"), dev.stream("encoder-b")

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import torch
 from conftest import Rig, TimedFence, longest_loop_gap
+from ipc_support import Transport, ipc_settings, settled_bytes, transport
 from prometheus_client import CollectorRegistry
-from test_ipc_support import Transport, ipc_settings, settled_bytes, transport
 
 from mmcache.device import Fence, SimDevice
 from mmcache.errors import CacheClosedError
@@ -210,9 +210,9 @@ async def test_a_receivers_own_device_closes_after_its_kept_sender(sim_rig: Rig)
         handle = await tr.sender.send(value.clone())
         async with receiver.lease(handle) as view:
             await receiver.close(timeout=0.05)
-            assert not device._closed  # the lease's end still records on it
+            assert not device.closed  # the lease's end still records on it
             assert torch.equal(view, value)
-        assert await eventually(lambda: device._closed)
+        assert await eventually(lambda: device.closed)
 
 
 async def test_close_waits_for_readers_and_copies_within_one_timeout(sim_rig: Rig) -> None:
@@ -367,7 +367,7 @@ async def test_a_channel_that_fails_to_close_leaves_the_others_and_the_device_cl
             await receiver.close()
         second.sender.sweep()
         assert second.sender.stats().receivers == 0
-        assert device._closed
+        assert device.closed
 
 
 async def test_a_sender_or_receiver_closes_the_device_it_made_off_the_loop(
@@ -620,15 +620,15 @@ def test_a_kept_sender_is_left_after_the_event_loop_has_ended() -> None:
     ((sender, receiver),) = made
     own_device = receiver.device
     assert isinstance(own_device, SimDevice)
-    assert sender.stats().receivers == 1 and not own_device._closed
+    assert sender.stats().receivers == 1 and not own_device.closed
     deadline = time.monotonic() + 2
     while sender.stats().receivers and time.monotonic() < deadline:
         time.sleep(0.01)
     try:
         assert sender.stats().receivers == 0
-        while not own_device._closed and time.monotonic() < deadline:
+        while not own_device.closed and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert own_device._closed
+        assert own_device.closed
     finally:
         endpoint = sender.endpoint
         for path in segment_paths(endpoint):

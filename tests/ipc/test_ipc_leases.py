@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 from conftest import Rig
-from test_ipc_support import dead_pid, new_receiver, transport
+from ipc_support import dead_pid, new_receiver, transport
 
 from mmcache.device import SimDevice
 from mmcache.ipc import HandleExpiredError, SenderGoneError, reclaim

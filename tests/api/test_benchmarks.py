@@ -14,7 +14,7 @@ import torch
 
 from mmcache import FeatureCache
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 #: script -> arguments for a short run without a GPU
 RUNS: dict[str, list[str]] = {

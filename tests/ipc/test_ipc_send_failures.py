@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import Rig
-from test_ipc_support import Transport, same_bytes, settled_bytes, transport
+from ipc_support import Transport, same_bytes, settled_bytes, transport
 
 from mmcache.device import SimDevice
 from mmcache.errors import InvalidValueError

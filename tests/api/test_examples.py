@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 #: Small arguments per example; a new example runs with just `--device sim`.
 ARGUMENTS: dict[str, list[str]] = {

@@ -366,7 +366,7 @@ def test_bench_finds_the_checkout_benchmarks(monkeypatch: pytest.MonkeyPatch) ->
 def test_scripts_run_answers_an_unknown_job_before_any_set_up(tmp_path: Path) -> None:
     # Its usage line comes at once: no virtual environment made, nothing installed.
     venv = tmp_path / "venv"
-    script = Path(__file__).resolve().parents[1] / "scripts" / "run"
+    script = Path(__file__).resolve().parents[2] / "scripts" / "run"
     done = subprocess.run(
         ["bash", str(script), "frobnicate"],
         env={**os.environ, "MMCACHE_VENV": str(venv)},
@@ -381,7 +381,7 @@ def test_scripts_run_answers_an_unknown_job_before_any_set_up(tmp_path: Path) ->
 
 def test_scripts_run_sets_up_only_when_the_requirements_change(tmp_path: Path) -> None:
     # A venv whose stamp matches pyproject.toml is used as it is: no pip, no import checks.
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
     mmcache_cli = venv / "bin" / "mmcache"

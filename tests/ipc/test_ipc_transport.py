@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import Rig
-from test_ipc_support import (
+from ipc_support import (
     MiB,
     ipc_settings,
     new_receiver,

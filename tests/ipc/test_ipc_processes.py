@@ -16,8 +16,8 @@ from multiprocessing.sharedctypes import Synchronized
 
 import pytest
 import torch
+from ipc_support import feature, ipc_settings, same_bytes
 from prometheus_client import CollectorRegistry
-from test_ipc_support import feature, ipc_settings, same_bytes
 
 from mmcache.device import Device, SimDevice
 from mmcache.ipc import FeatureHandle, FeatureReceiver, FeatureSender, SenderEndpoint

@@ -11,8 +11,8 @@ from concurrent.futures import Future
 import pytest
 import torch
 from conftest import CacheFactory, Rig, assert_exact, feature, put_feature
+from ipc_support import settled_bytes
 from prometheus_client import CollectorRegistry
-from test_ipc_support import settled_bytes
 
 from mmcache import CacheSettings, FeatureCache
 from mmcache.device import Device, SimDevice
