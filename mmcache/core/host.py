@@ -99,7 +99,7 @@ class HostTier:
     def tell_evictions(self, on_evict: Callable[[Entry], None]) -> None:
         """Call on_evict(entry) for each entry the host tier drops to make room, before it
         goes (the remote tier's remote_write=evict writes them)."""
-        self._state.on_host_evict = on_evict
+        self._state.tell_host_evictions(on_evict)
 
     def start(
         self,

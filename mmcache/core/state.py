@@ -152,6 +152,10 @@ class TierState:
         """Whether entry's offload is in flight (its entry may be discarded already)."""
         return entry in self._offloading
 
+    def tell_host_evictions(self, on_evict: Callable[[Entry], None]) -> None:
+        """Call on_evict(entry) for each entry the host tier drops for room, before it goes."""
+        self.on_host_evict = on_evict
+
     def attach_pool(self, pool: HostPool) -> None:
         """The host arena's allocator: host blocks come from it from now on."""
         self.pool = pool

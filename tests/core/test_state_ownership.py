@@ -122,9 +122,6 @@ KNOWN = {
     "core/index.py: calls Entry.add_members on group",
     "core/index.py: calls Entry.member_left on member.group",
     "core/index.py: calls Entry.drop_members on entry",
-    # HostTier hands the remote tier's eviction hook to the state: a TierState attribute
-    # assigned from outside it (a verb of the state's would own it).
-    "core/host.py: assigns TierState.on_host_evict of self._state",
 }
 
 
