@@ -28,6 +28,7 @@ from mmcache.closing import CloseOnce, off_the_loop
 from mmcache.core.entry import Entry, Member, State, check_key, key_list, row_range
 from mmcache.core.machine import check_budgets_fit
 from mmcache.core.puts import check_items, owns_storage
+from mmcache.core.thread_hits import GIL_ENABLED, ThreadHits
 from mmcache.core.tiers import Tiers
 from mmcache.device import Device, Fence, Stream, resolve_device
 from mmcache.errors import (
@@ -128,6 +129,17 @@ class FeatureCache:
         self._reads = core.reads
         self._turn_reads = core.turn_reads
         self._inflight: SingleFlight[tuple[torch.Tensor, Fence]] = SingleFlight()
+        # Resident hits served to other threads without a hand-off to the loop; the loop
+        # applies their counts and recency (before each eviction plan, and stats()).
+        self._thread_hits = ThreadHits(
+            index=core.index,
+            device=self._device,
+            counters=self._counters,
+            gpu_order=core.state.gpu_order,
+        )
+        core.state.before_plan = self._thread_hits.apply
+        # Off with a group (a get is a collective) and without the GIL (see thread_hits).
+        self._thread_reads = group is None and GIL_ENABLED
         # The shared third tier (remote_url): asked on local misses, written in the background.
         self._remote = remote_tier_for(
             self.settings,
@@ -149,6 +161,9 @@ class FeatureCache:
         loop = asyncio.get_running_loop()
         self._loop = loop
         self._loop_thread = threading.get_ident()
+        self._thread_hits.bind(
+            functools.partial(loop.call_soon_threadsafe, self._thread_hits.apply)
+        )
         self._tiers.bind(loop)
         self._core.producers.bind(loop)
         self._core.packings.bind(loop)
@@ -509,15 +524,52 @@ class FeatureCache:
         stream: Stream | None = None,
         timeout: float | None = None,
     ) -> torch.Tensor | None:
-        """get() from a thread other than the cache's loop; blocks that thread until done."""
+        """get() from a thread other than the cache's loop; blocks that thread until done.
+
+        A feature resident on the device is served from this thread without waiting for the
+        loop (get_resident_threadsafe); anything else is handed to the loop.
+        """
         if stream is None:
             stream = self._device.current_stream()
+        if device is None:
+            out = self.get_resident_threadsafe(key, rows=rows, stream=stream)
+            if out is not None:
+                return out
         return run_threadsafe(
             self._loop,
             self._closed,
             self.get(key, device=device, rows=rows, stream=stream),
             timeout,
         )
+
+    def get_resident_threadsafe(
+        self,
+        key: Hashable,
+        *,
+        rows: slice | None = None,
+        stream: Stream | None = None,
+    ) -> torch.Tensor | None:
+        """get() of a feature resident on the device, from a thread other than the loop's,
+        with no hand-off to the loop: a fresh alias (or rows of it) ordered on stream.
+
+        None where it cannot be served so (not resident, or its producer's fence is not
+        done on a device that cannot order the read on stream, or the entry changed while
+        it was read, or this is the loop's thread, or the cache is closed or not started,
+        or it has a group): call get_threadsafe then, which hands the read to the loop. A
+        None is not a miss, and counts nothing; a hit counts as get's does once the loop
+        next turns (stats() sees it at once).
+        """
+        if stream is None:
+            stream = self._device.current_stream()
+        check_key(key)
+        if (
+            not self._thread_reads
+            or self._closed
+            or self._loop is None
+            or threading.get_ident() == self._loop_thread
+        ):
+            return None
+        return self._thread_hits.serve(key, rows, stream)
 
     def touch(self, key: Hashable) -> bool:
         """Mark key as just used, as a hit does, without reading it; False if absent.
@@ -565,7 +617,11 @@ class FeatureCache:
             yield view
 
     def stats(self) -> CacheStats:
-        """A snapshot of the ledger and counters; also audits it for leaked bytes."""
+        """A snapshot of the ledger and counters; also audits it for leaked bytes.
+
+        Hits served to other threads are counted in it (the loop applies them first).
+        """
+        self._apply_thread_hits()
         self._tiers.flush()
         stats = self._core.stats()
         if self._remote is not None:
@@ -574,6 +630,31 @@ class FeatureCache:
         if self._agreement is not None:
             stats = dataclasses.replace(stats, group_misses=self._agreement.misses)
         return stats
+
+    def _apply_thread_hits(self) -> None:
+        """Count (and touch) the hits served off the loop so far: on the loop, where it
+        runs; from another thread, by asking it and waiting (up to copy_timeout_s)."""
+        hits = self._thread_hits
+        if not hits.pending:
+            return
+        loop = self._loop
+        if loop is None or self._on_loop_thread() or not loop.is_running() or loop.is_closed():
+            hits.apply()  # no loop runs that could change the state meanwhile
+            return
+        applied = threading.Event()
+
+        def apply() -> None:
+            try:
+                hits.apply()
+            finally:
+                applied.set()
+
+        try:
+            loop.call_soon_threadsafe(apply)
+        except RuntimeError:  # closed just now
+            hits.apply()
+            return
+        applied.wait(self._copy_timeout)
 
     # --- checks -------------------------------------------------------------------------
 

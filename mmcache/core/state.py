@@ -137,6 +137,9 @@ class TierState:
         self._offloading: dict[Entry, bool] = {}
         #: told of each entry the host tier drops for room, before it goes
         self.on_host_evict: Callable[[Entry], None] | None = None
+        #: run before each eviction plan: applies the recency of hits served off the loop
+        #: (core/thread_hits.py), so that victims are chosen by it
+        self.before_plan: Callable[[], None] | None = None
 
     # --- reading the state ---------------------------------------------------
 
@@ -420,6 +423,8 @@ class TierState:
         The victims stay GPU entries, out of the GPU order, until offload_queued (or
         offload_refused) is told of their copy: nothing may run in between.
         """
+        if self.before_plan is not None:
+            self.before_plan()
         plan = EvictionPlan()
         order = self.gpu_order
         ledger = self.ledger

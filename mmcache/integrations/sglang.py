@@ -80,6 +80,7 @@ _SEAM_MODULE: Final = "sglang.srt.managers.mm_schedule"
 #: MultimodalCache's abstract methods in the tested release: the adapter implements these.
 _ABSTRACT: Final = frozenset({"__init__", "get", "set", "has", "free", "clear", "available_size"})
 _counter = iter(range(1, sys.maxsize))
+_UNKNOWN: Final = object()  # no shell kept for a key: the adapter has not cached it
 log = logging.getLogger("mmcache")
 
 
@@ -137,7 +138,9 @@ class MMCacheMultimodalCache(MultimodalCache):  # type: ignore[misc]
 
     Every method is synchronous and may be called from any thread: the cache's event loop
     runs on a thread the adapter owns. A returned embedding is ordered on the calling
-    thread's current stream (no host synchronisation on a GPU hit). `close()` stops it.
+    thread's current stream (no host synchronisation on a GPU hit). A hit on the GPU tier
+    is served from the calling thread (FeatureCache.get_resident_threadsafe); every other
+    call waits for the loop's thread. `close()` stops it.
 
     With group= (the TP ranks' gloo group, SGLang's `attn_tp_group.cpu_group`), `get` and
     `get_single` are collectives: every rank calls them for the same items in the same
@@ -169,9 +172,14 @@ class MMCacheMultimodalCache(MultimodalCache):  # type: ignore[misc]
         )
         self._device = self._cache.device
         # Per key, the caller's EmbeddingResult less its tensor, where it is a subclass that
-        # carries more (EVS's frame counts); also the keys clear() must discard. Touched on
-        # the loop's thread only.
+        # carries more (EVS's frame counts); also the keys clear() must discard. Changed on
+        # the loop's thread only; read by callers' threads for their GPU hits, under
+        # _shells with the read of the tensor, which a set() takes to forget a key's old
+        # shell before it puts the key again: so a hit never pairs one value's tensor with
+        # another's shell.
         self._known: dict[Hashable, EmbeddingResult | None] = {}
+        self._shells = threading.Lock()
+        self._thread_hits = group is None  # with a group, a get is a collective: the loop's
         self._loop = LoopThread(f"mmcache-{name}")
         try:
             self._loop.run(self._cache.start())
@@ -201,7 +209,11 @@ class MMCacheMultimodalCache(MultimodalCache):  # type: ignore[misc]
             return None  # nothing can be cached under them
         if key is None:
             return None
-        return self._loop.run(self._get(key, self._device.current_stream()), eager=True)
+        stream = self._device.current_stream()
+        hit = self._resident(key, stream)
+        if hit is not None:
+            return hit
+        return self._loop.run(self._get(key, stream), eager=True)
 
     def get_single(self, mm_hash: int) -> EmbeddingResult | None:
         """The embedding cached under mm_hash, or None; a hit refreshes its recency.
@@ -211,7 +223,11 @@ class MMCacheMultimodalCache(MultimodalCache):  # type: ignore[misc]
         key = _cache_key(mm_hash)
         if key is None:
             return None
-        return self._loop.run(self._get(key, self._device.current_stream()), eager=True)
+        stream = self._device.current_stream()
+        hit = self._resident(key, stream)
+        if hit is not None:
+            return hit
+        return self._loop.run(self._get(key, stream), eager=True)
 
     def set(
         self, mm_hash: int, embedding: EmbeddingResult, loc: torch.Tensor | None = None
@@ -298,6 +314,22 @@ class MMCacheMultimodalCache(MultimodalCache):  # type: ignore[misc]
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
+    # --- on the caller's thread -------------------------------------------------------------
+
+    def _resident(self, key: Hashable, stream: Stream) -> EmbeddingResult | None:
+        """key's embedding if it is resident on the device, read from this thread; None:
+        ask the loop (a miss, a host hit, or anything the thread path leaves to it)."""
+        if not self._thread_hits:
+            return None
+        with self._shells:
+            shell = self._known.get(key, _UNKNOWN)
+            if shell is _UNKNOWN:
+                return None
+            tensor = self._cache.get_resident_threadsafe(key, stream=stream)
+        if tensor is None:
+            return None
+        return self._result(tensor, shell)
+
     # --- on the loop's thread --------------------------------------------------------------
 
     async def _get(self, key: Hashable, stream: Stream) -> EmbeddingResult | None:
@@ -306,7 +338,11 @@ class MMCacheMultimodalCache(MultimodalCache):  # type: ignore[misc]
             if key not in self._cache:  # with a group, a miss may still be held here
                 self._known.pop(key, None)
             return None
-        shell = self._known.get(key)
+        return self._result(tensor, self._known.get(key))
+
+    @staticmethod
+    def _result(tensor: torch.Tensor, shell: EmbeddingResult | None) -> EmbeddingResult:
+        """The EmbeddingResult of a hit: the caller's subclass, where it gave one."""
         if shell is None:
             return EmbeddingResult(embedding=tensor)
         out = copy.copy(shell)
@@ -336,6 +372,10 @@ class MMCacheMultimodalCache(MultimodalCache):  # type: ignore[misc]
         nbytes = _data_bytes(tensor)
         if nbytes == 0 or nbytes > self.max_size or not self._device.is_device_tensor(tensor):
             return False  # SGLang's caller then uses the embedding it has, uncached
+        with self._shells:
+            # The key is not cached (touch said so): a shell kept for it is an earlier
+            # value's, which a thread's hit on the new one must not take (see __init__).
+            self._known.pop(key, None)
         if not await cache.put(key, tensor, stream=stream):
             return False
         self._known[key] = shell
