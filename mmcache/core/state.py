@@ -8,6 +8,7 @@ from typing import Final, final
 
 import torch
 
+from mmcache.core.admission import TinyLfu
 from mmcache.core.counters import Counters
 from mmcache.core.entry import Entry, Member, State
 from mmcache.core.grants import Grant
@@ -24,6 +25,7 @@ __all__ = [
     "EvictionPlan",
     "Landing",
     "Offload",
+    "Promotion",
     "Release",
     "TierState",
 ]
@@ -53,12 +55,33 @@ OffloadItems = list[tuple[Entry, HostBlock]]
 @dataclass(slots=True, eq=False)
 class EvictionPlan:
     """What plan_eviction decided: the offload copies to queue, in order (each one copy
-    behind one fence), what to release for the entries dropped on the way, and how many
-    features left the GPU tier."""
+    behind one fence), what to release for the entries dropped on the way, the device
+    tensors of the victims demoted (they kept a host copy: no copy, only their device
+    memory to release after its readers), and how many features left the GPU tier."""
 
     batches: list[OffloadItems] = field(default_factory=list)
     releases: list[Release] = field(default_factory=list)
+    demoted: list[Release] = field(default_factory=list)
     evicted: int = 0
+
+
+@final
+@dataclass(slots=True, eq=False)
+class Promotion:
+    """What plan_promotion decided for a host hit: whether to promote it (its upload
+    becomes the GPU entry, charged by promote_entry / promote_member in the same loop
+    turn), and the eviction made for it, to carry out (None: none)."""
+
+    promote: bool
+    eviction: EvictionPlan | None = None
+
+
+#: the decisions that evict nothing (shared)
+PROMOTE: Final = Promotion(True)
+SKIP: Final = Promotion(False)
+
+#: GPU victims a host hit is compared with, least valuable first, when it wants their room
+PROMOTION_VICTIMS: Final = 8
 
 
 @final
@@ -110,6 +133,7 @@ class TierState:
         mark: Callable[[Stream], Fence],
         evict_ahead: int,
         small_copy_bytes: int,
+        admission: bool = False,
     ) -> None:
         self.ledger = TierLedger(gpu_capacity)
         self.index = KeyIndex()
@@ -137,6 +161,9 @@ class TierState:
         self._offloading: dict[Entry, bool] = {}
         #: told of each entry the host tier drops for room, before it goes
         self.on_host_evict: Callable[[Entry], None] | None = None
+        #: which host hits may take GPU entries' room (promote_policy="tinylfu"); None:
+        #: host hits are promoted only into free room
+        self.admission: TinyLfu | None = TinyLfu() if admission else None
 
     # --- reading the state ---------------------------------------------------
 
@@ -292,6 +319,8 @@ class TierState:
         ledger = self.ledger
         if state is State.GPU:
             ledger.gpu_left(1)
+            if group.block is not None:  # and its host copy's
+                ledger.host_left(1)
         elif state is State.HOST:
             ledger.host_left(1)
         elif state is State.D2H:  # counted in the host tier since queued, in the GPU one if charged
@@ -311,6 +340,9 @@ class TierState:
             self.gpu_order.pop(entry.key, None)
             self.ledger.gpu_left(entry.count)
             assert tensor is not None
+            if entry.block is not None:  # promoted, it kept its host copy: both go
+                self.host_order.pop(entry.key, None)
+                self._take_block(entry)
             return (
                 self._release_charged(
                     tensor, entry.nbytes, [entry.ready, *entry.device_readers_pending()]
@@ -394,6 +426,10 @@ class TierState:
         """Drop the host entry the policy gives up first (a host-tier eviction)."""
         victim = self.host_order.evict()
         self._counters.evicted_cpu(victim.count)
+        if victim.state is State.GPU:
+            # A promoted entry's host copy: the feature stays on the GPU tier, which
+            # offloads it again (a copy) if it evicts it. Only the block goes.
+            return self._take_block(victim)
         if self.on_host_evict is not None:
             self.on_host_evict(victim)
         return self._unlink(victim)
@@ -437,6 +473,11 @@ class TierState:
                     break
             entry = order.evict()
             plan.evicted += entry.count
+            if entry.block is not None:
+                # It kept its host copy (inclusive tiers): a ledger move, no copy. Its
+                # bytes come back at once, or after its readers (counted as releasing).
+                plan.demoted.append(self._demote(entry))
+                continue
             if entry.nbytes < small_limit:
                 if large:  # older victims get their host room first, in the policy's order
                     planned += self._plan_batch(large, large_bytes, plan)
@@ -463,6 +504,14 @@ class TierState:
         if plan.evicted:
             self._counters.evicted_gpu(plan.evicted)
         return plan
+
+    def _demote(self, entry: Entry) -> DeviceRelease:
+        """A GPU entry that kept its host copy leaves the GPU tier: its device tensor is
+        released after its producer and readers; it stays in the host tier (and order)."""
+        after = [entry.ready, *entry.device_readers_pending()]
+        tensor = entry.demote()
+        self.ledger.gpu_left(entry.count)
+        return self._release_charged(tensor, entry.nbytes, after)
 
     def _plan_batch(self, entries: list[Entry], nbytes: int, plan: EvictionPlan) -> int:
         """Host blocks for a batch of victims of nbytes in all (one run where one free
@@ -587,9 +636,71 @@ class TierState:
 
     # --- reads ------------------------------------------------------------------
 
-    def promotion_room(self) -> int:
-        """GPU bytes free for host hits to be promoted into."""
-        return self.ledger.free()
+    def plan_promotion(self, found: Entry | Member, nbytes: int, reserved: int = 0) -> Promotion:
+        """Whether a host hit of found (nbytes to the device) is promoted, reserved bytes
+        being promised to hits before it in the same loop turn (get_many's).
+
+        Into free room, always. Into a full GPU tier, with an admission filter
+        (promote_policy="tinylfu"), only if found was used more often lately than each GPU
+        victim whose room it takes (TinyLFU's rule; core/admission.py), the victims looked
+        at in the GPU order, up to PROMOTION_VICTIMS of them: those that kept a host copy
+        first, demoted now (a ledger move, no copy). Where they do not make the room, the
+        colder victims at the head of the order are evicted as a put's would be (copies
+        to queue); the hit is then promoted only if the room is free now. The caller
+        checked that no put waits for room (a promotion never jumps their line).
+        """
+        ledger = self.ledger
+        free = ledger.capacity - ledger.used - reserved
+        admission = self.admission
+        if admission is None:
+            return PROMOTE if free >= nbytes else SKIP
+        if free >= nbytes:
+            if isinstance(found, Entry):
+                found.hits += 1  # a use, counted with no call: folded in when compared
+            else:
+                admission.used(found)
+            return PROMOTE
+        if nbytes > ledger.capacity - reserved:
+            return SKIP
+        admission.grow_for(len(self.index))  # a width of a few counters per key cached
+        wanted = admission.used(found)
+        need = nbytes - free
+        colder: list[Entry] = []
+        for victim in self.gpu_order.peek(PROMOTION_VICTIMS):
+            if admission.frequency(victim) >= wanted:
+                break  # not hotter than the next victim: it stays where it is
+            colder.append(victim)
+        if not colder:
+            return SKIP
+        if sum(v.nbytes for v in colder) < need:
+            return SKIP
+        # Those with a host copy and no reader first: their room is free at once.
+        free_now = 0
+        demote: list[Entry] = []
+        for victim in colder:
+            if (
+                victim.block is not None
+                and victim.ready.done()
+                and not (victim.device_readers and victim.device_readers_pending())
+            ):
+                demote.append(victim)
+                free_now += victim.nbytes
+                if free_now >= need:
+                    break
+        if free_now >= need:
+            plan = EvictionPlan()
+            order = self.gpu_order
+            for victim in demote:
+                if order.next_victim() is victim:
+                    order.evict()  # as an eviction (the cost policy's clock rises to it)
+                else:
+                    order.pop(victim.key, None)
+                plan.demoted.append(self._demote(victim))
+                plan.evicted += victim.count
+            self._counters.evicted_gpu(plan.evicted)
+        else:
+            plan = self.plan_eviction(reserved + nbytes)
+        return Promotion(ledger.capacity - ledger.used - reserved >= nbytes, plan)
 
     def promote_member(
         self, member: Member, tensor: torch.Tensor, fence: Fence
@@ -597,7 +708,14 @@ class TierState:
         """A GPU-resident entry of its own for a group member, from its uploaded rows."""
         group = member.group
         entry = Entry(
-            member.key, member.shape, group.dtype, member.nbytes, State.GPU, tensor, fence
+            member.key,
+            member.shape,
+            group.dtype,
+            member.nbytes,
+            State.GPU,
+            tensor,
+            fence,
+            hits=0,  # this hit's use went into the admission sketch under the member's key
         )
         releases = self._leave_group(member)
         self.index[entry.key] = entry
@@ -605,12 +723,16 @@ class TierState:
         return entry, releases
 
     def promote_entry(self, entry: Entry, tensor: torch.Tensor, fence: Fence) -> Sequence[Release]:
-        """Make a host entry GPU-resident again (exclusive tiers: its host block is freed)."""
-        self.host_order.pop(entry.key, None)
-        releases = self._take_block(entry)
+        """Make a host entry GPU-resident again, charged to the GPU tier.
+
+        Inclusive tiers: the entry keeps its host block, still counted in the host tier
+        and still in the host order, where it ages (GPU hits do not touch it). A host-tier
+        eviction may take that block back (the entry then is GPU-only, and leaving the GPU
+        tier costs a copy again); a GPU-tier eviction demotes it with no copy.
+        """
         entry.promote(tensor, fence)
         self._promoted(entry)
-        return releases
+        return NOTHING
 
     def _promoted(self, entry: Entry) -> None:
         """Charge a promoted GPU-state entry to the GPU tier, most recently used."""
