@@ -26,13 +26,20 @@ __all__ = ["FrequencySketch", "TinyLfu"]
 COUNTER_MAX: Final = 15
 #: rows of the sketch: each key has one counter per row, its estimate is the smallest
 DEPTH: Final = 4
-#: uses counted between two halvings, per counter of a row (TinyLFU's sample size W = 10 C)
-SAMPLES_PER_COUNTER: Final = 10
+#: lookups between two halvings, per entry of the GPU tier (TinyLFU's sample size W = 10 C)
+SAMPLES_PER_ENTRY: Final = 20
+#: the fewest GPU entries the sample size is reckoned for
+MIN_ENTRIES: Final = 16
+#: halvings at most at once, however long since the last (4: every counter is 0 after)
+MAX_HALVINGS: Final = 4
 #: the widest row: a row's index is 24 bits of the key's mixed hash
 MAX_WIDTH: Final = 1 << 24
 _MASK64: Final = (1 << 64) - 1
 # Odd multipliers (from SplitMix64 and Murmur3's finaliser), one per row.
-_SEEDS: Final = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 0xFF51AFD7ED558CCD)
+_S0: Final = 0x9E3779B97F4A7C15
+_S1: Final = 0xBF58476D1CE4E5B9
+_S2: Final = 0x94D049BB133111EB
+_S3: Final = 0xFF51AFD7ED558CCD
 #: byte -> byte halved: the reset halves every counter by one bytes.translate
 _HALVE: Final = bytes(v >> 1 for v in range(256))
 
@@ -42,13 +49,13 @@ class FrequencySketch:
     """A count-min sketch of uses per key: DEPTH rows of width counters of 0..COUNTER_MAX.
 
     add() raises a key's smallest counters (conservative update, so a collision inflates
-    an estimate less); estimate() is the smallest of its counters. Every
-    SAMPLES_PER_COUNTER * width uses, every counter is halved (TinyLFU's reset), so an
-    estimate follows recent popularity. A key's counters are found from hash(key) mixed
-    by one multiplier per row; keys are any hashable.
+    an estimate less); estimate() is the smallest of its counters; halve() halves them
+    all (TinyLFU's reset, which its owner calls every so many uses), so that an estimate
+    follows recent popularity. A key's counters are found from hash(key) mixed by one
+    multiplier per row; keys are any hashable.
     """
 
-    __slots__ = ("_added", "_mask", "_reset_at", "_table", "width")
+    __slots__ = ("_mask", "_table", "width")
 
     def __init__(self, width: int = 1024) -> None:
         self._size(width)
@@ -61,45 +68,46 @@ class FrequencySketch:
         self.width = width
         self._mask = width - 1
         self._table = bytearray(width * DEPTH)
-        self._added = 0
-        self._reset_at = SAMPLES_PER_COUNTER * width
 
-    def _slots(self, key: Hashable) -> tuple[int, int, int, int]:
-        h = hash(key) & _MASK64
-        width, mask = self.width, self._mask
-        # The high bits of a multiplicative hash: well mixed even for small ints.
-        return (
-            ((h * _SEEDS[0]) & _MASK64) >> 40 & mask,
-            width + (((h * _SEEDS[1]) & _MASK64) >> 40 & mask),
-            2 * width + (((h * _SEEDS[2]) & _MASK64) >> 40 & mask),
-            3 * width + (((h * _SEEDS[3]) & _MASK64) >> 40 & mask),
-        )
+    # Each key's counters: row r's at the top 24 bits of (hash(key) * seed r) mod 2**64,
+    # masked to the width; a multiplicative hash's high bits are well mixed even for the
+    # small ints of keys. Written out in each method: a key's read is one call, not two.
 
     def estimate(self, key: Hashable) -> int:
         """How often key was used lately (never less than counted since the last halving)."""
-        table = self._table
-        a, b, c, d = self._slots(key)
-        return min(table[a], table[b], table[c], table[d])
+        h = hash(key) & _MASK64
+        w, m, t = self.width, self._mask, self._table
+        return min(
+            t[((h * _S0) & _MASK64) >> 40 & m],
+            t[w + (((h * _S1) & _MASK64) >> 40 & m)],
+            t[2 * w + (((h * _S2) & _MASK64) >> 40 & m)],
+            t[3 * w + (((h * _S3) & _MASK64) >> 40 & m)],
+        )
 
     def add(self, key: Hashable, uses: int = 1) -> int:
-        """Count uses of key; returns its estimate after."""
-        table = self._table
-        slots = self._slots(key)
-        low = min(table[i] for i in slots)
-        new = min(low + uses, COUNTER_MAX)
-        for i in slots:
-            if table[i] < new:
-                table[i] = new
-        self._added += uses
-        if self._added >= self._reset_at:
-            self.halve()
-            return new >> 1
+        """Count uses of key (raising only its smallest counters); its estimate after."""
+        h = hash(key) & _MASK64
+        w, m, t = self.width, self._mask, self._table
+        a = ((h * _S0) & _MASK64) >> 40 & m
+        b = w + (((h * _S1) & _MASK64) >> 40 & m)
+        c = 2 * w + (((h * _S2) & _MASK64) >> 40 & m)
+        d = 3 * w + (((h * _S3) & _MASK64) >> 40 & m)
+        new = min(t[a], t[b], t[c], t[d]) + uses
+        if new > COUNTER_MAX:
+            new = COUNTER_MAX
+        if t[a] < new:
+            t[a] = new
+        if t[b] < new:
+            t[b] = new
+        if t[c] < new:
+            t[c] = new
+        if t[d] < new:
+            t[d] = new
         return new
 
     def halve(self) -> None:
-        """Halve every counter and the count of uses since (TinyLFU's reset)."""
+        """Halve every counter (TinyLFU's reset)."""
         self._table = bytearray(self._table.translate(_HALVE))
-        self._added //= 2
 
     def grow(self, width: int) -> None:
         """Make the rows width counters wide (a power of two, larger than now); the counts
@@ -114,14 +122,16 @@ class TinyLfu:
 
     Uses are counted per key in a FrequencySketch: an entry's uses since it was last
     compared (Entry.hits, bumped by the reads) are folded in when it is compared, a group
-    member's use is counted at once (a member has no entry of its own). The sketch grows
-    with the number of keys cached (grow_for), so that its counters stay a few per key.
+    member's use is counted at once (a member has no entry of its own). keep_up(), before
+    comparisons, halves the counts every SAMPLES_PER_ENTRY lookups per GPU entry and
+    widens the sketch to twice the keys cached.
     """
 
-    __slots__ = ("sketch",)
+    __slots__ = ("_aged_at", "sketch")
 
     def __init__(self, width: int = 1024) -> None:
         self.sketch = FrequencySketch(width)
+        self._aged_at = 0  # the lookups counted when the counts were last halved
 
     def frequency(self, found: Entry | Member) -> int:
         """found's uses lately, its uncounted ones folded in first."""
@@ -141,8 +151,16 @@ class TinyLfu:
         found.hits += 1
         return self.frequency(found)
 
-    def grow_for(self, keys: int) -> None:
-        """Keep the sketch at least twice as wide as keys (cached keys), a power of two."""
+    def keep_up(self, lookups: int, resident: int, keys: int) -> None:
+        """Age and size the sketch: lookups so far (every get's, hits and misses), the
+        entries of the GPU tier, the keys cached. Halved once per SAMPLES_PER_ENTRY
+        lookups per GPU entry since the last time; twice as wide as keys at least."""
         sketch = self.sketch
         if keys * 2 > sketch.width and sketch.width < MAX_WIDTH:
             sketch.grow(min(MAX_WIDTH, 1 << (keys * 2 - 1).bit_length()))
+        period = SAMPLES_PER_ENTRY * max(resident, MIN_ENTRIES)
+        elapsed = lookups - self._aged_at
+        if elapsed >= period:
+            for _ in range(min(elapsed // period, MAX_HALVINGS)):
+                sketch.halve()
+            self._aged_at = lookups

@@ -80,7 +80,8 @@ class Promotion:
 PROMOTE: Final = Promotion(True)
 SKIP: Final = Promotion(False)
 
-#: GPU victims a host hit is compared with, least valuable first, when it wants their room
+#: GPU victims a host hit is compared with (the next ones in the GPU order) when it wants
+#: their room: the least used of them go first (a sampled LFU within TinyLFU's rule)
 PROMOTION_VICTIMS: Final = 8
 
 
@@ -641,13 +642,13 @@ class TierState:
         being promised to hits before it in the same loop turn (get_many's).
 
         Into free room, always. Into a full GPU tier, with an admission filter
-        (promote_policy="tinylfu"), only if found was used more often lately than each GPU
-        victim whose room it takes (TinyLFU's rule; core/admission.py), the victims looked
-        at in the GPU order, up to PROMOTION_VICTIMS of them: those that kept a host copy
-        first, demoted now (a ledger move, no copy). Where they do not make the room, the
-        colder victims at the head of the order are evicted as a put's would be (copies
-        to queue); the hit is then promoted only if the room is free now. The caller
-        checked that no put waits for room (a promotion never jumps their line).
+        (promote_policy="tinylfu"), only into the room of GPU entries used less often
+        lately than found (TinyLFU's rule, core/admission.py): of the PROMOTION_VICTIMS
+        next victims in the GPU order, the least used first, those that kept a host copy
+        (demoted now: a ledger move, no copy) before those that did not (offloaded: copies
+        to queue, whose room comes when they land). The hit is promoted if the room is
+        free now. The caller checked that no put waits for room (a promotion never jumps
+        their line).
         """
         ledger = self.ledger
         free = ledger.capacity - ledger.used - reserved
@@ -662,45 +663,69 @@ class TierState:
             return PROMOTE
         if nbytes > ledger.capacity - reserved:
             return SKIP
-        admission.grow_for(len(self.index))  # a width of a few counters per key cached
+        counters = self._counters
+        admission.keep_up(
+            counters.hits_gpu + counters.hits_cpu + counters.misses,
+            ledger.gpu_entries,
+            len(self.index),
+        )
         wanted = admission.used(found)
         need = nbytes - free
-        colder: list[Entry] = []
-        for victim in self.gpu_order.peek(PROMOTION_VICTIMS):
-            if admission.frequency(victim) >= wanted:
-                break  # not hotter than the next victim: it stays where it is
-            colder.append(victim)
-        if not colder:
-            return SKIP
-        if sum(v.nbytes for v in colder) < need:
-            return SKIP
-        # Those with a host copy and no reader first: their room is free at once.
-        free_now = 0
-        demote: list[Entry] = []
-        for victim in colder:
-            if (
-                victim.block is not None
-                and victim.ready.done()
-                and not (victim.device_readers and victim.device_readers_pending())
-            ):
-                demote.append(victim)
-                free_now += victim.nbytes
-                if free_now >= need:
-                    break
-        if free_now >= need:
-            plan = EvictionPlan()
-            order = self.gpu_order
-            for victim in demote:
-                if order.next_victim() is victim:
-                    order.evict()  # as an eviction (the cost policy's clock rises to it)
-                else:
-                    order.pop(victim.key, None)
-                plan.demoted.append(self._demote(victim))
-                plan.evicted += victim.count
-            self._counters.evicted_gpu(plan.evicted)
+        # The colder victims, least used first (ties: in the order's), those whose room
+        # is free at once (a host copy, no reader) before the others.
+        colder: list[tuple[bool, int, int, Entry]] = []
+        sketch = admission.sketch
+        for place, victim in enumerate(self.gpu_order.peek(PROMOTION_VICTIMS)):
+            hits = victim.hits  # admission.frequency(victim), inline: one call, not two
+            if hits:
+                victim.hits = 0
+                used = sketch.add(victim.key, hits)
+            else:
+                used = sketch.estimate(victim.key)
+            if used < wanted:
+                at_once = (
+                    victim.block is not None
+                    and victim.ready.done()
+                    and not (victim.device_readers and victim.device_readers_pending())
+                )
+                colder.append((not at_once, used, place, victim))
+        colder.sort()  # those free at once, then the least used, then by the order
+        chosen: list[Entry] = []
+        room = 0
+        for _, _, _, victim in colder:
+            chosen.append(victim)
+            room += victim.nbytes
+            if room >= need:
+                break
         else:
-            plan = self.plan_eviction(reserved + nbytes)
+            return SKIP  # too little room in colder entries: none of them goes
+        plan = self._evict_chosen(chosen)
         return Promotion(ledger.capacity - ledger.used - reserved >= nbytes, plan)
+
+    def _evict_chosen(self, victims: list[Entry]) -> EvictionPlan:
+        """Take victims (GPU entries) out of the GPU tier: those with a host copy demoted,
+        the others to offload (small ones in one batch, large ones alone)."""
+        plan = EvictionPlan()
+        order = self.gpu_order
+        small: list[Entry] = []
+        small_bytes = 0
+        for victim in victims:
+            if order.next_victim() is victim:
+                order.evict()  # as an eviction (the cost policy's clock rises to it)
+            else:
+                order.pop(victim.key, None)
+            plan.evicted += victim.count
+            if victim.block is not None:
+                plan.demoted.append(self._demote(victim))
+            elif victim.nbytes < self._small:
+                small.append(victim)
+                small_bytes += victim.nbytes
+            else:
+                self._plan_batch([victim], victim.nbytes, plan)
+        if small:
+            self._plan_batch(small, small_bytes, plan)
+        self._counters.evicted_gpu(plan.evicted)
+        return plan
 
     def promote_member(
         self, member: Member, tensor: torch.Tensor, fence: Fence
