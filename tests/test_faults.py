@@ -146,7 +146,8 @@ def raising_once(error: BaseException, fn: Any) -> Any:
 
 async def test_a_failed_offload_drops_that_entry_only(sim_rig: Rig) -> None:
     reg = CollectorRegistry()
-    async with make(sim_rig, 8, 64, reg, small_copy_bytes=0) as cache:
+    # Reads promote into free room only: a hotter host hit's eviction would copy more.
+    async with make(sim_rig, 8, 64, reg, small_copy_bytes=0, promote_policy="room") as cache:
         await cache.put("a", value(1))
         await cache.put("b", value(2))
         sim(sim_rig).inject("copy_fails")
