@@ -112,7 +112,17 @@ class CacheSettings(BaseSettings):
     )
     promote_on_hit: Annotated[bool, _Env(("MMCACHE_PROMOTE_ON_HIT",))] = Field(
         default=True,
-        description="move host tier hits back to the GPU tier when they fit without waiting",
+        description="move host tier hits back to the GPU tier (promote_policy says which, "
+        "when it is full); a promoted feature keeps its host copy",
+    )
+    promote_policy: Annotated[Literal["tinylfu", "room"], _Env(("MMCACHE_PROMOTE_POLICY",))] = (
+        Field(
+            default="tinylfu",
+            description="which host tier hits a full GPU tier takes: tinylfu (one used more often "
+            "lately than the GPU entries it displaces, by a count-min sketch of uses, TinyLFU's "
+            "rule; those go back to the host tier, with no copy where they kept a host copy) or "
+            "room (none: hits are promoted only into free room)",
+        )
     )
     metrics_port: Annotated[int | None, _Env(("MMCACHE_METRICS_PORT",))] = Field(
         default=None,

@@ -116,6 +116,7 @@ class BatchReads:
                 gpu_hits += 1
                 if state is State.GPU:
                     touch_gpu(entry.key)
+                    entry.hits += 1  # a use for the admission filter (no call)
                 tensor = entry.tensor
                 assert tensor is not None
                 alias = tensor.detach() if member is None else tensor[member.start : member.stop]
@@ -147,7 +148,8 @@ class BatchReads:
         """Queue the host hits' copies; promote those that fit. Small ones that stay the
         reader's share one buffer copied on its stream, the rest go behind one fence on
         the H2D stream; returns the fences the reads must order after."""
-        budget = self._reads.promotion_room()
+        promotion = self._reads.promotion
+        reserved = 0  # bytes promised to the hits promoted before
         small = self._reads.small_copy_bytes
         on_reader: list[_Upload] = []
         on_copy_stream: list[_Upload] = []
@@ -156,9 +158,9 @@ class BatchReads:
         for upload in uploads:
             _, entry, member = upload
             nbytes = entry.nbytes if member is None else member.nbytes
-            promote = budget >= nbytes > 0  # in order: the first ones take the room
-            if promote:
-                budget -= nbytes
+            promote = nbytes > 0 and promotion(entry, member, nbytes, reserved)
+            if promote:  # in order: the first ones take the room
+                reserved += nbytes
             elif nbytes < small:
                 on_reader.append(upload)
                 continue

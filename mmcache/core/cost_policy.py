@@ -98,6 +98,11 @@ class CostPolicy:
         key = self._live_top()
         return None if key is None else self._slots[key].entry
 
+    def peek(self, n: int, /) -> list[Entry]:
+        """The next victim alone (a heap tells no further without popping), left in place."""
+        victim = self.next_victim() if n > 0 else None
+        return [] if victim is None else [victim]
+
     def __len__(self) -> int:
         return len(self._slots)
 

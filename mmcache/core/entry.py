@@ -20,7 +20,10 @@ __all__ = ["Entry", "GroupKey", "Member", "State", "check_key", "check_keys", "r
 class State(enum.Enum):
     """Where an entry's bytes are."""
 
-    GPU = "gpu"  # device tensor resident; `ready` is the producer's fence
+    # device tensor resident; `ready` is the producer's fence. A GPU entry promoted from
+    # the host tier keeps its host block too (the tiers are inclusive): leaving the GPU
+    # tier again (demote) then costs no copy.
+    GPU = "gpu"
     D2H = "d2h"  # being offloaded: device tensor alive until `copy_fence` completes
     HOST = "host"  # only the host block remains
     GONE = "gone"  # discarded, replaced or dropped; its memory is released after its fences
@@ -56,15 +59,20 @@ class Entry:
     #: seconds to compute the feature again (put's cost=, get_or_compute's measure), for
     #: the cost eviction policy; None: not given
     cost: float | None = None
+    #: uses not yet counted in the admission filter's sketch (core/admission.py): the one
+    #: that made the entry (a miss, then its put), and the reads since, which bump it with
+    #: no call; the state folds them in when it compares entries
+    hits: int = 1
 
     # Every change of state, tensor, block, fences or members goes through one of the
     # methods below, which refuses a transition the lifecycle does not have: the parts
     # call them, and none assigns these fields itself.
 
     def begin_offload(self, block: HostBlock, fence: Fence) -> None:
-        """GPU -> D2H: a copy of the device tensor into block was queued behind fence."""
-        if self.state is not State.GPU:
-            raise _illegal(self, "begin an offload (GPU -> D2H)")
+        """GPU -> D2H: a copy of the device tensor into block was queued behind fence (an
+        entry with a host copy already is demoted instead)."""
+        if self.state is not State.GPU or self.block is not None:
+            raise _illegal(self, "begin an offload (GPU -> D2H, no host copy yet)")
         self.state = State.D2H
         self.block = block
         self.copy_fence = fence
@@ -93,13 +101,25 @@ class Entry:
         return tensor
 
     def promote(self, tensor: torch.Tensor, ready: Fence) -> None:
-        """HOST -> GPU: tensor (ready after ready) holds the feature again; its block is gone."""
-        if self.state is not State.HOST or self.block is not None:
-            raise _illegal(self, "promote (HOST -> GPU, block freed first)")
+        """HOST -> GPU: tensor (ready after ready) holds the feature again; the entry keeps
+        its host block (and the copy_fence that block was written behind)."""
+        if self.state is not State.HOST or self.block is None or self.tensor is not None:
+            raise _illegal(self, "promote (HOST -> GPU, keeping its block)")
         self.state = State.GPU
         self.tensor = tensor
         self.ready = ready
-        self.copy_fence = None
+
+    def demote(self) -> torch.Tensor:
+        """GPU -> HOST for an entry that kept its host copy: returns the device tensor to
+        release (after its readers); no copy, the block already holds the bytes."""
+        tensor = self.tensor
+        copied = self.copy_fence
+        if self.state is not State.GPU or self.block is None or tensor is None or copied is None:
+            raise _illegal(self, "demote (GPU -> HOST, with a host copy)")
+        self.state = State.HOST
+        self.tensor = None
+        self.ready = copied  # a host entry's ready stands for its host copy's
+        return tensor
 
     def discard(self) -> torch.Tensor | None:
         """GPU, D2H or HOST -> GONE; returns a GPU entry's device tensor, to release.

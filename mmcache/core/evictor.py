@@ -128,11 +128,24 @@ class Evictor:
         """Offload victims until needed bytes are free or on their way (the state's plan,
         TierState.plan_eviction, carried out); returns the plan."""
         plan = self._state.plan_eviction(needed, slack=slack, ahead=ahead)
+        # carry_out(plan), inline: a put that evicts pays no call for it
         if plan.releases:
             self._carry_out(plan.releases)
+        if plan.demoted:
+            self._carry_out(plan.demoted)
         for items in plan.batches:
             self.offload(items, charged_gpu=True)
         return plan
+
+    def carry_out(self, plan: EvictionPlan) -> None:
+        """Carry out an eviction plan: release what was dropped and what was demoted (after
+        their readers; demotions copy nothing), and queue one copy per batch."""
+        if plan.releases:
+            self._carry_out(plan.releases)
+        if plan.demoted:
+            self._carry_out(plan.demoted)
+        for items in plan.batches:
+            self.offload(items, charged_gpu=True)
 
     def offload(self, items: OffloadItems, *, charged_gpu: bool) -> None:
         """Queue the device -> host copies of entries into blocks, after their producers."""

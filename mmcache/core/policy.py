@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import OrderedDict
 from collections.abc import Hashable
@@ -49,6 +50,10 @@ class EvictionPolicy(Protocol):
     def next_victim(self) -> Entry | None:
         """The entry evict() would return, where the policy can tell without removing it."""
 
+    def peek(self, n: int, /) -> list[Entry]:
+        """Up to n of the next victims, in the order evict() would return them, left in
+        place (fewer where the policy cannot tell further without evicting)."""
+
     def __len__(self) -> int:
         """How many entries the policy orders."""
 
@@ -66,6 +71,10 @@ class LruPolicy(OrderedDict[Hashable, Entry]):
     def next_victim(self) -> Entry | None:
         """The least recently used entry, left in place."""
         return self[next(iter(self))] if self else None
+
+    def peek(self, n: int, /) -> list[Entry]:
+        """The n least recently used entries, least recent first, left in place."""
+        return list(itertools.islice(self.values(), n))
 
 
 @final
@@ -97,6 +106,10 @@ class CachetoolsPolicy:
     def next_victim(self) -> Entry | None:
         """Not known without evicting (cachetools keeps its order private)."""
         return None
+
+    def peek(self, n: int, /) -> list[Entry]:
+        """None known without evicting (cachetools keeps its order private)."""
+        return []
 
     def __len__(self) -> int:
         return len(self._order)

@@ -16,7 +16,7 @@ from mmcache.core.grants import Grant
 from mmcache.core.host import HostTier
 from mmcache.core.index import holder
 from mmcache.core.offload import OffloadPipeline
-from mmcache.core.state import Release, TierState
+from mmcache.core.state import EvictionPlan, Release, TierState
 from mmcache.device import Device, Fence, NewCopyPlan, Stream
 from mmcache.errors import CopyFailedError, CopyTimeoutError, InvalidValueError
 from mmcache.host_copy import copy_host_bytes_in_slices
@@ -57,6 +57,7 @@ class Reads:
         host: HostTier,
         pipeline: OffloadPipeline,
         carry_out: Callable[[Sequence[Release]], None],
+        evict: Callable[[EvictionPlan], None],
         room_freed: Callable[[], None],
         changed: Callable[[], None],
         gpu_waiting: FifoBudget[tuple[int, Grant], Grant],
@@ -72,6 +73,7 @@ class Reads:
         self._host = host
         self._pipeline = pipeline
         self._carry_out = carry_out
+        self._evict = evict  # carries out an eviction the state made for a promotion
         self._room_freed = room_freed
         self._changed = changed  # the tiers' figures changed (a promotion)
         self._gpu_order = state.gpu_order
@@ -108,6 +110,7 @@ class Reads:
             self._counters.hit_gpu()
             if state is State.GPU:
                 self._gpu_order.touch(entry.key)
+                entry.hits += 1  # a use for the admission filter (no call)
             assert entry.tensor is not None
             if to_host:
                 if state is State.D2H:
@@ -270,12 +273,19 @@ class Reads:
         await copy_host_bytes_in_slices(out, view)
         return out
 
-    def promotion_room(self) -> int:
-        """GPU bytes host hits may be promoted into now (0: promotion off, or puts wait)."""
+    def promotion(
+        self, entry: Entry, member: Member | None, nbytes: int, reserved: int = 0
+    ) -> bool:
+        """Whether a host hit of entry (or of a group's member) of nbytes is promoted, as
+        the state decides (TierState.plan_promotion), with the eviction it made for it
+        carried out; reserved: bytes promised to hits before it in this loop turn."""
         if not self._promote or self._gpu_line:
-            return 0  # a promotion never jumps the line of waiting puts
-        ledger = self._ledger
-        return ledger.capacity - ledger.used
+            return False  # a promotion never jumps the line of waiting puts
+        decision = self._state.plan_promotion(entry if member is None else member, nbytes, reserved)
+        if decision.eviction is not None:
+            self._evict(decision.eviction)
+            self._changed()
+        return decision.promote
 
     def promote(
         self, entry: Entry, member: Member | None, tensor: torch.Tensor, fence: Fence
@@ -309,8 +319,8 @@ class Reads:
         """A device copy of a host-resident entry (or of rows of it, or of a whole group
         member); promotes the entry or the member back to the GPU tier if it fits."""
         assert entry.block is not None and entry.copy_fence is not None
-        promote = (span is None or member is not None) and self.promotion_room() >= (
-            entry.nbytes if member is None else member.nbytes
+        promote = (span is None or member is not None) and self.promotion(
+            entry, member, entry.nbytes if member is None else member.nbytes
         )
         if span is None:
             src = entry.host_bytes()

@@ -8,6 +8,7 @@ from typing import Final, final
 
 import torch
 
+from mmcache.core.admission import TinyLfu
 from mmcache.core.counters import Counters
 from mmcache.core.entry import Entry, Member, State
 from mmcache.core.grants import Grant
@@ -24,6 +25,7 @@ __all__ = [
     "EvictionPlan",
     "Landing",
     "Offload",
+    "Promotion",
     "Release",
     "TierState",
 ]
@@ -53,12 +55,34 @@ OffloadItems = list[tuple[Entry, HostBlock]]
 @dataclass(slots=True, eq=False)
 class EvictionPlan:
     """What plan_eviction decided: the offload copies to queue, in order (each one copy
-    behind one fence), what to release for the entries dropped on the way, and how many
-    features left the GPU tier."""
+    behind one fence), what to release for the entries dropped on the way, the device
+    tensors of the victims demoted (they kept a host copy: no copy, only their device
+    memory to release after its readers), and how many features left the GPU tier."""
 
     batches: list[OffloadItems] = field(default_factory=list)
     releases: list[Release] = field(default_factory=list)
+    demoted: list[Release] = field(default_factory=list)
     evicted: int = 0
+
+
+@final
+@dataclass(slots=True, eq=False)
+class Promotion:
+    """What plan_promotion decided for a host hit: whether to promote it (its upload
+    becomes the GPU entry, charged by promote_entry / promote_member in the same loop
+    turn), and the eviction made for it, to carry out (None: none)."""
+
+    promote: bool
+    eviction: EvictionPlan | None = None
+
+
+#: the decisions that evict nothing (shared)
+PROMOTE: Final = Promotion(True)
+SKIP: Final = Promotion(False)
+
+#: GPU victims a host hit is compared with (the next ones in the GPU order) when it wants
+#: their room: the least used of them go first (a sampled LFU within TinyLFU's rule)
+PROMOTION_VICTIMS: Final = 8
 
 
 @final
@@ -110,6 +134,7 @@ class TierState:
         mark: Callable[[Stream], Fence],
         evict_ahead: int,
         small_copy_bytes: int,
+        admission: bool = False,
     ) -> None:
         self.ledger = TierLedger(gpu_capacity)
         self.index = KeyIndex()
@@ -140,6 +165,9 @@ class TierState:
         #: run before each eviction plan: applies the recency of hits served off the loop
         #: (core/thread_hits.py), so that victims are chosen by it
         self.before_plan: Callable[[], None] | None = None
+        #: which host hits may take GPU entries' room (promote_policy="tinylfu"); None:
+        #: host hits are promoted only into free room
+        self.admission: TinyLfu | None = TinyLfu() if admission else None
 
     # --- reading the state ---------------------------------------------------
 
@@ -299,6 +327,8 @@ class TierState:
         ledger = self.ledger
         if state is State.GPU:
             ledger.gpu_left(1)
+            if group.block is not None:  # and its host copy's
+                ledger.host_left(1)
         elif state is State.HOST:
             ledger.host_left(1)
         elif state is State.D2H:  # counted in the host tier since queued, in the GPU one if charged
@@ -318,6 +348,9 @@ class TierState:
             self.gpu_order.pop(entry.key, None)
             self.ledger.gpu_left(entry.count)
             assert tensor is not None
+            if entry.block is not None:  # promoted, it kept its host copy: both go
+                self.host_order.pop(entry.key, None)
+                self._take_block(entry)
             return (
                 self._release_charged(
                     tensor, entry.nbytes, [entry.ready, *entry.device_readers_pending()]
@@ -401,6 +434,10 @@ class TierState:
         """Drop the host entry the policy gives up first (a host-tier eviction)."""
         victim = self.host_order.evict()
         self._counters.evicted_cpu(victim.count)
+        if victim.state is State.GPU:
+            # A promoted entry's host copy: the feature stays on the GPU tier, which
+            # offloads it again (a copy) if it evicts it. Only the block goes.
+            return self._take_block(victim)
         if self.on_host_evict is not None:
             self.on_host_evict(victim)
         return self._unlink(victim)
@@ -446,6 +483,11 @@ class TierState:
                     break
             entry = order.evict()
             plan.evicted += entry.count
+            if entry.block is not None:
+                # It kept its host copy (inclusive tiers): a ledger move, no copy. Its
+                # bytes come back at once, or after its readers (counted as releasing).
+                plan.demoted.append(self._demote(entry))
+                continue
             if entry.nbytes < small_limit:
                 if large:  # older victims get their host room first, in the policy's order
                     planned += self._plan_batch(large, large_bytes, plan)
@@ -472,6 +514,14 @@ class TierState:
         if plan.evicted:
             self._counters.evicted_gpu(plan.evicted)
         return plan
+
+    def _demote(self, entry: Entry) -> DeviceRelease:
+        """A GPU entry that kept its host copy leaves the GPU tier: its device tensor is
+        released after its producer and readers; it stays in the host tier (and order)."""
+        after = [entry.ready, *entry.device_readers_pending()]
+        tensor = entry.demote()
+        self.ledger.gpu_left(entry.count)
+        return self._release_charged(tensor, entry.nbytes, after)
 
     def _plan_batch(self, entries: list[Entry], nbytes: int, plan: EvictionPlan) -> int:
         """Host blocks for a batch of victims of nbytes in all (one run where one free
@@ -596,9 +646,95 @@ class TierState:
 
     # --- reads ------------------------------------------------------------------
 
-    def promotion_room(self) -> int:
-        """GPU bytes free for host hits to be promoted into."""
-        return self.ledger.free()
+    def plan_promotion(self, found: Entry | Member, nbytes: int, reserved: int = 0) -> Promotion:
+        """Whether a host hit of found (nbytes to the device) is promoted, reserved bytes
+        being promised to hits before it in the same loop turn (get_many's).
+
+        Into free room, always. Into a full GPU tier, with an admission filter
+        (promote_policy="tinylfu"), only into the room of GPU entries used less often
+        lately than found (TinyLFU's rule, core/admission.py): of the PROMOTION_VICTIMS
+        next victims in the GPU order, the least used first, those that kept a host copy
+        (demoted now: a ledger move, no copy) before those that did not (offloaded: copies
+        to queue, whose room comes when they land). The hit is promoted if the room is
+        free now. The caller checked that no put waits for room (a promotion never jumps
+        their line).
+        """
+        ledger = self.ledger
+        free = ledger.capacity - ledger.used - reserved
+        admission = self.admission
+        if admission is None:
+            return PROMOTE if free >= nbytes else SKIP
+        if free >= nbytes:
+            if isinstance(found, Entry):
+                found.hits += 1  # a use, counted with no call: folded in when compared
+            else:
+                admission.used(found)
+            return PROMOTE
+        if nbytes > ledger.capacity - reserved:
+            return SKIP
+        counters = self._counters
+        admission.keep_up(
+            counters.hits_gpu + counters.hits_cpu + counters.misses,
+            ledger.gpu_entries,
+            len(self.index),
+        )
+        wanted = admission.used(found)
+        need = nbytes - free
+        # The colder victims, least used first (ties: in the order's), those whose room
+        # is free at once (a host copy, no reader) before the others.
+        colder: list[tuple[bool, int, int, Entry]] = []
+        sketch = admission.sketch
+        for place, victim in enumerate(self.gpu_order.peek(PROMOTION_VICTIMS)):
+            hits = victim.hits  # admission.frequency(victim), inline: one call, not two
+            if hits:
+                victim.hits = 0
+                used = sketch.add(victim.key, hits)
+            else:
+                used = sketch.estimate(victim.key)
+            if used < wanted:
+                at_once = (
+                    victim.block is not None
+                    and victim.ready.done()
+                    and not (victim.device_readers and victim.device_readers_pending())
+                )
+                colder.append((not at_once, used, place, victim))
+        colder.sort()  # those free at once, then the least used, then by the order
+        chosen: list[Entry] = []
+        room = 0
+        for _, _, _, victim in colder:
+            chosen.append(victim)
+            room += victim.nbytes
+            if room >= need:
+                break
+        else:
+            return SKIP  # too little room in colder entries: none of them goes
+        plan = self._evict_chosen(chosen)
+        return Promotion(ledger.capacity - ledger.used - reserved >= nbytes, plan)
+
+    def _evict_chosen(self, victims: list[Entry]) -> EvictionPlan:
+        """Take victims (GPU entries) out of the GPU tier: those with a host copy demoted,
+        the others to offload (small ones in one batch, large ones alone)."""
+        plan = EvictionPlan()
+        order = self.gpu_order
+        small: list[Entry] = []
+        small_bytes = 0
+        for victim in victims:
+            if order.next_victim() is victim:
+                order.evict()  # as an eviction (the cost policy's clock rises to it)
+            else:
+                order.pop(victim.key, None)
+            plan.evicted += victim.count
+            if victim.block is not None:
+                plan.demoted.append(self._demote(victim))
+            elif victim.nbytes < self._small:
+                small.append(victim)
+                small_bytes += victim.nbytes
+            else:
+                self._plan_batch([victim], victim.nbytes, plan)
+        if small:
+            self._plan_batch(small, small_bytes, plan)
+        self._counters.evicted_gpu(plan.evicted)
+        return plan
 
     def promote_member(
         self, member: Member, tensor: torch.Tensor, fence: Fence
@@ -606,7 +742,14 @@ class TierState:
         """A GPU-resident entry of its own for a group member, from its uploaded rows."""
         group = member.group
         entry = Entry(
-            member.key, member.shape, group.dtype, member.nbytes, State.GPU, tensor, fence
+            member.key,
+            member.shape,
+            group.dtype,
+            member.nbytes,
+            State.GPU,
+            tensor,
+            fence,
+            hits=0,  # this hit's use went into the admission sketch under the member's key
         )
         releases = self._leave_group(member)
         self.index[entry.key] = entry
@@ -614,12 +757,16 @@ class TierState:
         return entry, releases
 
     def promote_entry(self, entry: Entry, tensor: torch.Tensor, fence: Fence) -> Sequence[Release]:
-        """Make a host entry GPU-resident again (exclusive tiers: its host block is freed)."""
-        self.host_order.pop(entry.key, None)
-        releases = self._take_block(entry)
+        """Make a host entry GPU-resident again, charged to the GPU tier.
+
+        Inclusive tiers: the entry keeps its host block, still counted in the host tier
+        and still in the host order, where it ages (GPU hits do not touch it). A host-tier
+        eviction may take that block back (the entry then is GPU-only, and leaving the GPU
+        tier costs a copy again); a GPU-tier eviction demotes it with no copy.
+        """
         entry.promote(tensor, fence)
         self._promoted(entry)
-        return releases
+        return NOTHING
 
     def _promoted(self, entry: Entry) -> None:
         """Charge a promoted GPU-state entry to the GPU tier, most recently used."""

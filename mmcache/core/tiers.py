@@ -66,6 +66,7 @@ class Tiers:
             mark=device.record,
             evict_ahead=int(gpu_capacity * settings.evict_ahead),
             small_copy_bytes=settings.small_copy_bytes,
+            admission=settings.promote_on_hit and settings.promote_policy == "tinylfu",
         )
         self.producers = ProducerFences(device)
         self.host = host = HostTier(
@@ -122,6 +123,7 @@ class Tiers:
             host=host,
             pipeline=pipeline,
             carry_out=self.carry_out,
+            evict=evictor.carry_out,
             room_freed=self.room_freed,
             changed=changed,
             gpu_waiting=evictor.waiting,

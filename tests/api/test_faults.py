@@ -146,7 +146,8 @@ def raising_once(error: BaseException, fn: Any) -> Any:
 
 async def test_a_failed_offload_drops_that_entry_only(sim_rig: Rig) -> None:
     reg = CollectorRegistry()
-    async with make(sim_rig, 8, 64, reg, small_copy_bytes=0) as cache:
+    # Reads promote into free room only: a hotter host hit's eviction would copy more.
+    async with make(sim_rig, 8, 64, reg, small_copy_bytes=0, promote_policy="room") as cache:
         await cache.put("a", value(1))
         await cache.put("b", value(2))
         sim(sim_rig).inject("copy_fails")
@@ -406,7 +407,9 @@ async def test_every_failed_copy_is_counted(sim_rig: Rig) -> None:
 
 
 async def test_oom_in_an_upload_raises_and_keeps_the_entry(sim_rig: Rig) -> None:
-    async with make(sim_rig, 8, 64, small_copy_bytes=0) as cache:
+    # Promoted into free room only: a full GPU tier's eviction for a hotter hit would move
+    # the ledgers before the upload fails.
+    async with make(sim_rig, 8, 64, small_copy_bytes=0, promote_policy="room") as cache:
         await host_resident(sim_rig, cache, "a", 1)
         before = cache.stats()
         sim(sim_rig).inject("alloc_fails")
@@ -483,7 +486,8 @@ async def test_an_offload_refused_at_enqueue_leaks_nothing(sim_rig: Rig, batched
 
 async def test_a_host_tier_full_of_copies_in_flight_drops_evictions(sim_rig: Rig) -> None:
     reg = CollectorRegistry()
-    async with make(sim_rig, 16, 8, reg, small_copy_bytes=0) as cache:
+    # The reads at the end promote nothing (a full GPU tier's evictions would drop more).
+    async with make(sim_rig, 16, 8, reg, small_copy_bytes=0, promote_policy="room") as cache:
         for i in range(4):
             await cache.put(i, value(i))
         with sim_rig.hold():  # 0 and 1 fill the host tier in flight; 2 and 3 find no room
@@ -587,9 +591,9 @@ async def test_a_host_arena_that_cannot_be_allocated(
 
 
 @contextlib.asynccontextmanager
-async def stuck_cache(rig: Rig, reg: CollectorRegistry) -> AsyncIterator[FeatureCache]:
+async def stuck_cache(rig: Rig, reg: CollectorRegistry, **kw: Any) -> AsyncIterator[FeatureCache]:
     """A cache with a short copy timeout; stuck fences are completed before it closes."""
-    cache = make(rig, 16, 64, reg, small_copy_bytes=0, copy_timeout_s=0.2)
+    cache = make(rig, 16, 64, reg, small_copy_bytes=0, copy_timeout_s=0.2, **kw)
     await cache.start()
     try:
         yield cache
@@ -655,7 +659,8 @@ async def test_quarantined_bytes_are_released_when_the_fence_completes(sim_rig: 
 async def test_a_get_waiting_on_a_stuck_upload_times_out(sim_rig: Rig) -> None:
     reg = CollectorRegistry()
     dev = sim(sim_rig)
-    async with stuck_cache(sim_rig, reg) as cache:
+    # Into free room only: a promotion's eviction would be the copy that sticks.
+    async with stuck_cache(sim_rig, reg, promote_policy="room") as cache:
         for i in range(5):
             await cache.put(i, value(i))
         await on_host(cache, 0)

@@ -1,4 +1,5 @@
-"""Promotion: a host tier hit comes back to the GPU tier when it fits, and only then."""
+"""Promotion: a host tier hit comes back to the GPU tier when it fits (into a full tier, see
+test_inclusive_tier.py), keeping its host copy."""
 
 from __future__ import annotations
 
@@ -28,8 +29,9 @@ async def test_a_host_hit_is_promoted_when_it_fits(rig: Rig, make_cache: CacheFa
     s = cache.stats()
     assert s.promotions == before.promotions + 1
     assert s.hits_cpu == before.hits_cpu + 1
-    assert (s.gpu_entries, s.cpu_entries) == (2, 0)
-    assert (s.gpu_bytes, s.cpu_bytes) == (256 * KiB, 0)
+    # Inclusive tiers: a keeps its host copy, still counted in the host tier.
+    assert (s.gpu_entries, s.cpu_entries) == (2, 1)
+    assert (s.gpu_bytes, s.cpu_bytes) == (256 * KiB, 128 * KiB)
     assert s.h2d_bytes == before.h2d_bytes + 128 * KiB
     assert s.leaked_bytes == 0
 
@@ -41,12 +43,13 @@ async def test_a_host_hit_is_promoted_when_it_fits(rig: Rig, make_cache: CacheFa
     assert after.hits_gpu == s.hits_gpu + 2
     assert (after.h2d_bytes, after.promotions) == (s.h2d_bytes, s.promotions)
 
-    # The promoted copy offloads again, exact (its fence and host block were handed over).
+    # c is offloaded (a copy); a, evicted next, is demoted to its host copy with none.
     await put_feature(cache, rig, "d", 128, seed=9)  # c is the LRU now
     await put_feature(cache, rig, "e", 128, seed=10)  # then a
     await cache.drain()
     s = cache.stats()
     assert (s.gpu_entries, s.cpu_entries) == (2, 2)
+    assert s.d2h_bytes == after.d2h_bytes + 128 * KiB
     assert_exact(await cache.get("a", device="cpu"), expected["a"])
     assert_exact(await cache.get("c", device="cpu"), expected["c"])
     if rig.kind == "sim":
@@ -73,7 +76,7 @@ async def test_no_promotion_when_promote_on_hit_is_off(rig: Rig, make_cache: Cac
 
 
 async def test_a_promotion_that_does_not_fit_is_skipped(rig: Rig, make_cache: CacheFactory) -> None:
-    cache = make_cache(gpu_mb=0.25, cpu_mb=1, promote_on_hit=True)
+    cache = make_cache(gpu_mb=0.25, cpu_mb=1, promote_on_hit=True, promote_policy="room")
     expected = await offloaded(cache, rig)  # GPU full of b and c
     before = cache.stats()
     out = await cache.get("a")

@@ -281,7 +281,8 @@ async def test_a_put_cancelled_while_it_waits_for_room_gives_back_what_it_was_gr
 async def test_a_read_whose_upload_cannot_be_queued_frees_its_device_memory(
     sim: SimDevice, caches: Any, monkeypatch: pytest.MonkeyPatch, promote: bool, fault: str
 ) -> None:
-    cache = caches(gpu_mb=1, cpu_mb=2, promote_on_hit=promote)
+    # Into free room only: a full tier's eviction for the hit would meet the same fault.
+    cache = caches(gpu_mb=1, cpu_mb=2, promote_on_hit=promote, promote_policy="room")
     await cache.put("a", value(512, 1))
     await cache.put("b", value(1024, 2))  # "a" goes to the host tier
     await cache.drain()

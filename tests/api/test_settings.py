@@ -45,6 +45,7 @@ def test_defaults() -> None:
     assert settings.ipc_lease_timeout_s == 30.0
     assert settings.ipc_fallback_mb == 1024
     assert settings.promote_on_hit is True
+    assert settings.promote_policy == "tinylfu"
     assert settings.metrics_port is None
     assert settings.small_copy_bytes == 4 * MiB
     assert settings.host_alignment == 512
@@ -67,6 +68,7 @@ OWN_NAMES: list[tuple[str, str, str, object]] = [
     ("ipc_fallback_mb", "MMCACHE_IPC_FALLBACK_MB", "128", 128.0),
     ("ipc_pool_wait_s", "MMCACHE_IPC_POOL_WAIT_SEC", "0.01", 0.01),
     ("promote_on_hit", "MMCACHE_PROMOTE_ON_HIT", "0", False),
+    ("promote_policy", "MMCACHE_PROMOTE_POLICY", "room", "room"),
     ("metrics_port", "MMCACHE_METRICS_PORT", "9090", 9090),
     ("small_copy_bytes", "MMCACHE_SMALL_COPY_BYTES", "4096", 4096),
     ("host_alignment", "MMCACHE_HOST_ALIGNMENT", "4096", 4096),
@@ -339,6 +341,10 @@ def test_keyword_arguments_override_the_environment(monkeypatch: pytest.MonkeyPa
         (
             {"eviction_policy": "random"},
             "eviction_policy='random' is invalid: must be one of 'lru', 'lfu', 'fifo' or 'cost'",
+        ),
+        (
+            {"promote_policy": "lru"},
+            "promote_policy='lru' is invalid: must be one of 'tinylfu' or 'room'",
         ),
         (
             {"remote_url": "http://h:6379"},

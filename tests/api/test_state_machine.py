@@ -264,6 +264,8 @@ class CacheMachine(RuleBasedStateMachine):
         for e in holders.values():
             if e.state is State.GPU:
                 gpu += e.count
+                if e.block is not None:  # promoted, it kept its host copy (inclusive tiers)
+                    cpu += e.count
             elif e.state is State.HOST:
                 cpu += e.count
             if e in in_flight:  # counted in the host tier once queued; GPU tier if charged

@@ -37,13 +37,33 @@ def test_an_entry_goes_gpu_d2h_host_and_back_to_gpu() -> None:
     landed = TimedFence(0)
     assert entry.land(landed) is tensor
     assert _fields(entry) == (State.HOST, None, block, landed, landed, 1)
-    assert entry.take_block() is block
-    assert _fields(entry) == (State.HOST, None, None, landed, landed, 1)
+    again = torch.ones(16)
+    entry.promote(again, COPY)  # inclusive: it keeps its host copy
+    assert _fields(entry) == (State.GPU, again, block, COPY, landed, 1)
+    assert entry.demote() is again  # back to the host tier with no copy
+    assert _fields(entry) == (State.HOST, None, block, landed, landed, 1)
+    third = torch.ones(16)
+    entry.promote(third, COPY)
+    assert entry.discard() is third
+    assert _fields(entry) == (State.GONE, None, block, COPY, landed, 1)
+    assert entry.take_block() is block  # its host copy is freed apart
+    assert _fields(entry) == (State.GONE, None, None, COPY, landed, 1)
+
+
+def test_a_promoted_entry_gives_up_its_host_copy_and_stays_on_the_gpu() -> None:
+    entry, _ = _gpu_entry()
+    block = _block()
+    entry.begin_offload(block, COPY)
+    entry.land(DONE)
     again = torch.ones(16)
     entry.promote(again, COPY)
-    assert _fields(entry) == (State.GPU, again, None, COPY, None, 1)
-    assert entry.discard() is again
-    assert _fields(entry) == (State.GONE, None, None, COPY, None, 1)
+    assert entry.take_block() is block  # a host-tier eviction of its copy
+    assert _fields(entry) == (State.GPU, again, None, COPY, DONE, 1)
+    with pytest.raises(AssertionError, match="cannot demote"):
+        entry.demote()  # no host copy left: leaving the GPU tier takes a copy again
+    other = _block()
+    entry.begin_offload(other, COPY)
+    assert _fields(entry)[:3] == (State.D2H, again, other)
 
 
 def test_discard_hands_back_only_a_gpu_entrys_tensor() -> None:
@@ -72,7 +92,11 @@ def test_a_failed_copy_ends_the_offload_without_landing() -> None:
         ("host", lambda e: e.land(DONE)),  # landed twice
         ("gpu", lambda e: e.end_offload()),  # no offload to end
         ("gpu", lambda e: e.promote(torch.zeros(16), DONE)),  # GPU -> GPU
-        ("host_with_block", lambda e: e.promote(torch.zeros(16), DONE)),  # block not freed
+        ("host", lambda e: e.promote(torch.zeros(16), DONE)),  # no host copy to keep
+        ("gpu", lambda e: e.demote()),  # no host copy to go back to
+        ("host_with_block", lambda e: e.demote()),  # not on the GPU
+        ("promoted", lambda e: e.begin_offload(_block(), COPY)),  # has a host copy: demoted
+        ("promoted", lambda e: e.promote(torch.zeros(16), DONE)),  # GPU -> GPU
         ("gone", lambda e: e.discard()),  # discarded twice
         ("d2h", lambda e: e.take_block()),  # a copy is writing it
         ("gpu", lambda e: e.member_left()),  # not a group
@@ -84,10 +108,12 @@ def test_an_illegal_transition_raises_naming_the_state(setup: str, change: objec
     block = _block()
     if setup != "gpu":
         entry.begin_offload(block, COPY)
-    if setup in ("host", "host_with_block"):
+    if setup in ("host", "host_with_block", "promoted"):
         entry.land(DONE)
     if setup == "host":
         entry.take_block()
+    if setup == "promoted":
+        entry.promote(torch.ones(16), DONE)
     if setup == "gone":
         entry.discard()
     before = _fields(entry)

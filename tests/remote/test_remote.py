@@ -78,7 +78,8 @@ async def test_a_remote_hit_is_uploaded_and_promoted_as_a_host_hit(rig: Rig, nod
     assert got is not None and rig.device.is_device_tensor(got)
     assert_exact(got, want)
     s = b.stats()
-    assert (s.hits_cpu, s.promotions, s.gpu_entries, s.cpu_entries) == (1, 1, 1, 0)
+    # Promoted, it keeps its host copy: counted in both tiers (inclusive).
+    assert (s.hits_cpu, s.promotions, s.gpu_entries, s.cpu_entries) == (1, 1, 1, 1)
 
 
 async def test_members_of_put_many_and_put_split_are_shared_per_key(rig: Rig, node: Node) -> None:
