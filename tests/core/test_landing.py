@@ -107,7 +107,7 @@ async def test_the_waiter_watches_one_offload_at_a_time_late_and_still_tells_an_
     def queue(
         self: OffloadPipeline,
         fence: Fence,
-        items: Sequence[tuple[Entry, HostBlock]],
+        items: list[tuple[Entry, HostBlock]],
         *,
         charged_gpu: bool,
     ) -> None:

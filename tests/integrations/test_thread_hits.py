@@ -52,9 +52,10 @@ def on_device(rig: Rig, t: torch.Tensor) -> torch.Tensor:
 def handoffs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Counts get_threadsafe's hand-offs to the loop (one item per call)."""
     import mmcache.cache
+    import mmcache.threadsafe
 
     calls: list[int] = []
-    real = mmcache.cache.run_threadsafe
+    real = mmcache.threadsafe.run_threadsafe
 
     def counted(*args: Any) -> Any:
         calls.append(1)
@@ -285,7 +286,7 @@ def check(board: Board, key_id: int, got: torch.Tensor, rows: slice | None) -> N
     flat = got.reshape(-1)
     x = int(flat[0])
     if not bool((flat == x).all()):
-        board.wrong.append(f"key {key_id}: mixed values {flat.unique()[:4].tolist()}")
+        board.wrong.append(f"key {key_id}: mixed values {torch.unique(flat)[:4].tolist()}")
         return
     if x < 0 or x // M != key_id or x % M > board.latest.get(key_id, -1):
         board.wrong.append(f"key {key_id}: read {x} (latest version {board.latest.get(key_id)})")
