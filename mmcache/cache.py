@@ -137,7 +137,7 @@ class FeatureCache:
             counters=self._counters,
             gpu_order=core.state.gpu_order,
         )
-        core.state.before_plan = self._thread_hits.apply
+        core.state.run_before_plans(self._thread_hits.apply)
         # Off with a group (a get is a collective) and without the GIL (see thread_hits).
         self._thread_reads = group is None and GIL_ENABLED
         # The shared third tier (remote_url): asked on local misses, written in the background.
@@ -447,13 +447,19 @@ class FeatureCache:
         if stream is None:
             stream = self._device.current_stream()
         batch = key_list(keys, "get_many")
-        to_host = self._reads.wants_host(device)
+        to_host = False if device is None else self._reads.wants_host(device)
         if self._closed or self._loop is not asyncio.get_running_loop():
             await self._ready_to_serve()
         if self._agreement is not None:
             read = functools.partial(self._read_many, batch, to_host, stream)
             return await self._agreement.agree("get_many", batch, read)
-        return await self._read_many(batch, to_host, stream)
+        if to_host or self._remote is not None:
+            return await self._read_many(batch, to_host, stream)
+        # BatchReads.get_many, unrolled: the common case, one coroutine frame
+        reads = self._core.batch_reads
+        out, waits, used = reads.queue(batch, stream)
+        await reads.wait(waits, used, stream)
+        return out
 
     async def _read_many(
         self, batch: list[Hashable], to_host: bool, stream: Stream

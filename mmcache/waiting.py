@@ -135,13 +135,26 @@ def _call_on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[[], None]) -> No
         pass  # the loop is closed: nobody is left to tell
 
 
-async def wait_fences(fences: Sequence[Fence], timeout: float | None = None) -> float:  # noqa: ASYNC109
+async def wait_fences(
+    fences: Sequence[Fence],
+    timeout: float | None = None,  # noqa: ASYNC109
+    *,
+    pending: bool = False,
+) -> float:
     """Wait until every fence is done; return the seconds waited.
 
-    Raises CopyFailedError if a copy failed, CopyTimeoutError if timeout passed first.
+    pending: the caller found none of them done just now (asking again, a driver call
+    each, is skipped). Raises CopyFailedError if a copy failed, CopyTimeoutError if
+    timeout passed first.
     """
-    pending = [f for f in fences if not f.done()]
     if pending:
+        waiting = list(fences)
+    else:
+        waiting = []
+        for f in fences:
+            if not f.done():
+                waiting.append(f)
+    if waiting:
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
         future: asyncio.Future[None] = loop.create_future()
@@ -150,8 +163,8 @@ async def wait_fences(fences: Sequence[Fence], timeout: float | None = None) -> 
             if not future.done():  # cancelled by a timeout
                 future.set_result(None)
 
-        check = _LoopCheck(loop, pending, all_done)
-        for f in pending:
+        check = _LoopCheck(loop, waiting, all_done)
+        for f in waiting:
             f.add_done_callback(lambda: _call_on_loop(loop, check.one_reported))
         try:
             if timeout is None:

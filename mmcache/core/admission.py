@@ -55,9 +55,11 @@ class FrequencySketch:
     multiplier per row; keys are any hashable.
     """
 
-    __slots__ = ("_mask", "_table", "width")
+    __slots__ = ("_mask", "_table", "epoch", "width")
 
     def __init__(self, width: int = 1024) -> None:
+        #: halvings so far (a new width counts as MAX_HALVINGS + 1: every count is gone)
+        self.epoch = 0
         self._size(width)
 
     def _size(self, width: int) -> None:
@@ -108,12 +110,14 @@ class FrequencySketch:
     def halve(self) -> None:
         """Halve every counter (TinyLFU's reset)."""
         self._table = bytearray(self._table.translate(_HALVE))
+        self.epoch += 1
 
     def grow(self, width: int) -> None:
         """Make the rows width counters wide (a power of two, larger than now); the counts
         start again."""
         if width > self.width:
             self._size(width)
+            self.epoch += MAX_HALVINGS + 1
 
 
 @final
@@ -134,22 +138,36 @@ class TinyLfu:
         self._aged_at = 0  # the lookups counted when the counts were last halved
 
     def frequency(self, found: Entry | Member) -> int:
-        """found's uses lately, its uncounted ones folded in first."""
+        """found's uses lately, its uncounted ones folded in first.
+
+        An entry keeps the count it was last read at (Entry.frequency): read again, it is
+        that count halved as often as the sketch was since, with no look-up (the sketch's
+        own count is never less: other keys' uses may only raise its counters).
+        """
         sketch = self.sketch
         if isinstance(found, Member):
             return sketch.estimate(found.key)
         hits = found.hits
         if hits:
             found.hits = 0
-            return sketch.add(found.key, hits)
-        return sketch.estimate(found.key)
+            used = found.frequency = sketch.add(found.key, hits)
+        elif found.frequency_epoch >= 0:
+            return found.frequency >> (sketch.epoch - found.frequency_epoch)
+        else:
+            used = found.frequency = sketch.estimate(found.key)
+        found.frequency_epoch = sketch.epoch
+        return used
 
     def used(self, found: Entry | Member) -> int:
         """Count one use of found (a host hit); its uses lately, this one included."""
+        sketch = self.sketch
         if isinstance(found, Member):
-            return self.sketch.add(found.key)
-        found.hits += 1
-        return self.frequency(found)
+            return sketch.add(found.key)
+        uses = found.hits + 1  # frequency() with a use more, inline: one call, not two
+        found.hits = 0
+        used = found.frequency = sketch.add(found.key, uses)
+        found.frequency_epoch = sketch.epoch
+        return used
 
     def keep_up(self, lookups: int, resident: int, keys: int) -> None:
         """Age and size the sketch: lookups so far (every get's, hits and misses), the

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from typing import final
+from typing import NamedTuple, final
 
 import torch
 
@@ -13,6 +13,7 @@ from mmcache.core.reads import Reads, raise_if_failed
 from mmcache.core.state import TierState
 from mmcache.device import CopyPlan, Device, Fence, NewCopyPlan, Stream
 from mmcache.errors import CopyTimeoutError, DeviceOutOfMemoryError
+from mmcache.waiting import wait_fences
 
 __all__ = ["UPLOAD_ALIGNMENT", "BatchReads"]
 
@@ -24,25 +25,12 @@ UPLOAD_ALIGNMENT = 256
 _Upload = tuple[int, Entry, Member | None]
 
 
-def _host_source(entry: Entry, member: Member | None) -> torch.Tensor:
-    """The host bytes an upload copies: the entry's, or its member's rows (sliced from the
-    arena here: a batch's hot path)."""
-    block = entry.block
-    assert block is not None
-    start = block.offset
-    if member is None:
-        return block.arena[start : start + entry.nbytes]
-    row_bytes = entry.nbytes // entry.shape[0]
-    return block.arena[start + member.start * row_bytes : start + member.stop * row_bytes]
+class _Copies(NamedTuple):
+    """The uploads of one destination: the host bytes each reads, and the distinct
+    offload fences those bytes were written behind."""
 
-
-def _offload_fences(uploads: list[_Upload]) -> list[Fence]:
-    """The distinct offload fences the uploads' host copies were written behind."""
-    after: list[Fence] = []
-    for _, entry, _ in uploads:
-        if entry.copy_fence is not None and entry.copy_fence not in after:
-            after.append(entry.copy_fence)
-    return after
+    srcs: list[torch.Tensor]
+    after: list[Fence]
 
 
 @final
@@ -148,42 +136,68 @@ class BatchReads:
         """Queue the host hits' copies; promote those that fit. Small ones that stay the
         reader's share one buffer copied on its stream, the rest go behind one fence on
         the H2D stream; returns the fences the reads must order after."""
-        promotion = self._reads.promotion
-        reserved = 0  # bytes promised to the hits promoted before
         small = self._reads.small_copy_bytes
         on_reader: list[_Upload] = []
         on_copy_stream: list[_Upload] = []
         promoted: list[bool] = []
         shared = 0
-        for upload in uploads:
+        hits: list[tuple[Entry | Member, int]] = []  # each, with its bytes to the device
+        for _, entry, member in uploads:
+            if member is None:
+                hits.append((entry, entry.nbytes))
+            else:
+                hits.append((member, member.nbytes))
+        decided = self._reads.promotions(hits)  # in order: the first ones take the room
+        # Per destination: the host bytes each copy reads (sliced from the arena here: a
+        # batch's hot path) and the offloads that wrote them, which the copies follow.
+        reader = _Copies([], [])
+        copy_stream = _Copies([], [])
+        for k, upload in enumerate(uploads):
             _, entry, member = upload
-            nbytes = entry.nbytes if member is None else member.nbytes
-            promote = nbytes > 0 and promotion(entry, member, nbytes, reserved)
-            if promote:  # in order: the first ones take the room
-                reserved += nbytes
-            elif nbytes < small:
+            nbytes = hits[k][1]
+            promote = decided is not None and decided[k] and nbytes > 0
+            block = entry.block
+            assert block is not None
+            start = block.offset
+            if member is not None:  # its rows of the group's block
+                start += member.start * (entry.nbytes // entry.shape[0])
+            if not promote and nbytes < small:
                 on_reader.append(upload)
-                continue
-            else:  # its room in the shared buffer, aligned
-                shared += -(-nbytes // UPLOAD_ALIGNMENT) * UPLOAD_ALIGNMENT
-            on_copy_stream.append(upload)
-            promoted.append(promote)
+                copies = reader
+            else:
+                if not promote:  # its room in the shared buffer, aligned
+                    shared += -(-nbytes // UPLOAD_ALIGNMENT) * UPLOAD_ALIGNMENT
+                on_copy_stream.append(upload)
+                promoted.append(promote)
+                copies = copy_stream
+            copies.srcs.append(block.arena[start : start + nbytes])
+            written = entry.copy_fence
+            if written is not None and written not in copies.after:
+                copies.after.append(written)
         fences: list[Fence] = []
         if on_reader:
-            fence = self._upload_on_reader(on_reader, out, stream)
+            fence = self._upload_on_reader(on_reader, reader, out, stream)
             if fence is not None:
                 fences.append(fence)
         if on_copy_stream:
-            fences.append(self._upload_on_copy_stream(on_copy_stream, promoted, shared, out, used))
+            fences.append(
+                self._upload_on_copy_stream(
+                    on_copy_stream, copy_stream, promoted, shared, out, used
+                )
+            )
         return fences
 
     def _upload_on_reader(
-        self, uploads: list[_Upload], out: list[torch.Tensor | None], stream: Stream
+        self,
+        uploads: list[_Upload],
+        copies: _Copies,
+        out: list[torch.Tensor | None],
+        stream: Stream,
     ) -> Fence | None:
         """Copy host hits that stay the reader's into one buffer on its stream; the fence
         to order after, or None where stream order covers them."""
         device = self._device
-        srcs = [_host_source(entry, member) for _, entry, member in uploads]
+        srcs = copies.srcs
         offsets: list[int] = []
         size = 0  # the buffer's, each feature's room aligned
         for src in srcs:
@@ -196,7 +210,7 @@ class BatchReads:
                     srcs,
                     (size,),
                     offsets=offsets,
-                    after=_offload_fences(uploads),
+                    after=copies.after,
                     stream=stream,
                 )
             )
@@ -224,6 +238,7 @@ class BatchReads:
     def _upload_on_copy_stream(
         self,
         uploads: list[_Upload],
+        copies: _Copies,
         promoted: list[bool],
         shared: int,
         out: list[torch.Tensor | None],
@@ -233,7 +248,7 @@ class BatchReads:
         into memory of their own, the others into one shared buffer."""
         reads = self._reads
         device = self._device
-        srcs: list[torch.Tensor] = []
+        srcs = copies.srcs
         dsts: list[torch.Tensor] = []
         owned: list[torch.Tensor] = []  # allocations of ours, released if queuing fails
         buffer = piece = None
@@ -243,9 +258,8 @@ class BatchReads:
                 if buffer is not None:
                     owned.append(buffer)
                 offset = 0
-                for (_, entry, member), promote in zip(uploads, promoted, strict=True):
-                    srcs.append(_host_source(entry, member))
-                    nbytes = srcs[-1].numel()
+                for (_, entry, member), src, promote in zip(uploads, srcs, promoted, strict=True):
+                    nbytes = src.numel()
                     shape = entry.shape if member is None else member.shape
                     if promote or buffer is None:
                         # The tier will own it: its own memory, typed, not a view of another.
@@ -258,7 +272,7 @@ class BatchReads:
             except DeviceOutOfMemoryError:
                 self._counters.alloc_failed()
                 raise
-            fence = device.submit(CopyPlan("h2d", srcs, dsts, after=_offload_fences(uploads)))
+            fence = device.submit(CopyPlan("h2d", srcs, dsts, after=copies.after))
         except BaseException:
             del dsts
             while owned:  # emptied: the traceback keeps this frame, and must not keep them
@@ -309,14 +323,18 @@ class BatchReads:
         if device.stream_ordered_reads:
             self.order(waits, used, stream)
             return
-        pending = [fence for fence in dict.fromkeys(waits) if not fence.done()]
-        if pending:
+        pending: list[Fence] = []
+        for fence in waits:
+            if fence.done():
+                raise_if_failed(fence)
+            elif fence not in pending:
+                pending.append(fence)
+        if pending:  # wait_fences raises if one of them fails
             try:
-                self._counters.waited(await self._reads.wait(pending))
+                waited = await wait_fences(pending, self._reads.copy_timeout, pending=True)
+                self._counters.waited(waited)
             except CopyTimeoutError:
                 self._counters.quarantined()  # the memory stays pinned by the copies
                 raise
-        for fence in waits:
-            raise_if_failed(fence)
         for tensor in used:
             device.use_on(tensor, stream)

@@ -63,6 +63,11 @@ class Entry:
     #: that made the entry (a miss, then its put), and the reads since, which bump it with
     #: no call; the state folds them in when it compares entries
     hits: int = 1
+    #: the sketch's count of the key's uses when they were last folded in, and the
+    #: sketch's epoch then (-1: never): read again with no call while the sketch has not
+    #: changed them (halvings since are shifts)
+    frequency: int = 0
+    frequency_epoch: int = -1
 
     # Every change of state, tensor, block, fences or members goes through one of the
     # methods below, which refuses a transition the lifecycle does not have: the parts

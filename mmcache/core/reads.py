@@ -83,7 +83,8 @@ class Reads:
         self._when_done = when_done
         self._when_done_lazily = when_done_lazily
         self._promote = promote
-        self._copy_timeout = copy_timeout
+        #: seconds a read waits for a copy before it fails (copy_timeout_s)
+        self.copy_timeout = copy_timeout
         # A small upload that stays the reader's is copied on the reader's stream: for it,
         # a copy stream's switch, event and wait cost more than the copy itself.
         self.small_copy_bytes = small_copy_bytes
@@ -178,7 +179,7 @@ class Reads:
 
     async def wait(self, fences: Sequence[Fence]) -> float:
         """wait_fences bounded by copy_timeout_s (a fence that never completes fails the read)."""
-        return await wait_fences(fences, self._copy_timeout)
+        return await wait_fences(fences, self.copy_timeout)
 
     async def serve_device(
         self, tensor: torch.Tensor, ready: Fence, span: tuple[int, int] | None, stream: Stream
@@ -273,15 +274,15 @@ class Reads:
         await copy_host_bytes_in_slices(out, view)
         return out
 
-    def promotion(
-        self, entry: Entry, member: Member | None, nbytes: int, reserved: int = 0
-    ) -> bool:
-        """Whether a host hit of entry (or of a group's member) of nbytes is promoted, as
-        the state decides (TierState.plan_promotion), with the eviction it made for it
-        carried out; reserved: bytes promised to hits before it in this loop turn."""
+    def promotions(self, hits: Sequence[tuple[Entry | Member, int]]) -> list[bool] | None:
+        """Which of a loop turn's host hits (each an entry or a group's member, and its
+        bytes to the device) are promoted, as the state decides
+        (TierState.plan_promotions), with the eviction made for them carried out; None:
+        none is (promotion is off, or puts wait for room: a promotion never jumps their
+        line)."""
         if not self._promote or self._gpu_line:
-            return False  # a promotion never jumps the line of waiting puts
-        decision = self._state.plan_promotion(entry if member is None else member, nbytes, reserved)
+            return None
+        decision = self._state.plan_promotions(hits)
         if decision.eviction is not None:
             self._evict(decision.eviction)
             self._changed()
@@ -319,9 +320,11 @@ class Reads:
         """A device copy of a host-resident entry (or of rows of it, or of a whole group
         member); promotes the entry or the member back to the GPU tier if it fits."""
         assert entry.block is not None and entry.copy_fence is not None
-        promote = (span is None or member is not None) and self.promotion(
-            entry, member, entry.nbytes if member is None else member.nbytes
-        )
+        promote = False
+        if span is None or member is not None:
+            found: Entry | Member = entry if member is None else member
+            decided = self.promotions([(found, found.nbytes)])
+            promote = decided is not None and decided[0]
         if span is None:
             src = entry.host_bytes()
             shape = entry.shape

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Final, final
 
 import torch
@@ -14,9 +14,9 @@ from mmcache.core.entry import Entry, Member, State
 from mmcache.core.grants import Grant
 from mmcache.core.index import KeyIndex
 from mmcache.core.ledger import TierLedger
-from mmcache.core.packing import BATCH_BYTES, LARGE_BATCH_BYTES
 from mmcache.core.policy import EvictionPolicy, make_policy
 from mmcache.core.quarantine import Quarantine
+from mmcache.core.room import EvictionPlan, OffloadItems, Promotions, Room
 from mmcache.device.base import Fence, Stream
 from mmcache.host_pool import HostBlock, HostPool
 
@@ -25,7 +25,8 @@ __all__ = [
     "EvictionPlan",
     "Landing",
     "Offload",
-    "Promotion",
+    "OffloadItems",
+    "Promotions",
     "Release",
     "TierState",
 ]
@@ -46,43 +47,6 @@ Release = DeviceRelease
 
 #: the empty result of a verb that releases nothing (shared: most of them)
 NOTHING: Final[tuple[Release, ...]] = ()
-
-#: victims going to the host tier behind one copy: each with the block it is copied into
-OffloadItems = list[tuple[Entry, HostBlock]]
-
-
-@final
-@dataclass(slots=True, eq=False)
-class EvictionPlan:
-    """What plan_eviction decided: the offload copies to queue, in order (each one copy
-    behind one fence), what to release for the entries dropped on the way, the device
-    tensors of the victims demoted (they kept a host copy: no copy, only their device
-    memory to release after its readers), and how many features left the GPU tier."""
-
-    batches: list[OffloadItems] = field(default_factory=list)
-    releases: list[Release] = field(default_factory=list)
-    demoted: list[Release] = field(default_factory=list)
-    evicted: int = 0
-
-
-@final
-@dataclass(slots=True, eq=False)
-class Promotion:
-    """What plan_promotion decided for a host hit: whether to promote it (its upload
-    becomes the GPU entry, charged by promote_entry / promote_member in the same loop
-    turn), and the eviction made for it, to carry out (None: none)."""
-
-    promote: bool
-    eviction: EvictionPlan | None = None
-
-
-#: the decisions that evict nothing (shared)
-PROMOTE: Final = Promotion(True)
-SKIP: Final = Promotion(False)
-
-#: GPU victims a host hit is compared with (the next ones in the GPU order) when it wants
-#: their room: the least used of them go first (a sampled LFU within TinyLFU's rule)
-PROMOTION_VICTIMS: Final = 8
 
 
 @final
@@ -155,9 +119,6 @@ class TierState:
         self._counters = counters
         self._done = done_fence  # a finished fence: a host entry's stands for its copies'
         self._mark = mark
-        # Offloading a little ahead keeps the copy engine busy while the next puts run.
-        self._ahead = evict_ahead
-        self._small = small_copy_bytes
         # Every offload in flight (linked or already discarded) -> whether GPU-charged.
         self._offloading: dict[Entry, bool] = {}
         #: told of each entry the host tier drops for room, before it goes
@@ -165,9 +126,28 @@ class TierState:
         #: run before each eviction plan: applies the recency of hits served off the loop
         #: (core/thread_hits.py), so that victims are chosen by it
         self.before_plan: Callable[[], None] | None = None
-        #: which host hits may take GPU entries' room (promote_policy="tinylfu"); None:
-        #: host hits are promoted only into free room
-        self.admission: TinyLfu | None = TinyLfu() if admission else None
+        # Which entries leave for room, and where to: the tier state's planner.
+        room = Room(
+            self,
+            counters=counters,
+            evict_ahead=evict_ahead,
+            small_copy_bytes=small_copy_bytes,
+            # which host hits may take GPU entries' room (promote_policy="tinylfu"); None:
+            # host hits are promoted only into free room
+            admission=TinyLfu() if admission else None,
+        )
+        #: the admission filter (None: promotions into free room only)
+        self.admission = room.admission
+        # The planner's verbs are the state's (bound here: no call more on a hot path).
+        #: a host block now, dropping host entries for it (Room.allocate_host)
+        self.allocate_host = room.allocate_host
+        #: host blocks for all sizes now, or none (Room.allocate_host_all)
+        self.allocate_host_all = room.allocate_host_all
+        #: GPU victims for needed bytes, with their host blocks (Room.plan_eviction)
+        self.plan_eviction = room.plan_eviction
+        #: which of a turn's host hits are promoted, and the eviction for them
+        #: (Room.plan_promotions)
+        self.plan_promotions = room.plan_promotions
 
     # --- reading the state ---------------------------------------------------
 
@@ -186,6 +166,11 @@ class TierState:
     def tell_host_evictions(self, on_evict: Callable[[Entry], None]) -> None:
         """Call on_evict(entry) for each entry the host tier drops for room, before it goes."""
         self.on_host_evict = on_evict
+
+    def run_before_plans(self, apply: Callable[[], None]) -> None:
+        """Call apply() before each eviction plan: it applies the recency of hits served
+        off the loop (core/thread_hits.py), so that victims are chosen by it."""
+        self.before_plan = apply
 
     def attach_pool(self, pool: HostPool) -> None:
         """The host arena's allocator: host blocks come from it from now on."""
@@ -389,48 +374,7 @@ class TierState:
         assert self.pool is not None
         self.pool.free(block, after=after)
 
-    # --- the host tier's room ---------------------------------------------------
-
-    def allocate_host(self, nbytes: int, releases: list[Release]) -> HostBlock | None:
-        """A host block now, dropping host entries in the policy's order if needed (their
-        releases appended to releases); None if no room can be made."""
-        pool = self.pool
-        if pool is None or nbytes > pool.ready_block_bytes:
-            return None  # dropping entries would make no room that fits it
-        while True:
-            block = pool.allocate(nbytes)
-            if block is not None or not self.host_order:
-                return block
-            releases.extend(self._evict_host())
-
-    def allocate_host_all(
-        self, sizes: Sequence[int], releases: list[Release]
-    ) -> list[HostBlock] | None:
-        """A host block for each size now, or none (dropping host entries as
-        allocate_host does). One by one first; if that fails, as one run, which an emptied
-        arena always takes. None while the arena is not pinned yet."""
-        pool = self.pool
-        if pool is None:
-            return None
-        taken: list[HostBlock] = []
-        for nbytes in sizes:
-            block = self.allocate_host(nbytes, releases)
-            if block is None:
-                break
-            taken.append(block)
-        else:
-            return taken
-        for block in taken:
-            pool.free(block)
-        if len(sizes) == 1 or sum(sizes) > pool.ready_block_bytes:
-            return None  # no run could take them: evicting more would be for nothing
-        while True:
-            run = pool.allocate_run(sizes)
-            if run is not None or not self.host_order:
-                return run
-            releases.extend(self._evict_host())
-
-    def _evict_host(self) -> Sequence[Release]:
+    def evict_host(self) -> Sequence[Release]:
         """Drop the host entry the policy gives up first (a host-tier eviction)."""
         victim = self.host_order.evict()
         self._counters.evicted_cpu(victim.count)
@@ -442,112 +386,14 @@ class TierState:
             self.on_host_evict(victim)
         return self._unlink(victim)
 
-    # --- the GPU tier's room: eviction ----------------------------------------
-
-    def plan_eviction(self, needed: int, *, slack: int = 0, ahead: bool = False) -> EvictionPlan:
-        """Choose GPU victims until needed bytes are free or on their way, with their host
-        blocks; victims the host tier cannot take are dropped at once.
-
-        Features below small_copy_bytes go in batches of about BATCH_BYTES behind one
-        fence: per-copy work (an enqueue, an event, a wake-up on landing) would otherwise
-        cap small features far below the copy engine's bandwidth. Up to slack bytes more
-        may go to top up a last batch left part full with the next small victims. Larger
-        ones go alone, so that the room each makes comes back as soon as it lands; when
-        the room is for later puts (ahead), in batches of up to LARGE_BATCH_BYTES and of
-        up to half of evict_ahead, so that the copy engine has a second batch queued while
-        the first lands.
-
-        The victims stay GPU entries, out of the GPU order, until offload_queued (or
-        offload_refused) is told of their copy: nothing may run in between.
-        """
-        if self.before_plan is not None:
-            self.before_plan()
-        plan = EvictionPlan()
-        order = self.gpu_order
-        ledger = self.ledger
-        small_limit = self._small
-        large_limit = min(LARGE_BATCH_BYTES, self._ahead // 2) if ahead else 0
-        limit = needed + slack
-        batch: list[Entry] = []
-        large: list[Entry] = []
-        batched = large_bytes = planned = 0
-        while order:
-            # Free, on its way, or planned: drops change the ledger as they are planned.
-            have = ledger.capacity - ledger.used + ledger.releasing + planned
-            have += batched + large_bytes
-            if have >= needed:
-                if not batch:
-                    break
-                oldest = order.next_victim()
-                if oldest is None or oldest.nbytes >= small_limit or have + oldest.nbytes > limit:
-                    break
-            entry = order.evict()
-            plan.evicted += entry.count
-            if entry.block is not None:
-                # It kept its host copy (inclusive tiers): a ledger move, no copy. Its
-                # bytes come back at once, or after its readers (counted as releasing).
-                plan.demoted.append(self._demote(entry))
-                continue
-            if entry.nbytes < small_limit:
-                if large:  # older victims get their host room first, in the policy's order
-                    planned += self._plan_batch(large, large_bytes, plan)
-                    large, large_bytes = [], 0
-                batch.append(entry)
-                batched += entry.nbytes
-                if batched >= BATCH_BYTES:
-                    # One fence frees a whole batch: bounded, so room comes back in steps.
-                    planned += self._plan_batch(batch, batched, plan)
-                    batch, batched = [], 0
-            else:
-                if batch:
-                    planned += self._plan_batch(batch, batched, plan)
-                    batch, batched = [], 0
-                if large and large_bytes + entry.nbytes > large_limit:
-                    planned += self._plan_batch(large, large_bytes, plan)
-                    large, large_bytes = [], 0
-                large.append(entry)
-                large_bytes += entry.nbytes
-        if large:
-            self._plan_batch(large, large_bytes, plan)
-        if batch:
-            self._plan_batch(batch, batched, plan)
-        if plan.evicted:
-            self._counters.evicted_gpu(plan.evicted)
-        return plan
-
-    def _demote(self, entry: Entry) -> DeviceRelease:
-        """A GPU entry that kept its host copy leaves the GPU tier: its device tensor is
-        released after its producer and readers; it stays in the host tier (and order)."""
+    def demote(self, entry: Entry) -> DeviceRelease:
+        """A GPU entry that kept its host copy leaves the GPU tier (out of the GPU order
+        already): its device tensor is released after its producer and readers; it stays
+        in the host tier (and order)."""
         after = [entry.ready, *entry.device_readers_pending()]
         tensor = entry.demote()
         self.ledger.gpu_left(entry.count)
         return self._release_charged(tensor, entry.nbytes, after)
-
-    def _plan_batch(self, entries: list[Entry], nbytes: int, plan: EvictionPlan) -> int:
-        """Host blocks for a batch of victims of nbytes in all (one run where one free
-        range takes them all, else one by one), dropping those the host tier cannot take;
-        the bytes planned."""
-        run = None
-        pool = self.pool
-        if len(entries) > 1 and pool is not None:
-            sizes = []
-            for entry in entries:
-                sizes.append(entry.nbytes)
-            run = pool.allocate_run(sizes)
-        if run is not None:
-            plan.batches.append(list(zip(entries, run, strict=True)))
-            return nbytes
-        items: OffloadItems = []
-        for entry in entries:
-            block = self.allocate_host(entry.nbytes, plan.releases)
-            if block is None:
-                nbytes -= entry.nbytes
-                plan.releases.extend(self.drop(entry))
-            else:
-                items.append((entry, block))
-        if items:
-            plan.batches.append(items)
-        return nbytes
 
     # --- offloads ----------------------------------------------------------------
 
@@ -645,96 +491,6 @@ class TierState:
         return True
 
     # --- reads ------------------------------------------------------------------
-
-    def plan_promotion(self, found: Entry | Member, nbytes: int, reserved: int = 0) -> Promotion:
-        """Whether a host hit of found (nbytes to the device) is promoted, reserved bytes
-        being promised to hits before it in the same loop turn (get_many's).
-
-        Into free room, always. Into a full GPU tier, with an admission filter
-        (promote_policy="tinylfu"), only into the room of GPU entries used less often
-        lately than found (TinyLFU's rule, core/admission.py): of the PROMOTION_VICTIMS
-        next victims in the GPU order, the least used first, those that kept a host copy
-        (demoted now: a ledger move, no copy) before those that did not (offloaded: copies
-        to queue, whose room comes when they land). The hit is promoted if the room is
-        free now. The caller checked that no put waits for room (a promotion never jumps
-        their line).
-        """
-        ledger = self.ledger
-        free = ledger.capacity - ledger.used - reserved
-        admission = self.admission
-        if admission is None:
-            return PROMOTE if free >= nbytes else SKIP
-        if free >= nbytes:
-            if isinstance(found, Entry):
-                found.hits += 1  # a use, counted with no call: folded in when compared
-            else:
-                admission.used(found)
-            return PROMOTE
-        if nbytes > ledger.capacity - reserved:
-            return SKIP
-        counters = self._counters
-        admission.keep_up(
-            counters.hits_gpu + counters.hits_cpu + counters.misses,
-            ledger.gpu_entries,
-            len(self.index),
-        )
-        wanted = admission.used(found)
-        need = nbytes - free
-        # The colder victims, least used first (ties: in the order's), those whose room
-        # is free at once (a host copy, no reader) before the others.
-        colder: list[tuple[bool, int, int, Entry]] = []
-        sketch = admission.sketch
-        for place, victim in enumerate(self.gpu_order.peek(PROMOTION_VICTIMS)):
-            hits = victim.hits  # admission.frequency(victim), inline: one call, not two
-            if hits:
-                victim.hits = 0
-                used = sketch.add(victim.key, hits)
-            else:
-                used = sketch.estimate(victim.key)
-            if used < wanted:
-                at_once = (
-                    victim.block is not None
-                    and victim.ready.done()
-                    and not (victim.device_readers and victim.device_readers_pending())
-                )
-                colder.append((not at_once, used, place, victim))
-        colder.sort()  # those free at once, then the least used, then by the order
-        chosen: list[Entry] = []
-        room = 0
-        for _, _, _, victim in colder:
-            chosen.append(victim)
-            room += victim.nbytes
-            if room >= need:
-                break
-        else:
-            return SKIP  # too little room in colder entries: none of them goes
-        plan = self._evict_chosen(chosen)
-        return Promotion(ledger.capacity - ledger.used - reserved >= nbytes, plan)
-
-    def _evict_chosen(self, victims: list[Entry]) -> EvictionPlan:
-        """Take victims (GPU entries) out of the GPU tier: those with a host copy demoted,
-        the others to offload (small ones in one batch, large ones alone)."""
-        plan = EvictionPlan()
-        order = self.gpu_order
-        small: list[Entry] = []
-        small_bytes = 0
-        for victim in victims:
-            if order.next_victim() is victim:
-                order.evict()  # as an eviction (the cost policy's clock rises to it)
-            else:
-                order.pop(victim.key, None)
-            plan.evicted += victim.count
-            if victim.block is not None:
-                plan.demoted.append(self._demote(victim))
-            elif victim.nbytes < self._small:
-                small.append(victim)
-                small_bytes += victim.nbytes
-            else:
-                self._plan_batch([victim], victim.nbytes, plan)
-        if small:
-            self._plan_batch(small, small_bytes, plan)
-        self._counters.evicted_gpu(plan.evicted)
-        return plan
 
     def promote_member(
         self, member: Member, tensor: torch.Tensor, fence: Fence

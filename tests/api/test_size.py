@@ -22,7 +22,7 @@ from conftest import (
 )
 
 from mmcache import CacheSettings, CacheStats, FeatureCache, ValueTooLargeError
-from mmcache.core.state import EvictionPlan, TierState
+from mmcache.core.state import EvictionPlan
 
 
 def within_budget(s: CacheStats) -> None:
@@ -434,17 +434,20 @@ async def test_evict_ahead_keeps_room_beyond_what_the_put_needs(
         assert got is not None and torch.equal(got, rig.tensor(64, 256, seed=i).cpu())
 
 
-def record_offload_batches(monkeypatch: pytest.MonkeyPatch) -> list[list[Hashable]]:
-    """The keys of each offload batch in the eviction plans the cache makes from now on."""
+def record_offload_batches(
+    cache: FeatureCache, monkeypatch: pytest.MonkeyPatch
+) -> list[list[Hashable]]:
+    """The keys of each offload batch in the eviction plans cache makes from now on."""
     batches: list[list[Hashable]] = []
-    plan_eviction = TierState.plan_eviction
+    state = cache._core.state
+    plan_eviction = state.plan_eviction
 
-    def recorded(self: TierState, needed: int, **options: Any) -> EvictionPlan:
-        plan = plan_eviction(self, needed, **options)
+    def recorded(needed: int, **options: Any) -> EvictionPlan:
+        plan = plan_eviction(needed, **options)
         batches.extend([entry.key for entry, _ in items] for items in plan.batches)
         return plan
 
-    monkeypatch.setattr(TierState, "plan_eviction", recorded)
+    monkeypatch.setattr(state, "plan_eviction", recorded)
     return batches
 
 
@@ -469,7 +472,7 @@ async def test_an_eviction_ahead_tops_up_its_last_batch(
     """A batch of small features left part full by an eviction ahead of need is topped
     up (to 8 MiB at most, by half the evict-ahead room) rather than copied on its own."""
     cache = make_cache(gpu_mb=32, cpu_mb=64, evict_ahead=ahead)
-    batches = record_offload_batches(monkeypatch)
+    batches = record_offload_batches(cache, monkeypatch)
     expected = {}
     for i in range(128):  # 256 KiB each: the last ones need room
         expected[i] = await put_feature(cache, rig, i, 256, seed=i)

@@ -1,5 +1,5 @@
 """The admission filter (core/admission.py): a count-min sketch of uses that ages, and TinyLFU's
-rule as TierState.plan_promotion applies it."""
+rule as TierState.plan_promotions applies it."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from mmcache.core.admission import (
 )
 from mmcache.core.counters import Counters
 from mmcache.core.entry import Entry, GroupKey, Member, State
-from mmcache.core.state import PROMOTE, SKIP, TierState
+from mmcache.core.state import TierState
 from mmcache.device import DONE, Fence, SimDevice
 from mmcache.host_pool import HostPool
 from mmcache.metrics import CacheMetrics
@@ -143,10 +143,12 @@ def _on_host(state: TierState, key: str, nbytes: int = 64) -> Entry:
 
 def test_a_promotion_into_free_room_evicts_nothing() -> None:
     state = _state(128)
-    _resident(state, "a")
+    _resident(state, "a", uses=5)
     host = _on_host(state, "h")
-    assert state.plan_promotion(host, 64) is PROMOTE
-    assert state.plan_promotion(host, 64, reserved=64) is not PROMOTE  # promised already
+    assert state.plan_promotions([(host, 64)]).promote == [True]
+    other = _on_host(state, "o")
+    decided = state.plan_promotions([(host, 64), (other, 64)])  # the first takes the room
+    assert decided.promote == [True, False] and decided.eviction is None
 
 
 def test_a_promotion_is_refused_over_victims_used_as_often() -> None:
@@ -154,7 +156,7 @@ def test_a_promotion_is_refused_over_victims_used_as_often() -> None:
     _resident(state, "a", uses=3)
     _resident(state, "b", uses=2)
     host = _on_host(state, "h")  # used once (landed) + this hit = 2
-    assert state.plan_promotion(host, 64) is SKIP
+    assert state.plan_promotions([(host, 64)]).promote == [False]
     assert state.ledger.gpu_entries == 2 and [e.key for e in state.gpu_order.peek(8)] == ["a", "b"]
 
 
@@ -176,8 +178,8 @@ def test_a_promotion_takes_the_least_used_victims_room_with_a_host_copy_first() 
     warm.hits = 2
     host = _on_host(state, "h")
     host.hits = 4  # + this hit: 5, hotter than cold and warm, not than hot
-    decision = state.plan_promotion(host, 64)
-    assert decision.promote
+    decision = state.plan_promotions([(host, 64)])
+    assert decision.promote == [True]
     plan = decision.eviction
     assert plan is not None
     assert plan.batches == [] and plan.releases == [] and plan.evicted == 1
@@ -201,4 +203,4 @@ def test_without_admission_a_full_tier_promotes_nothing() -> None:
     _resident(state, "a", uses=0)
     host = _on_host(state, "h")
     host.hits = 10
-    assert state.plan_promotion(host, 64) is SKIP
+    assert state.plan_promotions([(host, 64)]).promote == [False]
