@@ -282,6 +282,7 @@ class BatchReads:
         del srcs
         nbytes_all = 0
         entries: list[Entry] = []
+        uploaded: list[tuple[Entry | Member, torch.Tensor]] = []  # those promoted
         read: set[int] = set()  # entries whose host block these copies read
         for (i, entry, member), dst, promote in zip(uploads, dsts, promoted, strict=True):
             # The caller's own alias: the tier's tensor object goes back to the device alone.
@@ -293,11 +294,13 @@ class BatchReads:
                 read.add(id(entry))
                 entry.add_host_reader(fence)
             if promote:
-                entries.append(reads.promote(entry, member, dst, fence))
+                uploaded.append((entry if member is None else member, dst))
             else:
                 entries.append(entry)
                 if buffer is None:  # an empty feature: its own (empty) allocation
                     device.release(dst, after=() if device.copies_keep_destinations else (fence,))
+        if uploaded:
+            entries.extend(reads.promote(uploaded, fence))
         if buffer is not None:
             used.append(buffer)  # one record for every view of it
             # The outputs' views keep it alive for their holders.

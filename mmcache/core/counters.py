@@ -135,9 +135,9 @@ class Counters:
         """Features a put with wait=False dropped for lack of room."""
         self.rejected += features
 
-    def promoted(self) -> None:
-        """A host-tier hit moved back to the GPU tier."""
-        self.promotions += 1
+    def promoted(self, features: int = 1) -> None:
+        """Host-tier hits moved back to the GPU tier."""
+        self.promotions += features
 
     def offloaded(self, nbytes: int) -> None:
         """Bytes an offload copy moved to the host tier."""

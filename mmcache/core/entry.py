@@ -180,7 +180,17 @@ class Entry:
 
     def add_host_reader(self, fence: Fence) -> None:
         """Record a copy that reads the host block: it is freed only after it."""
-        self.host_readers = [*self.readers_pending(), fence]
+        readers = self.host_readers
+        if readers is None:
+            self.host_readers = [fence]
+        elif len(readers) < _READERS_KEPT:
+            readers.append(fence)
+        else:  # forget those done (asking each is a device call: not on every read)
+            kept = [fence]
+            for reader in readers:
+                if not reader.done():
+                    kept.append(reader)
+            self.host_readers = kept
 
     def add_host_stream(self, stream: Stream) -> None:
         """Record a stream that queued a copy reading the host block (once per stream)."""
@@ -282,6 +292,10 @@ def _illegal(entry: Entry, change: str) -> AssertionError:
         f"mmcache internal error: entry {reprlib.repr(entry.key)} in state {entry.state.name} "
         f"(tensor {tensor}, block {block}, count {entry.count}) cannot {change}"
     )
+
+
+#: reader fences an entry keeps before it forgets those done (add_host_reader)
+_READERS_KEPT = 4
 
 
 def _pending(fences: list[Fence] | None) -> list[Fence]:

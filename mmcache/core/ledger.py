@@ -88,10 +88,10 @@ class TierLedger:
         self.used += nbytes
         self.gpu_entries += 1
 
-    def promote(self, nbytes: int) -> None:
-        """A host entry (or group member) came back to the device as one entry."""
+    def promote(self, nbytes: int, entries: int = 1) -> None:
+        """Host entries (or group members) came back to the device, each as one entry."""
         self.used += nbytes
-        self.gpu_entries += 1
+        self.gpu_entries += entries
 
     def release(self, nbytes: int) -> None:
         """Device bytes released now (their fences are done)."""

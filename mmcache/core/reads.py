@@ -289,19 +289,16 @@ class Reads:
         return decision.promote
 
     def promote(
-        self, entry: Entry, member: Member | None, tensor: torch.Tensor, fence: Fence
-    ) -> Entry:
-        """Make an uploaded entry (or group member) GPU-resident from tensor, ready at fence;
-        returns the entry that now holds it."""
-        if member is not None:
-            # The member leaves its group as an entry of its own, made from this copy.
-            entry, releases = self._state.promote_member(member, tensor, fence)
-        else:
-            releases = self._state.promote_entry(entry, tensor, fence)
+        self, uploaded: Sequence[tuple[Entry | Member, torch.Tensor]], fence: Fence
+    ) -> list[Entry]:
+        """Make uploaded host hits (entries or group members, each with the device tensor
+        its upload fills behind fence) GPU-resident (TierState.promote); returns the
+        entries that now hold them."""
+        entries, releases = self._state.promote(uploaded, fence)
         if releases:
             self._carry_out(releases)
         self._changed()
-        return entry
+        return entries
 
     def track_upload(self, entries: Sequence[Entry], fence: Fence, nbytes: int) -> None:
         """Account for an upload copy of entries' bytes, and handle its failure when it lands."""
@@ -350,7 +347,7 @@ class Reads:
                 self._counters.uploaded_on_reader_stream(dst.nbytes)
                 return dst
         if promote:
-            entry = self.promote(entry, member, dst, fence)
+            entry = self.promote([(entry if member is None else member, dst)], fence)[0]
         self.track_upload([entry], fence, dst.nbytes)
         if promote:
             return await self.serve_device(dst, fence, None, stream)

@@ -51,7 +51,7 @@ class EvictionPlan:
 @dataclass(slots=True, eq=False)
 class Promotions:
     """What plan_promotions decided for a loop turn's host hits: per hit, whether it is
-    promoted (its upload becomes the GPU entry, charged by promote_entry / promote_member
+    promoted (its upload becomes the GPU entry, charged by TierState.promote
     in the same loop turn), and the one eviction made for them all, to carry out (None:
     none)."""
 
@@ -253,6 +253,7 @@ class Room:
         window: dict[int, _Victim] | None = None  # victims compared with, once read
         free_at_once: dict[int, bool] = {}  # victim's id -> whether its room is free now
         plan: EvictionPlan | None = None
+        held: list[Entry] = []  # hits kept out of the host order while victims take room
         for found, nbytes in hits:
             free = ledger.capacity - ledger.used - reserved
             if free >= nbytes:
@@ -309,6 +310,7 @@ class Room:
                 continue
             if plan is None:
                 plan = EvictionPlan()
+                held = self._hold_in_host_tier(hits)
             self._evict_chosen(chosen, plan)
             for victim in chosen:
                 del window[id(victim)]
@@ -317,9 +319,25 @@ class Room:
             if promote:
                 reserved += nbytes
             decisions.append(promote)
-        if plan is not None and plan.evicted:
-            self._counters.evicted_gpu(plan.evicted)
+        if plan is not None:
+            host_order = self._host_order
+            for entry in held:  # back, most recently used: they were read this turn
+                host_order[entry.key] = entry
+            if plan.evicted:
+                self._counters.evicted_gpu(plan.evicted)
         return Promotions(decisions, plan)
+
+    def _hold_in_host_tier(self, hits: Sequence[tuple[Entry | Member, int]]) -> list[Entry]:
+        """Take the entries of hits out of the host order while victims are given host
+        room, so that none of them is dropped for it (their uploads read their blocks);
+        returns those taken, to put back."""
+        host_order = self._host_order
+        held: list[Entry] = []
+        for found, _ in hits:
+            entry = found if isinstance(found, Entry) else found.group
+            if host_order.pop(entry.key, None) is not None:
+                held.append(entry)
+        return held
 
     def _victims(self, known: dict[int, _Victim]) -> dict[int, _Victim]:
         """The next PROMOTION_VICTIMS victims in the GPU order by id: their uses lately

@@ -123,30 +123,23 @@ class TierState:
         self._offloading: dict[Entry, bool] = {}
         #: told of each entry the host tier drops for room, before it goes
         self.on_host_evict: Callable[[Entry], None] | None = None
-        #: run before each eviction plan: applies the recency of hits served off the loop
-        #: (core/thread_hits.py), so that victims are chosen by it
+        #: run before each eviction plan (run_before_plans)
         self.before_plan: Callable[[], None] | None = None
-        # Which entries leave for room, and where to: the tier state's planner.
+        # Which entries leave for room: the planner. With an admission filter
+        # (promote_policy="tinylfu") host hits may take GPU entries' room, else free room.
         room = Room(
             self,
             counters=counters,
             evict_ahead=evict_ahead,
             small_copy_bytes=small_copy_bytes,
-            # which host hits may take GPU entries' room (promote_policy="tinylfu"); None:
-            # host hits are promoted only into free room
             admission=TinyLfu() if admission else None,
         )
-        #: the admission filter (None: promotions into free room only)
         self.admission = room.admission
-        # The planner's verbs are the state's (bound here: no call more on a hot path).
-        #: a host block now, dropping host entries for it (Room.allocate_host)
+        # The planner's verbs are the state's, bound here (no call more on a hot path):
+        # see Room.allocate_host, allocate_host_all, plan_eviction, plan_promotions.
         self.allocate_host = room.allocate_host
-        #: host blocks for all sizes now, or none (Room.allocate_host_all)
         self.allocate_host_all = room.allocate_host_all
-        #: GPU victims for needed bytes, with their host blocks (Room.plan_eviction)
         self.plan_eviction = room.plan_eviction
-        #: which of a turn's host hits are promoted, and the eviction for them
-        #: (Room.plan_promotions)
         self.plan_promotions = room.plan_promotions
 
     # --- reading the state ---------------------------------------------------
@@ -492,40 +485,42 @@ class TierState:
 
     # --- reads ------------------------------------------------------------------
 
-    def promote_member(
-        self, member: Member, tensor: torch.Tensor, fence: Fence
-    ) -> tuple[Entry, Sequence[Release]]:
-        """A GPU-resident entry of its own for a group member, from its uploaded rows."""
-        group = member.group
-        entry = Entry(
-            member.key,
-            member.shape,
-            group.dtype,
-            member.nbytes,
-            State.GPU,
-            tensor,
-            fence,
-            hits=0,  # this hit's use went into the admission sketch under the member's key
-        )
-        releases = self._leave_group(member)
-        self.index[entry.key] = entry
-        self._promoted(entry)
-        return entry, releases
+    def promote(
+        self, uploaded: Sequence[tuple[Entry | Member, torch.Tensor]], fence: Fence
+    ) -> tuple[list[Entry], list[Release]]:
+        """Host hits whose uploads (behind fence) become GPU entries again, charged to the
+        GPU tier, most recently used: the entries that now hold them, and what to release.
 
-    def promote_entry(self, entry: Entry, tensor: torch.Tensor, fence: Fence) -> Sequence[Release]:
-        """Make a host entry GPU-resident again, charged to the GPU tier.
-
-        Inclusive tiers: the entry keeps its host block, still counted in the host tier
+        Inclusive tiers: a host entry keeps its host block, still counted in the host tier
         and still in the host order, where it ages (GPU hits do not touch it). A host-tier
         eviction may take that block back (the entry then is GPU-only, and leaving the GPU
-        tier costs a copy again); a GPU-tier eviction demotes it with no copy.
+        tier costs a copy again); a GPU-tier eviction demotes it with no copy. A group
+        member leaves its group as an entry of its own, from its uploaded rows.
         """
-        entry.promote(tensor, fence)
-        self._promoted(entry)
-        return NOTHING
-
-    def _promoted(self, entry: Entry) -> None:
-        """Charge a promoted GPU-state entry to the GPU tier, most recently used."""
-        self.ledger.promote(entry.nbytes)
-        self.gpu_order[entry.key] = entry
-        self._counters.promoted()
+        entries: list[Entry] = []
+        releases: list[Release] = []
+        order = self.gpu_order
+        nbytes = 0
+        for found, tensor in uploaded:
+            if isinstance(found, Member):
+                entry = Entry(
+                    found.key,
+                    found.shape,
+                    found.group.dtype,
+                    found.nbytes,
+                    State.GPU,
+                    tensor,
+                    fence,
+                    hits=0,  # this hit's use went into the admission sketch under its key
+                )
+                releases.extend(self._leave_group(found))
+                self.index[entry.key] = entry
+            else:
+                entry = found
+                entry.promote(tensor, fence)
+            order[entry.key] = entry
+            nbytes += entry.nbytes
+            entries.append(entry)
+        self.ledger.promote(nbytes, len(entries))
+        self._counters.promoted(len(entries))
+        return entries, releases

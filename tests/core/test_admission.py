@@ -108,7 +108,7 @@ def _run_now(fences: Sequence[Fence], callback: Callable[[], None]) -> None:
     callback()
 
 
-def _state(capacity: int, admission: bool = True) -> TierState:
+def _state(capacity: int, admission: bool = True, host_bytes: int = 1 << 16) -> TierState:
     state = TierState(
         gpu_capacity=capacity,
         policy="lru",
@@ -119,7 +119,7 @@ def _state(capacity: int, admission: bool = True) -> TierState:
         small_copy_bytes=1 << 20,
         admission=admission,
     )
-    arena = torch.zeros(1 << 16, dtype=torch.uint8)
+    arena = torch.zeros(host_bytes, dtype=torch.uint8)
     state.attach_pool(HostPool(SimDevice(), arena, alignment=64, defer=_run_now))
     return state
 
@@ -173,7 +173,7 @@ def test_a_promotion_takes_the_least_used_victims_room_with_a_host_copy_first() 
         state.offload_queued([(warm, block)], DONE, 0.0, charged_gpu=True)
     )
     assert landing.lost == [] and warm.state is State.HOST
-    state.promote_entry(warm, torch.zeros(16), DONE)
+    state.promote([(warm, torch.zeros(16))], DONE)
     assert (warm.state, warm.block) == (State.GPU, block)
     warm.hits = 2
     host = _on_host(state, "h")
@@ -187,7 +187,7 @@ def test_a_promotion_takes_the_least_used_victims_room_with_a_host_copy_first() 
     assert warm.state is State.HOST and warm.block is block
     assert cold.state is State.GPU and hot.state is State.GPU
     assert state.ledger.free() == 64  # at once: warm had no reader
-    state.promote_entry(host, torch.zeros(16), DONE)
+    state.promote([(host, torch.zeros(16))], DONE)
     assert state.ledger.free() == 0
     pool = state.pool
     assert pool is not None
@@ -204,3 +204,25 @@ def test_without_admission_a_full_tier_promotes_nothing() -> None:
     host = _on_host(state, "h")
     host.hits = 10
     assert state.plan_promotions([(host, 64)]).promote == [False]
+
+
+def test_the_victims_of_a_turns_promotions_never_take_the_host_room_of_its_hits() -> None:
+    """Hits of one turn promoted into a full GPU tier evict colder entries, which need host
+    room: the host tier gives up other entries for it, never the turn's hits, whose
+    uploads read their blocks (a victim with no room left is dropped instead)."""
+    state = _state(128, host_bytes=128)  # two blocks: both hold the turn's hits
+    cold = [_resident(state, "a"), _resident(state, "b")]
+    hits = [_on_host(state, "h1"), _on_host(state, "h2")]
+    blocks = [hit.block for hit in hits]
+    for hit in hits:
+        hit.hits = 5
+    decided = state.plan_promotions([(hits[0], 64), (hits[1], 64)])
+    assert decided.promote == [True, True]
+    plan = decided.eviction
+    assert plan is not None and plan.evicted == 2 and plan.batches == []
+    assert [entry.state for entry in cold] == [State.GONE, State.GONE]  # no room: dropped
+    assert [hit.block for hit in hits] == blocks and all(b is not None for b in blocks)
+    assert [hit.state for hit in hits] == [State.HOST, State.HOST]
+    assert [e.key for e in state.host_order.peek(8)] == ["h1", "h2"]  # back in the order
+    state.promote([(hits[0], torch.zeros(16)), (hits[1], torch.zeros(16))], DONE)
+    assert state.ledger.free() == 0 and state.ledger.gpu_entries == 2

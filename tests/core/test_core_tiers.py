@@ -12,7 +12,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from mmcache import CacheSettings
-from mmcache.core import state as state_module
+from mmcache.core import room as room_module
 from mmcache.core.entry import State
 from mmcache.core.state import EvictionPlan
 from mmcache.core.tiers import Tiers
@@ -137,7 +137,7 @@ async def test_large_victims_go_in_batches_only_when_offloaded_ahead(
     """Room for later puts: large victims share a copy and a fence, up to LARGE_BATCH_BYTES,
     in the policy's order around small ones. Room a put needs now: each alone, so that
     each comes back as soon as it lands."""
-    monkeypatch.setattr(state_module, "LARGE_BATCH_BYTES", 192 * KiB)
+    monkeypatch.setattr(room_module, "LARGE_BATCH_BYTES", 192 * KiB)
     # 512 KiB offloaded ahead: batches of up to half of it would allow 256 KiB.
     core: Core = await core_of(
         gpu_cache_mb=2, cpu_cache_mb=8, small_copy_bytes=32 * KiB, evict_ahead=0.25
