@@ -137,7 +137,7 @@ class FeatureCache:
             counters=self._counters,
             gpu_order=core.state.gpu_order,
         )
-        core.state.run_before_plans(self._thread_hits.apply)
+        core.state.run_before_plans(self._thread_hits.apply, self._thread_hits.unapplied)
         # Off with a group (a get is a collective) and without the GIL (see thread_hits).
         self._thread_reads = group is None and GIL_ENABLED
         # The shared third tier (remote_url): asked on local misses, written in the background.

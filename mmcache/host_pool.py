@@ -84,6 +84,9 @@ class HostPool:
         self.used_bytes = 0
         self.freeing_bytes = 0
         self.blocks_live = 0
+        # The top of the bytes ever handed out: a device that poisons host memory is told
+        # of blocks reaching past it (fresh pages; its check that they are pinned).
+        self._handed_out = 0
 
     @property
     def max_block_bytes(self) -> int:
@@ -223,7 +226,11 @@ class HostPool:
             if end < off + free:
                 self._add_range(i, end, off + free - end)
         self.used_bytes += size
-        if self._device.poisons_host:
+        if self._device.poisons_host and start + size > self._handed_out:
+            # Below the top, blocks were handed out before and are poisoned when
+            # reclaimed (first fit carves upward; a gap left at a chunk's end is the one
+            # range below it that stays unpoisoned until used).
+            self._handed_out = start + size
             self._device.poison_host(self.arena, start, start + size, unused=True)
         return start
 

@@ -149,7 +149,7 @@ class Room:
         offload_refused) is told of their copy: nothing may run in between.
         """
         state = self._state
-        if state.before_plan is not None:
+        if state.before_plan_pending:  # a deque's truth: no call while nothing waits
             state.before_plan()
         plan = EvictionPlan()
         order = self._gpu_order

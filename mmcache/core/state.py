@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence, Sized
 from dataclasses import dataclass
 from typing import Final, final
 
@@ -74,6 +74,10 @@ class Landing:
     failed: BaseException | None
 
 
+def _nothing() -> None:
+    pass
+
+
 @final
 class TierState:
     """The one owner of the tier state: key index, GPU ledger, host pool, both orders of
@@ -123,8 +127,10 @@ class TierState:
         self._offloading: dict[Entry, bool] = {}
         #: told of each entry the host tier drops for room, before it goes
         self.on_host_evict: Callable[[Entry], None] | None = None
-        #: run before each eviction plan (run_before_plans)
-        self.before_plan: Callable[[], None] | None = None
+        #: run before each eviction plan while before_plan_pending holds anything
+        #: (run_before_plans)
+        self.before_plan: Callable[[], None] = _nothing
+        self.before_plan_pending: Sized = ()
         # Which entries leave for room: the planner. With an admission filter
         # (promote_policy="tinylfu") host hits may take GPU entries' room, else free room.
         room = Room(
@@ -160,10 +166,12 @@ class TierState:
         """Call on_evict(entry) for each entry the host tier drops for room, before it goes."""
         self.on_host_evict = on_evict
 
-    def run_before_plans(self, apply: Callable[[], None]) -> None:
-        """Call apply() before each eviction plan: it applies the recency of hits served
-        off the loop (core/thread_hits.py), so that victims are chosen by it."""
+    def run_before_plans(self, apply: Callable[[], None], pending: Sized) -> None:
+        """Call apply() before each eviction plan while pending holds anything: it applies
+        the recency of hits served off the loop (core/thread_hits.py), so that victims are
+        chosen by it."""
         self.before_plan = apply
+        self.before_plan_pending = pending
 
     def attach_pool(self, pool: HostPool) -> None:
         """The host arena's allocator: host blocks come from it from now on."""

@@ -78,9 +78,9 @@ class ThreadHits:
         "_gpu_order",
         "_index",
         "_ordered",
-        "_pending",
         "_wake",
         "_woken",
+        "unapplied",
     )
 
     def __init__(
@@ -96,16 +96,16 @@ class ThreadHits:
         self._ordered = device.stream_ordered_reads
         self._counters = counters
         self._gpu_order = gpu_order
-        # Hits served off the loop, not yet applied: the entry to touch (None: a D2H hit,
-        # counted but not touched, as the loop's read does).
-        self._pending: deque[Entry | None] = deque()
+        #: hits served off the loop, not yet applied: the entry to touch (None: a D2H
+        #: hit, counted but not touched, as the loop's read does)
+        self.unapplied: deque[Entry | None] = deque()
         self._wake: Callable[[], object] | None = None
         self._woken = False  # a drain is scheduled on the loop and has not started
 
     @property
     def pending(self) -> int:
         """Hits served off the loop that apply() has not counted yet."""
-        return len(self._pending)
+        return len(self.unapplied)
 
     def bind(self, wake: Callable[[], object]) -> None:
         """wake(): schedule apply() on the loop from any thread (call_soon_threadsafe)."""
@@ -151,7 +151,7 @@ class ThreadHits:
                 return None
             device.wait_on(stream, ready)  # pending: ordered on the reader's stream (CUDA)
         device.use_on(out, stream)
-        self._pending.append(entry if state is _GPU else None)
+        self.unapplied.append(entry if state is _GPU else None)
         if not self._woken:
             # Racing threads may both wake: a drain of nothing costs one loop callback.
             self._woken = True
@@ -164,7 +164,7 @@ class ThreadHits:
     def apply(self) -> None:
         """On the loop: count the hits served off it and touch their entries' recency."""
         self._woken = False  # before draining: a hit appended from here on wakes again
-        pending = self._pending
+        pending = self.unapplied
         if not pending:
             return
         hits = 0

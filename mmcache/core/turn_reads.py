@@ -109,6 +109,10 @@ class TurnReads:
     ) -> None:
         """One stream's gets of the turn, read as one batch."""
         failure: Exception | None = None
+        if len(keys) > 1:
+            repeated = len(keys) - len(set(keys))
+            if repeated:  # gets of one key read it once, and each is a lookup (a host hit)
+                self._counters.looked_up(0, repeated, 0)
         try:
             out, waits, used = self._batch.queue(keys, stream)
             if self._device.stream_ordered_reads:  # ordered on the stream now, for all

@@ -66,6 +66,24 @@ async def test_host_hits_of_one_turn_share_one_upload(
     assert cache.stats().hits_cpu == 8
 
 
+async def test_gets_of_one_key_in_one_turn_read_it_once_and_count_each(
+    rig: Rig, make_cache: CacheFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not isinstance(rig.device, SimDevice):
+        pytest.skip("counts the simulator's submitted copies")
+    cache = make_cache(gpu_mb=2 * FEATURE_KIB / KiB, cpu_mb=1, promote_on_hit=False)
+    want = await host_resident(rig, cache, 2)
+    uploads = count_uploads(rig.device, monkeypatch)
+    before = cache.stats()
+    got = await asyncio.gather(*(cache.get(key) for key in (0, 1, 0, 0)))
+    assert uploads == [2], "each key copied once"
+    for key, tensor in zip((0, 1, 0, 0), got, strict=True):
+        assert_exact(tensor, want[key])
+    after = cache.stats()
+    assert after.hits_cpu - before.hits_cpu == 4  # every get is a lookup
+    assert (after.hits_gpu, after.misses) == (before.hits_gpu, before.misses)
+
+
 async def test_a_host_hit_alone_in_its_turn_is_served(rig: Rig, make_cache: CacheFactory) -> None:
     cache = make_cache(gpu_mb=FEATURE_KIB / KiB, cpu_mb=1)
     want = await host_resident(rig, cache, 1)
