@@ -529,6 +529,8 @@ class TierState:
         the bytes planned."""
         run = None
         pool = self.pool
+        if pool is not None and pool.shared:  # the node's host tier may hold some already
+            entries, nbytes = self._keep_node_copies(entries, nbytes, plan)
         if len(entries) > 1 and pool is not None:
             sizes = []
             for entry in entries:
@@ -548,6 +550,42 @@ class TierState:
         if items:
             plan.batches.append(items)
         return nbytes
+
+    def _keep_node_copies(
+        self, entries: list[Entry], nbytes: int, plan: EvictionPlan
+    ) -> tuple[list[Entry], int]:
+        """Victims whose bytes the node's shared host tier holds already (another rank's
+        copy, host_share="node") take a reference to them and are demoted, no copy; the
+        others, and their bytes, are left to offload."""
+        pool = self.pool
+        assert pool is not None
+        left: list[Entry] = []
+        for entry in entries:
+            block = None
+            if entry.members is None:
+                block = pool.adopt(entry.key, entry.shape, entry.dtype, entry.nbytes)
+            if block is None:
+                left.append(entry)
+                continue
+            entry.keep_copy(block, self._done)
+            self.ledger.host_entered(entry.count)
+            self.host_order[entry.key] = entry
+            plan.demoted.append(self._demote(entry))
+            nbytes -= entry.nbytes
+        return left, nbytes
+
+    def _share_landed(self, entry: Entry) -> None:
+        """A host copy just landed in the node's shared host tier: offer it to the other
+        ranks, or, where one of them wrote the feature first, hold theirs and free ours."""
+        pool = self.pool
+        block = entry.block
+        if pool is None or block is None or entry.members is not None:
+            return
+        if entry.readers_pending() or entry.host_streams:
+            return  # read already: it keeps its own block (a copy the node holds twice)
+        theirs = pool.publish(block, entry.key, entry.shape, entry.dtype)
+        if theirs is not None:
+            pool.free(entry.move_block(theirs))
 
     # --- offloads ----------------------------------------------------------------
 
@@ -596,6 +634,7 @@ class TierState:
         releases: list[Release] = []
         lost: list[Entry] = []
         released = features = 0  # features still counted: members may have left since
+        shared = self.pool is not None and self.pool.shared  # host_share="node"
         for entry in offload.batch:
             del offloading[entry]
             features += entry.count
@@ -614,6 +653,8 @@ class TierState:
                 released += entry.nbytes
             if landed:
                 host_order[entry.key] = entry
+                if shared:
+                    self._share_landed(entry)
             else:
                 lost.append(entry)
                 if entry.state is State.D2H:  # the copy failed: the feature is lost

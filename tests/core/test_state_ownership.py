@@ -69,6 +69,8 @@ ENTRY_TRANSITIONS = frozenset(
         "add_members",
         "member_left",
         "drop_members",
+        "keep_copy",
+        "move_block",
     }
 )
 LEDGER_MUTATORS = frozenset(
