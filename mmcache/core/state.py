@@ -168,6 +168,7 @@ class TierState:
         #: which host hits may take GPU entries' room (promote_policy="tinylfu"); None:
         #: host hits are promoted only into free room
         self.admission: TinyLfu | None = TinyLfu() if admission else None
+        self._promoting = False  # planning a promotion's eviction (see _let_go_enough)
 
     # --- reading the state ---------------------------------------------------
 
@@ -397,10 +398,12 @@ class TierState:
         pool = self.pool
         if pool is None or nbytes > pool.ready_block_bytes:
             return None  # dropping entries would make no room that fits it
+        let_go = 0
         while True:
             block = pool.allocate(nbytes)
-            if block is not None or not self.host_order:
+            if block is not None or not self.host_order or self._let_go_enough(let_go, nbytes):
                 return block
+            let_go += self._host_victim_bytes()
             releases.extend(self._evict_host())
 
     def allocate_host_all(
@@ -424,11 +427,29 @@ class TierState:
             pool.free(block)
         if len(sizes) == 1 or sum(sizes) > pool.ready_block_bytes:
             return None  # no run could take them: evicting more would be for nothing
+        let_go = 0
         while True:
             run = pool.allocate_run(sizes)
-            if run is not None or not self.host_order:
+            if run is not None or not self.host_order or self._let_go_enough(let_go, sum(sizes)):
                 return run
+            let_go += self._host_victim_bytes()
             releases.extend(self._evict_host())
+
+    def _let_go_enough(self, let_go: int, nbytes: int) -> bool:
+        """Whether a node's shared host tier (host_share="node") has had enough of this
+        rank's host entries for nbytes: another rank may hold the blocks it lets go, which
+        come back only once every rank has (the others evict in their own turn), so it
+        gives up nbytes of them, not its whole tier, before it drops the victim. A
+        promotion's victims take none: the hits being read are host entries too, and with
+        most of the node's blocks another rank's they would be next."""
+        pool = self.pool
+        if pool is None or not pool.shared:
+            return False
+        return self._promoting or let_go >= nbytes
+
+    def _host_victim_bytes(self) -> int:
+        victim = self.host_order.next_victim()
+        return 0 if victim is None else victim.nbytes
 
     def _evict_host(self) -> Sequence[Release]:
         """Drop the host entry the policy gives up first (a host-tier eviction)."""
@@ -749,7 +770,11 @@ class TierState:
                 break
         else:
             return SKIP  # too little room in colder entries: none of them goes
-        plan = self._evict_chosen(chosen)
+        self._promoting = True  # its victims take no host room from host entries being read
+        try:
+            plan = self._evict_chosen(chosen)
+        finally:
+            self._promoting = False
         return Promotion(ledger.capacity - ledger.used - reserved >= nbytes, plan)
 
     def _evict_chosen(self, victims: list[Entry]) -> EvictionPlan:
