@@ -24,7 +24,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from prometheus_client import CollectorRegistry
@@ -39,6 +39,8 @@ from mmcache import CacheSettings, FeatureCache
 ROWS, HIDDEN = 128, 1024  # a 256 KiB bf16 feature
 GPU_MB = 4  # each rank's GPU tier: most features go to the host tier
 HOST_MB = 64  # each rank's host tier, or the node's
+Share = Literal["rank", "node"]
+SHARES: tuple[Share, ...] = ("rank", "node")
 
 
 def rank_main(rank: int, tp: int, features: int, store: str, outbox: Any) -> None:
@@ -53,7 +55,9 @@ def rank_main(rank: int, tp: int, features: int, store: str, outbox: Any) -> Non
             world_size=tp,
             timeout=datetime.timedelta(seconds=60),
         )
-        report = {share: asyncio.run(_measure(rank, share, features)) for share in ("rank", "node")}
+        report: dict[str, Any] = {
+            share: asyncio.run(_measure(rank, share, features)) for share in SHARES
+        }
     except BaseException:
         report = {"error": traceback.format_exc()}
     outbox.put((rank, report))
@@ -64,7 +68,7 @@ def feature(key: int) -> torch.Tensor:
     return torch.randn(ROWS, HIDDEN, generator=g).to(torch.bfloat16)
 
 
-async def _measure(rank: int, share: str, features: int) -> dict[str, Any]:
+async def _measure(rank: int, share: Share, features: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     settings = CacheSettings(
@@ -131,7 +135,7 @@ def run(tp: int, features: int) -> dict[str, Any]:
         if "error" in report:
             raise RuntimeError(f"rank {rank} of TP {tp} failed:\n{report['error']}")
     outcome: dict[str, Any] = {}
-    for share in ("rank", "node"):
+    for share in SHARES:
         each = [reports[r][share] for r in range(tp)]
         node = share == "node"
         outcome[share] = {
@@ -162,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     for tp in sizes:
         outcome = run(tp, features)
         results["runs"].append({"tp": tp, **outcome})
-        for share in ("rank", "node"):
+        for share in SHARES:
             o = outcome[share]
             rows.append(
                 [
