@@ -118,7 +118,7 @@ class HostTier:
         frees); on_ready(capacity, ready) reports the arena's bytes and those pinned so far.
         """
         self._ready = asyncio.Event()
-        if self.capacity == 0:
+        if self.capacity == 0 and self.node is None:  # a node's ranks all join: a collective
             self._ready.set()
             return None
         lock = threading.Lock()
