@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import functools
 import hashlib
 import logging
 import queue
@@ -50,7 +51,8 @@ _SIZE: Final = _HEADER + KEYS_PER_COLLECTIVE
 #: on it (a backend that does not enforce its timeout, or a peer stuck inside NCCL).
 _GRACE_S: Final = 5.0
 
-_Job = tuple[bytearray, asyncio.Future[bytearray], asyncio.AbstractEventLoop] | None
+#: what the group's thread runs (a collective), the future of its result, and its loop
+_Job = tuple[Callable[[], Any], asyncio.Future[Any], asyncio.AbstractEventLoop] | None
 
 
 def check_group(group: object) -> torch.distributed.ProcessGroup:
@@ -236,13 +238,8 @@ class Agreement:
     async def _all_reduce(self, call: str, buffer: bytearray) -> bytearray:
         loop = asyncio.get_running_loop()
         done: asyncio.Future[bytearray] = loop.create_future()
-        if self._thread is None:
-            self._thread = threading.Thread(
-                target=self._serve, name=f"mmcache-group-{self._cache_name}", daemon=True
-            )
-            self._thread.start()
         started = time.perf_counter()
-        self._jobs.put((buffer, done, loop))
+        self._queue(functools.partial(self._reduce, buffer), done, loop)
         try:
             result = await asyncio.wait_for(asyncio.shield(done), self.timeout + _GRACE_S)
         except TimeoutError:
@@ -254,28 +251,63 @@ class Agreement:
         self._series.seconds.observe(time.perf_counter() - started)
         return result
 
-    def _serve(self) -> None:
-        """The group's thread: each all_reduce in the order the calls reached it."""
+    def gather_soon(self, payload: bytes) -> asyncio.Future[list[bytes]]:
+        """Every rank's payload, in rank order: one all_gather, queued at once on the group's
+        thread, so before any lookup made after this call (a collective: every rank calls
+        it, at the same point of its calls). The node's shared host tier agrees on its
+        segment so, at start."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[list[bytes]] = loop.create_future()
+        if self.size == 1:
+            done.set_result([payload])
+            return done
+        self._queue(functools.partial(self._gather, payload), done, loop)
+        return done
+
+    def _queue(
+        self, job: Callable[[], Any], done: asyncio.Future[Any], loop: asyncio.AbstractEventLoop
+    ) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._serve, name=f"mmcache-group-{self._cache_name}", daemon=True
+            )
+            self._thread.start()
+        self._jobs.put((job, done, loop))
+
+    def _reduce(self, buffer: bytearray) -> bytearray:
+        """The MIN over the group of buffer's bytes, in place (on the group's thread)."""
         import torch.distributed as dist
 
+        mask = torch.frombuffer(buffer, dtype=torch.uint8)  # the buffer's own memory
+        if self._on.type == "cpu":
+            dist.all_reduce(mask, op=dist.ReduceOp.MIN, group=self._group)
+        else:
+            on_device = mask.to(self._on)
+            dist.all_reduce(on_device, op=dist.ReduceOp.MIN, group=self._group)
+            mask.copy_(on_device.cpu())
+        return buffer
+
+    def _gather(self, payload: bytes) -> list[bytes]:
+        """Every rank's payload (on the group's thread)."""
+        import torch.distributed as dist
+
+        gathered: list[Any] = [None] * self.size
+        dist.all_gather_object(gathered, payload, group=self._group)
+        return [bytes(item) for item in gathered]
+
+    def _serve(self) -> None:
+        """The group's thread: each collective in the order the calls reached it."""
         while (job := self._jobs.get()) is not None:
-            buffer, done, loop = job
+            run, done, loop = job
             try:
-                mask = torch.frombuffer(buffer, dtype=torch.uint8)  # the buffer's own memory
-                if self._on.type == "cpu":
-                    dist.all_reduce(mask, op=dist.ReduceOp.MIN, group=self._group)
-                else:
-                    on_device = mask.to(self._on)
-                    dist.all_reduce(on_device, op=dist.ReduceOp.MIN, group=self._group)
-                    mask.copy_(on_device.cpu())
-                outcome: bytearray | BaseException = buffer
+                outcome: Any = run()
             except Exception as exc:
                 outcome = exc
             try:
                 loop.call_soon_threadsafe(_settle, done, outcome)
             except RuntimeError:  # the loop is closed: nobody waits any more
                 pass
-            del job, buffer, done, loop, outcome
+            del job, run, done, loop, outcome
 
     # --- failure and close --------------------------------------------------------------
 
@@ -309,7 +341,7 @@ class Agreement:
         self._jobs.put(None)
 
 
-def _settle(done: asyncio.Future[bytearray], outcome: bytearray | BaseException) -> None:
+def _settle(done: asyncio.Future[Any], outcome: Any) -> None:
     if done.done():
         return
     if isinstance(outcome, BaseException):

@@ -40,6 +40,7 @@ from mmcache.errors import (
 from mmcache.host_copy import warm_up as warm_host_copies
 from mmcache.layouts import check_strided
 from mmcache.metrics import CacheMetrics, DeferredPush, ensure_metrics_server
+from mmcache.node_host import check_host_share, node_host_for
 from mmcache.remote.codec import server_key
 from mmcache.remote.tier import remote_tier_for
 from mmcache.settings import CacheSettings
@@ -83,6 +84,7 @@ class FeatureCache:
         self.name = name
         if group is not None:
             check_group(group)  # before anything is allocated
+        check_host_share(self.settings, group)
         self._owns_device = not isinstance(device, Device)
         self._device = resolve_device(device)
         try:
@@ -121,6 +123,7 @@ class FeatureCache:
             when_done=self._when_done,
             when_done_lazily=self._when_done_lazily,
             changed=self._tiers.request,
+            node=node_host_for(self.settings, self.name, self._agreement, self._device),
         )
         # The parts a get or put reaches on every call, without a lookup through core.
         self._entries = core.index  # key -> its entry, or its place in a group's entry
@@ -216,6 +219,7 @@ class FeatureCache:
         with contextlib.suppress(CopyTimeoutError):
             await self._core.packings.wait_all(timeout)  # one that never ends keeps its values
         self._tiers.request()
+        self._core.host.leave_node()  # host_share="node": its copies have landed
         self._metrics.close()
         if self._owns_device:
             # Off the loop: unpinning a large arena takes the driver long enough to stall

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +48,11 @@ class HostBlock:
 
 class HostPool:
     """Allocates blocks from one arena; a freed block is reused only after its fences and pins."""
+
+    #: Whether other processes hold blocks of this arena too (a node's shared host tier,
+    #: mmcache.node_pool): then a feature's bytes may be there already (adopt), and a copy
+    #: written is offered to the others (publish).
+    shared = False
 
     def __init__(
         self,
@@ -187,6 +192,20 @@ class HostPool:
     def unpin(self, block: HostBlock) -> None:
         block.pins -= 1
         self._maybe_reclaim(block)
+
+    def adopt(
+        self, key: Hashable, shape: tuple[int, ...], dtype: torch.dtype, nbytes: int
+    ) -> HostBlock | None:
+        """A block that already holds key's feature, written by another process; this pool's
+        arena is its own alone, so None."""
+        return None
+
+    def publish(
+        self, block: HostBlock, key: Hashable, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> HostBlock | None:
+        """block now holds key's feature, written: offer it to the other processes, or get
+        the block they wrote it into first (then free block). Alone: None."""
+        return None
 
     def free_ranges(self) -> list[tuple[int, int]]:
         """(offset, size) of every free range in arena order (tests, fragmentation stats)."""

@@ -124,6 +124,12 @@ class CacheSettings(BaseSettings):
             "room (none: hits are promoted only into free room)",
         )
     )
+    host_share: Annotated[Literal["rank", "node"], _Env(("MMCACHE_HOST_SHARE",))] = Field(
+        default="rank",
+        description="who shares a host tier: rank (each cache its own) or node (the ranks of "
+        "the cache's group= on one machine share one, in /dev/shm: each feature's bytes once "
+        "per node; cpu_cache_mb is then the node's, the largest of its ranks')",
+    )
     metrics_port: Annotated[int | None, _Env(("MMCACHE_METRICS_PORT",))] = Field(
         default=None,
         ge=0,

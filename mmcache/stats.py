@@ -61,6 +61,9 @@ class CacheStats:
     #: local hits served as misses because another rank of the group missed them (also
     #: counted in hits_gpu or hits_cpu, where this rank found them)
     group_misses: int = 0
+    #: bytes the node's shared host tier holds (host_share="node"), each feature once
+    #: whichever ranks hold it; cpu_bytes is this rank's share of them (0: not shared)
+    node_host_bytes: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         """The snapshot as a plain dict (for logs and JSON)."""

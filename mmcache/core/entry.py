@@ -126,6 +126,23 @@ class Entry:
         self.ready = copied  # a host entry's ready stands for its host copy's
         return tensor
 
+    def keep_copy(self, block: HostBlock, copied: Fence) -> None:
+        """GPU, no host copy -> GPU with one: block holds the feature already, written
+        behind copied (another rank's copy in the node's shared host tier); demote next."""
+        if self.state is not State.GPU or self.block is not None or self.members is not None:
+            raise _illegal(self, "keep a host copy written elsewhere")
+        self.block = block
+        self.copy_fence = copied
+
+    def move_block(self, block: HostBlock) -> HostBlock:
+        """HOST: its bytes are in block from now on (the same feature's, written by another
+        rank of the node); returns the block it held, to free."""
+        old = self.block
+        if self.state is not State.HOST or old is None or self.host_readers or self.host_streams:
+            raise _illegal(self, "move to another host block")
+        self.block = block
+        return old
+
     def discard(self) -> torch.Tensor | None:
         """GPU, D2H or HOST -> GONE; returns a GPU entry's device tensor, to release.
 

@@ -18,6 +18,7 @@ from mmcache.core.state import Release, TierState
 from mmcache.device import Device, Fence
 from mmcache.errors import CacheClosedError
 from mmcache.host_pool import HostBlock, HostPool
+from mmcache.node_host import NodeHost
 
 __all__ = ["HostTier"]
 
@@ -49,8 +50,11 @@ class HostTier:
         *,
         alignment: int,
         carry_out: Callable[[Sequence[Release]], None],
+        node: NodeHost | None = None,
     ) -> None:
         self._device = device
+        #: the node's shared host tier (host_share="node"): the arena is its, not ours
+        self.node = node
         self._state = state
         self.capacity = capacity
         self._alignment = alignment
@@ -114,7 +118,7 @@ class HostTier:
         frees); on_ready(capacity, ready) reports the arena's bytes and those pinned so far.
         """
         self._ready = asyncio.Event()
-        if self.capacity == 0:
+        if self.capacity == 0 and self.node is None:  # a node's ranks all join: a collective
             self._ready.set()
             return None
         lock = threading.Lock()
@@ -133,7 +137,10 @@ class HostTier:
                 with contextlib.suppress(RuntimeError):  # the loop is closed: nobody uses it
                     loop.call_soon_threadsafe(grow)
 
-        future = self._device.host_arena(self.capacity, pinned)
+        if self.node is not None:
+            future = self.node.open(pinned)
+        else:
+            future = self._device.host_arena(self.capacity, pinned)
 
         def arrived(f: concurrent.futures.Future[Any]) -> None:
             with contextlib.suppress(RuntimeError):
@@ -160,7 +167,10 @@ class HostTier:
         if self._closed:
             return
         pool = self.pool
-        if pool is None:
+        if pool is None and self.node is not None:
+            self.pool = pool = self.node.pool(arena, defer=defer, on_free=self.wake)
+            self._state.attach_pool(pool)
+        elif pool is None:
             self.pool = pool = HostPool(
                 self._device,
                 arena,
@@ -261,6 +271,12 @@ class HostTier:
         self._closed = True
         if self._ready is not None:
             self._ready.set()
+
+    def leave_node(self) -> None:
+        """Give up this rank's blocks of the node's shared host tier, once its copies have
+        landed (close); the last rank of the node removes its files."""
+        if self.node is not None:
+            self.node.close()
 
     def fail_waiters(self) -> None:
         """Raise CacheClosedError in every put waiting for host room."""

@@ -20,7 +20,8 @@ from mmcache.core.packing import BATCH_BYTES, LARGE_BATCH_BYTES
 from mmcache.host_pool import HostBlock
 
 if TYPE_CHECKING:
-    from mmcache.core.state import Release, TierState
+    from mmcache.core.release import Release
+    from mmcache.core.state import TierState
 
 __all__ = ["PROMOTION_VICTIMS", "EvictionPlan", "OffloadItems", "Promotions", "Room"]
 
@@ -88,6 +89,7 @@ class Room:
         self._ahead = evict_ahead
         self._small = small_copy_bytes
         self.admission = admission
+        self._promoting = False  # planning a promotion's eviction (see _let_go_enough)
 
     # --- the host tier's room ---------------------------------------------------
 
@@ -97,10 +99,12 @@ class Room:
         pool = self._state.pool
         if pool is None or nbytes > pool.ready_block_bytes:
             return None  # dropping entries would make no room that fits it
+        let_go = 0
         while True:
             block = pool.allocate(nbytes)
-            if block is not None or not self._host_order:
+            if block is not None or not self._host_order or self._let_go_enough(let_go, nbytes):
                 return block
+            let_go += self._host_victim_bytes()
             releases.extend(self._state.evict_host())
 
     def allocate_host_all(
@@ -124,11 +128,29 @@ class Room:
             pool.free(block)
         if len(sizes) == 1 or sum(sizes) > pool.ready_block_bytes:
             return None  # no run could take them: evicting more would be for nothing
+        let_go = 0
         while True:
             run = pool.allocate_run(sizes)
-            if run is not None or not self._host_order:
+            if run is not None or not self._host_order or self._let_go_enough(let_go, sum(sizes)):
                 return run
+            let_go += self._host_victim_bytes()
             releases.extend(self._state.evict_host())
+
+    def _let_go_enough(self, let_go: int, nbytes: int) -> bool:
+        """Whether a node's shared host tier (host_share="node") has had enough of this
+        rank's host entries for nbytes: another rank may hold the blocks it lets go, which
+        come back only once every rank has (the others evict in their own turn), so it
+        gives up nbytes of them, not its whole tier, before it drops the victim. A
+        promotion's victims take none: with most of the node's blocks another rank's,
+        the host entries being read would be next."""
+        pool = self._state.pool
+        if pool is None or not pool.shared:
+            return False
+        return self._promoting or let_go >= nbytes
+
+    def _host_victim_bytes(self) -> int:
+        victim = self._host_order.next_victim()
+        return 0 if victim is None else victim.nbytes
 
     # --- the GPU tier's room: eviction ----------------------------------------
 
@@ -210,6 +232,8 @@ class Room:
         the bytes planned."""
         run = None
         pool = self._state.pool
+        if pool is not None and pool.shared:  # the node's host tier may hold some already
+            entries, nbytes = self._keep_node_copies(entries, nbytes, plan)
         if len(entries) > 1 and pool is not None:
             sizes = []
             for entry in entries:
@@ -229,6 +253,27 @@ class Room:
         if items:
             plan.batches.append(items)
         return nbytes
+
+    def _keep_node_copies(
+        self, entries: list[Entry], nbytes: int, plan: EvictionPlan
+    ) -> tuple[list[Entry], int]:
+        """Victims whose bytes the node's shared host tier holds already (another rank's
+        copy, host_share="node") take a reference to them and are demoted, no copy; the
+        others, and their bytes, are left to offload."""
+        state = self._state
+        pool = state.pool
+        assert pool is not None
+        left: list[Entry] = []
+        for entry in entries:
+            block = None
+            if entry.members is None:
+                block = pool.adopt(entry.key, entry.shape, entry.dtype, entry.nbytes)
+            if block is None:
+                left.append(entry)
+                continue
+            plan.demoted.append(state.keep_node_copy(entry, block))
+            nbytes -= entry.nbytes
+        return left, nbytes
 
     # --- the GPU tier's room: promotion ----------------------------------------
 
@@ -311,7 +356,11 @@ class Room:
             if plan is None:
                 plan = EvictionPlan()
                 held = self._hold_in_host_tier(hits)
-            self._evict_chosen(chosen, plan)
+            self._promoting = True  # its victims take no host room from host entries
+            try:
+                self._evict_chosen(chosen, plan)
+            finally:
+                self._promoting = False
             for victim in chosen:
                 del window[id(victim)]
             window = self._victims(window)

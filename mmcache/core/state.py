@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping, Sequence, Sized
-from dataclasses import dataclass
 from typing import Final, final
 
 import torch
@@ -12,10 +11,12 @@ from mmcache.core.admission import TinyLfu
 from mmcache.core.counters import Counters
 from mmcache.core.entry import Entry, Member, State
 from mmcache.core.grants import Grant
+from mmcache.core.in_flight import InFlight, Landing, Offload
 from mmcache.core.index import KeyIndex
 from mmcache.core.ledger import TierLedger
 from mmcache.core.policy import EvictionPolicy, make_policy
 from mmcache.core.quarantine import Quarantine
+from mmcache.core.release import DeviceRelease, Release
 from mmcache.core.room import EvictionPlan, OffloadItems, Promotions, Room
 from mmcache.device.base import Fence, Stream
 from mmcache.host_pool import HostBlock, HostPool
@@ -32,46 +33,8 @@ __all__ = [
 ]
 
 
-@final
-@dataclass(slots=True, eq=False)
-class DeviceRelease:
-    """A device tensor no entry holds any more: release it after `after`. Where `later` is
-    not 0, those bytes stay in the GPU ledger until then: report them with released()."""
-
-    tensor: torch.Tensor
-    after: Sequence[Fence]
-    later: int = 0
-
-
-Release = DeviceRelease
-
 #: the empty result of a verb that releases nothing (shared: most of them)
 NOTHING: Final[tuple[Release, ...]] = ()
-
-
-@final
-@dataclass(slots=True, eq=False)
-class Offload:
-    """One offload copy queued: its fence, the entries it moves, whether its device bytes
-    are the GPU tier's (not a put straight to the host tier), its bytes and features."""
-
-    fence: Fence
-    batch: list[Entry]
-    started: float
-    charged_gpu: bool
-    nbytes: int
-    features: int
-
-
-@final
-@dataclass(slots=True, eq=False)
-class Landing:
-    """What an offload's landing leaves to do: releases, and the entries whose copy failed
-    (lost) with the error."""
-
-    releases: list[Release]
-    lost: list[Entry]
-    failed: BaseException | None
 
 
 def _nothing() -> None:
@@ -123,8 +86,6 @@ class TierState:
         self._counters = counters
         self._done = done_fence  # a finished fence: a host entry's stands for its copies'
         self._mark = mark
-        # Every offload in flight (linked or already discarded) -> whether GPU-charged.
-        self._offloading: dict[Entry, bool] = {}
         #: told of each entry the host tier drops for room, before it goes
         self.on_host_evict: Callable[[Entry], None] | None = None
         #: run before each eviction plan while before_plan_pending holds anything
@@ -147,20 +108,26 @@ class TierState:
         self.allocate_host_all = room.allocate_host_all
         self.plan_eviction = room.plan_eviction
         self.plan_promotions = room.plan_promotions
+        # The offloads in flight, from queueing to landing or quarantine: see InFlight.
+        flight = self._flight = InFlight(self, counters=counters, done_fence=done_fence)
+        self.offload_queued = flight.offload_queued
+        self.offload_refused = flight.offload_refused
+        self.offload_landed = flight.offload_landed
+        self.quarantine_offload = flight.quarantine_offload
 
     # --- reading the state ---------------------------------------------------
 
     def charged(self, entry: Entry) -> bool:
         """Whether entry's offload in flight is charged to the GPU tier."""
-        return self._offloading.get(entry, False)
+        return self._flight.entries.get(entry, False)
 
     def in_flight(self) -> Mapping[Entry, bool]:
         """Every entry with an offload in flight -> whether it is GPU-charged (the audit's)."""
-        return self._offloading
+        return self._flight.entries
 
     def offloading(self, entry: Entry) -> bool:
         """Whether entry's offload is in flight (its entry may be discarded already)."""
-        return entry in self._offloading
+        return entry in self._flight.entries
 
     def tell_host_evictions(self, on_evict: Callable[[Entry], None]) -> None:
         """Call on_evict(entry) for each entry the host tier drops for room, before it goes."""
@@ -319,7 +286,7 @@ class TierState:
             ledger.host_left(1)
         elif state is State.D2H:  # counted in the host tier since queued, in the GPU one if charged
             ledger.host_left(1)
-            if self._offloading.get(group, False):
+            if self._flight.entries.get(group, False):
                 ledger.gpu_left(1)
         if group.count == 0:
             return self._unlink(group)
@@ -336,18 +303,18 @@ class TierState:
             assert tensor is not None
             if entry.block is not None:  # promoted, it kept its host copy: both go
                 self.host_order.pop(entry.key, None)
-                self._take_block(entry)
+                self.take_block(entry)
             return (
-                self._release_charged(
+                self.release_charged(
                     tensor, entry.nbytes, [entry.ready, *entry.device_readers_pending()]
                 ),
             )
         if state is State.HOST:
             self.host_order.pop(entry.key, None)
-            return self._take_block(entry)
+            return self.take_block(entry)
         return NOTHING  # State.D2H: its landing releases both sides once the copy ends
 
-    def _release_charged(
+    def release_charged(
         self, tensor: torch.Tensor, nbytes: int, after: Sequence[Fence]
     ) -> DeviceRelease:
         """Release a device tensor charged to the GPU tier once after's fences are done."""
@@ -358,7 +325,7 @@ class TierState:
         self.ledger.release_later(nbytes)
         return DeviceRelease(tensor, pending, nbytes)
 
-    def _take_block(self, entry: Entry) -> Sequence[Release]:
+    def take_block(self, entry: Entry) -> Sequence[Release]:
         """Free entry's host block, if any, after its readers; it leaves the tier's count."""
         streams = entry.host_streams
         block = entry.take_block()
@@ -382,10 +349,18 @@ class TierState:
         if victim.state is State.GPU:
             # A promoted entry's host copy: the feature stays on the GPU tier, which
             # offloads it again (a copy) if it evicts it. Only the block goes.
-            return self._take_block(victim)
+            return self.take_block(victim)
         if self.on_host_evict is not None:
             self.on_host_evict(victim)
         return self._unlink(victim)
+
+    def keep_node_copy(self, entry: Entry, block: HostBlock) -> DeviceRelease:
+        """A GPU victim whose bytes the node's shared host tier holds (block, another
+        rank's copy) takes them as its host copy and is demoted, no copy."""
+        entry.keep_copy(block, self._done)
+        self.ledger.host_entered(entry.count)
+        self.host_order[entry.key] = entry
+        return self.demote(entry)
 
     def demote(self, entry: Entry) -> DeviceRelease:
         """A GPU entry that kept its host copy leaves the GPU tier (out of the GPU order
@@ -394,102 +369,7 @@ class TierState:
         after = [entry.ready, *entry.device_readers_pending()]
         tensor = entry.demote()
         self.ledger.gpu_left(entry.count)
-        return self._release_charged(tensor, entry.nbytes, after)
-
-    # --- offloads ----------------------------------------------------------------
-
-    def offload_queued(
-        self, items: OffloadItems, fence: Fence, started: float, *, charged_gpu: bool
-    ) -> Offload:
-        """Entries whose copies into blocks were queued behind fence: D2H until it lands."""
-        offloading = self._offloading
-        batch = []
-        features = nbytes = 0
-        for entry, block in items:
-            entry.begin_offload(block, fence)
-            offloading[entry] = charged_gpu
-            features += entry.count
-            nbytes += entry.nbytes
-            batch.append(entry)
-        self.ledger.offloading(nbytes, features, charged_gpu)
-        return Offload(fence, batch, started, charged_gpu, nbytes, features)
-
-    def offload_refused(self, items: OffloadItems, *, charged_gpu: bool) -> list[Release]:
-        """The device refused the copy of items at enqueue (nothing was queued): their
-        blocks go back and the entries are lost."""
-        releases: list[Release] = []
-        for entry, block in items:
-            self.free_block(block)
-            if charged_gpu:
-                releases.extend(self.drop(entry))
-            else:  # a put straight to the host tier: nothing was charged to the GPU tier
-                self._counters.lost(self.index.forget(entry))
-                tensor = entry.discard()
-                assert tensor is not None
-                releases.append(DeviceRelease(tensor, [entry.ready]))
-        return releases
-
-    def offload_landed(self, offload: Offload) -> Landing:
-        """An offload copy has finished: its entries become host-resident, or are lost.
-
-        Once per copy for all its features; the ledger moves once per batch.
-        """
-        charged_gpu = offload.charged_gpu
-        failed = offload.fence.exception()  # asked once: it may be many fences (simulator)
-        offloading = self._offloading
-        quarantined = self.quarantine if self.quarantine else None
-        host_order = self.host_order
-        done = self._done
-        releases: list[Release] = []
-        lost: list[Entry] = []
-        released = features = 0  # features still counted: members may have left since
-        for entry in offload.batch:
-            del offloading[entry]
-            features += entry.count
-            if quarantined is not None:
-                quarantined.release(entry)  # a late fence: its bytes come back now
-            landed = entry.state is State.D2H and failed is None
-            # Landed, both copies are done and good: a shared finished fence stands in for
-            # them, so a host entry keeps no CUDA event (nor the batch's fence) alive.
-            tensor = entry.land(done) if landed else entry.end_offload()
-            # A host get's download may still read the device tensor.
-            readers = entry.device_readers_pending() if entry.device_readers else None
-            if readers and charged_gpu:
-                releases.append(self._release_charged(tensor, entry.nbytes, readers))
-            else:
-                releases.append(DeviceRelease(tensor, readers or ()))
-                released += entry.nbytes
-            if landed:
-                host_order[entry.key] = entry
-            else:
-                lost.append(entry)
-                if entry.state is State.D2H:  # the copy failed: the feature is lost
-                    self._counters.copy_failed("offload", entry.key, failed)
-                    self._counters.lost(self.index.forget(entry))
-                    entry.discard()
-                releases.extend(self._take_block(entry))
-        if charged_gpu:
-            self.ledger.offloaded(offload.nbytes, features, released)
-        return Landing(releases, lost, failed)
-
-    def quarantine_offload(self, entry: Entry, fence: Fence) -> bool:
-        """An offload past copy_timeout_s: drop its entry, keep its bytes reserved as
-        leaked (the copy may still read the tensor or write the block); False if it is
-        done, gone or held already. Its landing releases both if the fence ever completes."""
-        if fence.done() or entry not in self._offloading or entry in self.quarantine:
-            return False
-        block = entry.block
-        self.quarantine.hold(
-            entry,
-            entry.nbytes if self._offloading[entry] else 0,
-            block.nbytes if block is not None else 0,
-        )
-        self._counters.quarantined()
-        lost = self.index.forget(entry)
-        if lost:
-            self._counters.lost(lost)
-        entry.discard()
-        return True
+        return self.release_charged(tensor, entry.nbytes, after)
 
     # --- reads ------------------------------------------------------------------
 

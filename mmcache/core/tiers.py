@@ -23,6 +23,7 @@ from mmcache.core.state import Release, TierState
 from mmcache.core.turn_reads import TurnReads
 from mmcache.device import DONE, Device, Fence
 from mmcache.metrics import CacheMetrics
+from mmcache.node_host import NodeHost
 from mmcache.settings import CacheSettings
 from mmcache.stats import CacheStats
 
@@ -51,6 +52,7 @@ class Tiers:
         when_done: WhenDone,
         when_done_lazily: Callable[[Fence, Callable[[], None]], None],
         changed: Callable[[], None],
+        node: NodeHost | None = None,
     ) -> None:
         self._metrics = metrics
         self._device = device
@@ -75,6 +77,7 @@ class Tiers:
             settings.cpu_cache_bytes,
             alignment=settings.host_alignment,
             carry_out=self.carry_out,
+            node=node,
         )
         # Puts waiting for GPU room, granted into their grants in arrival order.
         gpu_line: FifoBudget[tuple[int, Grant], Grant] = FifoBudget(
@@ -222,8 +225,15 @@ class Tiers:
             quarantined_bytes=quarantine.device_bytes() + quarantine.host_bytes(),
             host_ready=self.host.ready,
             host_ready_bytes=self.host.ready_bytes,
+            node_host_bytes=self._node_host_bytes(),
             **self.counters.as_dict(),
         )
+
+    def _node_host_bytes(self) -> int:
+        """Bytes the node's shared host tier holds, each feature once (0: none shared)."""
+        node = self.host.node
+        usage = node.usage() if node is not None else None
+        return 0 if usage is None else usage.used_bytes
 
     def audit(self) -> dict[str, int]:
         """Bytes in the ledgers that no entry, copy or pending release owns (should be 0)."""

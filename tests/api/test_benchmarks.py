@@ -22,6 +22,7 @@ RUNS: dict[str, list[str]] = {
     "bench_groups.py": ["--quick"],  # TP 2 over gloo on loopback
     "bench_host_pool.py": ["--quick"],
     "bench_host_reads.py": ["--device", "sim", "--quick", "--gap-ms", "1"],
+    "bench_node_host.py": ["--quick"],  # TP 2 over gloo on loopback, host_share both ways
     "bench_ipc.py": ["--device", "sim", "--quick"],
     "bench_offload.py": ["--device", "sim"],
     "bench_ops.py": ["--quick"],

@@ -52,6 +52,7 @@ def test_defaults() -> None:
     assert settings.copy_timeout_s == 60.0
     assert settings.evict_ahead == 0.125
     assert settings.eviction_policy == "lru"
+    assert settings.host_share == "rank"
     assert settings.gpu_cache_bytes == 1024 * MiB
     assert settings.cpu_cache_bytes == 4096 * MiB
     assert settings.ipc_pool_bytes == 512 * MiB
@@ -69,6 +70,7 @@ OWN_NAMES: list[tuple[str, str, str, object]] = [
     ("ipc_pool_wait_s", "MMCACHE_IPC_POOL_WAIT_SEC", "0.01", 0.01),
     ("promote_on_hit", "MMCACHE_PROMOTE_ON_HIT", "0", False),
     ("promote_policy", "MMCACHE_PROMOTE_POLICY", "room", "room"),
+    ("host_share", "MMCACHE_HOST_SHARE", "node", "node"),
     ("metrics_port", "MMCACHE_METRICS_PORT", "9090", 9090),
     ("small_copy_bytes", "MMCACHE_SMALL_COPY_BYTES", "4096", 4096),
     ("host_alignment", "MMCACHE_HOST_ALIGNMENT", "4096", 4096),

@@ -1,7 +1,8 @@
 """TierState is the one owner of the tier state: no other module changes it behind its back.
 
-The tier state is mmcache/core/state.py (TierState, its verbs) with the planner it owns,
-mmcache/core/room.py (which entries leave for room), and the admission filter's sketch,
+The tier state is mmcache/core/state.py (TierState, its verbs) with the parts it owns:
+mmcache/core/room.py (which entries leave for room), mmcache/core/in_flight.py (the
+offloads in flight), and the admission filter's sketch,
 mmcache/core/admission.py (uses per key, folded from Entry.hits). An AST walk over every
 other module of mmcache/ reports:
 
@@ -56,7 +57,7 @@ from mmcache.core.ledger import TierLedger
 ROOT = Path(mmcache.__file__).parent
 OWNER = "core/state.py"
 #: the modules of the tier state: the TierState's, its planner's, its admission filter's
-OWNERS = frozenset({OWNER, "core/room.py", "core/admission.py"})
+OWNERS = frozenset({OWNER, "core/room.py", "core/in_flight.py", "core/admission.py"})
 
 ENTRY, LEDGER, STATE, INDEX, ORDER = "Entry", "TierLedger", "TierState", "KeyIndex", "order"
 OWNED_CLASSES = {"Entry": ENTRY, "TierLedger": LEDGER, "TierState": STATE, "KeyIndex": INDEX}
@@ -74,6 +75,8 @@ ENTRY_TRANSITIONS = frozenset(
         "add_members",
         "member_left",
         "drop_members",
+        "keep_copy",
+        "move_block",
     }
 )
 LEDGER_MUTATORS = frozenset(

@@ -1,0 +1,283 @@
+"""One host tier per node (host_share="node"): the ranks of a group share one arena in /dev/shm.
+
+Each scenario runs its ranks as real processes (spawn) joined by gloo on loopback, each with
+its own cache on the simulator and its own GPU budget, all sharing the node's host tier.
+After every lookup a second group gathers each rank's answer and checks that they are the
+same and exact; at checkpoints the ranks check the node's directory: each feature's bytes
+held once, and every rank's own count of host bytes equal to the blocks the directory says
+it holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from prometheus_client import CollectorRegistry
+from ranks import Report, run_ranks
+
+from mmcache import CacheSettings, FeatureCache, GroupError, SettingsError
+from mmcache.device import SimDevice
+from mmcache.node_directory import NodeDirectory
+from mmcache.node_host import node_files
+
+KEYS = 24
+PEER_TIMEOUT_S = 2.0
+
+
+def value(key: int) -> torch.Tensor:
+    """The feature of key: the same bytes on every rank, 2 to 12 KiB."""
+    g = torch.Generator().manual_seed(1000 + key)
+    return torch.randn(2 + key % 11, 256, generator=g)
+
+
+def same_bytes(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return (
+        got.dtype == want.dtype
+        and got.shape == want.shape
+        and torch.equal(got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8))
+    )
+
+
+def _cache(rank: int, name: str, gpu_kib: float, host_kib: float) -> FeatureCache:
+    settings = CacheSettings(
+        gpu_cache_mb=gpu_kib / 1024, cpu_cache_mb=host_kib / 1024, evict_ahead=0, host_share="node"
+    )
+    return FeatureCache(
+        settings,
+        device=SimDevice(latency_s=0.0004 * rank),
+        name=name,
+        registry=CollectorRegistry(),
+        group=dist.group.WORLD,
+    )
+
+
+def directory_of(cache: FeatureCache) -> NodeDirectory:
+    """The node's directory as this rank's cache holds it."""
+    node = cache._core.host.node
+    assert node is not None and node.directory is not None
+    return node.directory
+
+
+def node_check(cache: FeatureCache, rank: int) -> dict[str, int]:
+    """This rank's view of the node, once every rank has drained: each feature once, and
+    this rank's host bytes the blocks the directory says it holds."""
+    records = directory_of(cache).records()
+    stats = cache.stats()
+    digests = [digest for _, _, _, digest, shared in records if shared]
+    assert len(digests) == len(set(digests)), "a feature's bytes are on the node twice"
+    private = [r for r in records if not r[4]]
+    assert private == [], f"blocks never shared after every copy landed: {private}"
+    mine = sum(nbytes for _, nbytes, holders, _, _ in records if holders >> rank & 1)
+    assert mine == stats.cpu_bytes, f"rank {rank}: holds {mine} B, counts {stats.cpu_bytes} B"
+    assert stats.node_host_bytes == sum(nbytes for _, nbytes, _, _, _ in records)
+    assert stats.leaked_bytes == 0
+    return {"node": stats.node_host_bytes, "mine": stats.cpu_bytes}
+
+
+# --- agreement and one copy per node under random operations ------------------------------
+
+
+def random_operations(rank: int, world: int, control: Any, seed: int, steps: int) -> Report:
+    return asyncio.run(_random_operations(rank, world, seed, steps))
+
+
+async def _random_operations(rank: int, world: int, seed: int, steps: int) -> Report:
+    shared = random.Random(seed)  # the calls every rank makes: same keys, same order
+    local = random.Random(seed * 1000 + rank)  # what only this rank does
+    checking = dist.new_group(backend="gloo")
+    # GPU budgets differ by rank (24 to 72 KiB); the node's host tier is 96 KiB.
+    cache = _cache(rank, f"random{seed}", gpu_kib=24 + 16 * rank, host_kib=96)
+    counts = {"lookups": 0, "agreed_hits": 0, "checkpoints": 0, "shared_bytes": 0}
+    wrong: list[str] = []
+
+    def agree(step: int, kind: str, found: list[torch.Tensor | None], keys: list[int]) -> None:
+        """Every rank got the same hits, and each hit is exactly its key's feature."""
+        mine = (step, kind, tuple(keys), tuple(t is not None for t in found))
+        everyone: list[Any] = [None] * world
+        dist.all_gather_object(everyone, mine, group=checking)
+        assert all(other == mine for other in everyone), f"ranks disagree: {everyone}"
+        counts["lookups"] += 1
+        for key, got in zip(keys, found, strict=True):
+            if got is not None:
+                counts["agreed_hits"] += 1
+                if not same_bytes(got, value(key)):
+                    wrong.append(f"step {step}: {kind} of {key}")
+
+    async def checkpoint() -> None:
+        await cache.drain()
+        dist.barrier(group=checking)  # every rank's copies have landed
+        figures = node_check(cache, rank)
+        everyone: list[Any] = [None] * world
+        dist.all_gather_object(everyone, figures, group=checking)
+        assert len({f["node"] for f in everyone}) == 1
+        # What the ranks hold beyond the node's bytes is what sharing saved.
+        counts["shared_bytes"] += sum(f["mine"] for f in everyone) - figures["node"]
+        counts["checkpoints"] += 1
+        dist.barrier(group=checking)  # nobody changes the node while another looks
+
+    async with cache:
+        assert await cache.wait_host_ready(30)
+        for step in range(steps):
+            roll = shared.random()
+            if roll < 0.4:
+                key = shared.randrange(KEYS)
+                if local.random() < 0.85:  # some ranks do not keep it
+                    await cache.put(key, value(key))
+            elif roll < 0.5:
+                if local.random() < 0.6:
+                    cache.discard(local.randrange(KEYS))
+            elif roll < 0.75:
+                key = shared.randrange(KEYS)
+                where = "cpu" if shared.random() < 0.3 else None
+                agree(step, f"get {where}", [await cache.get(key, device=where)], [key])
+            else:
+                keys = [shared.randrange(KEYS) for _ in range(shared.randint(1, 8))]
+                agree(step, "get_many", await cache.get_many(keys), keys)
+            if local.random() < 0.15:
+                await asyncio.sleep(0.002)  # lets this rank's copies land, not the others'
+            if step % 25 == 24:
+                await checkpoint()
+        await checkpoint()
+        # Close one rank at a time: each leaves nothing of its own in the node's arena.
+        for closing in range(world):
+            if closing == rank:
+                await cache.close()
+            dist.barrier(group=checking)
+            if rank > closing:
+                held = [r for r in directory_of(cache).records() if r[2] & ((2 << closing) - 1)]
+                assert held == [], f"ranks up to {closing} closed and still hold {held}"
+    return {**counts, "wrong": wrong, "files_left": node_files(f"random{seed}")}
+
+
+@pytest.mark.parametrize(("world", "seed"), [(2, 1), (4, 2)])
+def test_ranks_share_one_host_copy_of_each_feature_and_agree_on_every_hit(
+    tmp_path: Path, world: int, seed: int
+) -> None:
+    steps = 150 if world == 2 else 80
+    reports = run_ranks(tmp_path, world, random_operations, seed, steps)
+    for rank, report in reports.items():
+        assert report["wrong"] == [], f"rank {rank}"
+    assert min(r["agreed_hits"] for r in reports.values()) > 0
+    assert len({r["lookups"] for r in reports.values()}) == 1
+    # The ranks did share host copies (else the test proves nothing).
+    assert reports[0]["checkpoints"] >= 3 and reports[0]["shared_bytes"] > 0
+    assert reports[world - 1]["files_left"] == []  # the last to close removed the node
+    assert node_files(f"random{seed}") == []
+
+
+# --- a rank killed between two calls ------------------------------------------------------
+
+
+def lose_a_rank(rank: int, world: int, control: Any, store: str) -> Report:
+    return asyncio.run(_lose_a_rank(rank, control, store))
+
+
+async def _lose_a_rank(rank: int, control: Any, store: str) -> Report:
+    cache = _cache(rank, "lose", gpu_kib=16, host_kib=256)
+    await cache.start()
+    assert await cache.wait_host_ready(30)
+    for key in range(10):
+        await cache.put(key, value(key))
+    await cache.drain()
+    first = await cache.get_many(list(range(10)))
+    exact = all(t is not None and same_bytes(t, value(k)) for k, t in enumerate(first))
+    if rank == 2:
+        control.set()  # the parent kills this process now
+        await asyncio.sleep(3600)
+    await asyncio.to_thread(control.wait, 60)
+    await asyncio.sleep(0.3)  # the kill has landed
+    held_by_dead = sum(1 for r in directory_of(cache).records() if r[2] >> 2 & 1)
+    started = time.monotonic()
+    try:
+        await cache.get(1)
+        raised = ""
+    except GroupError as exc:
+        raised = str(exc)
+    took = time.monotonic() - started
+    # A new group of the survivors (the old one lost a peer for good).
+    dist.destroy_process_group()
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=2,
+        timeout=datetime.timedelta(seconds=30),
+    )
+    # Close in turn: the first to close sweeps the dead rank's references away.
+    if rank == 0:
+        await cache.close()
+    dist.barrier()
+    held_after = -1
+    if rank == 1:
+        held_after = sum(1 for r in directory_of(cache).records() if r[2] & 0b101)
+        await cache.close()
+    dist.barrier()
+    files_after_close = node_files("lose")
+    # A new cache of the survivors starts, shares and serves.
+    again = _cache(rank, "lose", gpu_kib=16, host_kib=256)
+    async with again:
+        assert await again.wait_host_ready(30)
+        for key in range(10):
+            await again.put(key, value(key))
+        await again.drain()
+        dist.barrier()
+        found = await again.get_many(list(range(10)))
+        serves = all(t is not None and same_bytes(t, value(k)) for k, t in enumerate(found))
+        await again.drain()
+        dist.barrier()
+        node = node_check(again, rank)
+        dist.barrier()
+    return {
+        "exact": exact,
+        "held_by_dead": held_by_dead,
+        "raised": raised,
+        "took": took,
+        "held_after": held_after,
+        "files_after_close": files_after_close,
+        "serves": serves,
+        "node": node,
+    }
+
+
+def test_a_rank_killed_between_two_calls_leaves_the_node_to_the_others(tmp_path: Path) -> None:
+    def between(processes: dict[int, Any], control: Any) -> None:
+        assert control.wait(60), "rank 2 never got to its first call"
+        processes[2].kill()
+        processes[2].join(10)
+
+    reports = run_ranks(
+        tmp_path,
+        3,
+        lose_a_rank,
+        str(tmp_path / "survivors"),
+        timeout_s=PEER_TIMEOUT_S,
+        between=between,
+        reporting={0, 1},
+    )
+    for rank, report in reports.items():
+        assert report["exact"], f"rank {rank}"
+        assert report["held_by_dead"] > 0, "the dead rank held blocks of the node"
+        assert "could not agree" in report["raised"]
+        assert report["took"] < PEER_TIMEOUT_S + 2
+        assert report["serves"]
+        assert report["node"]["node"] == report["node"]["mine"]  # the same features, once
+    assert reports[1]["held_after"] == 0, "rank 0's close swept the dead rank's blocks"
+    assert reports[1]["files_after_close"] == []
+    assert node_files("lose") == []
+
+
+# --- in one process ---------------------------------------------------------------------
+
+
+def test_a_node_host_tier_without_a_group_is_refused() -> None:
+    settings = CacheSettings(gpu_cache_mb=1, cpu_cache_mb=1, host_share="node")
+    with pytest.raises(SettingsError, match=r"host_share='node'.*group="):
+        FeatureCache(settings, device="sim", registry=CollectorRegistry())
