@@ -7,9 +7,11 @@ import contextlib
 import gc
 import json
 import math
+import multiprocessing
 import os
 import statistics
 import sys
+import tempfile
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
@@ -430,3 +432,26 @@ async def put_in_splits(
         if burst:
             await asyncio.sleep(0)
     return calls
+
+
+def spawn_ranks(target: Callable[..., None], tp: int, *args: Any) -> dict[int, dict[str, Any]]:
+    """Run target(rank, tp, *args, store, outbox) in tp spawned processes, the ranks of one
+    group meeting at a file store; each rank's report, by rank (a rank that failed
+    reports its traceback under "error": raised here)."""
+    ctx = multiprocessing.get_context("spawn")
+    outbox = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        store = str(Path(tmp) / "store")
+        ranks = [
+            ctx.Process(target=target, args=(r, tp, *args, store, outbox), daemon=True)
+            for r in range(tp)
+        ]
+        for process in ranks:
+            process.start()
+        reports: dict[int, dict[str, Any]] = dict(outbox.get(timeout=600) for _ in range(tp))
+        for process in ranks:
+            process.join(30)
+    for rank, report in sorted(reports.items()):
+        if "error" in report:
+            raise RuntimeError(f"rank {rank} of TP {tp} failed:\n{report['error']}")
+    return reports

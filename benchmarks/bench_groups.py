@@ -18,9 +18,7 @@ import argparse
 import asyncio
 import datetime
 import gc
-import multiprocessing
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -32,7 +30,7 @@ from prometheus_client import CollectorRegistry
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _common import fmt, markdown_table, summary_us, write_json
+from _common import fmt, markdown_table, spawn_ranks, summary_us, write_json
 
 from mmcache import CacheSettings, FeatureCache
 
@@ -133,24 +131,7 @@ def _bare_all_reduce(backend: str, device: str, calls: int) -> dict[str, float]:
 
 def run(tp: int, backend: str, device: str, calls: int) -> dict[str, Any]:
     """Spawn tp ranks; rank 0's figures and every rank's host tier."""
-    ctx = multiprocessing.get_context("spawn")
-    outbox = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        store = str(Path(tmp) / "store")
-        ranks = [
-            ctx.Process(
-                target=rank_main, args=(r, tp, backend, device, calls, store, outbox), daemon=True
-            )
-            for r in range(tp)
-        ]
-        for process in ranks:
-            process.start()
-        reports = dict(outbox.get(timeout=600) for _ in range(tp))
-        for process in ranks:
-            process.join(30)
-    for rank, report in sorted(reports.items()):
-        if "error" in report:
-            raise RuntimeError(f"rank {rank} of TP {tp} ({backend}) failed:\n{report['error']}")
+    reports = spawn_ranks(rank_main, tp, backend, device, calls)
     return {
         "figures": reports[0]["figures"],
         "host_bytes_per_node": sum(r["host_bytes"] for r in reports.values()),

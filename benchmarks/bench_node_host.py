@@ -18,9 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
-import multiprocessing
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -32,7 +30,7 @@ from prometheus_client import CollectorRegistry
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _common import fmt, markdown_table, write_json
+from _common import fmt, markdown_table, spawn_ranks, write_json
 
 from mmcache import CacheSettings, FeatureCache
 
@@ -118,22 +116,7 @@ async def _measure(rank: int, share: Share, features: int) -> dict[str, Any]:
 
 def run(tp: int, features: int) -> dict[str, Any]:
     """Spawn tp ranks; per share, the node's figures and rank 0's times."""
-    ctx = multiprocessing.get_context("spawn")
-    outbox = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        store = str(Path(tmp) / "store")
-        ranks = [
-            ctx.Process(target=rank_main, args=(r, tp, features, store, outbox), daemon=True)
-            for r in range(tp)
-        ]
-        for process in ranks:
-            process.start()
-        reports = dict(outbox.get(timeout=600) for _ in range(tp))
-        for process in ranks:
-            process.join(30)
-    for rank, report in sorted(reports.items()):
-        if "error" in report:
-            raise RuntimeError(f"rank {rank} of TP {tp} failed:\n{report['error']}")
+    reports = spawn_ranks(rank_main, tp, features)
     outcome: dict[str, Any] = {}
     for share in SHARES:
         each = [reports[r][share] for r in range(tp)]

@@ -13,9 +13,25 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 Report = dict[str, Any]
+
+
+def value(key: int) -> torch.Tensor:
+    """The feature of key: the same bytes on every rank, 2 to 12 KiB."""
+    g = torch.Generator().manual_seed(1000 + key)
+    return torch.randn(2 + key % 11, 256, generator=g)
+
+
+def same_bytes(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Whether got holds exactly want's bytes, dtype and shape."""
+    return (
+        got.dtype == want.dtype
+        and got.shape == want.shape
+        and torch.equal(got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8))
+    )
 
 
 def _rank_main(

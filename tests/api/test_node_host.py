@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from prometheus_client import CollectorRegistry
-from ranks import Report, run_ranks
+from ranks import Report, run_ranks, same_bytes, value
 
 from mmcache import CacheSettings, FeatureCache, GroupError, SettingsError
 from mmcache.device import SimDevice
@@ -30,20 +30,6 @@ from mmcache.node_host import node_files
 
 KEYS = 24
 PEER_TIMEOUT_S = 2.0
-
-
-def value(key: int) -> torch.Tensor:
-    """The feature of key: the same bytes on every rank, 2 to 12 KiB."""
-    g = torch.Generator().manual_seed(1000 + key)
-    return torch.randn(2 + key % 11, 256, generator=g)
-
-
-def same_bytes(got: torch.Tensor, want: torch.Tensor) -> bool:
-    return (
-        got.dtype == want.dtype
-        and got.shape == want.shape
-        and torch.equal(got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8))
-    )
 
 
 def _cache(rank: int, name: str, gpu_kib: float, host_kib: float) -> FeatureCache:
