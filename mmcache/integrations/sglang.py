@@ -333,12 +333,18 @@ class MMCacheMultimodalCache(MultimodalCache):  # type: ignore[misc]
     # --- on the loop's thread --------------------------------------------------------------
 
     async def _get(self, key: Hashable, stream: Stream) -> EmbeddingResult | None:
+        shell = self._known.get(key, _UNKNOWN)
         tensor = await self._cache.get(key, stream=stream)
         if tensor is None:
             if key not in self._cache:  # with a group, a miss may still be held here
                 self._known.pop(key, None)
             return None
-        return self._result(tensor, self._known.get(key))
+        if self._known.get(key, _UNKNOWN) is not shell:
+            # Freed or set again while the get waited (a host hit's upload): the tensor
+            # may be either value, so neither shell can be told to be its. A miss: SGLang
+            # encodes the image again.
+            return None
+        return self._result(tensor, None if shell is _UNKNOWN else shell)
 
     @staticmethod
     def _result(tensor: torch.Tensor, shell: EmbeddingResult | None) -> EmbeddingResult:

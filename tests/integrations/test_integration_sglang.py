@@ -6,6 +6,7 @@ as it does (host tier off, same byte budget), and never miss where it hits (host
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import importlib.util
 import logging
@@ -37,6 +38,8 @@ from sglang.srt.mem_cache.multimodal_cache import (  # noqa: E402
     MultiModalStaticCache,
 )
 
+from mmcache.core.entry import Entry, State  # noqa: E402
+from mmcache.device import SimDevice  # noqa: E402
 from mmcache.integrations import IntegrationError  # noqa: E402
 from mmcache.integrations.sglang import (  # noqa: E402
     Installation,
@@ -193,6 +196,44 @@ def test_set_keeps_an_embedding_results_own_fields() -> None:
         got = ours.get_single(7)
         assert isinstance(got, WithFrames) and got.frames == [1, 3]
         assert torch.equal(got.embedding, feature(7, 4, torch.float32))
+
+
+def test_a_value_replaced_while_its_host_hit_is_read_is_never_served_with_the_new_fields() -> None:
+    """A get of a host-tier hit waits for its upload; a free and set of the key meanwhile
+    gives it new fields: the get answers the value it read with that value's fields, or a
+    miss, never the old tensor with the new fields."""
+    from dataclasses import dataclass
+
+    @dataclass(kw_only=True)
+    class WithFrames(EmbeddingResult):  # type: ignore[misc]
+        frames: list[int]
+
+    old, new = feature(7, 4, torch.float32), feature(70, 4, torch.float32)
+    with adapter(4 * KiB, HOST_ON) as ours:
+        assert ours.set(7, WithFrames(embedding=old, frames=[1]))
+        for key in range(8, 12):  # 1 KiB each: 7 goes to the host tier
+            assert ours.set(key, EmbeddingResult(embedding=feature(key, 4, torch.float32)))
+        cache = ours.feature_cache
+        device = cache.device
+        assert isinstance(device, SimDevice)
+
+        async def replaced_while_read() -> Any:
+            await cache.drain()
+            entry = cache._core.state.index[7]
+            assert isinstance(entry, Entry) and entry.state is State.HOST
+            stream = device.current_stream()
+            assert await ours._free(8) and await ours._free(9)  # room for the new value
+            with device.hold():  # the upload waits
+                got = asyncio.ensure_future(ours._get(7, stream))
+                for _ in range(3):
+                    await asyncio.sleep(0)  # the turn ends: the get's upload is queued
+                assert await ours._free(7)
+                assert await ours._set(7, new, WithFrames(embedding=new, frames=[2]), stream)
+            return await got
+
+        result = ours._loop.run(replaced_while_read())
+        served = None if result is None else (result.frames, result.embedding.tolist())
+        assert served in (None, ([1], old.tolist()), ([2], new.tolist())), served[0]
 
 
 def test_refuses_what_sglang_refuses() -> None:
