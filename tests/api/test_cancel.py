@@ -8,7 +8,10 @@ to the end and is cached even if every waiter was cancelled.
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -164,4 +167,44 @@ async def test_cancelled_compacting_put_releases_its_copy(sim_rig: Rig, steps: i
         else:
             got = await cache.get("half", device="cpu")
             assert got is not None and torch.equal(got, batch[:64])
+        await _settled(sim_rig, cache)
+
+
+async def test_a_task_group_of_serving_clients_cancelled_ends_at_once(sim_rig: Rig) -> None:
+    """A scheduler's serving tasks (get_or_compute with the encoder on an executor, hits,
+    host hits, puts evicting) cancelled together: every one ends within the same loop
+    turns, none waits for an encoder still running or for a copy, and nothing leaks."""
+    cache = _cache(sim_rig, gpu_mb=KiB32 * 8, cpu_mb=1)
+    loop = asyncio.get_running_loop()
+    encoders = ThreadPoolExecutor(4)
+
+    def encode(key: int) -> torch.Tensor:
+        time.sleep(0.02)  # an encoder on a worker thread
+        return torch.full((2048,), float(key))  # 8 KiB
+
+    async def client(first: int) -> None:
+        n = 0
+        while True:
+            key = (first * 7 + n) % 48
+            compute = functools.partial(loop.run_in_executor, encoders, encode, key)
+            got = await cache.get_or_compute(key, compute)
+            assert got is not None and float(got[0]) == key
+            n += 1
+
+    async with cache:
+        assert await cache.wait_host_ready(5)
+        for _ in range(3):
+            clients = [asyncio.create_task(client(i)) for i in range(16)]
+            await asyncio.sleep(0.2)
+            assert not any(task.done() for task in clients)  # serving, no error
+            for task in clients:
+                task.cancel()
+            done, pending = await asyncio.wait(clients, timeout=0.05)
+            assert not pending and all(task.cancelled() for task in done)
+        assert cache.stats().hits_gpu + cache.stats().hits_cpu > 0
+        del clients, done, pending, task  # their frames hold the outputs they were served
+        # The encoders still running finish, and their features are cached.
+        await asyncio.to_thread(encoders.shutdown)
+        for _ in range(10):
+            await asyncio.sleep(0.01)
         await _settled(sim_rig, cache)
