@@ -27,7 +27,7 @@ from mmcache.agreement import Agreement, check_group
 from mmcache.closing import CloseOnce, off_the_loop
 from mmcache.core.entry import Entry, Member, State, check_key, key_list, row_range
 from mmcache.core.machine import check_budgets_fit
-from mmcache.core.puts import check_items, owns_storage
+from mmcache.core.put_checks import check_items, owns_storage
 from mmcache.core.thread_hits import GIL_ENABLED, ThreadHits
 from mmcache.core.tiers import Tiers
 from mmcache.device import Device, Fence, Stream, resolve_device
@@ -371,7 +371,7 @@ class FeatureCache:
         """
         if stream is None:
             stream = self._device.current_stream()
-        keys, rows = self._puts.check_split(keys, value, split_sizes)
+        keys, rows = self._core.put_checks.check_split(keys, value, split_sizes)
         holder = [value]
         del value  # the cache owns it now: no frame of ours keeps it alive past its release
         if self._closed or self._loop is not asyncio.get_running_loop():
