@@ -634,7 +634,7 @@ class _Soak:
             self.report.faults_fired = sum(self.report.faults_injected.values()) - left
         # A get_or_compute whose callers were all cancelled still runs to its put: the
         # audit below is of settled work, so wait for those computations first.
-        computing = cache._inflight.running()
+        computing = cache._life.inflight.running()
         if computing:
             await asyncio.wait(computing, timeout=30)  # a stuck one shows in the audit
         await cache.drain()

@@ -58,6 +58,7 @@ class Puts:
         self._producers = producers
         self._counters = counters
         self._ledger = state.ledger  # read here; changed through the state's verbs
+        self._index = state.index  # likewise
         self._evictor = evictor
         self._host = host
         self._landings = landings
@@ -70,6 +71,17 @@ class Puts:
         self._gpu_capacity = gpu_capacity
         self._small_copy_bytes = state.small_copy_bytes
 
+    def takes_new(self, key: Hashable, value: object) -> bool:
+        """Whether put_new can take a put of value under key: a new key, and a device tensor
+        that owns its storage and fits the GPU tier."""
+        return (
+            isinstance(value, torch.Tensor)
+            and self._device.is_device_tensor(value)  # first: nbytes raises for some layouts
+            and 0 < value.nbytes <= self._gpu_capacity
+            and key not in self._index
+            and owns_storage(value)
+        )
+
     async def put_new(
         self,
         key: Hashable,
@@ -78,7 +90,8 @@ class Puts:
         wait: bool,
         cost: float | None = None,
     ) -> bool:
-        """put of one new key's device tensor that owns its storage and fits the GPU tier.
+        """put of one new key's device tensor that owns its storage and fits the GPU tier
+        (takes_new), of a cache serving on this loop.
 
         What put_batch and _insert_units do for it, without their lists and loops, which
         a put of one feature would pay for on every call (BENCHMARKS.md). A put that must
