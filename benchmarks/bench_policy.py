@@ -35,7 +35,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 
 from _common import MiB, fmt, markdown_table, write_json  # noqa: E402
 
-import mmcache.cache  # noqa: E402
+import mmcache.compute_on_miss  # noqa: E402
 from mmcache import CacheSettings, FeatureCache  # noqa: E402
 from mmcache.core.entry import Entry  # noqa: E402
 from mmcache.core.policy import POLICY_NAMES, PolicyName  # noqa: E402
@@ -118,7 +118,7 @@ async def replay(trace: Trace, policy: PolicyName, budget: float, scale: int) ->
     )
     misses = wrong = 0
     miss_seconds = 0.0
-    with mock.patch.object(mmcache.cache, "time", clock):
+    with mock.patch.object(mmcache.compute_on_miss, "time", clock):
         async with FeatureCache(settings, device="sim", registry=CollectorRegistry()) as cache:
             for index in trace.requests:
                 item = trace.items[index]

@@ -630,13 +630,11 @@ class _Soak:
         """Drain, then audit: what is left must be owned by entries, exactly."""
         cache = self.cache
         if self.sim is not None:
-            with self.sim._cond:  # faults not yet fired are withdrawn for the audit
-                left = sum(self.sim._faults.values())
-                self.sim._faults.clear()
+            left = self.sim.withdraw_faults()  # faults not yet fired are out of the audit
             self.report.faults_fired = sum(self.report.faults_injected.values()) - left
         # A get_or_compute whose callers were all cancelled still runs to its put: the
         # audit below is of settled work, so wait for those computations first.
-        computing = cache._inflight.running()
+        computing = cache._life.inflight.running()
         if computing:
             await asyncio.wait(computing, timeout=30)  # a stuck one shows in the audit
         await cache.drain()

@@ -1,33 +1,28 @@
-"""Puts: checking values, taking ownership of them, reserving room, indexing entries."""
+"""Puts: taking ownership of values, reserving room, indexing entries (checks: put_checks)."""
 
 from __future__ import annotations
 
 import functools
 import itertools
 import math
-import operator
 from collections.abc import Callable, Hashable, Sequence
-from typing import Final, final
+from typing import final
 
 import torch
 
 from mmcache.core.counters import Counters
-from mmcache.core.entry import Entry, State, check_keys
+from mmcache.core.entry import Entry, State
 from mmcache.core.evictor import Evictor
 from mmcache.core.host import HostTier
 from mmcache.core.offload import OffloadPipeline
 from mmcache.core.packing import BATCH_BYTES, GROUP_BELOW, Packings, group_spans, runs
 from mmcache.core.producer_fences import ProducerFences
+from mmcache.core.put_checks import PutChecks, owns_storage
 from mmcache.core.state import Release, TierState
 from mmcache.device import CopyPlan, Device, Fence, NewCopyPlan, Stream
-from mmcache.device.base import feature_bytes
-from mmcache.errors import InvalidKeyError, InvalidValueError, ValueTooLargeError
 from mmcache.host_pool import HostBlock
-from mmcache.layouts import check_strided
 
-__all__ = ["Puts", "check_items", "owns_storage"]
-
-MiB: Final = 1024 * 1024
+__all__ = ["Puts"]
 
 
 @final
@@ -51,64 +46,41 @@ class Puts:
         host: HostTier,
         landings: OffloadPipeline,
         packings: Packings,
+        checks: PutChecks,
         carry_out: Callable[[Sequence[Release]], None],
         drop_if_failed: Callable[[Entry, Fence], None],
         when_done: Callable[[Sequence[Fence], Callable[[], None]], None],
         changed: Callable[[], None],
         gpu_capacity: int,
-        how_to_change: Callable[[str], str],
     ) -> None:
         self._device = device
         self._state = state
         self._producers = producers
         self._counters = counters
         self._ledger = state.ledger  # read here; changed through the state's verbs
+        self._index = state.index  # likewise
         self._evictor = evictor
         self._host = host
         self._landings = landings
         self._carry_out = carry_out
         self._check_ready = drop_if_failed
         self._packings = packings
+        self._checks = checks
         self._when_done = when_done
         self._changed = changed
         self._gpu_capacity = gpu_capacity
-        self._how_to_change = how_to_change  # names the variable or keyword a budget came from
         self._small_copy_bytes = state.small_copy_bytes
 
-    def check_split(
-        self, keys: Sequence[Hashable], value: torch.Tensor, split_sizes: Sequence[int]
-    ) -> tuple[list[Hashable], list[int]]:
-        """put_split's arguments checked: its keys as a list, and the rows of each feature."""
-        if isinstance(keys, (str, bytes)):
-            raise InvalidKeyError(
-                f"put_split takes a sequence of keys, one per item, not one {type(keys).__name__}"
-            )
-        keys = list(keys)
-        sizes_given = list(split_sizes)
-        try:
-            rows = list(map(operator.index, sizes_given))
-        except TypeError:
-            raise InvalidValueError(
-                f"split sizes must be a sequence of ints, not {split_sizes!r}"
-            ) from None
-        check_keys(keys)
-        if len(set(keys)) != len(keys):
-            raise InvalidKeyError("put_split got the same key twice; keys must be distinct")
-        if len(rows) != len(keys):
-            raise InvalidValueError(
-                f"put_split got {len(keys)} keys and {len(rows)} split sizes; one size per key"
-            )
-        check_strided(value, "put_split()")
-        self.check_value(value, "put_split()")
-        if value.dim() == 0:
-            raise InvalidValueError("put_split splits a tensor by rows; got a 0-dim tensor")
-        if rows and (min(rows) <= 0 or bool in set(map(type, sizes_given))):
-            raise InvalidValueError(f"split sizes must be positive ints, got {sizes_given}")
-        if sum(rows) != value.shape[0]:
-            raise InvalidValueError(
-                f"split sizes add up to {sum(rows)} rows; the tensor has {value.shape[0]}"
-            )
-        return keys, rows
+    def takes_new(self, key: Hashable, value: object) -> bool:
+        """Whether put_new can take a put of value under key: a new key, and a device tensor
+        that owns its storage and fits the GPU tier."""
+        return (
+            isinstance(value, torch.Tensor)
+            and self._device.is_device_tensor(value)  # first: nbytes raises for some layouts
+            and 0 < value.nbytes <= self._gpu_capacity
+            and key not in self._index
+            and owns_storage(value)
+        )
 
     async def put_new(
         self,
@@ -118,7 +90,8 @@ class Puts:
         wait: bool,
         cost: float | None = None,
     ) -> bool:
-        """put of one new key's device tensor that owns its storage and fits the GPU tier.
+        """put of one new key's device tensor that owns its storage and fits the GPU tier
+        (takes_new), of a cache serving on this loop.
 
         What put_batch and _insert_units do for it, without their lists and loops, which
         a put of one feature would pay for on every call (BENCHMARKS.md). A put that must
@@ -169,8 +142,9 @@ class Puts:
         to_gpu = self._gpu_capacity > 0
         if not to_gpu and self._host.capacity == 0:
             return False
-        self.check_fits(max(sizes), to_gpu)  # one feature too large: names the setting
-        self._check_group_fits(total, to_gpu)
+        checks = self._checks
+        checks.check_fits(max(sizes), to_gpu)  # one feature too large: names the setting
+        checks.check_group_fits(total, to_gpu)
         host_limit = self._host.limit()
         if len(keys) == 1 or not host_limit or total <= host_limit:
             spans = [(0, len(keys))]
@@ -217,19 +191,20 @@ class Puts:
         else:  # both tiers off: put returns False below, once every value is checked
             limit = self._host.limit() if self._host.capacity else math.inf
         on_device = self._device.is_device_tensor
+        checks = self._checks
         for key, tensor in items:
             keys.append(key)
             if not isinstance(tensor, torch.Tensor) or not on_device(tensor):
-                self.check_value(tensor)  # raises, saying what is wrong
+                checks.check_value(tensor)  # raises, saying what is wrong
             nbytes = tensor.nbytes
             if nbytes == 0 or nbytes > limit:
-                self.check_value(tensor)  # raises for an empty tensor
-                self.check_fits(nbytes, to_gpu)  # raises, with the setting to change
+                checks.check_value(tensor)  # raises for an empty tensor
+                checks.check_fits(nbytes, to_gpu)  # raises, with the setting to change
             sizes.append(nbytes)
         total = sum(sizes)
         if not to_gpu and self._host.capacity == 0:
             return False
-        self._check_group_fits(total, to_gpu)
+        checks.check_group_fits(total, to_gpu)
         if len(items) == 1:
             spans = [(0, 1)]
         else:
@@ -407,38 +382,6 @@ class Puts:
                 if wake:
                     self._evictor.wake()
 
-    def check_value(self, value: object, caller: str = "put()") -> int:
-        nbytes = feature_bytes(self._device, value, caller)
-        if nbytes == 0:
-            assert isinstance(value, torch.Tensor)
-            raise InvalidValueError(f"refusing an empty tensor of shape {tuple(value.shape)}")
-        return nbytes
-
-    def check_fits(self, nbytes: int, to_gpu: bool) -> None:
-        if to_gpu and nbytes > self._gpu_capacity:
-            raise ValueTooLargeError(
-                f"value of {nbytes / MiB:.1f} MB exceeds the GPU tier "
-                f"({self._gpu_capacity / MiB:.1f} MB); raise "
-                f"{self._how_to_change('gpu_cache_mb')}"
-            )
-        limit = self._host.limit()
-        if not to_gpu and nbytes > limit:
-            raise ValueTooLargeError(
-                f"value of {nbytes / MiB:.1f} MB exceeds the host tier ({limit / MiB:.1f} MB), "
-                f"and the GPU tier is off; raise "
-                f"{self._how_to_change('cpu_cache_mb')}"
-            )
-
-    def _check_group_fits(self, total: int, to_gpu: bool) -> None:
-        """Features put together must fit their tier together: none of them would go in."""
-        capacity = self._gpu_capacity if to_gpu else self._host.capacity
-        if total > capacity:
-            tier = "GPU" if to_gpu else "host"
-            raise ValueTooLargeError(
-                f"features of {total / MiB:.1f} MB in all exceed the {tier} tier "
-                f"({capacity / MiB:.1f} MB); put them in smaller groups"
-            )
-
     def _own(self, value: torch.Tensor, stream: Stream, ready: Fence) -> tuple[torch.Tensor, Fence]:
         """The cache's own alias of value; a view of a larger storage is compacted first."""
         if owns_storage(value):
@@ -486,32 +429,3 @@ class Puts:
         for block in blocks:
             self._state.free_block(block)
         blocks.clear()
-
-
-def check_items(batch: list[tuple[Hashable, torch.Tensor]]) -> None:
-    """put_many's items checked: (key, tensor) pairs under distinct keys."""
-    keys = []
-    for item in batch:
-        if not isinstance(item, tuple) or len(item) != 2:
-            raise InvalidValueError(
-                f"put_many takes (key, tensor) pairs, not {type(item).__name__}"
-            )
-        check_strided(item[1], "put_many()")
-        keys.append(item[0])
-    check_keys(keys)  # before hashing: an unhashable key gets a clear error
-    if len(set(keys)) != len(batch):
-        raise InvalidKeyError("put_many got the same key twice; keys must be distinct")
-
-
-def owns_storage(value: torch.Tensor) -> bool:
-    """Whether the cache may hold value itself: it is its whole storage, contiguous.
-
-    Not a lazy conjugate (or negation) either: its bytes are not its values, and offloads
-    copy bytes. Anything else is compacted at put.
-    """
-    return (
-        value.is_contiguous()
-        and value.untyped_storage().nbytes() == value.nbytes
-        and not value.is_conj()
-        and not value.is_neg()
-    )

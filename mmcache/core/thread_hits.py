@@ -37,16 +37,19 @@ hand-over orders memory):
   failed one goes to the hand-off, which raises.
 - The hit's count and recency touch are not applied here: the entry goes on a deque
   (append and popleft are atomic) that the loop drains in `apply()`: woken once per
-  burst of hits, before every eviction plan, and before stats(). The stats' counts of
-  hits are exact once the loop has drained it.
+  burst of hits, before every eviction plan, and before stats() (`apply_from`, which a
+  thread other than the loop's asks of the loop). The stats' counts of hits are exact
+  once the loop has drained it.
 
 A free-threaded build (no GIL) has none of these guarantees: there the thread path is off.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import sys
+import threading
 from collections import deque
 from collections.abc import Callable, Hashable
 from typing import Final, final
@@ -179,3 +182,34 @@ class ThreadHits:
                 with contextlib.suppress(KeyError):  # a GPU entry outside the order
                     touch(entry.key)
         self._counters.looked_up(hits, 0, 0)
+
+    def apply_from(
+        self, loop: asyncio.AbstractEventLoop | None, loop_thread: int, timeout: float
+    ) -> None:
+        """apply() from any thread (stats() counts every hit served so far): at once on the
+        loop's thread (loop_thread), or where no loop runs that could change the state
+        meanwhile; from another thread, by asking the loop and waiting up to timeout s."""
+        if not self.unapplied:
+            return
+        if (
+            loop is None
+            or threading.get_ident() == loop_thread
+            or not loop.is_running()
+            or loop.is_closed()
+        ):
+            self.apply()
+            return
+        applied = threading.Event()
+
+        def apply() -> None:
+            try:
+                self.apply()
+            finally:
+                applied.set()
+
+        try:
+            loop.call_soon_threadsafe(apply)
+        except RuntimeError:  # closed just now
+            self.apply()
+            return
+        applied.wait(timeout)

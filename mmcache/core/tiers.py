@@ -17,6 +17,7 @@ from mmcache.core.index import KeyIndex
 from mmcache.core.offload import OffloadPipeline
 from mmcache.core.packing import Packings
 from mmcache.core.producer_fences import ProducerFences
+from mmcache.core.put_checks import PutChecks
 from mmcache.core.puts import Puts
 from mmcache.core.reads import Reads
 from mmcache.core.state import Release, TierState
@@ -103,6 +104,12 @@ class Tiers:
             evict_ahead=int(gpu_capacity * settings.evict_ahead),
         )
         self.packings = Packings(when_done, self.drop_if_failed)
+        self.put_checks = PutChecks(
+            device=device,
+            host=host,
+            gpu_capacity=gpu_capacity,
+            how_to_change=settings.how_to_change,
+        )
         self.puts = Puts(
             device=device,
             state=state,
@@ -112,12 +119,12 @@ class Tiers:
             host=host,
             landings=pipeline,
             packings=self.packings,
+            checks=self.put_checks,
             carry_out=self.carry_out,
             drop_if_failed=self.drop_if_failed,
             when_done=when_done,
             changed=changed,
             gpu_capacity=gpu_capacity,
-            how_to_change=settings.how_to_change,
         )
         self.reads = reads = Reads(
             device=device,

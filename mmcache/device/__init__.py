@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from mmcache.device.base import DONE, Device, Fence, Stream, storage_use_count
 from mmcache.device.plan import Copied, CopyPlan, NewCopyPlan
-from mmcache.device.sim import SimDevice, SimFence, SimStream
+from mmcache.device.sim import SimDevice
+from mmcache.device.sim_engine import SimFence, SimStream
 
 __all__ = [
     "DONE",

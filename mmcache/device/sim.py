@@ -1,10 +1,11 @@
 """SimDevice: an adversarial CPU simulator of a GPU's copy engines and caching allocator.
 
 "Device tensors" are ordinary CPU tensors. Copies run on a worker thread in
-stream order and read their source when they run, not when queued. Memory the
-cache releases is poisoned (0xFF: NaN for floats) as soon as no tensor outside
-the cache and the simulator references it and every fence it was released
-after is done, so a cache that forgets a fence reads poison in tests.
+stream order and read their source when they run, not when queued (the copy
+engine: sim_engine). Memory the cache releases is poisoned (0xFF: NaN for floats)
+as soon as no tensor outside the cache and the simulator references it and every
+fence it was released after is done, so a cache that forgets a fence reads poison
+in tests.
 """
 
 from __future__ import annotations
@@ -12,17 +13,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-import time
-from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from mmcache.device.base import (
-    DONE,
     AllFences,
     ArenaProgress,
     Device,
@@ -32,92 +30,10 @@ from mmcache.device.base import (
     storage_use_count,
 )
 from mmcache.device.sim_arena import ARENA_PAGE, POISON_BYTE, SimArenas
-from mmcache.errors import CopyFailedError, DeviceOutOfMemoryError, InvalidValueError
+from mmcache.device.sim_engine import FaultKind, Operand, SimCopyEngine, SimStream
+from mmcache.errors import DeviceOutOfMemoryError, InvalidValueError
 
-__all__ = ["ARENA_PAGE", "POISON_BYTE", "SimDevice", "SimFence", "SimStream"]
-
-FaultKind = Literal["copy_fails", "alloc_fails", "fence_never_completes"]
-
-#: A worker thread with nothing queued for this long ends (the next op starts another).
-_WORKER_IDLE_EXIT_S = 1.0
-
-
-class SimFence(Fence):
-    """A fence completed by the simulator's worker thread."""
-
-    __slots__ = ("_callbacks", "_done", "_event", "_exc", "_lock", "_settled")
-
-    def __init__(self, lock: threading.Lock) -> None:
-        self._lock = lock
-        self._done = False
-        self._settled = False  # done and every callback has run
-        self._exc: BaseException | None = None
-        self._callbacks: list[Callable[[], None]] = []
-        self._event: threading.Event | None = None
-
-    def done(self) -> bool:
-        return self._done
-
-    def exception(self) -> BaseException | None:
-        return self._exc
-
-    def add_done_callback(self, fn: Callable[[], None]) -> None:
-        with self._lock:
-            if not self._done:
-                self._callbacks.append(fn)
-                return
-        fn()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        with self._lock:
-            if self._settled:
-                return True
-            if self._event is None:
-                self._event = threading.Event()
-            event = self._event
-        return event.wait(timeout)
-
-    def _complete(self, exc: BaseException | None = None) -> None:
-        with self._lock:
-            self._exc = exc
-            self._done = True
-            callbacks, self._callbacks = self._callbacks, []
-        for fn in callbacks:
-            fn()
-        # Waiters wake after the callbacks: synchronize() then sees releases already done.
-        with self._lock:
-            self._settled = True
-            event = self._event
-        if event is not None:
-            event.set()
-
-
-class SimStream:
-    """A simulated stream: operations run one after another, in the order queued."""
-
-    __slots__ = ("name", "ops")
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.ops: deque[_Op] = deque()
-
-    def __repr__(self) -> str:
-        return f"SimStream({self.name!r}, queued={len(self.ops)})"
-
-
-@dataclass(slots=True, eq=False)
-class _Op:
-    """One queued piece of simulated device work."""
-
-    stream: SimStream
-    fence: SimFence
-    deps: list[Fence]
-    held: bool
-    run: Callable[[], object] | None = None
-    nbytes: int = 0
-    holds: list[tuple[_Allocation, torch.Tensor]] = field(default_factory=list)
-    fail: BaseException | None = None
-    stuck: bool = False
+__all__ = ["ARENA_PAGE", "POISON_BYTE", "SimDevice"]
 
 
 @dataclass(slots=True, eq=False)
@@ -156,12 +72,9 @@ class SimDevice(Device):
         if memory_bytes is not None and memory_bytes <= 0:
             raise ValueError(f"memory_bytes must be > 0 (None: this machine's), not {memory_bytes}")
         self.name = "sim"
-        self.bandwidth_gbps = bandwidth_gbps
-        self.latency_s = latency_s
         self._memory_bytes = memory_bytes if memory_bytes is not None else host_memory_bytes()
-        self._lock = threading.Lock()  # guards fences
-        self._cond = threading.Condition()  # guards streams, allocations, holds
-        self._streams: list[SimStream] = []
+        self._engine = engine = SimCopyEngine(bandwidth_gbps, latency_s)
+        self._cond = engine.cond  # guards allocations too: queued copies hold their operands
         self._local = threading.local()
         self.default_stream = self.stream("default")
         self.d2h_stream = self.stream("d2h")
@@ -170,22 +83,27 @@ class SimDevice(Device):
         self._arenas = SimArenas(self.name, pin_chunk_bytes, pin_chunk_s)
         self._allocated_bytes = 0
         self._released_outside: set[int] = set()
-        self._hold_depth = 0
-        self._held_ops: list[_Op] = []
-        self._faults: dict[FaultKind, int] = {}
-        self._worker: threading.Thread | None = None
-        self._closed = False
-        self.copies_run = 0
-        self._completing = 0  # finished operations whose fence callbacks are still running
 
-    # --- streams and fences -------------------------------------------------
+    @property
+    def bandwidth_gbps(self) -> float:
+        """The simulated copies' bandwidth in GB/s (0: copies take no time)."""
+        return self._engine.bandwidth_gbps
+
+    @property
+    def latency_s(self) -> float:
+        """Seconds each copy takes before its bytes (0: none)."""
+        return self._engine.latency_s
+
+    @property
+    def copies_run(self) -> int:
+        """Copies the worker has run so far."""
+        return self._engine.copies_run
+
+    # --- streams and fences: the copy engine's -------------------------------
 
     def stream(self, name: str = "side") -> SimStream:
         """Create a new simulated stream."""
-        s = SimStream(name)
-        with self._cond:
-            self._streams.append(s)
-        return s
+        return self._engine.stream(name)
 
     @contextlib.contextmanager
     def use_stream(self, stream: SimStream) -> Iterator[SimStream]:
@@ -202,64 +120,34 @@ class SimDevice(Device):
         return stream
 
     def record(self, stream: Stream) -> Fence:
-        s = self._as_sim_stream(stream)
-        with self._cond:
-            if not s.ops:
-                return DONE
-            return self._enqueue(s, [], None).fence
+        return self._engine.record(self._as_sim_stream(stream))
 
     def wait_on(self, stream: Stream, fence: Fence) -> None:
-        if fence.done():
-            return
-        with self._cond:
-            self._enqueue(self._as_sim_stream(stream), [fence], None)
+        self._engine.wait_on(self._as_sim_stream(stream), fence)
 
     def launch(self, stream: SimStream, kernel: Callable[[], object]) -> Fence:
         """Queue a host function as a "kernel" on stream (a producer that writes later)."""
-        with self._cond:
-            return self._enqueue(stream, [], kernel).fence
+        return self._engine.launch(stream, kernel)
 
-    @contextlib.contextmanager
-    def hold(self) -> Iterator[None]:
+    def hold(self) -> contextlib.AbstractContextManager[None]:
         """Keep every operation queued inside the block from running until the block exits."""
-        with self._cond:
-            self._hold_depth += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._hold_depth -= 1
-                if self._hold_depth == 0:
-                    for op in self._held_ops:
-                        op.held = False
-                    self._held_ops.clear()
-                    self._cond.notify_all()
+        return self._engine.hold()
 
     def inject(self, kind: FaultKind, count: int = 1) -> None:
         """Make the next count operations of a kind fail (copies, allocations) or hang (fences)."""
-        with self._cond:
-            self._faults[kind] = self._faults.get(kind, 0) + count
+        self._engine.inject(kind, count)
+
+    def withdraw_faults(self) -> int:
+        """Withdraw the faults injected and not fired yet; how many there were."""
+        return self._engine.withdraw_faults()
 
     def unstick(self) -> None:
         """Let operations injected with fence_never_completes run after all (a late fence)."""
-        with self._cond:
-            for s in self._streams:
-                for op in s.ops:
-                    op.stuck = False
-            self._cond.notify_all()
+        self._engine.unstick()
 
     def synchronize(self) -> None:
         """Block until every queued operation has run (held ones make this wait)."""
-        with self._cond:
-            fences = [op.fence for s in self._streams for op in s.ops]
-        for f in fences:
-            f.wait()
-        self._wait_completions()
-
-    def _wait_completions(self) -> None:
-        """Wait until no finished operation is still running its fence's callbacks."""
-        with self._cond:
-            self._cond.wait_for(lambda: self._completing == 0, timeout=5.0)
+        self._engine.synchronize()
 
     # --- memory -------------------------------------------------------------
 
@@ -287,11 +175,10 @@ class SimDevice(Device):
     def _empty(
         self, shape: Sequence[int], dtype: torch.dtype, stream: Stream | None
     ) -> torch.Tensor:
-        with self._cond:
-            if self._take_fault("alloc_fails"):
-                raise DeviceOutOfMemoryError(
-                    f"simulated device out of memory allocating {tuple(shape)} {dtype}"
-                )
+        if self._engine.take_fault("alloc_fails"):
+            raise DeviceOutOfMemoryError(
+                f"simulated device out of memory allocating {tuple(shape)} {dtype}"
+            )
         tensor = torch.empty(tuple(shape), dtype=dtype)
         _poison(tensor)  # fresh device memory holds garbage, never zeros
         return self.adopt(tensor, self.default_stream)
@@ -321,7 +208,7 @@ class SimDevice(Device):
     def allocated_bytes(self) -> int:
         """Simulated device memory live: adopted or allocated and not yet recycled."""
         # A release waiting on a fence recycles from that fence's callbacks: let them run.
-        self._wait_completions()
+        self._engine.wait_completions()
         with self._cond:
             self._sweep_released()
             return self._allocated_bytes
@@ -380,19 +267,14 @@ class SimDevice(Device):
                 _bytes_of(dst).copy_(_bytes_of(src))
 
         with self._cond:
-            # A failed dependency fails the copy too, even when it finished long ago.
-            deps = [f for f in after if not f.done() or f.exception() is not None]
-            op = self._enqueue(stream, deps, run, src.nbytes)
+            # Its allocations keep the operands referenced until it has run: memory
+            # released meanwhile is not recycled under it.
+            operands: list[Operand] = []
             for t in (src, dst):
                 alloc = self._allocs.get(t.untyped_storage().data_ptr())
                 if alloc is not None:
-                    alloc.op_tensors.append(t)
-                    op.holds.append((alloc, t))
-            if self._take_fault("copy_fails"):
-                op.fail = CopyFailedError(f"simulated copy failure ({src.nbytes} bytes)")
-            if self._take_fault("fence_never_completes"):
-                op.stuck = True
-        return op.fence
+                    operands.append((alloc.op_tensors, t))
+            return self._engine.copy(stream, run, src.nbytes, after, operands)
 
     def _copy_d2h(self, src: torch.Tensor, dst: torch.Tensor, after: Sequence[Fence]) -> Fence:
         return self.copy_on(self.d2h_stream, src, dst, after)
@@ -443,17 +325,12 @@ class SimDevice(Device):
 
     def close(self) -> None:
         self._arenas.close()
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-        worker = self._worker
-        if worker is not None and worker is not threading.current_thread():
-            worker.join(timeout=5)
+        self._engine.close()
 
     @property
     def closed(self) -> bool:
         """Whether close() has run (a receiver closes its own device after its last lease)."""
-        return self._closed
+        return self._engine.closed
 
     @property
     def memory_bytes(self) -> int | None:
@@ -473,103 +350,6 @@ class SimDevice(Device):
         if not isinstance(stream, SimStream):
             raise InvalidValueError(f"SimDevice needs a SimStream, got {type(stream).__name__}")
         return stream
-
-    def _take_fault(self, kind: FaultKind) -> bool:
-        left = self._faults.get(kind, 0)
-        if left <= 0:
-            return False
-        self._faults[kind] = left - 1
-        return True
-
-    def _enqueue(
-        self,
-        stream: SimStream,
-        deps: list[Fence],
-        run: Callable[[], object] | None,
-        nbytes: int = 0,
-    ) -> _Op:
-        """Queue an operation; the caller holds self._cond."""
-        if self._closed:
-            raise RuntimeError("SimDevice is closed")
-        op = _Op(stream, SimFence(self._lock), deps, held=self._hold_depth > 0, run=run)
-        op.nbytes = nbytes
-        if op.held:
-            self._held_ops.append(op)
-        stream.ops.append(op)
-        if self._worker is None:
-            self._worker = threading.Thread(target=self._work, name="mmcache-sim", daemon=True)
-            self._worker.start()
-        self._cond.notify_all()
-        return op
-
-    def _runnable(self) -> _Op | None:
-        for s in self._streams:
-            if s.ops:
-                op = s.ops[0]
-                if not op.held and not op.stuck and all(d.done() for d in op.deps):
-                    return op
-        return None
-
-    def _work(self) -> None:
-        while True:
-            with self._cond:
-                op = self._runnable()
-                idle_since: float | None = None
-                while op is None:
-                    if self._closed:
-                        return
-                    if any(s.ops for s in self._streams):
-                        idle_since = None
-                    elif idle_since is None:
-                        idle_since = time.monotonic()
-                    elif time.monotonic() - idle_since >= _WORKER_IDLE_EXIT_S:
-                        # Nothing queued: end, so that a device dropped without close()
-                        # keeps no thread (nor itself, through it); the next op starts one.
-                        self._worker = None
-                        return
-                    # A dependency completing on another device wakes us via timeout.
-                    self._cond.wait(timeout=0.05)
-                    op = self._runnable()
-            exc = op.fail
-            if exc is None:
-                for dep in op.deps:
-                    exc = dep.exception()
-                    if exc is not None:
-                        break
-            if exc is None and op.run is not None:
-                delay = self.latency_s
-                if self.bandwidth_gbps > 0:
-                    delay += op.nbytes / (self.bandwidth_gbps * 1e9)
-                if delay > 0:
-                    time.sleep(delay)
-                try:
-                    op.run()
-                except Exception as e:  # a failing kernel fails its fence, not the worker
-                    exc = e
-            with self._cond:
-                op.stream.ops.popleft()
-                self._drop_operands(op)
-                if op.nbytes:
-                    self.copies_run += 1
-                self._completing += 1
-                self._cond.notify_all()
-            try:
-                op.fence._complete(exc)
-            finally:
-                with self._cond:
-                    self._completing -= 1
-                    self._cond.notify_all()
-            del op  # this frame lives on: it must not keep the last operands alive
-
-    @staticmethod
-    def _drop_operands(op: _Op) -> None:
-        """Forget a finished operation's tensors (queued work keeps nothing alive afterwards)."""
-        for alloc, t in op.holds:
-            # by identity: == on tensors compares elements
-            idx = next(i for i, x in enumerate(alloc.op_tensors) if x is t)
-            del alloc.op_tensors[idx]
-        op.holds.clear()
-        op.run = None
 
     def _fence_done_for(self, key: int) -> None:
         with self._cond:

@@ -324,8 +324,8 @@ async def test_a_cache_close_whose_own_work_was_cancelled_says_so_to_later_calle
     cache = await cache_with_slow_device_close(monkeypatch, closed)
     first = asyncio.create_task(cache.close())
     await asyncio.sleep(0.05)  # closing its device
-    assert cache._closing._task is not None
-    cache._closing._task.cancel()
+    assert cache._life.closing._task is not None
+    cache._life.closing._task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await first
     with pytest.raises(asyncio.CancelledError):

@@ -237,7 +237,7 @@ async def assert_left_nothing(rig: Rig, cache: FeatureCache, *keys: str) -> None
     """The failed computations cached nothing, hold nothing, and the keys compute again."""
     for k in keys:
         assert k not in cache
-    assert not cache._inflight
+    assert not cache._life.inflight
     await cache.drain()
     s = cache.stats()
     assert (s.gpu_bytes, s.leaked_bytes) == (0, 0)

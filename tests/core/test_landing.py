@@ -28,7 +28,7 @@ from mmcache.core.entry import Entry
 from mmcache.core.offload import OffloadPipeline
 from mmcache.device import SimDevice
 from mmcache.device.base import Fence
-from mmcache.device.sim import SimFence
+from mmcache.device.sim_engine import SimFence
 from mmcache.host_pool import HostBlock
 from mmcache.waiting import FenceWatcher
 
