@@ -12,6 +12,9 @@ from mmcache.device.base import Device, Fence
 
 __all__ = ["HostBlock", "HostPool"]
 
+#: fresh arena bytes a device that poisons host memory is told of at once, at least
+POISON_AHEAD_BYTES = 1 << 20
+
 Defer = Callable[[Sequence[Fence], Callable[[], None]], None]
 
 
@@ -245,12 +248,15 @@ class HostPool:
             if end < off + free:
                 self._add_range(i, end, off + free - end)
         self.used_bytes += size
-        if self._device.poisons_host and start + size > self._handed_out:
+        stop = start + size
+        if self._device.poisons_host and stop > self._handed_out:
             # Below the top, blocks were handed out before and are poisoned when
             # reclaimed (first fit carves upward; a gap left at a chunk's end is the one
-            # range below it that stays unpoisoned until used).
-            self._handed_out = start + size
-            self._device.poison_host(self.arena, start, start + size, unused=True)
+            # range below it that stays unpoisoned until used). Fresh pages are told a
+            # step ahead, within what is pinned: small blocks cost a call a step, not each.
+            top = min(max(stop, self._handed_out + POISON_AHEAD_BYTES), self.ready_bytes)
+            self._device.poison_host(self.arena, start, top, unused=True)
+            self._handed_out = top
         return start
 
     def _fit(self, off: int, free: int, size: int) -> int | None:
