@@ -72,7 +72,6 @@ class FeatureCache:
         self._puts = core.puts
         self._reads = core.reads
         self._turn_reads = core.turn_reads
-        self._batch_reads = core.batch_reads
         self._thread_hits = life.thread_hits
         # Off with a group (a get is a collective) and without the GIL (see thread_hits).
         self._thread_reads = group is None and GIL_ENABLED
@@ -299,11 +298,8 @@ class FeatureCache:
             return await self._agreement.agree("get_many", batch, read)
         if to_host or self._remote is not None:
             return await self._lookups.read_many(batch, to_host, stream)
-        # BatchReads.get_many, unrolled: the common case, one coroutine frame
-        reads = self._batch_reads
-        out, waits, used = reads.queue(batch, stream)
-        await reads.wait(waits, used, stream)
-        return out
+        # Read with the other gets of this loop turn: one copy batch, fence and wait.
+        return await self._turn_reads.read_many(batch, stream)
 
     async def get_or_compute(
         self,

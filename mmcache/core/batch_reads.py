@@ -66,11 +66,14 @@ class BatchReads:
         return out
 
     def queue(
-        self, keys: Sequence[Hashable], stream: Stream
+        self, keys: Sequence[Hashable], stream: Stream, *, count_repeats: bool = False
     ) -> tuple[list[torch.Tensor | None], list[Fence], list[torch.Tensor]]:
         """get_many up to its first await: every key looked up, every alias taken and every
         host hit's copy queued. Returns the outputs (usable on stream once wait() has
-        ordered them), the fences they depend on and the device memory they use."""
+        ordered them), the fences they depend on and the device memory they use.
+
+        A key given twice is read once; count_repeats: each is a lookup all the same
+        (the keys of several calls), else one (get_many's)."""
         out: list[torch.Tensor | None] = [None] * len(keys)
         waits: list[Fence] = []
         used: list[torch.Tensor] = []  # one tensor per block of device memory served
@@ -115,7 +118,17 @@ class BatchReads:
             else:
                 touch_host(entry.key)
                 uploads.append((i, entry, member))
-        self._counters.looked_up(gpu_hits, len(uploads), missed)
+        host_hits = len(uploads)
+        if repeats and count_repeats:
+            host_at = {i for i, _, _ in uploads}
+            for _, seen in repeats:
+                if seen in host_at:
+                    host_hits += 1
+                elif out[seen] is None:
+                    missed += 1
+                else:
+                    gpu_hits += 1
+        self._counters.looked_up(gpu_hits, host_hits, missed)
         for fence in waits:  # a feature whose producing copy failed: an error, no copies
             if fence.done():
                 raise_if_failed(fence)

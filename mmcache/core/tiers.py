@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import final
 
 from mmcache.budget import FifoBudget
@@ -21,7 +21,7 @@ from mmcache.core.put_checks import PutChecks
 from mmcache.core.puts import Puts
 from mmcache.core.reads import Reads
 from mmcache.core.state import Release, TierState
-from mmcache.core.turn_reads import TurnReads
+from mmcache.core.turn_reads import TurnReads, WhenDone
 from mmcache.device import DONE, Device, Fence
 from mmcache.metrics import CacheMetrics
 from mmcache.node_host import NodeHost
@@ -29,8 +29,6 @@ from mmcache.settings import CacheSettings
 from mmcache.stats import CacheStats
 
 __all__ = ["Tiers"]
-
-WhenDone = Callable[[Sequence[Fence], Callable[[], None]], None]
 
 
 @final

@@ -1,4 +1,5 @@
-"""TurnReads: the host-tier hits of single gets issued in one loop turn, served together."""
+"""TurnReads: the host-tier hits of single gets, and the get_many calls, issued in one loop
+turn, served together."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import asyncio
 import time
 import traceback
 from collections.abc import Callable, Hashable, Sequence
-from typing import final
+from typing import Protocol, final
 
 import torch
 
@@ -18,33 +19,40 @@ from mmcache.errors import CopyTimeoutError
 
 __all__ = ["TurnReads"]
 
-#: one get's future, resolved (to None) once its output is in the list beside it: a
-#: finished future may outlive its await (in asyncio's callback tuples), and must not keep
-#: the output alive
-_Get = tuple[asyncio.Future[None], list[torch.Tensor | None]]
+#: one get's (or get_many's) future, resolved (to None) once its outputs are in the list
+#: beside it, and its keys: a finished future may outlive its await (in asyncio's callback
+#: tuples), and must not keep the outputs alive
+_Get = tuple[asyncio.Future[None], list[torch.Tensor | None], Sequence[Hashable]]
 
-#: calls back on the loop once every fence is done (FenceWatcher.when_done)
-WhenDone = Callable[[Sequence[Fence], Callable[[], None]], None]
+
+class WhenDone(Protocol):
+    """Calls back on the loop once every fence is done (FenceWatcher.when_done); fresh:
+    the fences were found pending just now, and are not asked again."""
+
+    def __call__(
+        self, fences: Sequence[Fence], callback: Callable[[], None], *, fresh: bool = ...
+    ) -> None: ...
 
 
 @final
 class _Turn:
     """The gets of one stream in one loop turn: their keys and the futures they await."""
 
-    __slots__ = ("futures", "keys", "stream")
+    __slots__ = ("gets", "stream")
 
     def __init__(self, stream: Stream) -> None:
         self.stream = stream
-        self.keys: list[Hashable] = []
-        self.futures: list[_Get] = []
+        self.gets: list[_Get] = []
 
 
 @final
 class TurnReads:
-    """Single gets of host-tier hits in one loop iteration, served as one get_many.
+    """Single gets of host-tier hits, and get_many calls, in one loop iteration, served as
+    one batch.
 
-    A scheduler's concurrent requests each call get; the host hits among them would
-    each pay an allocation, a copy, a fence and a stream wait. Queued here instead,
+    A scheduler's concurrent requests each call get (or get_many); the host hits among
+    them would each pay an allocation, a copy, a fence and a stream wait. Queued here
+    instead,
     they are read at the end of the turn (one callback, never a timer) by
     BatchReads.queue: one lookup pass, one copy batch, one fence, one wait per consumer
     stream. Each get gets its own output, ordered on its own stream. A key is looked up
@@ -53,7 +61,7 @@ class TurnReads:
     batch's fences serves all its gets, bounded by copy_timeout_s.
     """
 
-    __slots__ = ("_batch", "_counters", "_device", "_timeout", "_turns", "_when_done")
+    __slots__ = ("_batch", "_counters", "_device", "_timeout", "_when_done", "turns")
 
     def __init__(
         self,
@@ -68,12 +76,41 @@ class TurnReads:
         self._counters = counters
         self._when_done = when_done
         self._timeout = copy_timeout
-        self._turns: dict[int, _Turn] = {}  # id(stream) -> the gets of this turn on it
+        #: id(stream) -> the gets queued this turn on it (empty between turns)
+        self.turns: dict[int, _Turn] = {}
 
     async def read(self, key: Hashable, stream: Stream) -> torch.Tensor | None:
         """key's feature on the device, usable on stream, read with the turn's other gets;
         None if it is gone by then."""
-        turns = self._turns
+        future, output = self._queue((key,), stream)
+        await future
+        return output.pop()
+
+    async def read_many(self, keys: list[Hashable], stream: Stream) -> list[torch.Tensor | None]:
+        """get_many of keys (a key given twice is read once), read with the turn's other
+        gets: each feature on the device, usable on stream; None for a miss."""
+        unique = list(dict.fromkeys(keys))
+        future, output = self._queue(unique, stream)
+        await future
+        if len(unique) == len(keys):
+            return output
+        place = dict(zip(unique, range(len(unique)), strict=True))
+        out: list[torch.Tensor | None] = []
+        seen: set[Hashable] = set()
+        for key in keys:  # a repeat gets an alias of its own
+            tensor = output[place[key]]
+            if key in seen and tensor is not None:
+                tensor = tensor.detach()
+            seen.add(key)
+            out.append(tensor)
+        return out
+
+    def _queue(
+        self, keys: Sequence[Hashable], stream: Stream
+    ) -> tuple[asyncio.Future[None], list[torch.Tensor | None]]:
+        """A get of keys in this turn's batch on stream: the future it awaits, and the
+        list its outputs are put in."""
+        turns = self.turns
         loop = asyncio.get_running_loop()
         if not turns:
             loop.call_soon(self._serve)  # the end of this turn: after the gets queued in it
@@ -82,24 +119,23 @@ class TurnReads:
             turn = turns[id(stream)] = _Turn(stream)
         future: asyncio.Future[None] = loop.create_future()
         output: list[torch.Tensor | None] = []
-        turn.keys.append(key)
-        turn.futures.append((future, output))
-        await future
-        return output.pop()
+        turn.gets.append((future, output, keys))
+        return future, output
 
     def _serve(self) -> None:
         """Read every get queued this turn: one batch per consumer stream."""
-        turns, self._turns = self._turns, {}
+        turns = self.turns.copy()  # gets queued from here on make the next turn
+        self.turns.clear()
         for turn in turns.values():
             keys: list[Hashable] = []
-            futures: list[_Get] = []
-            for key, get in zip(turn.keys, turn.futures, strict=True):
+            gets: list[_Get] = []
+            for get in turn.gets:
                 if not get[0].cancelled():
-                    keys.append(key)
-                    futures.append(get)
-            turn.futures.clear()
-            if futures:
-                self._serve_turn(keys, futures, turn.stream)
+                    keys.extend(get[2])
+                    gets.append(get)
+            turn.gets.clear()
+            if gets:
+                self._serve_turn(keys, gets, turn.stream)
 
     def _serve_turn(
         self,
@@ -109,12 +145,9 @@ class TurnReads:
     ) -> None:
         """One stream's gets of the turn, read as one batch."""
         failure: Exception | None = None
-        if len(keys) > 1:
-            repeated = len(keys) - len(set(keys))
-            if repeated:  # gets of one key read it once, and each is a lookup (a host hit)
-                self._counters.looked_up(0, repeated, 0)
         try:
-            out, waits, used = self._batch.queue(keys, stream)
+            # Gets of one key read it once, and each is a lookup.
+            out, waits, used = self._batch.queue(keys, stream, count_repeats=True)
             if self._device.stream_ordered_reads:  # ordered on the stream now, for all
                 self._batch.order(waits, used, stream)
                 _serve_all(futures, out)
@@ -146,6 +179,8 @@ class TurnReads:
             if expiry:
                 expiry[0].cancel()
             for fence in waits:
+                if fence.exception() is None:  # done: asked once, the error made only if any
+                    continue
                 failure = copy_failure(fence)
                 if failure is not None:  # made, not raised: no traceback keeps the outputs
                     out.clear()
@@ -156,7 +191,7 @@ class TurnReads:
             for tensor in used:
                 self._device.use_on(tensor, stream)
             waited = time.perf_counter() - started
-            for _ in futures:
+            for _ in futures:  # one wait per call
                 self._counters.waited(waited)
             _serve_all(futures, out)
             # Whoever keeps this callback (the watcher, an expired timer) keeps nothing.
@@ -177,22 +212,28 @@ class TurnReads:
             )
             futures.clear()
 
-        pending = [fence for fence in dict.fromkeys(waits) if not fence.done()]
+        pending: list[Fence] = []
+        for fence in waits:
+            if fence not in pending and not fence.done():
+                pending.append(fence)
         if not pending:
             done()
             return
         expiry.append(loop.call_later(self._timeout, expired))
-        self._when_done(pending, done)
+        self._when_done(pending, done, fresh=True)  # asked just now: not asked again
 
 
 def _serve_all(futures: list[_Get], out: list[torch.Tensor | None]) -> None:
-    for (future, output), tensor in zip(futures, out, strict=True):
+    at = 0
+    for future, output, keys in futures:
+        end = at + len(keys)
         if not future.done():  # cancelled meanwhile, or timed out
-            output.append(tensor)
+            output.extend(out[at:end])
             future.set_result(None)
+        at = end
 
 
 def _fail(futures: list[_Get], exc: BaseException) -> None:
-    for future, _ in futures:
+    for future, _, _ in futures:
         if not future.done():
             future.set_exception(exc)

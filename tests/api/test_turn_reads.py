@@ -1,8 +1,10 @@
-"""Single gets of host-tier hits issued in one loop turn are served as one batch."""
+"""Single gets of host-tier hits, and get_many calls, issued in one loop turn are served as
+one batch."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Hashable
 from typing import Any
 
 import pytest
@@ -82,6 +84,54 @@ async def test_gets_of_one_key_in_one_turn_read_it_once_and_count_each(
     after = cache.stats()
     assert after.hits_cpu - before.hits_cpu == 4  # every get is a lookup
     assert (after.hits_gpu, after.misses) == (before.hits_gpu, before.misses)
+
+
+async def test_get_many_calls_of_one_turn_share_one_upload_with_its_gets(
+    rig: Rig, make_cache: CacheFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A scheduler's requests each call get_many: their host hits, and the single gets of
+    the same turn, are read by one copy; each call gets its own features, in its order,
+    a key it gives twice read once and counted once."""
+    if not isinstance(rig.device, SimDevice):
+        pytest.skip("counts the simulator's submitted copies")
+    cache = make_cache(gpu_mb=8 * FEATURE_KIB / KiB, cpu_mb=4, promote_on_hit=False)
+    want = await host_resident(rig, cache, 8)
+    resident = await put_feature(cache, rig, "gpu", FEATURE_KIB, seed=99)
+    uploads = count_uploads(rig.device, monkeypatch)
+    before = cache.stats()
+    requests: list[list[Hashable]] = [[0, 1], [2, "gpu", 3, 2], [4, "nope"], [5, 6, 0]]
+    single = asyncio.ensure_future(cache.get(7))  # starts in the same turn as the calls
+    got = await asyncio.gather(*(cache.get_many(keys) for keys in requests))
+    assert uploads == [8], "one copy for the turn, a key read once"
+    for keys, tensors in zip(requests, got, strict=True):
+        assert len(tensors) == len(keys)
+        for key, tensor in zip(keys, tensors, strict=True):
+            if key == "nope":
+                assert tensor is None
+            else:
+                assert_exact(tensor, resident if key == "gpu" else want[int(str(key))])
+    assert_exact(await single, want[7])
+    after = cache.stats()
+    # Every call's keys counted once each (2 gets of key 0: two lookups of it).
+    assert after.hits_cpu - before.hits_cpu == 2 + 2 + 1 + 3 + 1
+    assert (after.hits_gpu - before.hits_gpu, after.misses - before.misses) == (1, 1)
+
+
+async def test_a_cancelled_get_many_leaves_the_others_of_its_turn(
+    rig: Rig, make_cache: CacheFactory
+) -> None:
+    cache = make_cache(gpu_mb=4 * FEATURE_KIB / KiB, cpu_mb=1, promote_on_hit=False)
+    want = await host_resident(rig, cache, 4)
+    calls = [asyncio.ensure_future(cache.get_many(keys)) for keys in ([0, 1], [2], [3, 0])]
+    await asyncio.sleep(0)
+    calls[1].cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await calls[1]
+    first, last = await calls[0], await calls[2]
+    for key, tensor in zip([0, 1, 3, 0], [*first, *last], strict=True):
+        assert_exact(tensor, want[key])
+    await cache.drain()
+    assert cache.stats().leaked_bytes == 0
 
 
 async def test_a_host_hit_alone_in_its_turn_is_served(rig: Rig, make_cache: CacheFactory) -> None:
