@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: the GPU test suite, then the benchmarks; results under $OUT.
 #   OUT=/tmp/out bash benchmarks/gpu_suite.sh [tests|bench|ipc|soak|demo|profile|all] [--quick]
-# Wheels for packages the machine lacks may be carried in .whl/ (installed to /tmp/site).
+# Wheels for packages the machine lacks may be carried in .whl/ (installed to /tmp/site):
+# `bash scripts/device_wheels.sh` downloads them, the versions CI tests.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 what="${1:-all}"
