@@ -90,6 +90,10 @@ class Room:
         self._small = small_copy_bytes
         self.admission = admission
         self._promoting = False  # planning a promotion's eviction (see _let_go_enough)
+        # While a turn's promotions are planned: the ids of its hits' entries, which the
+        # host tier does not drop, and those of them set aside out of its order meanwhile.
+        self._held: set[int] = set()
+        self._set_aside: list[Entry] = []
 
     # --- the host tier's room ---------------------------------------------------
 
@@ -105,7 +109,7 @@ class Room:
             if block is not None or not self._host_order or self._let_go_enough(let_go, nbytes):
                 return block
             let_go += self._host_victim_bytes()
-            releases.extend(self._state.evict_host())
+            releases.extend(self._evict_host())
 
     def allocate_host_all(
         self, sizes: Sequence[int], releases: list[Release]
@@ -134,7 +138,7 @@ class Room:
             if run is not None or not self._host_order or self._let_go_enough(let_go, sum(sizes)):
                 return run
             let_go += self._host_victim_bytes()
-            releases.extend(self._state.evict_host())
+            releases.extend(self._evict_host())
 
     def _let_go_enough(self, let_go: int, nbytes: int) -> bool:
         """Whether a node's shared host tier (host_share="node") has had enough of this
@@ -147,6 +151,19 @@ class Room:
         if pool is None or not pool.shared:
             return False
         return self._promoting or let_go >= nbytes
+
+    def _evict_host(self) -> Sequence[Release]:
+        """The host tier's next victim dropped for room (TierState.evict_host), or, where
+        it is a hit of the turn whose promotions are being planned, set aside (out of the
+        order until the plan ends): its upload reads its block."""
+        held = self._held
+        if held:
+            victim = self._host_order.next_victim()
+            if victim is not None and id(victim) in held:
+                self._host_order.pop(victim.key, None)
+                self._set_aside.append(victim)
+                return ()
+        return self._state.evict_host()
 
     def _host_victim_bytes(self) -> int:
         victim = self._host_order.next_victim()
@@ -298,7 +315,6 @@ class Room:
         window: dict[int, _Victim] | None = None  # victims compared with, once read
         free_at_once: dict[int, bool] = {}  # victim's id -> whether its room is free now
         plan: EvictionPlan | None = None
-        held: list[Entry] = []  # hits kept out of the host order while victims take room
         for found, nbytes in hits:
             free = ledger.capacity - ledger.used - reserved
             if free >= nbytes:
@@ -355,7 +371,7 @@ class Room:
                 continue
             if plan is None:
                 plan = EvictionPlan()
-                held = self._hold_in_host_tier(hits)
+                self._hold(hits)
             self._promoting = True  # its victims take no host room from host entries
             try:
                 self._evict_chosen(chosen, plan)
@@ -370,23 +386,20 @@ class Room:
             decisions.append(promote)
         if plan is not None:
             host_order = self._host_order
-            for entry in held:  # back, most recently used: they were read this turn
+            for entry in self._set_aside:  # back, most recently used: read this turn
                 host_order[entry.key] = entry
+            self._set_aside.clear()
+            self._held.clear()
             if plan.evicted:
                 self._counters.evicted_gpu(plan.evicted)
         return Promotions(decisions, plan)
 
-    def _hold_in_host_tier(self, hits: Sequence[tuple[Entry | Member, int]]) -> list[Entry]:
-        """Take the entries of hits out of the host order while victims are given host
-        room, so that none of them is dropped for it (their uploads read their blocks);
-        returns those taken, to put back."""
-        host_order = self._host_order
-        held: list[Entry] = []
+    def _hold(self, hits: Sequence[tuple[Entry | Member, int]]) -> None:
+        """While victims are given host room for this turn's promotions, the host tier
+        drops none of hits' entries for it (their uploads read their blocks)."""
+        held = self._held
         for found, _ in hits:
-            entry = found if isinstance(found, Entry) else found.group
-            if host_order.pop(entry.key, None) is not None:
-                held.append(entry)
-        return held
+            held.add(id(found if isinstance(found, Entry) else found.group))
 
     def _victims(self, known: dict[int, _Victim]) -> dict[int, _Victim]:
         """The next PROMOTION_VICTIMS victims in the GPU order by id: their uses lately
