@@ -315,83 +315,85 @@ class Room:
         window: dict[int, _Victim] | None = None  # victims compared with, once read
         free_at_once: dict[int, bool] = {}  # victim's id -> whether its room is free now
         plan: EvictionPlan | None = None
-        for found, nbytes in hits:
-            free = ledger.capacity - ledger.used - reserved
-            if free >= nbytes:
-                if admission is not None:
-                    if isinstance(found, Entry):
-                        found.hits += 1  # a use, counted with no call: folded in when compared
-                    else:
-                        admission.sketch.add(found.key)
-                decisions.append(True)
-                reserved += nbytes
-                continue
-            if admission is None or nbytes > ledger.capacity - reserved:
-                decisions.append(False)
-                continue
-            if window is None:
-                counters = self._counters
-                admission.keep_up(
-                    counters.hits_gpu + counters.hits_cpu + counters.misses,
-                    ledger.gpu_entries,
-                    len(self._state.index),
-                )
-                window = self._victims({})
-            sketch = admission.sketch
-            if isinstance(found, Entry):  # TinyLfu.used, inline: one call, not two
-                uses = found.hits + 1
-                found.hits = 0
-                wanted = found.frequency = sketch.add(found.key, uses)
-                found.frequency_epoch = sketch.epoch
-            else:
-                wanted = sketch.add(found.key)
-            # The colder victims: those whose room is free at once (a host copy, no
-            # reader) first, then the least used, then by the order.
-            colder: list[_Candidate] = []
-            for used, place, victim in window.values():
-                if used < wanted:
-                    at_once = free_at_once.get(id(victim))
-                    if at_once is None:  # asked once a turn: fence queries are device calls
-                        at_once = free_at_once[id(victim)] = (
-                            victim.block is not None
-                            and victim.ready.done()
-                            and not (victim.device_readers and victim.device_readers_pending())
-                        )
-                    colder.append((not at_once, used, place, victim))
-            colder.sort()
-            chosen: list[Entry] = []
-            room = nbytes - free  # still to make
-            for _, _, _, victim in colder:
-                chosen.append(victim)
-                room -= victim.nbytes
-                if room <= 0:
-                    break
-            else:
-                decisions.append(False)  # too little room in colder entries: none goes
-                continue
-            if plan is None:
-                plan = EvictionPlan()
-                self._hold(hits)
-            self._promoting = True  # its victims take no host room from host entries
-            try:
-                self._evict_chosen(chosen, plan)
-            finally:
-                self._promoting = False
-            for victim in chosen:
-                del window[id(victim)]
-            window = self._victims(window)
-            promote = ledger.capacity - ledger.used - reserved >= nbytes
-            if promote:
-                reserved += nbytes
-            decisions.append(promote)
-        if plan is not None:
-            host_order = self._host_order
-            for entry in self._set_aside:  # back, most recently used: read this turn
-                host_order[entry.key] = entry
-            self._set_aside.clear()
-            self._held.clear()
-            if plan.evicted:
-                self._counters.evicted_gpu(plan.evicted)
+        try:
+            for found, nbytes in hits:
+                free = ledger.capacity - ledger.used - reserved
+                if free >= nbytes:
+                    if admission is not None:
+                        if isinstance(found, Entry):
+                            found.hits += 1  # a use, counted with no call: folded in when compared
+                        else:
+                            admission.sketch.add(found.key)
+                    decisions.append(True)
+                    reserved += nbytes
+                    continue
+                if admission is None or nbytes > ledger.capacity - reserved:
+                    decisions.append(False)
+                    continue
+                if window is None:
+                    counters = self._counters
+                    admission.keep_up(
+                        counters.hits_gpu + counters.hits_cpu + counters.misses,
+                        ledger.gpu_entries,
+                        len(self._state.index),
+                    )
+                    window = self._victims({})
+                sketch = admission.sketch
+                if isinstance(found, Entry):  # TinyLfu.used, inline: one call, not two
+                    uses = found.hits + 1
+                    found.hits = 0
+                    wanted = found.frequency = sketch.add(found.key, uses)
+                    found.frequency_epoch = sketch.epoch
+                else:
+                    wanted = sketch.add(found.key)
+                # The colder victims: those whose room is free at once (a host copy, no
+                # reader) first, then the least used, then by the order.
+                colder: list[_Candidate] = []
+                for used, place, victim in window.values():
+                    if used < wanted:
+                        at_once = free_at_once.get(id(victim))
+                        if at_once is None:  # asked once a turn: fence queries are device calls
+                            at_once = free_at_once[id(victim)] = (
+                                victim.block is not None
+                                and victim.ready.done()
+                                and not (victim.device_readers and victim.device_readers_pending())
+                            )
+                        colder.append((not at_once, used, place, victim))
+                colder.sort()
+                chosen: list[Entry] = []
+                room = nbytes - free  # still to make
+                for _, _, _, victim in colder:
+                    chosen.append(victim)
+                    room -= victim.nbytes
+                    if room <= 0:
+                        break
+                else:
+                    decisions.append(False)  # too little room in colder entries: none goes
+                    continue
+                if plan is None:
+                    plan = EvictionPlan()
+                    self._hold(hits)
+                self._promoting = True  # its victims take no host room from host entries
+                try:
+                    self._evict_chosen(chosen, plan)
+                finally:
+                    self._promoting = False
+                for victim in chosen:
+                    del window[id(victim)]
+                window = self._victims(window)
+                promote = ledger.capacity - ledger.used - reserved >= nbytes
+                if promote:
+                    reserved += nbytes
+                decisions.append(promote)
+        finally:
+            if plan is not None:  # however it ends: no hit stays set aside
+                host_order = self._host_order
+                for entry in self._set_aside:  # back, most recently used: read this turn
+                    host_order[entry.key] = entry
+                self._set_aside.clear()
+                self._held.clear()
+        if plan is not None and plan.evicted:
+            self._counters.evicted_gpu(plan.evicted)
         return Promotions(decisions, plan)
 
     def _hold(self, hits: Sequence[tuple[Entry | Member, int]]) -> None:

@@ -20,7 +20,7 @@ from mmcache.core.counters import Counters
 from mmcache.core.entry import Entry, GroupKey, Member, State
 from mmcache.core.state import TierState
 from mmcache.device import DONE, Fence, SimDevice
-from mmcache.host_pool import HostPool
+from mmcache.host_pool import HostBlock, HostPool
 from mmcache.metrics import CacheMetrics
 
 
@@ -226,3 +226,31 @@ def test_the_victims_of_a_turns_promotions_never_take_the_host_room_of_its_hits(
     assert [e.key for e in state.host_order.peek(8)] == ["h1", "h2"]  # back in the order
     state.promote([(hits[0], torch.zeros(16)), (hits[1], torch.zeros(16))], DONE)
     assert state.ledger.free() == 0 and state.ledger.gpu_entries == 2
+
+
+def test_a_promotion_plan_that_raises_leaves_no_hit_set_aside(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Hits set aside from the host order while a turn's victims take host room go back
+    even if the plan raises: none is left out of the host tier's order (never evicted)."""
+    state = _state(128, host_bytes=128)
+    _resident(state, "a")
+    _resident(state, "b")
+    hits = [_on_host(state, "h1"), _on_host(state, "h2")]
+    for hit in hits:
+        hit.hits = 5
+    pool = state.pool
+    assert pool is not None
+    allocate = pool.allocate
+    calls = [0]
+
+    def fails_second(nbytes: int) -> HostBlock | None:
+        calls[0] += 1
+        if calls[0] > 1:
+            raise RuntimeError("allocator broke")
+        return allocate(nbytes)
+
+    monkeypatch.setattr(pool, "allocate", fails_second)
+    with pytest.raises(RuntimeError, match="allocator broke"):
+        state.plan_promotions([(hits[0], 64), (hits[1], 64)])
+    assert {e.key for e in state.host_order.peek(8)} == {"h1", "h2"}
