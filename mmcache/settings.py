@@ -388,15 +388,15 @@ def _check_remote_url(url: str) -> None:
         raise ValueError(
             f"must start with one of {', '.join(s + '://' for s in REMOTE_URL_SCHEMES)}"
         )
-    parts = urllib.parse.urlsplit(url)
-    hosts = parts.netloc.rpartition("@")[2]  # never the password: errors name what is left
     if scheme.endswith("+cluster"):
-        for node in (item.strip() for item in hosts.split(",")):
+        for node in split_cluster_url(url).nodes:  # never the password: errors name nodes
             host, colon, port = node.rpartition(":")
             if not colon or not host or node.endswith("]"):
                 raise ValueError(f"cluster node {_shown(node)} is not host:port")
             _check_port(port, f"of cluster node {_shown(node)} ")
         return  # the cluster client takes no database, and its own query options
+    parts = urllib.parse.urlsplit(url)
+    hosts = parts.netloc.rpartition("@")[2]
     if scheme != "unix":
         port = hosts.rpartition("]")[2] if hosts.startswith("[") else hosts
         if ":" in port:
@@ -413,6 +413,31 @@ def _check_remote_url(url: str) -> None:
         parse_url(url)
     except ValueError as exc:
         raise ValueError(f"redis-py refuses it: {exc}") from None
+
+
+class ClusterUrl(NamedTuple):
+    """The parts of a redis+cluster:// URL the cluster client takes."""
+
+    username: str | None
+    password: str | None
+    nodes: list[str]  # "host:port" each, as written
+    query: str
+
+
+def split_cluster_url(url: str) -> ClusterUrl:
+    """url's parts, split by hand: urlsplit of Python 3.12 refuses a bracketed host that
+    follows another (`redis+cluster://a:7000,[::1]:7001`)."""
+    rest = url.partition("://")[2]
+    netloc = re.split(r"[/?#]", rest, maxsplit=1)[0]
+    query = rest.partition("?")[2].partition("#")[0]
+    userinfo, at, hosts = netloc.rpartition("@")
+    user, colon, password = userinfo.partition(":")
+    return ClusterUrl(
+        username=urllib.parse.unquote(user) if at and user else None,
+        password=urllib.parse.unquote(password) if colon else None,
+        nodes=[item.strip() for item in hosts.split(",")],
+        query=query,
+    )
 
 
 def _check_port(text: str, where: str) -> None:

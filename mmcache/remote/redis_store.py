@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Final, cast, final
 
 from mmcache.errors import SettingsError
 from mmcache.remote.store import WrongTypeError
-from mmcache.settings import redact_url
+from mmcache.settings import redact_url, split_cluster_url
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
@@ -46,16 +46,15 @@ def check_url(url: str) -> str:
             "(e.g. redis://localhost:6379/0)"
         )
     if scheme in CLUSTER_SCHEMES:
-        _seeds(urllib.parse.urlsplit(url))
+        _seeds(split_cluster_url(url).nodes)
     return url
 
 
-def _seeds(parts: urllib.parse.SplitResult) -> list[tuple[str, int]]:
-    """The host:port seed nodes of a cluster URL."""
-    hosts = parts.netloc.rpartition("@")[2]
+def _seeds(nodes: list[str]) -> list[tuple[str, int]]:
+    """The (host, port) seed nodes of a cluster URL's host:port nodes."""
     seeds = []
-    for item in hosts.split(","):
-        host, sep, port = item.strip().rpartition(":")
+    for item in nodes:
+        host, sep, port = item.rpartition(":")
         if not sep or not host or not port.isdigit():
             raise ValueError(f"cluster node {item!r} is not host:port")
         seeds.append((host.strip("[]"), int(port)))
@@ -97,8 +96,7 @@ class RedisStore:
         check_url(url)
         redis = _import_redis()
         self.url = redact_url(url)
-        parts = urllib.parse.urlsplit(url)
-        scheme = parts.scheme.lower()
+        scheme = url.partition("://")[0].lower()
         self._response_error: type[Exception] = redis.exceptions.ResponseError
         options: dict[str, Any] = {
             "socket_timeout": None,
@@ -107,13 +105,15 @@ class RedisStore:
         }
         self.client: Redis | RedisCluster
         if scheme in CLUSTER_SCHEMES:
+            parts = split_cluster_url(url)
             query = dict(urllib.parse.parse_qsl(parts.query))
             self.client = redis.asyncio.cluster.RedisCluster(
                 startup_nodes=[
-                    redis.asyncio.cluster.ClusterNode(host, port) for host, port in _seeds(parts)
+                    redis.asyncio.cluster.ClusterNode(host, port)
+                    for host, port in _seeds(parts.nodes)
                 ],
-                username=urllib.parse.unquote(parts.username) if parts.username else None,
-                password=urllib.parse.unquote(parts.password) if parts.password else None,
+                username=parts.username,
+                password=parts.password,
                 ssl=scheme == "rediss+cluster",
                 ssl_cert_reqs=query.get("ssl_cert_reqs", "required"),
                 ssl_ca_certs=query.get("ssl_ca_certs"),

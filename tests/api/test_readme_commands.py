@@ -21,7 +21,9 @@ What the test changes in a command, and why:
   checkout's own `.venv/bin` (`bash scripts/run test` runs pytest with `.venv/bin/python`);
   on a machine whose tests run in another venv, it is that venv, where `.venv` may not
   exist. MMCACHE_VENV points the install scripts at the same venv, and PYTHONPATH starts
-  with the checkout, so that the checkout's mmcache is the one that runs.
+  with the checkout, so that the checkout's mmcache is the one that runs. Where that venv
+  has no `mmcache` program (the checkout is on PYTHONPATH, not installed), `.venv/bin/mmcache`
+  is `python -m mmcache`; under CI the program must be there.
 - `redis://127.0.0.1:6379/0`, the README's address of a server of the reader's own, is a
   redis-server the test starts on a free port (tests/redis_server.py, as conftest's
   `redis_session` does; skipped where there is none, failed under CI).
@@ -174,7 +176,12 @@ def prepare(command: Command, request: pytest.FixtureRequest, tmp_path: Path) ->
             importlib.metadata.version(ENGINES[command.engine])
         except importlib.metadata.PackageNotFoundError:
             missing(f"its engine is not installed: bash scripts/{command.engine} installs it")
-    shell = re.sub(r"(?<![\w/.])\.venv/bin/", f"{VENV_BIN}/", command.shell)
+    shell = command.shell
+    if not (VENV_BIN / "mmcache").exists() and not IN_CI:  # mmcache on PYTHONPATH only
+        shell = re.sub(
+            r"(?<![\w/.])\.venv/bin/mmcache(?![\w.-])", f"{sys.executable} -m mmcache", shell
+        )
+    shell = re.sub(r"(?<![\w/.])\.venv/bin/", f"{VENV_BIN}/", shell)
     if REDIS_PLACEHOLDER in shell:
         shell = shell.replace(REDIS_PLACEHOLDER, request.getfixturevalue("readme_redis"))
     shell = re.sub(rf"\b{METRICS_PORT}\b", str(free_port()), shell)

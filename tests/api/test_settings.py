@@ -17,7 +17,14 @@ from mmcache.cache import FeatureCache
 from mmcache.device import Device, SimDevice
 from mmcache.device.base import host_memory_bytes
 from mmcache.errors import MMCacheError, SettingsError
-from mmcache.settings import SETTINGS_TABLE, CacheSettings, SettingRow
+from mmcache.remote.redis_store import _seeds
+from mmcache.settings import (
+    SETTINGS_TABLE,
+    CacheSettings,
+    ClusterUrl,
+    SettingRow,
+    split_cluster_url,
+)
 
 MiB = 1024**2
 
@@ -422,10 +429,22 @@ def test_a_bad_port_after_a_password_does_not_show_the_password() -> None:
         "unix://:pw@/run/redis.sock",
         "redis+cluster://a:7000,b:7001",
         "rediss+cluster://user:pw@[::1]:7000,h:7001",
+        "redis+cluster://a:7000,[::1]:7001",
     ],
 )
 def test_remote_urls_the_tier_can_use_are_taken(url: str) -> None:
     assert CacheSettings(remote_url=url).remote_url == url
+
+
+def test_a_cluster_url_is_split_into_what_the_cluster_client_takes() -> None:
+    # A bracketed host after another: urlsplit of Python 3.12 refuses the whole URL.
+    url = "rediss+cluster://us%40er:p%3Aw@h:7001, [::1]:7000/?ssl_cert_reqs=none#frag"
+    parts = split_cluster_url(url)
+    assert parts == ClusterUrl("us@er", "p:w", ["h:7001", "[::1]:7000"], "ssl_cert_reqs=none")
+    assert _seeds(parts.nodes) == [("h", 7001), ("::1", 7000)]
+    assert split_cluster_url("redis+cluster://:pw@a:1,b:2") == ClusterUrl(
+        None, "pw", ["a:1", "b:2"], ""
+    )
 
 
 @pytest.mark.parametrize("raw", ["1e30", "9.1e15"])

@@ -1105,6 +1105,7 @@ def test_a_gpu_tier_larger_than_the_gpu_is_refused(device: CudaDevice) -> None:
 
 _FIRST_CALLS = """
 import json, sys, time, torch
+from mmcache.device import CopyPlan, NewCopyPlan
 from mmcache.device.cuda import CudaDevice
 
 def first_ms(fn):
@@ -1121,11 +1122,17 @@ y = torch.empty(64, 4096, dtype=torch.float32, device="cuda")
 z = torch.empty(4, 16, 64, dtype=torch.bfloat16, device="cuda")
 square = torch.empty(64, 64, dtype=torch.bfloat16, device="cuda")
 stream = device.current_stream()
+
+def pack(rows):  # what a put_many of a group does: its rows back to back
+    return device.submit(NewCopyPlan("d2d", rows, rows=True, stream=stream))
+
 times = {
-    "pack bf16": first_ms(lambda: pack(device, [x[:10], x[10:30]], stream)),
-    "pack fp32": first_ms(lambda: pack(device, [y[:10], y[10:30]], stream)),
-    "pack 3-D bf16": first_ms(lambda: pack(device, [z[:1], z[1:3], z[3:]], stream)),
-    "strided copy_d2d": first_ms(lambda: copy_d2d(device, x[:, :64].t(), square, stream)),
+    "pack bf16": first_ms(lambda: pack([x[:10], x[10:30]])),
+    "pack fp32": first_ms(lambda: pack([y[:10], y[10:30]])),
+    "pack 3-D bf16": first_ms(lambda: pack([z[:1], z[1:3], z[3:]])),
+    "strided d2d copy": first_ms(
+        lambda: device.submit(CopyPlan("d2d", (x[:, :64].t(),), (square,), stream=stream))
+    ),
     "record_stream": first_ms(lambda: device.use_on(x, device.d2h_stream)),
     "pinned host tensor": first_ms(lambda: device.empty((16, 4096), torch.bfloat16, host=True)),
     # Not warmed by the device: shows whether this process loads kernels lazily at all.

@@ -452,11 +452,17 @@ def test_threads_read_while_the_loop_evicts_discards_and_replaces(
 # --- the SGLang adapter ----------------------------------------------------------------------
 
 
-def sglang_adapter(max_size: int, cpu_mb: float = 1) -> Any:
-    pytest.importorskip(
+def embedding_result() -> Any:
+    """SGLang's EmbeddingResult: the test is skipped where SGLang is not installed."""
+    seam = pytest.importorskip(
         "sglang.srt.mem_cache.multimodal_cache",
         reason="sglang 0.5.23 is not installed (bash scripts/install_integrations.sh installs it)",
     )
+    return seam.EmbeddingResult
+
+
+def sglang_adapter(max_size: int, cpu_mb: float = 1) -> Any:
+    embedding_result()
     from mmcache.integrations.sglang import MMCacheMultimodalCache
 
     return MMCacheMultimodalCache(
@@ -468,10 +474,10 @@ def sglang_adapter(max_size: int, cpu_mb: float = 1) -> Any:
 
 
 def framed_type() -> Any:
-    from sglang.srt.mem_cache.multimodal_cache import EmbeddingResult
+    EmbeddingResult = embedding_result()
 
     @dataclasses.dataclass(kw_only=True)
-    class Framed(EmbeddingResult):  # type: ignore[misc]
+    class Framed(EmbeddingResult):  # type: ignore[misc,valid-type]
         """An EmbeddingResult that carries more than its tensor, as EVS's does."""
 
         frames: int
@@ -492,7 +498,7 @@ def counting_handoffs(adapter: Any, monkeypatch: pytest.MonkeyPatch) -> list[int
 
 
 def test_sglang_gpu_hits_are_served_on_the_engines_thread(monkeypatch: pytest.MonkeyPatch) -> None:
-    from sglang.srt.mem_cache.multimodal_cache import EmbeddingResult
+    EmbeddingResult = embedding_result()
 
     Framed = framed_type()
     with sglang_adapter(64 * 1024) as cache:
@@ -516,7 +522,7 @@ def test_sglang_gpu_hits_are_served_on_the_engines_thread(monkeypatch: pytest.Mo
 
 
 def test_sglang_host_hits_are_handed_to_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
-    from sglang.srt.mem_cache.multimodal_cache import EmbeddingResult
+    EmbeddingResult = embedding_result()
 
     with sglang_adapter(8 * 1024) as cache:  # two 4 KiB features on the GPU tier
         for k in range(4):
