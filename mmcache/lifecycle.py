@@ -20,7 +20,6 @@ import contextlib
 import dataclasses
 import functools
 import threading
-from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, final
 
 import torch
@@ -93,14 +92,15 @@ class Lifecycle:
                 raise
         self.metrics.set_capacity("gpu", settings.gpu_cache_bytes)
         self.gauges = DeferredPush(self._push_tier_gauges)
-        self._watcher: FenceWatcher | None = None
+        # Bound to the loop at start; its verbs are handed to the parts now.
+        self._watcher = watcher = FenceWatcher()
         self.closing = CloseOnce()
         self.core = core = Tiers(
             settings,
             self.device,
             self.metrics,
-            when_done=self._when_done,
-            when_done_lazily=self._when_done_lazily,
+            when_done=watcher.when_done,
+            when_done_lazily=watcher.when_done_lazily,
             changed=self.gauges.request,
             node=node_host_for(settings, name, self.agreement, self.device),
         )
@@ -139,7 +139,7 @@ class Lifecycle:
         core = self.core
         core.producers.bind(loop)
         core.packings.bind(loop)
-        self._watcher = FenceWatcher(loop)
+        self._watcher.bind(loop)
         core.pipeline.bind(loop, self._watcher)
         warm_host_copies()  # on the loop's thread, where host reads copy
         port = self._settings.metrics_port
@@ -148,7 +148,7 @@ class Lifecycle:
             ensure_metrics_server(port, self._settings.metrics_addr)
         if self.remote is not None:
             self.remote.start()  # warns, in the background, of a server that can fill up
-        arena = core.host.start(loop, self._when_done, self._host_ready)
+        arena = core.host.start(loop, self._watcher.when_done, self._host_ready)
         if arena is not None and arena.done():
             await asyncio.sleep(0)  # let the host tier take it: the simulator's is ready now
         self.gauges.request()
@@ -180,7 +180,7 @@ class Lifecycle:
         remove = core.remove
         for found in list(core.index.values()):
             remove(found)
-        if self._watcher is not None:
+        if self.loop is not None:  # started: offloads may be in flight
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(core.pipeline.all_landed(), timeout)
         with contextlib.suppress(CopyTimeoutError):
@@ -253,16 +253,6 @@ class Lifecycle:
             )
 
     # --- bookkeeping --------------------------------------------------------------------
-
-    def _when_done(
-        self, fences: Sequence[Fence], callback: Callable[[], None], *, fresh: bool = False
-    ) -> None:
-        assert self._watcher is not None
-        self._watcher.when_done(fences, callback, fresh=fresh)
-
-    def _when_done_lazily(self, fence: Fence, callback: Callable[[], None]) -> None:
-        assert self._watcher is not None
-        self._watcher.when_done_lazily(fence, callback)
 
     def _host_ready(self, capacity: int, ready: int) -> None:
         """The host arena's first ready bytes are pinned: report them and its capacity."""

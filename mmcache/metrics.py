@@ -510,7 +510,10 @@ class CacheMetrics:
 
     def copy_started(self, direction: str, count: int = 1) -> None:
         """Count copies of count features as pending: direction is d2h or h2d."""
-        self.copy_series(direction)[0].inc(count)
+        series = self._copies.get(direction)  # copy_series, inline: once per copy queued
+        if series is None:
+            raise _unknown("copy direction", direction, DIRECTIONS)
+        series[0].inc(count)
 
     def copy_finished(self, direction: str, nbytes: int, seconds: float, count: int = 1) -> None:
         """Record one copy observed complete: count features, nbytes in all, its latency."""

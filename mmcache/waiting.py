@@ -56,15 +56,26 @@ class _LoopCheck:
     threads have reported each one (one_reported), or when the loop's own look finds them
     done, looking after LOOP_CHECK_S, then ever less often; never after cancel()."""
 
-    __slots__ = ("_delay", "_fences", "_handle", "_left", "_loop", "_on_done", "_started")
+    __slots__ = (
+        "_delay",
+        "_fences",
+        "_handle",
+        "_left",
+        "_loop",
+        "_on_done",
+        "_started",
+        "_watcher",
+    )
 
     def __init__(
         self,
         loop: asyncio.AbstractEventLoop,
         fences: Sequence[Fence],
         on_done: Callable[[], None],
+        watcher: FenceWatcher | None = None,
     ) -> None:
         self._loop = loop
+        self._watcher = watcher  # told once on_done has run (its outstanding count)
         self._fences = list(fences)
         self._left = len(self._fences)  # fences not yet reported by their threads
         self._on_done = on_done
@@ -100,11 +111,23 @@ class _LoopCheck:
 
     def _fire(self) -> None:
         on_done = self._on_done
-        self.cancel()  # first: the other way of noticing must not call it again
+        # cancel(), inline (it runs once a wait): first, so that the other way of
+        # noticing never calls on_done again.
+        handle = self._handle
+        if handle is not None:
+            handle.cancel()
+            self._handle = None
+        self._on_done = _nothing
+        self._fences = []
         try:
             on_done()
         except Exception:
             log.exception("a fence callback raised")
+        finally:
+            watcher = self._watcher
+            if watcher is not None:
+                self._watcher = None
+                watcher.one_done()
 
     def cancel(self) -> None:
         """Stop looking; also lets go of on_done, which often refers back to this check."""
@@ -212,8 +235,9 @@ class FenceWatcher:
         "outstanding",
     )
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
+    def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        if loop is not None:
+            self.bind(loop)
         self.outstanding = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -222,6 +246,11 @@ class FenceWatcher:
         self._lazy: deque[tuple[Fence, Callable[[], None]]] = deque()
         self._lazy_handle: asyncio.TimerHandle | None = None
         self._lazy_delay = LOOP_CHECK_S
+
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Run callbacks on loop: a watcher made before its loop runs is bound once it does
+        (its verbs can be handed out first, with no wrapper to call through)."""
+        self._loop = loop
 
     def when_done(
         self, fences: Sequence[Fence], callback: Callable[[], None], *, fresh: bool = False
@@ -237,14 +266,7 @@ class FenceWatcher:
             return
         self.outstanding += 1
         self._idle.clear()
-
-        def all_done() -> None:
-            try:
-                callback()
-            finally:
-                self._one_done()
-
-        check = _LoopCheck(self._loop, pending, all_done)
+        check = _LoopCheck(self._loop, pending, callback, self)
         for f in pending:
             f.add_done_callback(lambda: self._completed(check.one_reported))
 
@@ -274,14 +296,14 @@ class FenceWatcher:
                 except Exception:
                     log.exception("a fence callback raised")
                 finally:
-                    self._one_done()
+                    self.one_done()
         except Exception:  # looked at again at the next turn
             log.exception("looking at a fence failed")
         if lazy:
             self._lazy_delay = min(2 * self._lazy_delay, LOOP_CHECK_MAX_S)
             self._lazy_handle = self._loop.call_later(self._lazy_delay, self._look)
 
-    def _one_done(self) -> None:
+    def one_done(self) -> None:
         """One outstanding callback has run (or raised)."""
         self.outstanding -= 1
         if self.outstanding == 0:
