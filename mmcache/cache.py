@@ -298,7 +298,8 @@ class FeatureCache:
             return await self._agreement.agree("get_many", batch, read)
         if to_host or self._remote is not None:
             return await self._lookups.read_many(batch, to_host, stream)
-        # Read with the other gets of this loop turn: one copy batch, fence and wait.
+        # Host hits are read with the other gets of this loop turn: one copy batch, fence
+        # and wait.
         return await self._turn_reads.read_many(batch, stream)
 
     async def get_or_compute(

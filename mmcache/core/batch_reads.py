@@ -59,6 +59,17 @@ class BatchReads:
         self._gpu_order = state.gpu_order
         self._host_order = state.host_order
 
+    def any_on_host(self, keys: Sequence[Hashable]) -> bool:
+        """Whether any of keys is a host-tier hit now (a read of it queues a copy)."""
+        index = self._index
+        for key in keys:
+            found = index.get(key)
+            if found is not None:
+                entry = found.group if isinstance(found, Member) else found
+                if entry.state is State.HOST:
+                    return True
+        return False
+
     async def get_many(self, keys: Sequence[Hashable], stream: Stream) -> list[torch.Tensor | None]:
         """The features of keys on the device, usable on stream; None for a miss."""
         out, waits, used = self.queue(keys, stream)

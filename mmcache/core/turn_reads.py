@@ -34,15 +34,9 @@ class WhenDone(Protocol):
     ) -> None: ...
 
 
-@final
-class _Turn:
-    """The gets of one stream in one loop turn: their keys and the futures they await."""
-
-    __slots__ = ("gets", "stream")
-
-    def __init__(self, stream: Stream) -> None:
-        self.stream = stream
-        self.gets: list[_Get] = []
+#: the gets of one stream in one loop turn: the stream, and each get's future, outputs
+#: and keys (a tuple, not a class: one made per stream and turn)
+_Turn = tuple[Stream, list[_Get]]
 
 
 @final
@@ -88,10 +82,14 @@ class TurnReads:
 
     async def read_many(self, keys: list[Hashable], stream: Stream) -> list[torch.Tensor | None]:
         """get_many of keys (a key given twice is read once), read with the turn's other
-        gets: each feature on the device, usable on stream; None for a miss."""
+        gets where one of them is a host hit: each feature on the device, usable on
+        stream; None for a miss."""
         unique = list(dict.fromkeys(keys))
-        future, output = self._queue(unique, stream)
-        await future
+        if self._batch.any_on_host(unique):
+            future, output = self._queue(unique, stream)
+            await future
+        else:  # no copy to share with the turn's other reads: read now, as get does
+            output = await self._batch.get_many(unique, stream)
         if len(unique) == len(keys):
             return output
         place = dict(zip(unique, range(len(unique)), strict=True))
@@ -116,26 +114,26 @@ class TurnReads:
             loop.call_soon(self._serve)  # the end of this turn: after the gets queued in it
         turn = turns.get(id(stream))
         if turn is None:
-            turn = turns[id(stream)] = _Turn(stream)
+            turn = turns[id(stream)] = (stream, [])
         future: asyncio.Future[None] = loop.create_future()
         output: list[torch.Tensor | None] = []
-        turn.gets.append((future, output, keys))
+        turn[1].append((future, output, keys))
         return future, output
 
     def _serve(self) -> None:
         """Read every get queued this turn: one batch per consumer stream."""
         turns = self.turns.copy()  # gets queued from here on make the next turn
         self.turns.clear()
-        for turn in turns.values():
+        for stream, queued in turns.values():
             keys: list[Hashable] = []
             gets: list[_Get] = []
-            for get in turn.gets:
+            for get in queued:
                 if not get[0].cancelled():
                     keys.extend(get[2])
                     gets.append(get)
-            turn.gets.clear()
+            queued.clear()
             if gets:
-                self._serve_turn(keys, gets, turn.stream)
+                self._serve_turn(keys, gets, stream)
 
     def _serve_turn(
         self,

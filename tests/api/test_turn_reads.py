@@ -117,6 +117,29 @@ async def test_get_many_calls_of_one_turn_share_one_upload_with_its_gets(
     assert (after.hits_gpu - before.hits_gpu, after.misses - before.misses) == (1, 1)
 
 
+async def test_a_get_many_with_no_host_hit_is_served_at_once_as_get_is(
+    rig: Rig, make_cache: CacheFactory
+) -> None:
+    """Resident features and misses share no copy with the turn's other reads: the call
+    ends on its first step, with no wait for the turn's end."""
+    cache = make_cache(gpu_mb=4 * FEATURE_KIB / KiB, cpu_mb=1)
+    want = {key: await put_feature(cache, rig, key, FEATURE_KIB, seed=key) for key in (0, 1)}
+    await cache.drain()
+    rig.settle()
+    before = cache.stats()
+    steps = cache.get_many([0, "nope", 1, 0]).__await__()
+    with pytest.raises(StopIteration) as finished:
+        steps.send(None)
+    got = finished.value.value
+    assert got[1] is None
+    for key, tensor in zip([0, 1, 0], [got[0], got[2], got[3]], strict=True):
+        assert_exact(tensor, want[key])
+    assert got[0] is not got[3], "a key given twice gets an alias of its own"
+    after = cache.stats()
+    # The key given twice is read once and counted once, as in a batch of the turn.
+    assert (after.hits_gpu - before.hits_gpu, after.misses - before.misses) == (2, 1)
+
+
 async def test_a_cancelled_get_many_leaves_the_others_of_its_turn(
     rig: Rig, make_cache: CacheFactory
 ) -> None:
