@@ -361,19 +361,22 @@ async def test_a_compaction_failing_as_the_batch_is_indexed_leaves_the_ledger_ex
     rig: Rig, make_cache: CacheFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     sim = simulator(rig)
-    cache = make_cache(gpu_mb=0.25, cpu_mb=1)
     when_done = FenceWatcher.when_done
+    armed = [True]
 
     def finishing(self: FenceWatcher, fences: Any, callback: Any, **kwargs: Any) -> None:
-        for fence in fences:  # the copy ends (and fails) just as the cache asks
+        for fence in fences if armed[0] else ():  # the copy ends (and fails) as the cache asks
             fence.wait()
         when_done(self, fences, callback, **kwargs)
 
+    # Before the cache is made: its parts are handed the watcher's verb then.
     monkeypatch.setattr(FenceWatcher, "when_done", finishing)
+    cache = make_cache(gpu_mb=0.25, cpu_mb=1)
+    await cache.start()
     wide = rig.tensor(48, 512, dtype=torch.float32, seed=9)
     sim.inject("copy_fails", 1)
     assert await cache.put_split(["x", "y"], wide[:, :256], [16, 32])
-    monkeypatch.setattr(FenceWatcher, "when_done", when_done)
+    armed[0] = False
     s = cache.stats()  # nothing of the lost batch is left to evict: the GPU tier is empty
     assert ("x" in cache, "y" in cache, s.gpu_entries, s.gpu_bytes) == (False, False, 0, 0)
     want = [await put_batch(cache, rig, f"next{i}", [150], seed=i) for i in range(3)]
