@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: the GPU test suite, then the benchmarks; results under $OUT.
-#   OUT=/tmp/out bash benchmarks/gpu_suite.sh [tests|bench|ipc|soak|demo|profile|all] [--quick]
+#   OUT=/tmp/out bash benchmarks/gpu_suite.sh [tests|bench|ab|ipc|soak|demo|profile|all] [--quick]
+# ab: bench_ops, bench_serving and bench_offload --quick of an earlier commit's tree in
+# build/ab/base (made here by `git archive COMMIT mmcache benchmarks | tar -x -C
+# build/ab/base`, carried) and of this tree, alternated on one host.
 # Wheels for packages the machine lacks may be carried in .whl/ (installed to /tmp/site):
 # `bash scripts/device_wheels.sh` downloads them, the versions CI tests.
 set -uo pipefail
@@ -20,14 +23,20 @@ export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$out/device.txt"
 status=0
+suite_log=/tmp/mmcache-gpu-suite.log
+suite_rc=/tmp/mmcache-gpu-suite.rc
+suite_running() { [ -e "$suite_log" ] && [ ! -e "$suite_rc" ]; }
+if [ "$what" != tests ] && [ "$what" != all ] && suite_running; then
+  # Figures taken beside the suite measure the suite too.
+  echo "gpu_suite.sh: the test suite still runs on this machine; run '$what' after its verdict"
+  exit 3
+fi
 if [ "$what" = tests ] || [ "$what" = all ]; then
   # The whole suite in one process is the verdict: state one test leaves behind must not
   # break another. It outlasts one device call (about 11 minutes on an H200 host), so it
   # runs in a session of its own: a second `gpu_suite.sh tests` within the machine's
   # lease waits for the same run instead of starting another. An abort names its
   # thread's stack (faulthandler) and glibc's reason.
-  suite_log=/tmp/mmcache-gpu-suite.log
-  suite_rc=/tmp/mmcache-gpu-suite.rc
   if [ ! -e "$suite_log" ]; then
     LIBC_FATAL_STDERR_=1 setsid bash -c "python3 -X faulthandler -m pytest tests -q \
       -p no:cacheprovider --timeout 120 -o addopts='' -rfE --durations=20 \
@@ -49,6 +58,11 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
     status=3
   fi
 fi
+if [ "$what" = all ] && suite_running; then
+  echo "gpu_suite.sh: the rest waits for the suite's verdict (figures beside it measure it too)"
+  tar czf "$final/gpu-results.tar.gz" -C "$out" .
+  exit 3
+fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   timeout 150 python3 benchmarks/gpu_probe.py $quick --out "$out/probe.json" 2>&1 | tee "$out/probe.log" | tail -40
   timeout 200 python3 benchmarks/bench_offload.py $quick --out "$out/offload.json" 2>&1 | tee "$out/offload.log" | tail -40
@@ -59,6 +73,29 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   timeout 180 python3 benchmarks/bench_serving.py --device cuda --seconds 2 --warmup 1 --op-calls 1000 \
     --out "$out/serving.json" 2>&1 | tee "$out/serving.log" | tail -45
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if [ "$what" = ab ]; then
+  [ -d build/ab/base/mmcache ] || { echo "gpu_suite.sh ab: build/ab/base holds no tree"; exit 2; }
+  ab() {  # ab TREE NAME SECONDS SCRIPT ARGS...: one benchmark of one tree, its table's tail
+    local tree=$1 name=$2 limit=$3 dir=$PWD
+    shift 3
+    [ "$tree" = base ] && dir=$PWD/build/ab/base
+    echo "=== $tree: $*"
+    (cd "$dir" && PYTHONPATH="/tmp/site:$dir" timeout "$limit" python3 "$@" \
+      --out "$out/$name-$tree.json" >"$out/$name-$tree.log" 2>&1) || status=1
+    grep -E '^\| ' "$out/$name-$tree.log" | tail -"${AB_ROWS:-12}"
+  }
+  for round in 1 2; do  # ABBA: a host that drifts favours neither
+    for tree in $([ $round = 1 ] && echo "base head" || echo "head base"); do
+      ab "$tree" "ops$round" 60 benchmarks/bench_ops.py --device cuda
+    done
+  done
+  for tree in base head; do
+    ab "$tree" serving 180 benchmarks/bench_serving.py --device cuda --seconds 2 --warmup 1
+  done
+  for tree in head base; do
+    ab "$tree" offload 120 benchmarks/bench_offload.py --quick
+  done
 fi
 if [ "$what" = profile ]; then
   timeout 120 python3 -m cProfile -o "$out/offload.prof" benchmarks/bench_offload.py --quick >/dev/null 2>&1
