@@ -517,7 +517,10 @@ class CacheMetrics:
 
     def copy_finished(self, direction: str, nbytes: int, seconds: float, count: int = 1) -> None:
         """Record one copy observed complete: count features, nbytes in all, its latency."""
-        pending, copied, duration = self.copy_series(direction)
+        series = self._copies.get(direction)  # copy_series, inline: once per copy landed
+        if series is None:
+            raise _unknown("copy direction", direction, DIRECTIONS)
+        pending, copied, duration = series
         pending.dec(count)
         copied.inc(nbytes)
         duration.observe(seconds)

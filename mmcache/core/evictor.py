@@ -106,10 +106,12 @@ class Evictor:
     def wake(self) -> None:
         """Grant waiting puts in arrival order while they fit; offload more for the rest."""
         waiters = self.waiting
+        line = waiters.line  # read with no call: most landings find nobody waiting
         ledger = self._ledger
         while True:
-            waiters.grant()
-            if not waiters:
+            if line:
+                waiters.grant()
+            if not line:
                 return
             free_before = ledger.free()
             self.evict_for(sum(nbytes for nbytes, _ in waiters.wanted()))
