@@ -111,14 +111,7 @@ class _LoopCheck:
 
     def _fire(self) -> None:
         on_done = self._on_done
-        # cancel(), inline (it runs once a wait): first, so that the other way of
-        # noticing never calls on_done again.
-        handle = self._handle
-        if handle is not None:
-            handle.cancel()
-            self._handle = None
-        self._on_done = _nothing
-        self._fences = []
+        self.cancel()  # first: the other way of noticing must not call it again
         try:
             on_done()
         except Exception:

@@ -246,16 +246,10 @@ class BatchReads:
         for (i, entry, member), src, offset in zip(uploads, srcs, offsets, strict=True):
             shape = entry.shape if member is None else member.shape
             out[i] = buffer[offset : offset + src.numel()].view(entry.dtype).view(shape)
-            # Entry.add_host_stream, inline (one call a batch): the block's free records
-            # a fence on stream.
-            streams = entry.host_streams
-            if streams is None:
-                entry.host_streams = [stream]
-            elif stream not in streams:
-                streams.append(stream)
             entries.append(entry)
             moved += src.numel()
         del srcs
+        Entry.add_host_stream(entries, stream)  # the blocks' frees record a fence there
         if fence is None:  # stream order alone covers them; the buffer is the reader's
             self._counters.uploaded_on_reader_stream(moved)
             return None

@@ -209,13 +209,16 @@ class Entry:
                     kept.append(reader)
             self.host_readers = kept
 
-    def add_host_stream(self, stream: Stream) -> None:
-        """Record a stream that queued a copy reading the host block (once per stream)."""
-        streams = self.host_streams
-        if streams is None:
-            self.host_streams = [stream]
-        elif stream not in streams:
-            streams.append(stream)
+    @staticmethod
+    def add_host_stream(entries: Iterable[Entry], stream: Stream) -> None:
+        """Record on each of entries a stream that queued a copy reading its host block
+        (once per stream): one call for a batch's entries."""
+        for entry in entries:
+            streams = entry.host_streams
+            if streams is None:
+                entry.host_streams = [stream]
+            elif stream not in streams:
+                streams.append(stream)
 
     def add_device_reader(self, fence: Fence) -> None:
         """Record a copy that reads the device tensor: it is released only after it."""

@@ -342,7 +342,7 @@ class Reads:
             assert fence is not None
             entry.add_host_reader(fence)
         else:
-            entry.add_host_stream(stream)  # the block's free records a fence there
+            Entry.add_host_stream((entry,), stream)  # the block's free records a fence there
             if fence is None:  # stream order alone covers it; dst is the reader's
                 self._counters.uploaded_on_reader_stream(dst.nbytes)
                 return dst

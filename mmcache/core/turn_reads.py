@@ -46,8 +46,7 @@ class TurnReads:
 
     A scheduler's concurrent requests each call get (or get_many); the host hits among
     them would each pay an allocation, a copy, a fence and a stream wait. Queued here
-    instead,
-    they are read at the end of the turn (one callback, never a timer) by
+    instead, they are read at the end of the turn (one callback, never a timer) by
     BatchReads.queue: one lookup pass, one copy batch, one fence, one wait per consumer
     stream. Each get gets its own output, ordered on its own stream. A key is looked up
     again when the turn ends, so what changed meanwhile (a discard, a landing) is seen.
@@ -55,7 +54,7 @@ class TurnReads:
     batch's fences serves all its gets, bounded by copy_timeout_s.
     """
 
-    __slots__ = ("_batch", "_counters", "_device", "_timeout", "_when_done", "turns")
+    __slots__ = ("_batch", "_counters", "_device", "_timeout", "_turns", "_when_done")
 
     def __init__(
         self,
@@ -70,8 +69,7 @@ class TurnReads:
         self._counters = counters
         self._when_done = when_done
         self._timeout = copy_timeout
-        #: id(stream) -> the gets queued this turn on it (empty between turns)
-        self.turns: dict[int, _Turn] = {}
+        self._turns: dict[int, _Turn] = {}  # id(stream) -> the gets of this turn on it
 
     async def read(self, key: Hashable, stream: Stream) -> torch.Tensor | None:
         """key's feature on the device, usable on stream, read with the turn's other gets;
@@ -108,7 +106,7 @@ class TurnReads:
     ) -> tuple[asyncio.Future[None], list[torch.Tensor | None]]:
         """A get of keys in this turn's batch on stream: the future it awaits, and the
         list its outputs are put in."""
-        turns = self.turns
+        turns = self._turns
         loop = asyncio.get_running_loop()
         if not turns:
             loop.call_soon(self._serve)  # the end of this turn: after the gets queued in it
@@ -122,8 +120,7 @@ class TurnReads:
 
     def _serve(self) -> None:
         """Read every get queued this turn: one batch per consumer stream."""
-        turns = self.turns.copy()  # gets queued from here on make the next turn
-        self.turns.clear()
+        turns, self._turns = self._turns, {}  # gets queued from here on make the next turn
         for stream, queued in turns.values():
             keys: list[Hashable] = []
             gets: list[_Get] = []

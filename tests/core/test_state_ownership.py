@@ -134,9 +134,9 @@ KNOWN = {
     # path; the state folds the count into its sketch when it compares entries.
     "core/batch_reads.py: assigns Entry.hits of entry",
     "core/reads.py: assigns Entry.hits of entry",
-    # A batch's uploads on the reader's stream record it on each entry inline (one loop,
-    # not a call per entry): reader bookkeeping, as Entry.add_host_stream, no transition.
-    "core/batch_reads.py: assigns Entry.host_streams of entry",
+    # Entry records a reader stream on a batch's entries in one call: its own field,
+    # reader bookkeeping, no transition.
+    "core/entry.py: assigns Entry.host_streams of entry",
 }
 
 
