@@ -77,6 +77,7 @@ from _common import (  # noqa: E402
 from prometheus_client import CollectorRegistry  # noqa: E402
 
 from mmcache import CacheSettings, CacheStats, FeatureCache  # noqa: E402
+from mmcache.device import Device  # noqa: E402
 
 FLOOR = "plain dict, never evicts (floor)"
 SYNC_CPU = "sync .cpu() LRU"
@@ -412,19 +413,31 @@ class MMCache:
     """mmcache through its public API: get_or_compute per image, or get_many per request."""
 
     def __init__(
-        self, features: Features, cfg: Config, gpu_bytes: int, cpu_bytes: int, many: bool
+        self,
+        features: Features,
+        cfg: Config,
+        gpu_bytes: int,
+        cpu_bytes: int,
+        many: bool,
+        *,
+        device: str | Device | None = None,
+        pinned_first: bool = True,
     ) -> None:
         self.features = features
         self.settings = CacheSettings(gpu_cache_mb=gpu_bytes / MiB, cpu_cache_mb=cpu_bytes / MiB)
-        self.cache = FeatureCache(self.settings, device=cfg.device, registry=CollectorRegistry())
+        self.cache = FeatureCache(
+            self.settings, device=device or cfg.device, registry=CollectorRegistry()
+        )
         self.many = many
+        self.pinned_first = pinned_first
         self.host_ready = False
         self.lookups = 0  # images requested: each is one lookup of the workload
 
     async def start(self) -> None:
-        """Start the cache and wait for its pinned host arena."""
+        """Start the cache; unless told to serve cold, wait for its pinned host arena."""
         await self.cache.start()
-        self.host_ready = await self.cache.wait_host_ready(timeout=HOST_READY_TIMEOUT_S)
+        if self.pinned_first:
+            self.host_ready = await self.cache.wait_host_ready(timeout=HOST_READY_TIMEOUT_S)
 
     async def fetch(self, images: Sequence[int]) -> list[torch.Tensor | None]:
         """The request's features, each through the cache; misses computed once for all."""

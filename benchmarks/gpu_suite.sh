@@ -73,6 +73,9 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   timeout 180 python3 benchmarks/bench_serving.py --device cuda --seconds 2 --warmup 1 --op-calls 1000 \
     --out "$out/serving.json" 2>&1 | tee "$out/serving.log" | tail -45
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  # One client, 8 MB, from the moment each design is made (mmcache's arena still pinning).
+  timeout 120 python3 benchmarks/bench_cold_start.py --out "$out/cold.json" 2>&1 | tee "$out/cold.log" | tail -12
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if [ "$what" = ab ]; then
   [ -d build/ab/base/mmcache ] || { echo "gpu_suite.sh ab: build/ab/base holds no tree"; exit 2; }

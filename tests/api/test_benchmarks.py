@@ -19,6 +19,7 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 #: script -> arguments for a short run without a GPU
 RUNS: dict[str, list[str]] = {
     "bench_adapters.py": ["--device", "sim", "--quick"],
+    "bench_cold_start.py": ["--device", "sim", "--quick", "--size", "64KB"],
     "bench_groups.py": ["--quick"],  # TP 2 over gloo on loopback
     "bench_host_pool.py": ["--quick"],
     "bench_host_reads.py": ["--device", "sim", "--quick", "--gap-ms", "1"],
@@ -152,6 +153,42 @@ def _serving() -> Any:
     import bench_serving
 
     return bench_serving
+
+
+def test_bench_cold_start_serves_while_the_arena_pins(tmp_path: Path) -> None:
+    out = tmp_path / "cold.json"
+    # 1 MB features: a 440 MiB arena, 55 simulated chunks of 2.5 ms, so at least 0.14 s
+    # of pinning; the first window closes before it can end.
+    done = _run(
+        "bench_cold_start.py",
+        "--size",
+        "1MB",
+        "--windows",
+        "0.1",
+        "0.4",
+        "--rounds",
+        "1",
+        "--out",
+        str(out),
+    )
+    assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
+    results = json.loads(out.read_text())
+    assert results["wrong_values"] == 0 and results["leaked_bytes"] == 0
+    assert set(results["runs"]) == {"SGLang-style (non_blocking + event)", "mmcache get"}
+    for name, runs in results["runs"].items():
+        (run,) = runs
+        assert all(rate > 0 for rate in run["requests_per_s"]), name
+    (mm,) = results["runs"]["mmcache get"]
+    assert mm["pinned_fraction"][0] < 1.0 and mm["arena_pinned_s"] > 0.1
+    assert "mmcache ÷ SGLang-style" in done.stdout
+
+
+def test_cold_start_windows_count_each_request_once() -> None:
+    sys.path.insert(0, str(BENCHMARKS))
+    import bench_cold_start
+
+    times = [0.0, 0.2, 0.49, 0.5, 1.2, 2.5]
+    assert bench_cold_start.per_window(times, [0.5, 1.0, 2.0]) == [6.0, 2.0, 1.0]
 
 
 def _small_serving_config() -> Any:
