@@ -61,6 +61,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 
 from _common import (  # noqa: E402
     DTYPE,
+    GB,
     HIDDEN,
     HOST_READY_TIMEOUT_S,
     SPECS,
@@ -68,6 +69,7 @@ from _common import (  # noqa: E402
     MiB,
     cuda_elapsed_s,
     fmt,
+    gbps,
     markdown_table,
     median,
     percentile,
@@ -750,9 +752,46 @@ async def measure_size(
         del strategy
         release_memory(cfg)
     out["ratios"] = ratios(out["strategies"])
+    if not cfg.simulated:
+        out["h2d_gbps"] = h2d = h2d_gbps(features.nbytes, cfg.tensor_device)
+        release_memory(cfg)
+        for name in (MM_GET, MM_MANY):
+            row = out["strategies"][name]
+            ceiling = None if "skipped" in row else bus_ceiling(row, features.nbytes, h2d)
+            row["bus_ceiling_req_s"] = ceiling
+            out["ratios"][f"{name} / bus ceiling"] = (
+                row["requests_per_s"] / ceiling if ceiling else None
+            )
     out["operations"] = await operation_costs(features, requests, cfg, gpu_bytes, cpu_bytes)
     release_memory(cfg)
     return out
+
+
+def h2d_gbps(nbytes: int, device: torch.device) -> float:
+    """Pinned host-to-device GB/s of back-to-back copies of nbytes each (GPU time, median of
+    three rounds of about 256 MiB): what the bus can upload at this feature size."""
+    count = min(4096, max(4, (256 * MiB) // nbytes))
+    host = torch.empty(count * nbytes, dtype=torch.uint8, pin_memory=True)
+    on_device = torch.empty_like(host, device=device)
+    stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+
+    def copies() -> None:
+        for i in range(0, count * nbytes, nbytes):
+            on_device[i : i + nbytes].copy_(host[i : i + nbytes], non_blocking=True)
+
+    cuda_elapsed_s(copies, stream)  # the first round pays for what is loaded on first use
+    return gbps(count * nbytes, median([cuda_elapsed_s(copies, stream) for _ in range(3)]))
+
+
+def bus_ceiling(row: dict[str, Any], feature_bytes: int, h2d: float) -> float | None:
+    """The req/s at which mmcache's host hits alone would fill the H2D bus: its host-hit
+    share of lookups (whole run) x bytes per feature x features per request, against h2d
+    GB/s. Past it no cache serving that share from the host can go."""
+    lookups, requests = row.get("lookups"), row.get("requests")
+    if not lookups or not requests:
+        return None
+    per_request = row["stats"]["hits_cpu"] / lookups * feature_bytes * row["features"] / requests
+    return h2d * GB / per_request if per_request else None
 
 
 def ratios(rows: dict[str, dict[str, Any]]) -> dict[str, float | None]:
@@ -867,6 +906,13 @@ def report(results: dict[str, Any]) -> str:
             "req/s ratios: "
             + "; ".join(f"{k} {fmt(v)}" for k, v in r["ratios"].items() if v is not None),
         ]
+        if "h2d_gbps" in r:
+            ceilings = (r["strategies"][n].get("bus_ceiling_req_s") for n in (MM_GET, MM_MANY))
+            lines.append(
+                f"bus ceiling (host hits x bytes against {fmt(r['h2d_gbps'], 1)} GB/s pinned "
+                f"H2D at this size): `get` / `get_many` {' / '.join(fmt(c, 0) for c in ceilings)}"
+                " req/s"
+            )
     op_headers = [
         "size",
         *(f"{name} µs (calls)" for name in OP_CLASSES),

@@ -274,6 +274,16 @@ async def test_bench_serving_counts_wrong_features_for_every_design(
             assert figures["wrong_values"] > 0, name
 
 
+def test_the_bus_ceiling_is_the_req_s_at_which_host_hits_fill_the_h2d_bus() -> None:
+    serving = _serving()
+    # 40 % of lookups from the host, 2.5 features a request of 8 MB: 8 MB a request over
+    # the bus, 50 GB/s of it: 6,250 requests a second at most.
+    row = {"lookups": 100, "requests": 100, "features": 250, "stats": {"hits_cpu": 40}}
+    assert serving.bus_ceiling(row, 8_000_000, 50.0) == pytest.approx(6250.0)
+    assert serving.bus_ceiling({**row, "stats": {"hits_cpu": 0}}, 8_000_000, 50.0) is None
+    assert serving.bus_ceiling({**row, "requests": 0}, 8_000_000, 50.0) is None
+
+
 def test_bench_serving_check_catches_poison_zeros_and_misses() -> None:
     serving = _serving()
     features = serving.Features(4, _small_serving_config(), None)
