@@ -77,14 +77,22 @@ class BatchReads:
         return out
 
     def queue(
-        self, keys: Sequence[Hashable], stream: Stream, *, count_repeats: bool = False
+        self,
+        keys: Sequence[Hashable],
+        stream: Stream,
+        *,
+        count_repeats: bool = False,
+        blame: dict[Fence, list[Hashable]] | None = None,
     ) -> tuple[list[torch.Tensor | None], list[Fence], list[torch.Tensor]]:
         """get_many up to its first await: every key looked up, every alias taken and every
         host hit's copy queued. Returns the outputs (usable on stream once wait() has
         ordered them), the fences they depend on and the device memory they use.
 
         A key given twice is read once; count_repeats: each is a lookup all the same
-        (the keys of several calls), else one (get_many's)."""
+        (the keys of several calls), else one (get_many's). With blame (the keys of
+        several calls), a feature whose copy failed already is not an error here: blame
+        maps each fence the outputs depend on (but those done and good) to the keys read
+        behind it, so that only the callers of those keys fail."""
         out: list[torch.Tensor | None] = [None] * len(keys)
         waits: list[Fence] = []
         used: list[torch.Tensor] = []  # one tensor per block of device memory served
@@ -126,6 +134,8 @@ class BatchReads:
                 used.append(alias)
                 if not entry.ready.ok():  # one call in the common case: done and good
                     waits.append(entry.ready)
+                    if blame is not None:
+                        blame.setdefault(entry.ready, []).append(key)
             else:
                 touch_host(entry.key)
                 uploads.append((i, entry, member))
@@ -140,11 +150,19 @@ class BatchReads:
                 else:
                     gpu_hits += 1
         self._counters.looked_up(gpu_hits, host_hits, missed)
-        for fence in waits:  # a feature whose producing copy failed: an error, no copies
-            if fence.done():
-                raise_if_failed(fence)
+        if blame is None:
+            for fence in waits:  # a feature whose producing copy failed: an error, no copies
+                if fence.done():
+                    raise_if_failed(fence)
         if uploads:
-            waits.extend(self._upload(uploads, out, used, stream))
+            fences = self._upload(uploads, out, used, stream)
+            waits.extend(fences)
+            if blame is not None:
+                uploaded: list[Hashable] = []
+                for i, _, _ in uploads:
+                    uploaded.append(keys[i])
+                for fence in fences:
+                    blame[fence] = uploaded
         for i, seen in repeats:
             found_tensor = out[seen]
             out[i] = None if found_tensor is None else found_tensor.detach()

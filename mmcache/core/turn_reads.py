@@ -140,14 +140,11 @@ class TurnReads:
     ) -> None:
         """One stream's gets of the turn, read as one batch."""
         failure: Exception | None = None
+        blame: dict[Fence, list[Hashable]] = {}
         try:
             # Gets of one key read it once, and each is a lookup.
-            out, waits, used = self._batch.queue(keys, stream, count_repeats=True)
-            if self._device.stream_ordered_reads:  # ordered on the stream now, for all
-                self._batch.order(waits, used, stream)
-                _serve_all(futures, out)
-                return
-        except Exception as exc:
+            out, waits, used = self._batch.queue(keys, stream, count_repeats=True, blame=blame)
+        except Exception as exc:  # no memory for the uploads: nothing was queued
             failure = exc
         if failure is not None:
             # Each get raises it where it awaits: its traceback (kept by the futures and
@@ -155,7 +152,19 @@ class TurnReads:
             traceback.clear_frames(failure.__traceback__)
             _fail(futures, failure)
             return
-        self._serve_after(futures, out, waits, used, stream)
+        if self._device.stream_ordered_reads:  # ordered on the stream now, for all
+            device = self._device
+            bad: dict[Fence, Exception] = {}
+            for fence in blame:
+                if not fence.done():
+                    device.wait_on(stream, fence)
+                elif (failure := copy_failure(fence)) is not None:
+                    bad[fence] = failure
+            for tensor in used:
+                device.use_on(tensor, stream)
+            _serve_all(futures, out, _failures(bad, blame) if bad else None)
+            return
+        self._serve_after(futures, out, waits, used, stream, blame)
 
     def _serve_after(
         self,
@@ -164,48 +173,51 @@ class TurnReads:
         waits: list[Fence],
         used: list[torch.Tensor],
         stream: Stream,
+        blame: dict[Fence, list[Hashable]],
     ) -> None:
-        """Hand the outputs over once their fences are done (within copy_timeout_s)."""
+        """Hand the outputs over once their fences are done (within copy_timeout_s); the
+        gets of a key whose copy failed or is overdue raise, the others are served."""
         started = time.perf_counter()
         loop = asyncio.get_running_loop()
         expiry: list[asyncio.TimerHandle] = []
 
-        def done() -> None:
+        def done(overdue: Exception | None = None) -> None:
             if expiry:
                 expiry[0].cancel()
+            if not futures:  # served at expiry; this is the late fence
+                return
+            bad: dict[Fence, Exception] | None = None
             for fence in waits:
-                if fence.exception() is None:  # done: asked once, the error made only if any
+                if overdue is not None and not fence.done():
+                    failure: Exception | None = overdue
+                elif fence.exception() is None:  # done: asked once, the error made if any
                     continue
-                failure = copy_failure(fence)
-                if failure is not None:  # made, not raised: no traceback keeps the outputs
-                    out.clear()
-                    used.clear()
-                    _fail(futures, failure)
-                    futures.clear()
-                    return
+                else:  # made, not raised: no traceback keeps the outputs
+                    failure = copy_failure(fence)
+                if failure is not None:
+                    if bad is None:
+                        bad = {}
+                    bad[fence] = failure
             for tensor in used:
                 self._device.use_on(tensor, stream)
             waited = time.perf_counter() - started
             for _ in futures:  # one wait per call
                 self._counters.waited(waited)
-            _serve_all(futures, out)
+            _serve_all(futures, out, None if bad is None else _failures(bad, blame))
             # Whoever keeps this callback (the watcher, an expired timer) keeps nothing.
             futures.clear()
             out.clear()
             used.clear()
+            blame.clear()
 
         def expired() -> None:
             self._counters.quarantined()  # the memory stays pinned by the copies
-            out.clear()
-            used.clear()
-            _fail(
-                futures,
+            done(
                 CopyTimeoutError(
                     f"a device copy did not complete within {self._timeout:g} s "
                     "(MMCACHE_COPY_TIMEOUT_SEC); its memory is quarantined"
-                ),
+                )
             )
-            futures.clear()
 
         pending: list[Fence] = []
         for fence in waits:
@@ -218,13 +230,35 @@ class TurnReads:
         self._when_done(pending, done, fresh=True)  # asked just now: not asked again
 
 
-def _serve_all(futures: list[_Get], out: list[torch.Tensor | None]) -> None:
+def _failures(
+    bad: dict[Fence, Exception], blame: dict[Fence, list[Hashable]]
+) -> dict[Hashable, Exception]:
+    """Each key read behind a bad fence, and the error its callers raise."""
+    failed: dict[Hashable, Exception] = {}
+    for fence, failure in bad.items():
+        for key in blame[fence]:
+            failed.setdefault(key, failure)
+    return failed
+
+
+def _serve_all(
+    futures: list[_Get],
+    out: list[torch.Tensor | None],
+    failed: dict[Hashable, Exception] | None = None,
+) -> None:
+    """Each get's outputs into its list; a get that read a key in failed raises instead."""
     at = 0
     for future, output, keys in futures:
         end = at + len(keys)
         if not future.done():  # cancelled meanwhile, or timed out
-            output.extend(out[at:end])
-            future.set_result(None)
+            failure = None
+            if failed is not None:
+                failure = next((failed[key] for key in keys if key in failed), None)
+            if failure is None:
+                output.extend(out[at:end])
+                future.set_result(None)
+            else:
+                future.set_exception(failure)
         at = end
 
 

@@ -4,6 +4,7 @@ one batch."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Hashable
 from typing import Any
 
@@ -12,6 +13,7 @@ import torch
 from conftest import CacheFactory, KiB, Rig, assert_exact, put_feature
 
 from mmcache.device import CopyPlan, NewCopyPlan, SimDevice
+from mmcache.errors import CopyFailedError, CopyTimeoutError
 
 pytestmark = pytest.mark.usefixtures("no_collection_during_reports")
 
@@ -43,8 +45,12 @@ async def host_resident(rig: Rig, cache: Any, count: int) -> dict[int, torch.Ten
 
 
 def _on_host(cache: Any, key: int) -> bool:
+    return _in_tier(cache, key) == "host"
+
+
+def _in_tier(cache: Any, key: int) -> str:
     entry = cache._core.state.index[key]  # the tier a feature is in, without reading it
-    return bool(entry.state.value == "host")
+    return str(entry.state.value)
 
 
 @pytest.mark.parametrize("small_copy_kib", [4096, 0], ids=["reader-stream", "copy-stream"])
@@ -204,3 +210,94 @@ async def test_gets_on_two_streams_are_each_ordered_on_their_own(
     got = await asyncio.gather(*(cache.get(i, stream=one if i % 2 else two) for i in range(4)))
     for i, tensor in enumerate(got):
         assert_exact(tensor, want[i])
+
+
+async def _a_put_whose_compaction(cache: Any, rig: Rig, key: Hashable, fault: str) -> None:
+    """Put a view of a larger tensor, so that the put compacts it by a device copy, and
+    make that copy fail or never complete."""
+    assert isinstance(rig.device, SimDevice)
+    rig.device.inject(fault, 1)  # type: ignore[arg-type]
+    larger = rig.tensor(2 * FEATURE_KIB, 256, dtype=torch.float32, seed=99)
+    assert await cache.put(key, larger[:FEATURE_KIB])
+
+
+async def test_a_failed_feature_fails_only_the_calls_that_asked_for_it(
+    rig: Rig, make_cache: CacheFactory
+) -> None:
+    if not isinstance(rig.device, SimDevice):
+        pytest.skip("injects a failed copy into the simulator")
+    cache = make_cache(gpu_mb=3 * FEATURE_KIB / KiB, cpu_mb=4, promote_on_hit=False)
+    want = await host_resident(rig, cache, 3)
+    cache.discard(5)  # room on the GPU tier for the failing one
+    with rig.hold():
+        await _a_put_whose_compaction(cache, rig, "bad", "copy_fails")
+        # One loop turn: a get_many naming the failed feature, and gets of other features.
+        many = asyncio.ensure_future(cache.get_many([1, "bad"]))
+        one = asyncio.ensure_future(cache.get(0))
+        other = asyncio.ensure_future(cache.get_many([2, 1]))
+        await asyncio.sleep(0.05)
+    with pytest.raises(CopyFailedError):
+        await many
+    assert_exact(await one, want[0])
+    for key, tensor in zip([2, 1], await other, strict=True):
+        assert_exact(tensor, want[key])
+    await cache.drain()
+    assert cache.stats().leaked_bytes == 0
+
+
+@pytest.mark.parametrize("stream_ordered", [False, True], ids=["watched", "stream-ordered"])
+async def test_a_feature_already_failed_fails_only_the_calls_that_asked_for_it(
+    rig: Rig, make_cache: CacheFactory, monkeypatch: pytest.MonkeyPatch, stream_ordered: bool
+) -> None:
+    if not isinstance(rig.device, SimDevice):
+        pytest.skip("injects a failed copy into the simulator")
+    # stream-ordered: the turn is served as on CUDA, ordered on the stream at once (the
+    # simulator's copies are then waited for below before the values are compared).
+    monkeypatch.setattr(rig.device, "stream_ordered_reads", stream_ordered)
+    cache = make_cache(gpu_mb=5 * FEATURE_KIB / KiB, cpu_mb=4, small_copy_bytes=0)
+    want = await host_resident(rig, cache, 5)
+    cache.discard(9)  # room for one promotion
+    rig.device.inject("copy_fails", 1)
+    with contextlib.suppress(CopyFailedError):  # stream-ordered: served before it fails
+        await cache.get(4)  # promoted; its upload fails, which its readers are told
+    rig.device.synchronize()
+    assert _in_tier(cache, 4) == "gpu"  # failed, not dropped yet
+    # The next turn looks 4 up with its fence failed already.
+    many = asyncio.ensure_future(cache.get_many([1, 4]))
+    one = asyncio.ensure_future(cache.get(0))
+    with pytest.raises(CopyFailedError):
+        await many
+    served = await one
+    rig.device.synchronize()
+    assert_exact(served, want[0])
+    await cache.drain()
+    assert cache.stats().leaked_bytes == 0
+
+
+async def test_a_copy_that_never_completes_times_out_only_the_calls_that_read_it(
+    rig: Rig, make_cache: CacheFactory
+) -> None:
+    if not isinstance(rig.device, SimDevice):
+        pytest.skip("injects a hung copy into the simulator")
+    # Uploads on the copy stream: one on the reader's stream would be ordered behind the
+    # hung copy, which the put queued there.
+    cache = make_cache(
+        gpu_mb=3 * FEATURE_KIB / KiB,
+        cpu_mb=4,
+        promote_on_hit=False,
+        copy_timeout_s=0.3,
+        small_copy_bytes=0,
+    )
+    want = await host_resident(rig, cache, 3)
+    cache.discard(5)
+    await _a_put_whose_compaction(cache, rig, "stuck", "fence_never_completes")
+    try:
+        many = asyncio.ensure_future(cache.get_many([1, "stuck"]))
+        one = asyncio.ensure_future(cache.get(2))
+        with pytest.raises(CopyTimeoutError):
+            await many
+        assert_exact(await one, want[2])
+    finally:
+        rig.device.unstick()
+    await cache.drain()
+    assert cache.stats().leaked_bytes == 0
