@@ -144,7 +144,10 @@ class TurnReads:
         try:
             # Gets of one key read it once, and each is a lookup.
             out, waits, used = self._batch.queue(keys, stream, count_repeats=True, blame=blame)
-        except Exception as exc:  # no memory for the uploads: nothing was queued
+            if self._device.stream_ordered_reads:  # ordered on the stream now, for all
+                _serve_all(futures, out, self._order(blame, used, stream))
+                return
+        except Exception as exc:  # no memory for the uploads, say
             failure = exc
         if failure is not None:
             # Each get raises it where it awaits: its traceback (kept by the futures and
@@ -152,19 +155,23 @@ class TurnReads:
             traceback.clear_frames(failure.__traceback__)
             _fail(futures, failure)
             return
-        if self._device.stream_ordered_reads:  # ordered on the stream now, for all
-            device = self._device
-            bad: dict[Fence, Exception] = {}
-            for fence in blame:
-                if not fence.done():
-                    device.wait_on(stream, fence)
-                elif (failure := copy_failure(fence)) is not None:
-                    bad[fence] = failure
-            for tensor in used:
-                device.use_on(tensor, stream)
-            _serve_all(futures, out, _failures(bad, blame) if bad else None)
-            return
         self._serve_after(futures, out, waits, used, stream, blame)
+
+    def _order(
+        self, blame: dict[Fence, list[Hashable]], used: list[torch.Tensor], stream: Stream
+    ) -> dict[Hashable, Exception] | None:
+        """Order the outputs after the fences they wait on, on stream; the keys read behind
+        a failed one, with its error (None if none failed)."""
+        device = self._device
+        bad: dict[Fence, Exception] = {}
+        for fence in blame:
+            if not fence.done():
+                device.wait_on(stream, fence)
+            elif (failure := copy_failure(fence)) is not None:
+                bad[fence] = failure
+        for tensor in used:
+            device.use_on(tensor, stream)
+        return _failures(bad, blame) if bad else None
 
     def _serve_after(
         self,
