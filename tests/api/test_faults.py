@@ -723,6 +723,39 @@ async def test_a_get_waiting_on_a_stuck_upload_times_out(sim_rig: Rig) -> None:
         assert faults(reg, "quarantined") == 1
 
 
+async def test_a_failed_promotion_is_dropped_though_a_readers_upload_is_stuck(
+    sim_rig: Rig,
+) -> None:
+    reg = CollectorRegistry()
+    dev = sim(sim_rig)
+    # Reads of rows below small_copy_bytes are copied on the reader's stream.
+    cache = make(sim_rig, 20, 64, reg, small_copy_bytes=1 << 20, copy_timeout_s=0.2)
+    await cache.start()
+    try:
+        for i in range(10):
+            await cache.put(i, value(i))
+        await cache.drain()  # 0..4 on the host tier
+        cache.discard(9)  # room on the GPU for one promotion
+        dev.inject("fence_never_completes")
+        with pytest.raises(CopyTimeoutError):
+            await within(2, cache.get(0, rows=slice(0, 8)))  # the reader's stream sticks
+        dev.inject("copy_fails")
+        with pytest.raises(CopyFailedError):
+            await within(2, cache.get(4))  # promoted; its upload (on the H2D stream) fails
+        # Its upload's accounting, behind no other stream's, drops it: a miss, not an error.
+        for _ in range(200):
+            if 4 not in cache:
+                break
+            await asyncio.sleep(0.01)
+        assert await cache.get(4) is None
+        assert faults(reg, "copy_failed") == 1
+        dev.unstick()
+        await settled(sim_rig, cache)
+    finally:
+        dev.unstick()
+        await cache.close(timeout=2)
+
+
 async def test_close_does_not_hang_on_a_stuck_fence(sim_rig: Rig) -> None:
     dev = sim(sim_rig)
     cache = make(sim_rig, 16, 64, small_copy_bytes=0, copy_timeout_s=0.2)
