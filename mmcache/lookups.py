@@ -13,6 +13,7 @@ from typing import final
 import torch
 
 from mmcache.core.tiers import Tiers
+from mmcache.core.turn_reads import each_position
 from mmcache.device import Stream
 from mmcache.remote.tier import RemoteTier
 
@@ -48,9 +49,12 @@ class Lookups:
     async def read_many(
         self, batch: list[Hashable], to_host: bool, stream: Stream
     ) -> list[torch.Tensor | None]:
-        """get_many's reads of batch: a list, None per miss."""
+        """get_many's reads of batch: a list, None per miss (a key given twice is read
+        and counted once)."""
         if to_host:
-            return [(await self.read_one(key, None, True, stream))[0] for key in batch]
+            unique = list(dict.fromkeys(batch))
+            out = [(await self.read_one(key, None, True, stream))[0] for key in unique]
+            return out if len(unique) == len(batch) else each_position(batch, unique, out)
         if self._remote is not None:  # what both local tiers miss, asked of the shared one
             await self._remote.fetch_missing(batch)
         return await self._batch_reads.get_many(batch, stream)

@@ -21,7 +21,7 @@ import asyncio
 import copy
 import logging
 import time
-from collections import deque
+from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
 
 from mmcache.device.base import Fence
@@ -236,7 +236,9 @@ class FenceWatcher:
         self._idle.set()
         self._done: deque[Callable[[], None]] = deque()  # appended by any thread
         self._drain_scheduled = False
-        self._lazy: deque[tuple[Fence, Callable[[], None]]] = deque()
+        #: the lazy callbacks of each stream (None: the device's copy streams), in order
+        self._lazy: defaultdict[object, deque[tuple[Fence, Callable[[], None]]]]
+        self._lazy = defaultdict(deque)
         self._lazy_handle: asyncio.TimerHandle | None = None
         self._lazy_delay = LOOP_CHECK_S
 
@@ -263,17 +265,21 @@ class FenceWatcher:
         for f in pending:
             f.add_done_callback(lambda: self._completed(check.one_reported))
 
-    def when_done_lazily(self, fence: Fence, callback: Callable[[], None]) -> None:
+    def when_done_lazily(
+        self, fence: Fence, callback: Callable[[], None], stream: object = None
+    ) -> None:
         """Call callback() on the loop once fence is done, as found by the loop's own looks.
 
         No device thread is woken: for bookkeeping nobody waits on (an upload's accounting),
-        where a thread's report would cost the loop more than the work. Callbacks run in
-        the order given, each once every fence before it is done too (fences of one copy
-        stream complete in order).
+        where a thread's report would cost the loop more than the work. fence is on stream
+        (None: the device's copy streams); the callbacks of one stream run in the order
+        given, each once every fence before it is done too (fences of one stream complete
+        in order, so a look asks only the oldest of each), and a fence that never completes
+        holds back no other stream's.
         """
         self.outstanding += 1
         self._idle.clear()
-        self._lazy.append((fence, callback))
+        self._lazy[stream].append((fence, callback))
         if self._lazy_handle is None and not self._loop.is_closed():
             self._lazy_delay = LOOP_CHECK_S
             self._lazy_handle = self._loop.call_later(LOOP_CHECK_S, self._look)
@@ -281,17 +287,20 @@ class FenceWatcher:
     def _look(self) -> None:
         self._lazy_handle = None
         lazy = self._lazy
-        try:
-            while lazy and lazy[0][0].done():
-                callback = lazy.popleft()[1]
-                try:
-                    callback()
-                except Exception:
-                    log.exception("a fence callback raised")
-                finally:
-                    self.one_done()
-        except Exception:  # looked at again at the next turn
-            log.exception("looking at a fence failed")
+        for stream, queue in list(lazy.items()):
+            try:
+                while queue and queue[0][0].done():
+                    callback = queue.popleft()[1]
+                    try:
+                        callback()
+                    except Exception:
+                        log.exception("a fence callback raised")
+                    finally:
+                        self.one_done()
+            except Exception:  # looked at again at the next turn
+                log.exception("looking at a fence failed")
+            if not queue:
+                del lazy[stream]
         if lazy:
             self._lazy_delay = min(2 * self._lazy_delay, LOOP_CHECK_MAX_S)
             self._lazy_handle = self._loop.call_later(self._lazy_delay, self._look)

@@ -271,7 +271,7 @@ class BatchReads:
         if fence is None:  # stream order alone covers them; the buffer is the reader's
             self._counters.uploaded_on_reader_stream(moved)
             return None
-        self._reads.track_upload(entries, fence, moved)
+        self._reads.track_upload(entries, fence, moved, stream)
         device.release(
             buffer, after=() if device.copies_keep_destinations else (fence,)
         )  # the outputs keep it alive
@@ -347,7 +347,7 @@ class BatchReads:
             used.append(buffer)  # one record for every view of it
             # The outputs' views keep it alive for their holders.
             device.release(buffer, after=() if device.copies_keep_destinations else (fence,))
-        reads.track_upload(entries, fence, nbytes_all)
+        reads.track_upload(entries, fence, nbytes_all, None)
         return fence
 
     def order(self, waits: list[Fence], used: list[torch.Tensor], stream: Stream) -> None:

@@ -110,9 +110,13 @@ class Entry:
         its host block (and the copy_fence that block was written behind)."""
         if self.state is not State.HOST or self.block is None or self.tensor is not None:
             raise _illegal(self, "promote (HOST -> GPU, keeping its block)")
-        self.state = State.GPU
-        self.tensor = tensor
+        # State last: a thread reading GPU hits without a lock (core/thread_hits.py) reads
+        # state, then tensor, then ready, and may run between any two of these stores. Once
+        # it sees GPU, the new tensor and its upload's fence are both in place; before, it
+        # sees HOST and hands off (the other order served the new tensor with the old fence).
         self.ready = ready
+        self.tensor = tensor
+        self.state = State.GPU
 
     def demote(self) -> torch.Tensor:
         """GPU -> HOST for an entry that kept its host copy: returns the device tensor to

@@ -109,12 +109,13 @@ class InFlight:
         releases: list[Release] = []
         lost: list[Entry] = []
         released = features = 0  # features still counted: members may have left since
+        overdue = 0  # bytes of quarantined entries, no longer counted as releasing
         shared = self._state.pool is not None and self._state.pool.shared  # host_share="node"
         for entry in offload.batch:
             del offloading[entry]
             features += entry.count
             if quarantined is not None:
-                quarantined.release(entry)  # a late fence: its bytes come back now
+                overdue += quarantined.release(entry)  # a late fence: its bytes come back now
             landed = entry.state is State.D2H and failed is None
             # Landed, both copies are done and good: a shared finished fence stands in for
             # them, so a host entry keeps no CUDA event (nor the batch's fence) alive.
@@ -138,7 +139,7 @@ class InFlight:
                     entry.discard()
                 releases.extend(self._state.take_block(entry))
         if charged_gpu:
-            self._ledger.offloaded(offload.nbytes, features, released)
+            self._ledger.offloaded(offload.nbytes - overdue, features, released)
         return Landing(releases, lost, failed)
 
     def _share_landed(self, entry: Entry) -> None:
@@ -156,16 +157,16 @@ class InFlight:
 
     def quarantine_offload(self, entry: Entry, fence: Fence) -> bool:
         """An offload past copy_timeout_s: drop its entry, keep its bytes reserved as
-        leaked (the copy may still read the tensor or write the block); False if it is
-        done, gone or held already. Its landing releases both if the fence ever completes."""
+        leaked (the copy may still read the tensor or write the block), and no longer
+        counted as GPU room on its way; False if it is done, gone or held already. Its
+        landing releases both if the fence ever completes."""
         if fence.done() or entry not in self.entries or entry in self._quarantine:
             return False
         block = entry.block
-        self._quarantine.hold(
-            entry,
-            entry.nbytes if self.entries[entry] else 0,
-            block.nbytes if block is not None else 0,
-        )
+        device_bytes = entry.nbytes if self.entries[entry] else 0
+        self._quarantine.hold(entry, device_bytes, block.nbytes if block is not None else 0)
+        # Room on its way no more: a put waiting for it must have other entries evicted.
+        self._ledger.overdue(device_bytes)
         self._counters.quarantined()
         lost = self._index.forget(entry)
         if lost:

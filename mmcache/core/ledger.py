@@ -120,6 +120,12 @@ class TierLedger:
         self.gpu_entries -= features
         self.used -= released
 
+    def overdue(self, nbytes: int) -> None:
+        """An offload of nbytes is past copy_timeout_s (quarantined): still used, but no
+        longer on its way, since its copy may never land (offloaded() once it lands, less
+        these bytes)."""
+        self.releasing -= nbytes
+
     def gpu_left(self, features: int) -> None:
         """Features left the GPU tier's count (discarded, or their group shrank)."""
         self.gpu_entries -= features

@@ -162,7 +162,10 @@ class OffloadPipeline:
 
     def quarantine(self, entry: Entry, fence: Fence) -> None:
         """An offload past copy_timeout_s: its entry is dropped, its bytes kept reserved as
-        leaked (the copy may still run); its landing releases both if it ever ends."""
+        leaked (the copy may still run); its landing releases both if it ever ends. Puts
+        waiting for GPU room are woken: the room they counted on from it is not coming,
+        so other entries are evicted for them."""
+        charged_gpu = self._state.charged(entry)
         if not self._state.quarantine_offload(entry, fence):
             return
         log.error(
@@ -172,7 +175,7 @@ class OffloadPipeline:
             self._copy_timeout,
             entry.nbytes,
         )
-        self._changed()
+        self._after_landing(charged_gpu)  # hands on what is left (and pushes the figures)
 
     def _watch_late(self) -> None:
         """The delayed watch: handle what has landed, then watch the rest at once."""

@@ -32,9 +32,11 @@ class Quarantine:
         """Keep entry's device and host bytes reserved until release(entry)."""
         self._held[entry] = (device_bytes, host_bytes)
 
-    def release(self, entry: Entry) -> None:
-        """Entry's copy completed at last: its bytes come back (no-op if not held)."""
-        self._held.pop(entry, None)
+    def release(self, entry: Entry) -> int:
+        """Entry's copy completed at last: its bytes come back; the device bytes it held
+        (0 if not held)."""
+        held = self._held.pop(entry, None)
+        return 0 if held is None else held[0]
 
     def device_bytes(self) -> int:
         """Device bytes held by quarantined copies."""

@@ -62,7 +62,7 @@ class Reads:
         changed: Callable[[], None],
         gpu_waiting: FifoBudget[tuple[int, Grant], Grant],
         when_done: Callable[[Sequence[Fence], Callable[[], None]], None],
-        when_done_lazily: Callable[[Fence, Callable[[], None]], None],
+        when_done_lazily: Callable[[Fence, Callable[[], None], Stream | None], None],
         promote: bool,
         copy_timeout: float,
         small_copy_bytes: int,
@@ -300,12 +300,17 @@ class Reads:
         self._changed()
         return entries
 
-    def track_upload(self, entries: Sequence[Entry], fence: Fence, nbytes: int) -> None:
-        """Account for an upload copy of entries' bytes, and handle its failure when it lands."""
+    def track_upload(
+        self, entries: Sequence[Entry], fence: Fence, nbytes: int, stream: Stream | None
+    ) -> None:
+        """Account for an upload copy of entries' bytes queued on stream (None: the H2D
+        copy stream), and handle its failure when it lands."""
         started = time.perf_counter()
         self._counters.copy_started("h2d", len(entries))
         # Lazily: a read waits on the fence itself, so only accounting waits on this.
-        self._when_done_lazily(fence, lambda: self._upload_done(entries, fence, nbytes, started))
+        self._when_done_lazily(
+            fence, lambda: self._upload_done(entries, fence, nbytes, started), stream
+        )
 
     async def upload(
         self,
@@ -348,7 +353,7 @@ class Reads:
                 return dst
         if promote:
             entry = self.promote([(entry if member is None else member, dst)], fence)[0]
-        self.track_upload([entry], fence, dst.nbytes)
+        self.track_upload([entry], fence, dst.nbytes, reader)
         if promote:
             return await self.serve_device(dst, fence, None, stream)
         try:

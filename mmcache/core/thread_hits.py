@@ -20,7 +20,9 @@ hand-over orders memory):
   GPU or D2H, and that `entry.tensor is t`. If C passes, the tensor had not been taken
   off the entry at C, so its release comes after C, hence after B: the release sees the
   alias. If C fails, the alias is dropped unused. The fence read at A belongs to t:
-  every transition that changes `ready` changes `tensor` too, and t cannot come back.
+  every transition that changes `ready` changes `tensor` too, and t cannot come back;
+  `promote` stores `ready` and `tensor` before `state` (read first at A), so a thread
+  that sees GPU sees the upload's fence with the upload's tensor.
 - The simulator recycles (poisons) released memory only where no tensor outside the
   cache and the device shares its storage (`SimDevice._try_recycle` counts storage uses
   under its lock; one left outside is swept at a later release, after the alias dies).

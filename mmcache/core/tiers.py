@@ -22,7 +22,7 @@ from mmcache.core.puts import Puts
 from mmcache.core.reads import Reads
 from mmcache.core.state import Release, TierState
 from mmcache.core.turn_reads import TurnReads, WhenDone
-from mmcache.device import DONE, Device, Fence
+from mmcache.device import DONE, Device, Fence, Stream
 from mmcache.metrics import CacheMetrics
 from mmcache.node_host import NodeHost
 from mmcache.settings import CacheSettings
@@ -49,7 +49,7 @@ class Tiers:
         metrics: CacheMetrics,
         *,
         when_done: WhenDone,
-        when_done_lazily: Callable[[Fence, Callable[[], None]], None],
+        when_done_lazily: Callable[[Fence, Callable[[], None], Stream | None], None],
         changed: Callable[[], None],
         node: NodeHost | None = None,
     ) -> None:

@@ -17,7 +17,7 @@ from mmcache.core.reads import copy_failure
 from mmcache.device import Device, Fence, Stream
 from mmcache.errors import CopyTimeoutError
 
-__all__ = ["TurnReads"]
+__all__ = ["TurnReads", "each_position"]
 
 #: one get's (or get_many's) future, resolved (to None) once its outputs are in the list
 #: beside it, and its keys: a finished future may outlive its await (in asyncio's callback
@@ -32,6 +32,23 @@ class WhenDone(Protocol):
     def __call__(
         self, fences: Sequence[Fence], callback: Callable[[], None], *, fresh: bool = ...
     ) -> None: ...
+
+
+def each_position(
+    keys: Sequence[Hashable], unique: Sequence[Hashable], output: Sequence[torch.Tensor | None]
+) -> list[torch.Tensor | None]:
+    """The outputs of keys, one per position, from those of its distinct keys (unique, in
+    order of first use): a repeat gets an alias of its own."""
+    place = dict(zip(unique, range(len(unique)), strict=True))
+    out: list[torch.Tensor | None] = []
+    seen: set[Hashable] = set()
+    for key in keys:
+        tensor = output[place[key]]
+        if key in seen and tensor is not None:
+            tensor = tensor.detach()
+        seen.add(key)
+        out.append(tensor)
+    return out
 
 
 #: the gets of one stream in one loop turn: the stream, and each get's future, outputs
@@ -90,16 +107,7 @@ class TurnReads:
             output = await self._batch.get_many(unique, stream)
         if len(unique) == len(keys):
             return output
-        place = dict(zip(unique, range(len(unique)), strict=True))
-        out: list[torch.Tensor | None] = []
-        seen: set[Hashable] = set()
-        for key in keys:  # a repeat gets an alias of its own
-            tensor = output[place[key]]
-            if key in seen and tensor is not None:
-                tensor = tensor.detach()
-            seen.add(key)
-            out.append(tensor)
-        return out
+        return each_position(keys, unique, output)
 
     def _queue(
         self, keys: Sequence[Hashable], stream: Stream

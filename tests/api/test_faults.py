@@ -656,6 +656,56 @@ async def test_quarantined_bytes_are_released_when_the_fence_completes(sim_rig: 
             assert got is None or torch.equal(got, value(i))
 
 
+def releasing_is_exact(cache: FeatureCache) -> None:
+    """The GPU bytes counted as on their way: pending releases and the offloads in flight
+    charged to the GPU tier, less the quarantined ones (their copies may never land)."""
+    state = cache._core.state
+    ledger = state.ledger
+    charged = sum(e.nbytes for e, gpu in state.in_flight().items() if gpu)
+    assert ledger.releasing == ledger.released_pending + charged - state.quarantine.device_bytes()
+
+
+async def test_a_put_waiting_on_a_quarantined_offload_evicts_another_entry(
+    sim_rig: Rig,
+) -> None:
+    reg = CollectorRegistry()
+    dev = sim(sim_rig)
+    cache = make(sim_rig, 8, 64, reg, small_copy_bytes=0, copy_timeout_s=0.2)
+    await cache.start()
+    try:
+        for i in range(3):
+            await cache.put(i, value(i))
+        await on_host(cache, 0)
+        cache.discard(1)
+        got = await cache.get(0)  # promoted into the free room: it keeps its host copy
+        assert got is not None and torch.equal(got, value(0))
+        del got
+        await cache.drain()  # GPU tier: 2, then 0 (its next victims in that order)
+        dev.inject("fence_never_completes")
+        put = asyncio.create_task(cache.put(3, value(3)))  # 2's offload never lands
+        await asyncio.sleep(0.01)
+        assert not put.done()
+        # Past copy_timeout_s, 2's bytes are quarantined: they are room on its way no
+        # more, so the put takes 0's room instead (it leaves with no copy).
+        assert await within(2, put)
+        assert 2 not in cache
+        releasing_is_exact(cache)
+        got = await cache.get(3)  # the D2H stream is stuck: reads that need none
+        assert got is not None and torch.equal(got, value(3))
+        got = await cache.get(0, device="cpu")
+        assert got is not None and torch.equal(got, value(0))
+        assert await served_from(cache, 0) == "cpu"
+        del got
+        assert faults(reg, "quarantined") == 1
+        dev.unstick()  # the late landing gives the quarantined bytes back, once
+        await settled(sim_rig, cache)
+        releasing_is_exact(cache)
+        assert cache.stats().quarantined_bytes == 0
+    finally:
+        dev.unstick()
+        await cache.close(timeout=2)
+
+
 async def test_a_get_waiting_on_a_stuck_upload_times_out(sim_rig: Rig) -> None:
     reg = CollectorRegistry()
     dev = sim(sim_rig)
@@ -671,6 +721,39 @@ async def test_a_get_waiting_on_a_stuck_upload_times_out(sim_rig: Rig) -> None:
             got = await cache.get(i)
             assert got is not None and torch.equal(got, value(i))
         assert faults(reg, "quarantined") == 1
+
+
+async def test_a_failed_promotion_is_dropped_though_a_readers_upload_is_stuck(
+    sim_rig: Rig,
+) -> None:
+    reg = CollectorRegistry()
+    dev = sim(sim_rig)
+    # Reads of rows below small_copy_bytes are copied on the reader's stream.
+    cache = make(sim_rig, 20, 64, reg, small_copy_bytes=1 << 20, copy_timeout_s=0.2)
+    await cache.start()
+    try:
+        for i in range(10):
+            await cache.put(i, value(i))
+        await cache.drain()  # 0..4 on the host tier
+        cache.discard(9)  # room on the GPU for one promotion
+        dev.inject("fence_never_completes")
+        with pytest.raises(CopyTimeoutError):
+            await within(2, cache.get(0, rows=slice(0, 8)))  # the reader's stream sticks
+        dev.inject("copy_fails")
+        with pytest.raises(CopyFailedError):
+            await within(2, cache.get(4))  # promoted; its upload (on the H2D stream) fails
+        # Its upload's accounting, behind no other stream's, drops it: a miss, not an error.
+        for _ in range(200):
+            if 4 not in cache:
+                break
+            await asyncio.sleep(0.01)
+        assert await cache.get(4) is None
+        assert faults(reg, "copy_failed") == 1
+        dev.unstick()
+        await settled(sim_rig, cache)
+    finally:
+        dev.unstick()
+        await cache.close(timeout=2)
 
 
 async def test_close_does_not_hang_on_a_stuck_fence(sim_rig: Rig) -> None:

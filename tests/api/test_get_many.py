@@ -99,6 +99,28 @@ async def test_a_batch_to_the_host_returns_copies(rig: Rig, make_cache: CacheFac
     assert got[2] is None
 
 
+async def test_a_key_given_twice_to_the_host_is_read_and_counted_once(
+    rig: Rig, make_cache: CacheFactory
+) -> None:
+    cache = make_cache(gpu_mb=64 / 1024, cpu_mb=1, promote_on_hit=False)
+    assert await cache.wait_host_ready(5)
+    want = {f"f{i}": await put_feature(cache, rig, f"f{i}", 16, seed=i) for i in range(6)}
+    await cache.drain()  # f0 and f1 on the host tier, f5 on the GPU
+    before = cache.stats()
+    keys = ["f0", "f5", "nope", "f0", "f5", "nope"]
+    got = await cache.get_many(keys, device="cpu")
+    after = cache.stats()
+    assert (after.hits_cpu - before.hits_cpu, after.hits_gpu - before.hits_gpu) == (1, 1)
+    assert after.misses - before.misses == 1
+    for key, value in zip(keys, got, strict=True):
+        if key == "nope":
+            assert value is None
+        else:
+            assert value is not None and value.device.type == "cpu"
+            assert_exact(value, want[key])
+    assert got[3] is not got[0] and got[4] is not got[1]  # each position a tensor of its own
+
+
 async def test_an_empty_batch_and_bad_keys(rig: Rig, make_cache: CacheFactory) -> None:
     cache = make_cache()
     assert await cache.get_many([]) == []

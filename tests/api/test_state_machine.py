@@ -259,6 +259,10 @@ class CacheMachine(RuleBasedStateMachine):
         assert 0 <= ledger.granted and ledger.granted + ledger.releasing <= ledger.used
         assert ledger.used <= ledger.capacity
         in_flight = core.state.in_flight()
+        # On their way: pending releases and GPU-charged offloads, less quarantined ones.
+        charged = sum(e.nbytes for e, gpu in in_flight.items() if gpu)
+        overdue = core.state.quarantine.device_bytes()
+        assert ledger.releasing == ledger.released_pending + charged - overdue
         holders = {id(e): e for e in [*core.index.held(), *in_flight]}
         gpu = cpu = 0
         for e in holders.values():

@@ -147,3 +147,22 @@ async def test_a_lazy_watch_is_found_by_the_loop_alone_in_order(busy_loop: None)
     # In the order given: the second, done first, waits for the first.
     assert fired == [0, 1, 2] and watcher.outstanding == 0
     assert time.perf_counter() - started < 0.25
+
+
+async def test_a_lazy_watch_that_never_ends_holds_back_no_other_streams() -> None:
+    watcher = FenceWatcher(asyncio.get_running_loop())
+    fired: list[str] = []
+    reader, other = object(), object()
+    watcher.when_done_lazily(_LoopOnlyFence(3600), functools.partial(fired.append, "stuck"), reader)
+    watcher.when_done_lazily(
+        _LoopOnlyFence(0.002), functools.partial(fired.append, "after"), reader
+    )
+    watcher.when_done_lazily(_LoopOnlyFence(0.002), functools.partial(fired.append, "copy"))
+    watcher.when_done_lazily(_LoopOnlyFence(0.004), functools.partial(fired.append, "side"), other)
+    for _ in range(500):
+        if len(fired) == 2:
+            break
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.05)  # and "after" still waits
+    # Each stream's in order: the one behind the stuck fence of its stream waits.
+    assert sorted(fired) == ["copy", "side"] and watcher.outstanding == 2

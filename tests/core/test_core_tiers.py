@@ -16,7 +16,7 @@ from mmcache.core import room as room_module
 from mmcache.core.entry import State
 from mmcache.core.state import EvictionPlan
 from mmcache.core.tiers import Tiers
-from mmcache.device import Fence, SimDevice
+from mmcache.device import Fence, SimDevice, Stream
 from mmcache.metrics import CacheMetrics
 from mmcache.waiting import FenceWatcher
 
@@ -46,9 +46,11 @@ class Core:
         assert self._watcher is not None
         self._watcher.when_done(fences, callback, fresh=fresh)
 
-    def when_done_lazily(self, fence: Fence, callback: Callable[[], None]) -> None:
+    def when_done_lazily(
+        self, fence: Fence, callback: Callable[[], None], stream: Stream | None
+    ) -> None:
         assert self._watcher is not None
-        self._watcher.when_done_lazily(fence, callback)
+        self._watcher.when_done_lazily(fence, callback, stream)
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()

@@ -91,6 +91,7 @@ LEDGER_MUTATORS = frozenset(
         "released",
         "offloading",
         "offloaded",
+        "overdue",
         "gpu_left",
         "host_entered",
         "host_left",

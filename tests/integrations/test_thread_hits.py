@@ -27,6 +27,7 @@ from conftest import Rig, assert_exact, served_from
 from prometheus_client import CollectorRegistry
 
 from mmcache import CacheClosedError, CacheSettings, FeatureCache, WrongLoopError
+from mmcache.core.entry import Entry
 from mmcache.device import SimDevice
 from mmcache.integrations.loop_thread import LoopThread
 
@@ -209,6 +210,49 @@ async def test_an_offload_in_flight_is_read_on_the_thread_and_not_touched(
     assert handoffs == []
     assert cache.stats().hits_gpu == 1
     assert await served_from(cache, 0) == "cpu"  # landed: the read did not keep it
+    await cache.close()
+
+
+async def test_a_promotion_is_never_read_on_the_thread_before_its_upload(
+    sim_rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A thread may run between any two of the loop's stores: one that reads while each of
+    the promoted entry's fields changes sees the host entry (a hand-off), never the
+    upload's tensor before its fence (the simulator cannot order a pending one)."""
+    dev = sim_rig.device
+    assert isinstance(dev, SimDevice)
+    cache = make(sim_rig, gpu_kib=8, small_copy_bytes=0)
+    await cache.start()
+    for seed, k in enumerate(("a", "a1", "a2")):
+        await cache.put(k, value(seed))
+    await cache.drain()
+    assert await served_from(cache, "a") == "cpu"
+    cache.discard("a2")  # room on the GPU: the next get promotes "a"
+    await cache.drain()
+    stream = dev.current_stream()
+    seen: list[tuple[str, torch.Tensor | None]] = []
+
+    def read(name: str) -> None:
+        seen.append((name, cache.get_resident_threadsafe("a", stream=stream)))
+
+    def store(entry: Entry, name: str, new: object) -> None:
+        object.__setattr__(entry, name, new)
+        if entry.key == "a" and name in ("state", "tensor", "ready"):
+            reader = threading.Thread(target=read, args=(name,))
+            reader.start()  # the thread switch: the loop's thread waits right here
+            reader.join()
+
+    with dev.hold():  # the upload stays pending
+        monkeypatch.setattr(Entry, "__setattr__", store)
+        reading = asyncio.ensure_future(cache.get("a"))
+        await asyncio.sleep(0.01)
+        monkeypatch.undo()
+        assert {name for name, _ in seen} == {"state", "tensor", "ready"}  # promoted
+        assert [name for name, got in seen if got is not None] == []
+    assert_exact(await reading, value(0))
+    del reading
+    await cache.drain()
+    assert_exact(await resident(cache, "a"), value(0))  # its upload done: on the thread
     await cache.close()
 
 
