@@ -95,6 +95,14 @@ class FifoBudget(Generic[_W, _G]):
             waiters.popleft()
             head.future.set_result(granted)
 
+    def fail_if(self, hopeless: Callable[[_W], bool], error: Callable[[], BaseException]) -> None:
+        """Raise error() in every caller in line whose want is hopeless (the owner says no
+        grant can ever come); the others keep their places."""
+        for waiter in list(self._waiters):
+            if not waiter.future.done() and hopeless(waiter.want):
+                self._waiters.remove(waiter)
+                waiter.future.set_exception(error())
+
     def fail_all(self, error: Callable[[], BaseException]) -> None:
         """Raise error() in every caller in line (the owner is closing)."""
         while self._waiters:

@@ -13,7 +13,7 @@ from mmcache.core.grants import Grant
 from mmcache.core.offload import OffloadPipeline
 from mmcache.core.state import EvictionPlan, OffloadItems, Release, TierState
 from mmcache.device import CopyPlan, Device, Fence
-from mmcache.errors import CacheClosedError
+from mmcache.errors import CacheClosedError, CopyTimeoutError
 
 __all__ = ["Evictor"]
 
@@ -116,7 +116,24 @@ class Evictor:
             free_before = ledger.free()
             self.evict_for(sum(nbytes for nbytes, _ in waiters.wanted()))
             if ledger.free() == free_before:
+                if self._state.quarantine:
+                    self._fail_beyond_quarantine()
                 return  # the rest is on its way (copies in flight)
+
+    def _fail_beyond_quarantine(self) -> None:
+        """Fail the waiting puts that need more room than the GPU tier has outside the
+        quarantine: only a hung copy that completes at last could give it back."""
+        held = self._state.quarantine.device_bytes()
+        room = self._ledger.capacity - held
+
+        def error() -> CopyTimeoutError:
+            return CopyTimeoutError(
+                f"put waits for GPU room that offload copies hold: {held} bytes of the "
+                f"{self._ledger.capacity}-byte tier are quarantined (their copies did not "
+                "complete within MMCACHE_COPY_TIMEOUT_SEC), and the room left cannot take it"
+            )
+
+        self.waiting.fail_if(lambda want: want[0] > room, error)
 
     def close(self) -> None:
         """A put granted from now on inserts nothing (the cache is closing)."""

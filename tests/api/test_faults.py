@@ -706,6 +706,37 @@ async def test_a_put_waiting_on_a_quarantined_offload_evicts_another_entry(
         await cache.close(timeout=2)
 
 
+async def test_a_put_whose_room_is_all_held_by_quarantined_offloads_times_out(
+    sim_rig: Rig,
+) -> None:
+    reg = CollectorRegistry()
+    dev = sim(sim_rig)
+    cache = make(sim_rig, 8, 64, reg, small_copy_bytes=0, copy_timeout_s=0.2)
+    await cache.start()
+    try:
+        await cache.put(0, value(0))
+        await cache.put(1, value(1))
+        dev.inject("fence_never_completes")  # and the copies behind it on its stream
+        put = asyncio.create_task(cache.put(2, value(2)))
+        # Both offloads are quarantined: the room the put waits for comes back only if a
+        # hung copy ever completes. The put says so instead of waiting for ever.
+        with pytest.raises(CopyTimeoutError, match="quarantined"):
+            await within(3, put)
+        assert 2 not in cache
+        assert faults(reg, "quarantined") == 2
+        with pytest.raises(CopyTimeoutError):  # a put that comes later: at once
+            await within(1, cache.put(3, value(3)))
+        # Once the copies complete, the room is back and puts go on.
+        dev.unstick()
+        await settled(sim_rig, cache)
+        assert await within(2, cache.put(2, value(2)))
+        got = await cache.get(2)
+        assert got is not None and torch.equal(got, value(2))
+    finally:
+        dev.unstick()
+        await cache.close(timeout=2)
+
+
 async def test_a_get_waiting_on_a_stuck_upload_times_out(sim_rig: Rig) -> None:
     reg = CollectorRegistry()
     dev = sim(sim_rig)
