@@ -1,13 +1,20 @@
-"""NodeDirectory on its own: blocks, shared copies, references, and the blocks of a dead rank."""
+"""NodeDirectory on its own: blocks, shared copies, references, and the blocks of a dead rank;
+and one rank's NodeHostPool over it."""
 
 from __future__ import annotations
 
 import multiprocessing
 import os
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import torch
+
+from mmcache.device import SimDevice
+from mmcache.device.base import Fence
 from mmcache.ipc.shm import SHM_DIR
 from mmcache.node_directory import NodeDirectory
+from mmcache.node_pool import NodeHostPool
 
 KiB = 1024
 
@@ -63,6 +70,53 @@ def test_the_blocks_of_a_rank_that_died_are_swept(tmp_path: Path) -> None:
         assert [holders for _, _, holders, _, _ in directory.records()] == [0b1]
         assert directory.release(shared)  # the last holder: free
         assert directory.usage().used_bytes == 0
+    finally:
+        directory.detach()
+        os.unlink(path)
+
+
+class _Pending(Fence):
+    """A copy that has not landed yet (the test lands it by hand)."""
+
+    def done(self) -> bool:
+        return False
+
+    def exception(self) -> BaseException | None:
+        return None
+
+    def add_done_callback(self, fn: Callable[[], None]) -> None:
+        raise AssertionError("the pool defers through its defer=, not the fence")
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return False
+
+
+def test_a_rank_holding_one_block_twice_keeps_it_until_both_references_go(
+    tmp_path: Path,
+) -> None:
+    path = _path(tmp_path)
+    directory = NodeDirectory.open(path, 0, 64 * KiB, 4096, lambda: None)
+    deferred: list[Callable[[], None]] = []
+
+    def defer(fences: Sequence[Fence], then: Callable[[], None]) -> None:
+        deferred.append(then)
+
+    arena = torch.zeros(64 * KiB, dtype=torch.uint8)
+    pool = NodeHostPool(SimDevice(), arena, directory, alignment=4 * KiB, defer=defer)
+    try:
+        first = pool.allocate(4 * KiB)
+        assert first is not None
+        arena[: 4 * KiB] = 7  # the feature's bytes, written
+        assert pool.publish(first, "k", (4 * KiB,), torch.uint8) is None
+        pool.free(first, after=[_Pending()])  # an upload still reads it: the free waits
+        again = pool.adopt("k", (4 * KiB,), torch.uint8, 4 * KiB)
+        assert again is not None and again.offset == first.offset  # the same block, twice
+        deferred.pop()()  # the upload landed: the first reference goes
+        # The directory has one bit for the rank: it must not hear of a release yet.
+        assert [r[:3] for r in directory.records()] == [(0, 4 * KiB, 0b1)]
+        assert bool((arena[: 4 * KiB] == 7).all()), "the bytes still held were poisoned"
+        pool.free(again)
+        assert directory.records() == [] and pool.used_bytes == 0
     finally:
         directory.detach()
         os.unlink(path)
