@@ -10,7 +10,9 @@ block whose bytes are still being written is private to the rank that writes the
 Every change happens under one cross-process lock, a POSIX record lock on the directory's
 first byte, which the kernel drops when its holder dies. Each attached rank also holds a
 lock on a byte of its own for as long as it lives: a rank whose byte can be locked is dead,
-and the survivors release its references (sweep()).
+and the survivors release its references (sweep()). Those locks are the process's, not a
+thread's (a second thread's lockf succeeds at once, and its unlock drops the first's), so
+each file also has a threading.Lock that every lockf and close of it in this process holds.
 
 Layout (int64 cells): a header of HEADER_CELLS (magic, version, the arena's bytes, the
 table's capacity, the records in use, the bytes they hold, then each rank's pid, 0 where
@@ -25,6 +27,7 @@ import fcntl
 import mmap
 import os
 import stat
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Final, final
@@ -79,12 +82,15 @@ def records_for(capacity_bytes: int) -> int:
 class NodeDirectory:
     """One rank's handle on its node's directory: open() it, detach() when done."""
 
-    __slots__ = ("_cells", "_fd", "_head", "_mapping", "_table", "path", "rank")
+    __slots__ = ("_cells", "_fd", "_head", "_mapping", "_table", "_thread_lock", "path", "rank")
 
-    def __init__(self, path: str, fd: int, mapping: mmap.mmap, rank: int) -> None:
+    def __init__(
+        self, path: str, fd: int, mapping: mmap.mmap, rank: int, thread_lock: threading.Lock
+    ) -> None:
         self.path = path
         self.rank = rank
         self._fd = fd
+        self._thread_lock = thread_lock
         self._mapping: mmap.mmap | None = mapping
         self._cells = torch.frombuffer(mapping, dtype=torch.int64)
         self._head = self._cells[:HEADER_CELLS]
@@ -108,28 +114,37 @@ class NodeDirectory:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, _FILE_MODE)
             try:
                 _check_own_file(fd, path)
-                fcntl.lockf(fd, fcntl.LOCK_EX, 1, _MUTEX)
-                if not _still_named(fd, path):  # a sweeper unlinked it meanwhile: again
-                    os.close(fd)
-                    continue
-                mapping = _attach_or_create(fd, size, arena_bytes, capacity, rank, on_create)
-                directory = cls(path, fd, mapping, rank)
-                directory._head[_H_PIDS + rank] = os.getpid()
-                fcntl.lockf(fd, fcntl.LOCK_EX, 1, _liveness_byte(rank))
-                directory._sweep_locked()
-                fcntl.lockf(fd, fcntl.LOCK_UN, 1, _MUTEX)
-                return directory
+                thread_lock = _thread_lock_of(fd)
             except BaseException:
-                os.close(fd)  # drops every lock of ours on it
+                os.close(fd)
                 raise
+            with thread_lock:
+                try:
+                    fcntl.lockf(fd, fcntl.LOCK_EX, 1, _MUTEX)
+                    if not _still_named(fd, path):  # a sweeper unlinked it meanwhile: again
+                        os.close(fd)
+                        continue
+                    mapping = _attach_or_create(fd, size, arena_bytes, capacity, rank, on_create)
+                    directory = cls(path, fd, mapping, rank, thread_lock)
+                    directory._head[_H_PIDS + rank] = os.getpid()
+                    fcntl.lockf(fd, fcntl.LOCK_EX, 1, _liveness_byte(rank))
+                    directory._sweep_locked()
+                    fcntl.lockf(fd, fcntl.LOCK_UN, 1, _MUTEX)
+                    return directory
+                except BaseException:
+                    os.close(fd)  # drops every lock of ours on it
+                    raise
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
-        fcntl.lockf(self._fd, fcntl.LOCK_EX, 1, _MUTEX)
-        try:
-            yield
-        finally:
-            fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, _MUTEX)
+        with self._thread_lock:  # first: this process's other threads wait here
+            if self._fd < 0:
+                raise RuntimeError("the node's directory is detached")
+            fcntl.lockf(self._fd, fcntl.LOCK_EX, 1, _MUTEX)
+            try:
+                yield
+            finally:
+                fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, _MUTEX)
 
     # --- blocks --------------------------------------------------------------------------
 
@@ -214,16 +229,17 @@ class NodeDirectory:
     def detach(self) -> bool:
         """Release every reference of this rank and leave; whether a live rank stays
         attached (if not, the caller removes the files)."""
-        if self._mapping is None:
-            return True
-        try:
-            with self._locked():
+        with self._thread_lock:
+            if self._mapping is None:
+                return True
+            try:
+                fcntl.lockf(self._fd, fcntl.LOCK_EX, 1, _MUTEX)
                 self._sweep_locked()
                 self._drop_rank(self.rank)
                 self._head[_H_PIDS + self.rank] = 0
                 others = any(int(pid) for pid in self._head[_H_PIDS : _H_PIDS + MAX_RANKS])
-        finally:
-            self._close()
+            finally:
+                self._close()  # closing the file drops our locks on it
         return others
 
     # --- reading -------------------------------------------------------------------------
@@ -326,6 +342,17 @@ class NodeDirectory:
         if self._fd >= 0:
             os.close(self._fd)  # drops our locks, the liveness one with them
             self._fd = -1
+
+
+#: the threading.Lock of each directory file this process has opened, by (device, inode)
+_THREAD_LOCKS: dict[tuple[int, int], threading.Lock] = {}
+_THREAD_LOCKS_GUARD = threading.Lock()
+
+
+def _thread_lock_of(fd: int) -> threading.Lock:
+    info = os.fstat(fd)
+    with _THREAD_LOCKS_GUARD:
+        return _THREAD_LOCKS.setdefault((info.st_dev, info.st_ino), threading.Lock())
 
 
 def _check_own_file(fd: int, path: str) -> None:

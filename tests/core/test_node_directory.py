@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -118,5 +119,37 @@ def test_a_rank_holding_one_block_twice_keeps_it_until_both_references_go(
         pool.free(again)
         assert directory.records() == [] and pool.used_bytes == 0
     finally:
+        directory.detach()
+        os.unlink(path)
+
+
+def test_a_second_thread_waits_for_the_directory_lock_and_leaves_it_held(
+    tmp_path: Path,
+) -> None:
+    path = _path(tmp_path)
+    directory = NodeDirectory.open(path, 0, 64 * KiB, 4096, lambda: None)
+    inside, leave = threading.Event(), threading.Event()
+
+    def loop_thread() -> None:  # in the middle of a change, as carve() on the event loop
+        with directory._locked():
+            inside.set()
+            leave.wait(10)
+
+    holder = threading.Thread(target=loop_thread)
+    holder.start()
+    try:
+        assert inside.wait(10)
+        # stats() from another thread: a lockf of the process's own lock would pass at once,
+        # and its unlock would let other processes change the table under the loop thread.
+        reader = threading.Thread(target=directory.usage)
+        reader.start()
+        reader.join(0.3)
+        assert reader.is_alive(), "usage() did not wait for the thread holding the lock"
+        leave.set()
+        reader.join(10)
+        assert not reader.is_alive()
+    finally:
+        leave.set()
+        holder.join(10)
         directory.detach()
         os.unlink(path)
