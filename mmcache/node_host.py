@@ -162,7 +162,8 @@ class NodeHost:
         if directory is None:
             return
         others = directory.detach()
-        _ATTACHED_HERE.discard(self._base)
+        with _ATTACHING:
+            _ATTACHED_HERE.discard(self._base)
         if not others:
             _remove(self._base)
         unpin, self._unpin = self._unpin, None
@@ -199,12 +200,14 @@ class NodeHost:
         nbytes = capacity // _PAGE * _PAGE
         token = leader[2].decode()
         self._base = os.path.join(SHM_DIR, f"{_PREFIX}{os.getuid()}-{_safe(self._name)}-{token}")
-        if self._base in _ATTACHED_HERE:
-            raise SettingsError(
-                f"cache {self._name!r}: another cache of this process is attached to the same "
-                "node host tier; a node shares one tier among processes, one rank each"
-            )
-        _remove_abandoned()
+        with _ATTACHING:  # ours before its files exist: a sibling's sweep passes them by
+            if self._base in _ATTACHED_HERE:
+                raise SettingsError(
+                    f"cache {self._name!r}: another cache of this process is attached to the "
+                    "same node host tier; a node shares one tier among processes, one rank each"
+                )
+            _ATTACHED_HERE.add(self._base)
+            _remove_abandoned()
         arena_path = self._base + _ARENA
 
         def make_arena() -> None:  # under the directory's lock, by the first rank
@@ -217,10 +220,14 @@ class NodeHost:
             finally:
                 os.close(fd)
 
-        self.directory = NodeDirectory.open(
-            self._base + _DIRECTORY, rank, nbytes, records_for(nbytes), make_arena
-        )
-        _ATTACHED_HERE.add(self._base)
+        try:
+            self.directory = NodeDirectory.open(
+                self._base + _DIRECTORY, rank, nbytes, records_for(nbytes), make_arena
+            )
+        except BaseException:
+            with _ATTACHING:
+                _ATTACHED_HERE.discard(self._base)
+            raise
         fd = os.open(arena_path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             size = os.fstat(fd).st_size
@@ -237,9 +244,12 @@ class NodeHost:
         return arena
 
 
-#: the node segments this process is attached to: a POSIX lock is the process's, so the
-#: sweep of abandoned segments must not open (and, closing, unlock) one of these
+#: the node segments this process is attached to or attaching: a POSIX lock is the
+#: process's (a lock of ours never conflicts with the sweep's), so the sweep of abandoned
+#: segments must not open (and, closing, unlock) one of these
 _ATTACHED_HERE: set[str] = set()
+#: held to change _ATTACHED_HERE and throughout the sweep, so that none is added midway
+_ATTACHING = threading.Lock()
 
 
 def _whereabouts(capacity: int) -> bytes:
@@ -267,7 +277,8 @@ def _remove(base: str) -> None:
 
 def _remove_abandoned() -> None:
     """Remove this user's node segments that no live rank holds (their ranks all died):
-    one whose directory's lock and every rank's liveness byte can be taken at once."""
+    one whose directory's lock and every rank's liveness byte can be taken at once (under
+    _ATTACHING: the segments of this process are never taken for another's)."""
     for path in glob.glob(os.path.join(SHM_DIR, f"{_PREFIX}{os.getuid()}-*{_DIRECTORY}")):
         if path[: -len(_DIRECTORY)] in _ATTACHED_HERE:
             continue
