@@ -34,6 +34,8 @@ from typing import Final, final
 
 import torch
 
+from mmcache.ipc.shm import reserve
+
 __all__ = ["MAX_RANKS", "NodeDirectory", "NodeUsage", "records_for"]
 
 MAX_RANKS: Final = 64  # one bit of an int64 per rank
@@ -124,7 +126,9 @@ class NodeDirectory:
                     if not _still_named(fd, path):  # a sweeper unlinked it meanwhile: again
                         os.close(fd)
                         continue
-                    mapping = _attach_or_create(fd, size, arena_bytes, capacity, rank, on_create)
+                    mapping = _attach_or_create(
+                        fd, path, size, arena_bytes, capacity, rank, on_create
+                    )
                     directory = cls(path, fd, mapping, rank, thread_lock)
                     directory._head[_H_PIDS + rank] = os.getpid()
                     fcntl.lockf(fd, fcntl.LOCK_EX, 1, _liveness_byte(rank))
@@ -372,10 +376,17 @@ def _still_named(fd: int, path: str) -> bool:
 
 
 def _attach_or_create(
-    fd: int, size: int, arena_bytes: int, capacity: int, rank: int, on_create: Callable[[], None]
+    fd: int,
+    path: str,
+    size: int,
+    arena_bytes: int,
+    capacity: int,
+    rank: int,
+    on_create: Callable[[], None],
 ) -> mmap.mmap:
     """The directory's mapping (under its lock): as it is, or made anew where it is empty,
-    of another layout, or left by ranks that all died."""
+    of another layout, or left by ranks that all died. Where it cannot be made (a full
+    /dev/shm), its file is removed: a rank waiting for the lock tries anew."""
     current = os.fstat(fd).st_size
     if current >= HEADER_CELLS * 8:
         mapping = mmap.mmap(fd, current)
@@ -390,10 +401,14 @@ def _attach_or_create(
         del head
         mapping.close()
     os.ftruncate(fd, 0)  # zeroes whatever a dead node left
-    os.ftruncate(fd, size)
-    with contextlib.suppress(OSError):
-        os.posix_fallocate(fd, 0, size)
-    on_create()
+    try:
+        os.ftruncate(fd, size)
+        reserve(fd, 0, size, path, "lower cpu_cache_mb")
+        on_create()
+    except BaseException:
+        os.unlink(path)
+        os.ftruncate(fd, 0)
+        raise
     mapping = mmap.mmap(fd, size)
     head = torch.frombuffer(mapping, dtype=torch.int64, count=HEADER_CELLS)
     head[_H_MAGIC] = _MAGIC

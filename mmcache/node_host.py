@@ -36,7 +36,7 @@ import torch
 from mmcache.agreement import Agreement
 from mmcache.device.base import Device, Fence
 from mmcache.errors import SettingsError
-from mmcache.ipc.shm import SHM_DIR
+from mmcache.ipc.shm import SHM_DIR, reserve
 from mmcache.node_directory import MAX_RANKS, NodeDirectory, NodeUsage, records_for
 from mmcache.node_pool import NodeHostPool
 from mmcache.settings import CacheSettings
@@ -215,8 +215,11 @@ class NodeHost:
             try:
                 os.ftruncate(fd, 0)
                 os.ftruncate(fd, max(nbytes, 1))
-                with contextlib.suppress(OSError):  # reserved now: never a SIGBUS on first touch
-                    os.posix_fallocate(fd, 0, max(nbytes, 1))
+                # Reserved now, never a SIGBUS on first touch: a full /dev/shm fails here.
+                reserve(fd, 0, max(nbytes, 1), arena_path, "lower cpu_cache_mb")
+            except BaseException:
+                os.unlink(arena_path)
+                raise
             finally:
                 os.close(fd)
 

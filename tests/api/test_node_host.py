@@ -11,7 +11,9 @@ it holds.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import datetime
+import errno
 import os
 import random
 import threading
@@ -29,6 +31,7 @@ from ranks import Report, run_ranks, same_bytes, value
 from mmcache import CacheSettings, FeatureCache, GroupError, SettingsError
 from mmcache.agreement import Agreement
 from mmcache.device import SimDevice
+from mmcache.ipc.errors import SharedMemoryFullError
 from mmcache.node_directory import NodeDirectory
 from mmcache.node_host import NodeHost, _whereabouts, node_files
 
@@ -310,3 +313,30 @@ def test_a_sibling_cache_leaves_a_node_segment_being_made_alone(
         a.close()
         b.close()
     assert node_files("siblingA") == [] and node_files("siblingB") == []
+
+
+@pytest.mark.parametrize("room_for", [0, 1])  # the directory's file, then the arena's
+def test_a_full_dev_shm_fails_the_node_tier_at_setup_and_leaves_no_files(
+    monkeypatch: pytest.MonkeyPatch, room_for: int
+) -> None:
+    fallocate = os.posix_fallocate
+    calls = []
+
+    def full(fd: int, offset: int, length: int) -> None:
+        calls.append(length)
+        if len(calls) > room_for:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        fallocate(fd, offset, length)
+
+    # Unreserved, the arena's pages would be allocated on first touch: a SIGBUS, later.
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    host = _node_host("fullshm")
+    done: concurrent.futures.Future[torch.Tensor] = concurrent.futures.Future()
+    try:
+        host._attach([_whereabouts(64 << 10)], done, lambda arena, nbytes: None)
+        with pytest.raises(SharedMemoryFullError, match=r"no room for .*lower cpu_cache_mb"):
+            done.result(0)
+        assert host.directory is None
+        assert node_files("fullshm") == []
+    finally:
+        host.close()
