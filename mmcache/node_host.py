@@ -35,7 +35,7 @@ import torch
 
 from mmcache.agreement import Agreement
 from mmcache.device.base import Device, Fence
-from mmcache.errors import SettingsError
+from mmcache.errors import CacheClosedError, SettingsError
 from mmcache.ipc.shm import SHM_DIR, reserve
 from mmcache.node_directory import MAX_RANKS, NodeDirectory, NodeUsage, records_for
 from mmcache.node_pool import NodeHostPool
@@ -104,6 +104,9 @@ class NodeHost:
         self._unpin: Callable[[], None] | None = None
         self._arena: torch.Tensor | None = None
         self._closed = False
+        # close() and the attach thread's last step: a segment mapped after close() left
+        # is left again by that thread, not kept until the process ends
+        self._lock = threading.Lock()
 
     def open(self, on_arena: Callable[[torch.Tensor, int], None]) -> concurrent.futures.Future[Any]:
         """Agree on the node's segment with the group (queued now, before any lookup), then
@@ -157,19 +160,13 @@ class NodeHost:
 
         Called once the cache's copies have landed (a copy still reading the arena keeps its
         pages mapped: the mapping goes with the last view of it)."""
-        self._closed = True
-        directory, self.directory = self.directory, None
-        if directory is None:
-            return
-        others = directory.detach()
-        with _ATTACHING:
-            _ATTACHED_HERE.discard(self._base)
-        if not others:
-            _remove(self._base)
-        unpin, self._unpin = self._unpin, None
-        if unpin is not None:
-            unpin()
-        self._arena = None
+        with self._lock:
+            self._closed = True
+            directory, self.directory = self.directory, None
+            unpin, self._unpin = self._unpin, None
+            self._arena = None
+        if directory is not None:
+            self._leave(directory, unpin)
 
     # --- internals ------------------------------------------------------------------
 
@@ -183,9 +180,12 @@ class NodeHost:
             arena = self._map(everyone)
             on_arena(arena, arena.numel())
         except BaseException as exc:
-            log.error(
-                "cache %r: the node's shared host tier could not be set up: %s", self._name, exc
-            )
+            if not self._closed:
+                log.error(
+                    "cache %r: the node's shared host tier could not be set up: %s",
+                    self._name,
+                    exc,
+                )
             done.set_exception(exc)
         else:
             done.set_result(arena)
@@ -224,27 +224,47 @@ class NodeHost:
                 os.close(fd)
 
         try:
-            self.directory = NodeDirectory.open(
+            directory = NodeDirectory.open(
                 self._base + _DIRECTORY, rank, nbytes, records_for(nbytes), make_arena
             )
         except BaseException:
             with _ATTACHING:
                 _ATTACHED_HERE.discard(self._base)
             raise
-        fd = os.open(arena_path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        unpin = None
         try:
-            size = os.fstat(fd).st_size
-            mapping = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
-        arena = torch.frombuffer(mapping, dtype=torch.uint8)[: min(size, nbytes)]
-        index = self._device.cuda_index
-        if index is not None:  # each process pins its own mapping for its GPU's copies
-            from mmcache.ipc.cuda_ipc import pin_host
+            fd = os.open(arena_path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                size = os.fstat(fd).st_size
+                mapping = mmap.mmap(fd, size)
+            finally:
+                os.close(fd)
+            arena = torch.frombuffer(mapping, dtype=torch.uint8)[: min(size, nbytes)]
+            index = self._device.cuda_index
+            if index is not None:  # each process pins its own mapping for its GPU's copies
+                from mmcache.ipc.cuda_ipc import pin_host
 
-            self._unpin = pin_host(index, arena)
-        self._arena = arena
-        return arena
+                unpin = pin_host(index, arena)
+        except BaseException:
+            self._leave(directory, None)
+            raise
+        with self._lock:
+            if not self._closed:
+                self.directory, self._unpin, self._arena = directory, unpin, arena
+                return arena
+        self._leave(directory, unpin)  # close() came first and found nothing to leave
+        raise CacheClosedError(f"cache {self._name!r} closed while its node tier was set up")
+
+    def _leave(self, directory: NodeDirectory, unpin: Callable[[], None] | None) -> None:
+        """Give up this rank's blocks and its place in the node; the last rank removes the
+        files."""
+        others = directory.detach()
+        with _ATTACHING:
+            _ATTACHED_HERE.discard(self._base)
+        if not others:
+            _remove(self._base)
+        if unpin is not None:
+            unpin()
 
 
 #: the node segments this process is attached to or attaching: a POSIX lock is the

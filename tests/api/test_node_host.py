@@ -28,7 +28,7 @@ import torch.distributed as dist
 from prometheus_client import CollectorRegistry
 from ranks import Report, run_ranks, same_bytes, value
 
-from mmcache import CacheSettings, FeatureCache, GroupError, SettingsError
+from mmcache import CacheClosedError, CacheSettings, FeatureCache, GroupError, SettingsError
 from mmcache.agreement import Agreement
 from mmcache.device import SimDevice
 from mmcache.ipc.errors import SharedMemoryFullError
@@ -339,4 +339,41 @@ def test_a_full_dev_shm_fails_the_node_tier_at_setup_and_leaves_no_files(
         assert host.directory is None
         assert node_files("fullshm") == []
     finally:
+        host.close()
+
+
+def test_a_close_during_the_attach_leaves_no_segment_behind(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    making, go_on = threading.Event(), threading.Event()
+    fallocate = os.posix_fallocate
+
+    def slow_fallocate(fd: int, offset: int, length: int) -> None:
+        if threading.current_thread().name == "attach" and not making.is_set():
+            making.set()  # the segment is being made: a big arena takes long
+            go_on.wait(10)
+        fallocate(fd, offset, length)
+
+    monkeypatch.setattr(os, "posix_fallocate", slow_fallocate)
+    host = _node_host("closeearly")
+    done: concurrent.futures.Future[torch.Tensor] = concurrent.futures.Future()
+    arrived: list[int] = []
+    attach = threading.Thread(
+        target=host._attach,
+        args=([_whereabouts(64 << 10)], done, lambda arena, nbytes: arrived.append(nbytes)),
+        name="attach",
+    )
+    attach.start()
+    try:
+        assert making.wait(10)
+        host.close()  # nothing attached yet: the attach thread must leave what it makes
+        go_on.set()
+        attach.join(10)
+        assert node_files("closeearly") == [], "the node's segment outlived the close"
+        assert arrived == [] and host.directory is None
+        with pytest.raises(CacheClosedError):
+            done.result(0)
+    finally:
+        go_on.set()
+        attach.join(10)
         host.close()
