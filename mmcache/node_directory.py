@@ -2,18 +2,29 @@
 
 The ranks of a node (host_share="node") share one host arena, a file in /dev/shm that each
 maps. This directory, a second file beside it, says which bytes of the arena are taken and
-by whom: one record per block, sorted by offset, each with its size, the ranks that hold it
-(a bitmask of group ranks), and, once its bytes are written, a digest of the feature it
-holds (shared: other ranks may take a reference instead of copying the feature again). A
-block whose bytes are still being written is private to the rank that writes them.
+by whom: one record per block, each with its offset, its size, the ranks that hold it (a
+bitmask of group ranks), and, once its bytes are written, a digest of the feature it holds
+(shared: other ranks may take a reference instead of copying the feature again). A block
+whose bytes are still being written is private to the rank that writes them.
 
 Every change happens under one cross-process lock, a POSIX record lock on the directory's
 first byte, which the kernel drops when its holder dies. Each attached rank also holds a
 lock on a byte of its own for as long as it lives: a rank whose byte can be locked is dead,
-and the survivors release its references (sweep()).
+and the survivors release its references (sweep()). Those locks are the process's, not a
+thread's (a second thread's lockf succeeds at once, and its unlock drops the first's), so
+each file also has a threading.Lock that every lockf and close of it in this process holds.
+
+A rank may die (SIGKILL) at any point of a change, and the kernel then hands the lock to
+the next rank as the dead one left the table: so every change takes effect by one 8-byte
+store, and what is written before it is invisible until then. A record is a block while its
+holders mask is not 0: a record is written in a free slot first and made a block by storing
+its holders, a block is freed by storing 0 there, and a rank's reference is one bit of it.
+The records are in no order (a block's search and the free ranges sort them), and slots
+past the count of slots in use are free: a record written there counts once the count is
+stored. A block is shared once its SHARED cell is stored, after its digest.
 
 Layout (int64 cells): a header of HEADER_CELLS (magic, version, the arena's bytes, the
-table's capacity, the records in use, the bytes they hold, then each rank's pid, 0 where
+table's capacity, the slots in use, a cell no longer used, then each rank's pid, 0 where
 no rank is attached), then the records, RECORD cells each.
 """
 
@@ -25,20 +36,23 @@ import fcntl
 import mmap
 import os
 import stat
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Final, final
 
 import torch
 
+from mmcache.ipc.shm import reserve
+
 __all__ = ["MAX_RANKS", "NodeDirectory", "NodeUsage", "records_for"]
 
 MAX_RANKS: Final = 64  # one bit of an int64 per rank
 _MAGIC: Final = 0x6D6D6E6F6465  # "mmnode"
-_VERSION: Final = 1
+_VERSION: Final = 2  # 2: records in any order, free where no rank holds them
 HEADER_CELLS: Final = 128
 # header cells
-_H_MAGIC, _H_VERSION, _H_ARENA, _H_CAPACITY, _H_COUNT, _H_USED = range(6)
+_H_MAGIC, _H_VERSION, _H_ARENA, _H_CAPACITY, _H_COUNT = range(5)
 _H_PIDS: Final = 8
 # record cells
 RECORD: Final = 6
@@ -79,12 +93,15 @@ def records_for(capacity_bytes: int) -> int:
 class NodeDirectory:
     """One rank's handle on its node's directory: open() it, detach() when done."""
 
-    __slots__ = ("_cells", "_fd", "_head", "_mapping", "_table", "path", "rank")
+    __slots__ = ("_cells", "_fd", "_head", "_mapping", "_table", "_thread_lock", "path", "rank")
 
-    def __init__(self, path: str, fd: int, mapping: mmap.mmap, rank: int) -> None:
+    def __init__(
+        self, path: str, fd: int, mapping: mmap.mmap, rank: int, thread_lock: threading.Lock
+    ) -> None:
         self.path = path
         self.rank = rank
         self._fd = fd
+        self._thread_lock = thread_lock
         self._mapping: mmap.mmap | None = mapping
         self._cells = torch.frombuffer(mapping, dtype=torch.int64)
         self._head = self._cells[:HEADER_CELLS]
@@ -108,28 +125,39 @@ class NodeDirectory:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, _FILE_MODE)
             try:
                 _check_own_file(fd, path)
-                fcntl.lockf(fd, fcntl.LOCK_EX, 1, _MUTEX)
-                if not _still_named(fd, path):  # a sweeper unlinked it meanwhile: again
-                    os.close(fd)
-                    continue
-                mapping = _attach_or_create(fd, size, arena_bytes, capacity, rank, on_create)
-                directory = cls(path, fd, mapping, rank)
-                directory._head[_H_PIDS + rank] = os.getpid()
-                fcntl.lockf(fd, fcntl.LOCK_EX, 1, _liveness_byte(rank))
-                directory._sweep_locked()
-                fcntl.lockf(fd, fcntl.LOCK_UN, 1, _MUTEX)
-                return directory
+                thread_lock = _thread_lock_of(fd)
             except BaseException:
-                os.close(fd)  # drops every lock of ours on it
+                os.close(fd)
                 raise
+            with thread_lock:
+                try:
+                    fcntl.lockf(fd, fcntl.LOCK_EX, 1, _MUTEX)
+                    if not _still_named(fd, path):  # a sweeper unlinked it meanwhile: again
+                        os.close(fd)
+                        continue
+                    mapping = _attach_or_create(
+                        fd, path, size, arena_bytes, capacity, rank, on_create
+                    )
+                    directory = cls(path, fd, mapping, rank, thread_lock)
+                    directory._head[_H_PIDS + rank] = os.getpid()
+                    fcntl.lockf(fd, fcntl.LOCK_EX, 1, _liveness_byte(rank))
+                    directory._sweep_locked()
+                    fcntl.lockf(fd, fcntl.LOCK_UN, 1, _MUTEX)
+                    return directory
+                except BaseException:
+                    os.close(fd)  # drops every lock of ours on it
+                    raise
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
-        fcntl.lockf(self._fd, fcntl.LOCK_EX, 1, _MUTEX)
-        try:
-            yield
-        finally:
-            fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, _MUTEX)
+        with self._thread_lock:  # first: this process's other threads wait here
+            if self._fd < 0:
+                raise RuntimeError("the node's directory is detached")
+            fcntl.lockf(self._fd, fcntl.LOCK_EX, 1, _MUTEX)
+            try:
+                yield
+            finally:
+                fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, _MUTEX)
 
     # --- blocks --------------------------------------------------------------------------
 
@@ -139,16 +167,16 @@ class NodeDirectory:
         total = sum(sizes)
         with self._locked():
             count = int(self._head[_H_COUNT])
-            if count + len(sizes) > self._table.shape[0]:
-                return None
             rows = self._table[:count]
+            free_slots = torch.nonzero(rows[:, HOLDERS] == 0).flatten()
+            spare = int(free_slots.numel()) + self._table.shape[0] - count
+            if spare < len(sizes):
+                return None
+            blocks = self._blocks(rows)
             arena = int(self._head[_H_ARENA])
-            if count:
-                ends = rows[:, OFFSET] + rows[:, NBYTES]
-                starts = torch.cat((torch.zeros(1, dtype=torch.int64), ends))
-                stops = torch.cat((rows[:, OFFSET], torch.tensor([arena])))
-            else:
-                starts, stops = torch.tensor([0]), torch.tensor([arena])
+            ends = blocks[:, OFFSET] + blocks[:, NBYTES]
+            starts = torch.cat((torch.zeros(1, dtype=torch.int64), ends))
+            stops = torch.cat((blocks[:, OFFSET], torch.tensor([arena])))
             gaps = stops - starts
             fitting = torch.where(gaps >= total, gaps, torch.iinfo(torch.int64).max)
             place = int(torch.argmin(fitting))  # the smallest that fits, the lowest among equals
@@ -162,8 +190,7 @@ class NodeDirectory:
                 new[i, NBYTES] = size
                 offset += size
             new[:, HOLDERS] = _bit(self.rank)
-            self._insert(place, count, new)
-            self._head[_H_USED] += total
+            self._add(count, free_slots[: len(sizes)], new)
             return start
 
     def adopt(self, digest: tuple[int, int], nbytes: int) -> int | None:
@@ -173,7 +200,7 @@ class NodeDirectory:
             place = self._find_shared(digest, nbytes)
             if place is None:
                 return None
-            self._table[place, HOLDERS] |= _bit(self.rank)
+            self._table[place, HOLDERS] |= _bit(self.rank)  # one store: held
             return int(self._table[place, OFFSET])
 
     def publish(self, offset: int, digest: tuple[int, int]) -> int | None:
@@ -189,7 +216,7 @@ class NodeDirectory:
                 return int(self._table[other, OFFSET])
             record = self._table[place]
             record[DIGEST_A], record[DIGEST_B] = digest
-            record[SHARED] = 1
+            record[SHARED] = 1  # the store that shares it, its digest written
             return None
 
     def release(self, offset: int, last: Callable[[int, int], None] | None = None) -> bool:
@@ -203,7 +230,7 @@ class NodeDirectory:
                 return False
             if last is not None:
                 last(offset, int(self._table[place, NBYTES]))
-            self._delete(place)
+            self._table[place, HOLDERS] = 0  # one store: free
             return True
 
     def sweep(self) -> int:
@@ -214,16 +241,17 @@ class NodeDirectory:
     def detach(self) -> bool:
         """Release every reference of this rank and leave; whether a live rank stays
         attached (if not, the caller removes the files)."""
-        if self._mapping is None:
-            return True
-        try:
-            with self._locked():
+        with self._thread_lock:
+            if self._mapping is None:
+                return True
+            try:
+                fcntl.lockf(self._fd, fcntl.LOCK_EX, 1, _MUTEX)
                 self._sweep_locked()
                 self._drop_rank(self.rank)
                 self._head[_H_PIDS + self.rank] = 0
                 others = any(int(pid) for pid in self._head[_H_PIDS : _H_PIDS + MAX_RANKS])
-        finally:
-            self._close()
+            finally:
+                self._close()  # closing the file drops our locks on it
         return others
 
     # --- reading -------------------------------------------------------------------------
@@ -231,13 +259,12 @@ class NodeDirectory:
     def usage(self) -> NodeUsage:
         """The node's blocks and bytes, each once."""
         with self._locked():
-            count = int(self._head[_H_COUNT])
-            rows = self._table[:count]
+            blocks = self._blocks(self._table[: int(self._head[_H_COUNT])])
             pids = self._head[_H_PIDS : _H_PIDS + MAX_RANKS]
             return NodeUsage(
-                blocks=count,
-                used_bytes=int(self._head[_H_USED]),
-                shared_blocks=int(rows[:, SHARED].sum()),
+                blocks=int(blocks.shape[0]),
+                used_bytes=int(blocks[:, NBYTES].sum()),
+                shared_blocks=int(blocks[:, SHARED].sum()),
                 arena_bytes=int(self._head[_H_ARENA]),
                 ranks=tuple(int(r) for r in torch.nonzero(pids).flatten()),
             )
@@ -245,13 +272,19 @@ class NodeDirectory:
     def records(self) -> list[tuple[int, int, int, tuple[int, int], bool]]:
         """Every block as (offset, nbytes, holders mask, digest, shared), in arena order."""
         with self._locked():
-            count = int(self._head[_H_COUNT])
+            blocks = self._blocks(self._table[: int(self._head[_H_COUNT])])
             return [
                 (r[OFFSET], r[NBYTES], r[HOLDERS], (r[DIGEST_A], r[DIGEST_B]), bool(r[SHARED]))
-                for r in self._table[:count].tolist()
+                for r in blocks.tolist()
             ]
 
     # --- internals (under the lock) ------------------------------------------------------
+
+    @staticmethod
+    def _blocks(rows: torch.Tensor) -> torch.Tensor:
+        """The records of rows that are blocks (some rank holds them), in arena order."""
+        blocks = rows[rows[:, HOLDERS] != 0]
+        return blocks[torch.argsort(blocks[:, OFFSET])]
 
     def _find_shared(self, digest: tuple[int, int], nbytes: int) -> int | None:
         count = int(self._head[_H_COUNT])
@@ -261,46 +294,47 @@ class NodeDirectory:
             & (rows[:, DIGEST_B] == digest[1])
             & (rows[:, SHARED] == 1)
             & (rows[:, NBYTES] == nbytes)
+            & (rows[:, HOLDERS] != 0)
         )
         return int(found[0, 0]) if found.numel() else None
 
     def _at(self, offset: int) -> int:
-        count = int(self._head[_H_COUNT])
-        offsets = self._table[:count, OFFSET].contiguous()
-        place = int(torch.searchsorted(offsets, offset))
-        if place >= count or int(offsets[place]) != offset:
-            raise AssertionError(f"mmcache internal error: no node host block at {offset}")
-        return place
-
-    def _insert(self, place: int, count: int, new: torch.Tensor) -> None:
-        k = new.shape[0]
-        table = self._table
-        if place < count:
-            table[place + k : count + k] = table[place:count].clone()
-        table[place : place + k] = new
-        self._head[_H_COUNT] = count + k
-
-    def _delete(self, place: int) -> None:
-        count = int(self._head[_H_COUNT])
-        table = self._table
-        self._head[_H_USED] -= table[place, NBYTES]
-        table[place : count - 1] = table[place + 1 : count].clone()
-        table[count - 1] = 0
-        self._head[_H_COUNT] = count - 1
-
-    def _drop_rank(self, rank: int) -> int:
-        """Clear rank's bit in every record; the records no rank holds any more go."""
+        """The slot of the block at offset."""
         count = int(self._head[_H_COUNT])
         rows = self._table[:count]
+        found = torch.nonzero((rows[:, OFFSET] == offset) & (rows[:, HOLDERS] != 0))
+        if not found.numel():
+            raise AssertionError(f"mmcache internal error: no node host block at {offset}")
+        return int(found[0, 0])
+
+    def _add(self, count: int, free_slots: torch.Tensor, new: torch.Tensor) -> None:
+        """Make the records new blocks: in free slots below count first, then past it. Each
+        takes effect by one store (its holders, or the count), nothing before it seen."""
+        table = self._table
+        reused = int(free_slots.numel())
+        if reused:
+            # Every cell but the holders first: those stores are each a block's birth.
+            rest = [c for c in range(RECORD) if c != HOLDERS]
+            table[free_slots[:, None], torch.tensor(rest)] = new[:reused][:, rest]
+            table[free_slots, HOLDERS] = new[:reused, HOLDERS]
+        more = new.shape[0] - reused
+        if more:
+            try:
+                table[count : count + more] = new[reused:]  # free slots past the count: unseen
+                self._head[_H_COUNT] = count + more  # one store: they are blocks
+            except BaseException:  # raised, not killed: the whole run or none of it
+                if reused:
+                    table[free_slots, HOLDERS] = 0
+                raise
+
+    def _drop_rank(self, rank: int) -> int:
+        """Clear rank's bit in every record (each a store of its own: stopped midway, the
+        rest is cleared when done again); the blocks no rank holds any more are free."""
+        count = int(self._head[_H_COUNT])
+        rows = self._table[:count]
+        held = rows[:, HOLDERS] != 0
         rows[:, HOLDERS] &= ~_bit(rank)
-        kept = rows[rows[:, HOLDERS] != 0].clone()
-        freed = count - kept.shape[0]
-        if freed:
-            self._table[: kept.shape[0]] = kept
-            self._table[kept.shape[0] : count] = 0
-            self._head[_H_COUNT] = kept.shape[0]
-            self._head[_H_USED] = int(kept[:, NBYTES].sum())
-        return freed
+        return int((held & (rows[:, HOLDERS] == 0)).sum())
 
     def _sweep_locked(self) -> int:
         freed = 0
@@ -328,6 +362,17 @@ class NodeDirectory:
             self._fd = -1
 
 
+#: the threading.Lock of each directory file this process has opened, by (device, inode)
+_THREAD_LOCKS: dict[tuple[int, int], threading.Lock] = {}
+_THREAD_LOCKS_GUARD = threading.Lock()
+
+
+def _thread_lock_of(fd: int) -> threading.Lock:
+    info = os.fstat(fd)
+    with _THREAD_LOCKS_GUARD:
+        return _THREAD_LOCKS.setdefault((info.st_dev, info.st_ino), threading.Lock())
+
+
 def _check_own_file(fd: int, path: str) -> None:
     info = os.fstat(fd)
     if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
@@ -345,10 +390,17 @@ def _still_named(fd: int, path: str) -> bool:
 
 
 def _attach_or_create(
-    fd: int, size: int, arena_bytes: int, capacity: int, rank: int, on_create: Callable[[], None]
+    fd: int,
+    path: str,
+    size: int,
+    arena_bytes: int,
+    capacity: int,
+    rank: int,
+    on_create: Callable[[], None],
 ) -> mmap.mmap:
     """The directory's mapping (under its lock): as it is, or made anew where it is empty,
-    of another layout, or left by ranks that all died."""
+    of another layout, or left by ranks that all died. Where it cannot be made (a full
+    /dev/shm), its file is removed: a rank waiting for the lock tries anew."""
     current = os.fstat(fd).st_size
     if current >= HEADER_CELLS * 8:
         mapping = mmap.mmap(fd, current)
@@ -363,10 +415,14 @@ def _attach_or_create(
         del head
         mapping.close()
     os.ftruncate(fd, 0)  # zeroes whatever a dead node left
-    os.ftruncate(fd, size)
-    with contextlib.suppress(OSError):
-        os.posix_fallocate(fd, 0, size)
-    on_create()
+    try:
+        os.ftruncate(fd, size)
+        reserve(fd, 0, size, path, "lower cpu_cache_mb")
+        on_create()
+    except BaseException:
+        os.unlink(path)
+        os.ftruncate(fd, 0)
+        raise
     mapping = mmap.mmap(fd, size)
     head = torch.frombuffer(mapping, dtype=torch.int64, count=HEADER_CELLS)
     head[_H_MAGIC] = _MAGIC

@@ -35,8 +35,8 @@ import torch
 
 from mmcache.agreement import Agreement
 from mmcache.device.base import Device, Fence
-from mmcache.errors import SettingsError
-from mmcache.ipc.shm import SHM_DIR
+from mmcache.errors import CacheClosedError, SettingsError
+from mmcache.ipc.shm import SHM_DIR, reserve
 from mmcache.node_directory import MAX_RANKS, NodeDirectory, NodeUsage, records_for
 from mmcache.node_pool import NodeHostPool
 from mmcache.settings import CacheSettings
@@ -104,6 +104,9 @@ class NodeHost:
         self._unpin: Callable[[], None] | None = None
         self._arena: torch.Tensor | None = None
         self._closed = False
+        # close() and the attach thread's last step: a segment mapped after close() left
+        # is left again by that thread, not kept until the process ends
+        self._lock = threading.Lock()
 
     def open(self, on_arena: Callable[[torch.Tensor, int], None]) -> concurrent.futures.Future[Any]:
         """Agree on the node's segment with the group (queued now, before any lookup), then
@@ -157,18 +160,13 @@ class NodeHost:
 
         Called once the cache's copies have landed (a copy still reading the arena keeps its
         pages mapped: the mapping goes with the last view of it)."""
-        self._closed = True
-        directory, self.directory = self.directory, None
-        if directory is None:
-            return
-        others = directory.detach()
-        _ATTACHED_HERE.discard(self._base)
-        if not others:
-            _remove(self._base)
-        unpin, self._unpin = self._unpin, None
-        if unpin is not None:
-            unpin()
-        self._arena = None
+        with self._lock:
+            self._closed = True
+            directory, self.directory = self.directory, None
+            unpin, self._unpin = self._unpin, None
+            self._arena = None
+        if directory is not None:
+            self._leave(directory, unpin)
 
     # --- internals ------------------------------------------------------------------
 
@@ -182,9 +180,12 @@ class NodeHost:
             arena = self._map(everyone)
             on_arena(arena, arena.numel())
         except BaseException as exc:
-            log.error(
-                "cache %r: the node's shared host tier could not be set up: %s", self._name, exc
-            )
+            if not self._closed:
+                log.error(
+                    "cache %r: the node's shared host tier could not be set up: %s",
+                    self._name,
+                    exc,
+                )
             done.set_exception(exc)
         else:
             done.set_result(arena)
@@ -199,12 +200,14 @@ class NodeHost:
         nbytes = capacity // _PAGE * _PAGE
         token = leader[2].decode()
         self._base = os.path.join(SHM_DIR, f"{_PREFIX}{os.getuid()}-{_safe(self._name)}-{token}")
-        if self._base in _ATTACHED_HERE:
-            raise SettingsError(
-                f"cache {self._name!r}: another cache of this process is attached to the same "
-                "node host tier; a node shares one tier among processes, one rank each"
-            )
-        _remove_abandoned()
+        with _ATTACHING:  # ours before its files exist: a sibling's sweep passes them by
+            if self._base in _ATTACHED_HERE:
+                raise SettingsError(
+                    f"cache {self._name!r}: another cache of this process is attached to the "
+                    "same node host tier; a node shares one tier among processes, one rank each"
+                )
+            _ATTACHED_HERE.add(self._base)
+            _remove_abandoned()
         arena_path = self._base + _ARENA
 
         def make_arena() -> None:  # under the directory's lock, by the first rank
@@ -212,34 +215,64 @@ class NodeHost:
             try:
                 os.ftruncate(fd, 0)
                 os.ftruncate(fd, max(nbytes, 1))
-                with contextlib.suppress(OSError):  # reserved now: never a SIGBUS on first touch
-                    os.posix_fallocate(fd, 0, max(nbytes, 1))
+                # Reserved now, never a SIGBUS on first touch: a full /dev/shm fails here.
+                reserve(fd, 0, max(nbytes, 1), arena_path, "lower cpu_cache_mb")
+            except BaseException:
+                os.unlink(arena_path)
+                raise
             finally:
                 os.close(fd)
 
-        self.directory = NodeDirectory.open(
-            self._base + _DIRECTORY, rank, nbytes, records_for(nbytes), make_arena
-        )
-        _ATTACHED_HERE.add(self._base)
-        fd = os.open(arena_path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
-            size = os.fstat(fd).st_size
-            mapping = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
-        arena = torch.frombuffer(mapping, dtype=torch.uint8)[: min(size, nbytes)]
-        index = self._device.cuda_index
-        if index is not None:  # each process pins its own mapping for its GPU's copies
-            from mmcache.ipc.cuda_ipc import pin_host
+            directory = NodeDirectory.open(
+                self._base + _DIRECTORY, rank, nbytes, records_for(nbytes), make_arena
+            )
+        except BaseException:
+            with _ATTACHING:
+                _ATTACHED_HERE.discard(self._base)
+            raise
+        unpin = None
+        try:
+            fd = os.open(arena_path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                size = os.fstat(fd).st_size
+                mapping = mmap.mmap(fd, size)
+            finally:
+                os.close(fd)
+            arena = torch.frombuffer(mapping, dtype=torch.uint8)[: min(size, nbytes)]
+            index = self._device.cuda_index
+            if index is not None:  # each process pins its own mapping for its GPU's copies
+                from mmcache.ipc.cuda_ipc import pin_host
 
-            self._unpin = pin_host(index, arena)
-        self._arena = arena
-        return arena
+                unpin = pin_host(index, arena)
+        except BaseException:
+            self._leave(directory, None)
+            raise
+        with self._lock:
+            if not self._closed:
+                self.directory, self._unpin, self._arena = directory, unpin, arena
+                return arena
+        self._leave(directory, unpin)  # close() came first and found nothing to leave
+        raise CacheClosedError(f"cache {self._name!r} closed while its node tier was set up")
+
+    def _leave(self, directory: NodeDirectory, unpin: Callable[[], None] | None) -> None:
+        """Give up this rank's blocks and its place in the node; the last rank removes the
+        files."""
+        others = directory.detach()
+        with _ATTACHING:
+            _ATTACHED_HERE.discard(self._base)
+        if not others:
+            _remove(self._base)
+        if unpin is not None:
+            unpin()
 
 
-#: the node segments this process is attached to: a POSIX lock is the process's, so the
-#: sweep of abandoned segments must not open (and, closing, unlock) one of these
+#: the node segments this process is attached to or attaching: a POSIX lock is the
+#: process's (a lock of ours never conflicts with the sweep's), so the sweep of abandoned
+#: segments must not open (and, closing, unlock) one of these
 _ATTACHED_HERE: set[str] = set()
+#: held to change _ATTACHED_HERE and throughout the sweep, so that none is added midway
+_ATTACHING = threading.Lock()
 
 
 def _whereabouts(capacity: int) -> bytes:
@@ -267,7 +300,8 @@ def _remove(base: str) -> None:
 
 def _remove_abandoned() -> None:
     """Remove this user's node segments that no live rank holds (their ranks all died):
-    one whose directory's lock and every rank's liveness byte can be taken at once."""
+    one whose directory's lock and every rank's liveness byte can be taken at once (under
+    _ATTACHING: the segments of this process are never taken for another's)."""
     for path in glob.glob(os.path.join(SHM_DIR, f"{_PREFIX}{os.getuid()}-*{_DIRECTORY}")):
         if path[: -len(_DIRECTORY)] in _ATTACHED_HERE:
             continue

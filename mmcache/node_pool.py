@@ -3,6 +3,11 @@
 The arena is mapped by every rank of the node, and its blocks are the NodeDirectory's:
 this pool carves them there, and keeps this rank's own count of the blocks it holds (the
 audit's). A block this rank frees goes back to the node only when no rank holds it.
+
+The directory keeps one bit per rank and block, yet a rank may hold one block twice (an
+entry adopts the node's copy while the rank's earlier block of that feature still waits
+for its free): the pool counts its references per offset, and the directory hears of the
+rank's release only when the last one goes.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ class NodeHostPool(HostPool):
         on_free: Callable[[], None] = lambda: None,
     ) -> None:
         self._directory = directory
+        self._refs: dict[int, int] = {}  # this rank's references by block offset
         super().__init__(device, arena, alignment=alignment, defer=defer, on_free=on_free)
 
     def grow(self, ready_bytes: int) -> bool:
@@ -72,6 +78,7 @@ class NodeHostPool(HostPool):
         blocks = []
         for size in rounded:
             blocks.append(HostBlock(start, size, self.arena))
+            self._refs[start] = 1
             start += size
         self.blocks_live += len(blocks)
         return blocks
@@ -108,12 +115,16 @@ class NodeHostPool(HostPool):
     # --- internals ------------------------------------------------------------------
 
     def _held(self, offset: int, size: int) -> HostBlock:
+        self._refs[offset] = self._refs.get(offset, 0) + 1
         self.used_bytes += size
         self.blocks_live += 1
         return HostBlock(offset, size, self.arena)
 
     def _carve(self, size: int) -> int | None:
-        return self._carve_run([size])
+        start = self._carve_run([size])
+        if start is not None:
+            self._refs[start] = 1
+        return start
 
     def _carve_run(self, sizes: list[int]) -> int | None:
         """A run of sizes carved in the node's arena (after a sweep of dead ranks' blocks
@@ -135,7 +146,12 @@ class NodeHostPool(HostPool):
         if not block.freeing or block.pins or block.fences_pending:
             return
         block.freeing = False
-        self._directory.release(block.offset, self._poison if self._device.poisons_host else None)
+        refs = self._refs.pop(block.offset) - 1
+        if refs:  # another block of this rank holds these bytes still
+            self._refs[block.offset] = refs
+        else:
+            poison = self._poison if self._device.poisons_host else None
+            self._directory.release(block.offset, poison)
         self.freeing_bytes -= block.nbytes
         self.used_bytes -= block.nbytes
         self.blocks_live -= 1

@@ -31,7 +31,7 @@ import torch
 
 from mmcache.ipc.errors import InvalidHandleError, SharedMemoryFullError
 
-__all__ = ["SHM_DIR", "PrivateDirectory", "SharedSegment"]
+__all__ = ["SHM_DIR", "PrivateDirectory", "SharedSegment", "reserve"]
 
 _MiB: Final = 1 << 20
 #: POSIX shared memory lives here on Linux; elsewhere a temporary file maps the same way.
@@ -40,6 +40,28 @@ _DIR_MODE: Final = 0o700
 _FILE_MODE: Final = 0o600
 _TAGS: Final = ("control", "pool", "fallback")
 _DIR_NAME: Final = re.compile(r"mmcache-([0-9]{1,10})-[0-9a-f]{32}")
+
+
+def reserve(fd: int, offset: int, nbytes: int, path: str, hint: str) -> None:
+    """Reserve the pages of [offset, offset+nbytes) of the file fd has open (at path), so
+    that no first touch of them is a SIGBUS: SharedMemoryFullError if its filesystem is
+    full. A filesystem without fallocate allocates pages on touch, unchecked."""
+    if nbytes <= 0:
+        return
+    try:
+        os.posix_fallocate(fd, offset, nbytes)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+            if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+                return
+            raise
+        where = SHM_DIR if path.startswith(SHM_DIR + os.sep) else os.path.dirname(path)
+        free = shutil.disk_usage(where).free
+        raise SharedMemoryFullError(
+            f"{where} has no room for {nbytes / _MiB:.1f} MiB more of {path} "
+            f"({free / _MiB:.1f} MiB free); {hint}, or enlarge {where} "
+            "(docker run --shm-size=...)"
+        ) from exc
 
 
 @final
@@ -231,21 +253,7 @@ class SharedSegment:
 
     def commit(self, offset: int, nbytes: int, hint: str) -> None:
         """Reserve the pages of [offset, offset+nbytes): SharedMemoryFullError if full."""
-        if nbytes <= 0:
-            return
-        try:
-            os.posix_fallocate(self._fd, offset, nbytes)
-        except OSError as exc:
-            if exc.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
-                if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
-                    return  # a filesystem without fallocate: pages are allocated on touch
-                raise
-            free = shutil.disk_usage(SHM_DIR).free
-            raise SharedMemoryFullError(
-                f"{SHM_DIR} has no room for {nbytes / _MiB:.1f} MiB more of {self.path} "
-                f"({free / _MiB:.1f} MiB free); {hint}, or enlarge {SHM_DIR} "
-                "(docker run --shm-size=...)"
-            ) from exc
+        reserve(self._fd, offset, nbytes, self.path, hint)
 
     @contextlib.contextmanager
     def lock(self) -> Iterator[None]:

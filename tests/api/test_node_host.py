@@ -11,11 +11,16 @@ it holds.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import datetime
+import errno
+import os
 import random
+import threading
 import time
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 import torch
@@ -23,10 +28,12 @@ import torch.distributed as dist
 from prometheus_client import CollectorRegistry
 from ranks import Report, run_ranks, same_bytes, value
 
-from mmcache import CacheSettings, FeatureCache, GroupError, SettingsError
+from mmcache import CacheClosedError, CacheSettings, FeatureCache, GroupError, SettingsError
+from mmcache.agreement import Agreement
 from mmcache.device import SimDevice
+from mmcache.ipc.errors import SharedMemoryFullError
 from mmcache.node_directory import NodeDirectory
-from mmcache.node_host import node_files
+from mmcache.node_host import NodeHost, _whereabouts, node_files
 
 KEYS = 24
 PEER_TIMEOUT_S = 2.0
@@ -267,3 +274,106 @@ def test_a_node_host_tier_without_a_group_is_refused() -> None:
     settings = CacheSettings(gpu_cache_mb=1, cpu_cache_mb=1, host_share="node")
     with pytest.raises(SettingsError, match=r"host_share='node'.*group="):
         FeatureCache(settings, device="sim", registry=CollectorRegistry())
+
+
+def _node_host(name: str, capacity: int = 64 << 10) -> NodeHost:
+    """A rank 0 alone on its node, without a group (its agreement only names the rank)."""
+    alone = cast(Agreement, SimpleNamespace(rank=0))
+    return NodeHost(name, alone, SimDevice(), capacity, 4096)
+
+
+def test_a_sibling_cache_leaves_a_node_segment_being_made_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    making, go_on = threading.Event(), threading.Event()
+    fallocate = os.posix_fallocate
+
+    def slow_fallocate(fd: int, offset: int, length: int) -> None:
+        if threading.current_thread().name == "maker" and not making.is_set():
+            making.set()  # A's directory exists, sized, its lock held: a big arena takes long
+            go_on.wait(10)
+        fallocate(fd, offset, length)
+
+    monkeypatch.setattr(os, "posix_fallocate", slow_fallocate)
+    a, b = _node_host("siblingA"), _node_host("siblingB")
+    maker = threading.Thread(target=a._map, args=([_whereabouts(64 << 10)],), name="maker")
+    maker.start()
+    try:
+        assert making.wait(10)
+        # B's start sweeps abandoned segments: lockf never refuses this process its own
+        # locks, so only knowing A's segment as this process's keeps B's sweep off it.
+        b._map([_whereabouts(64 << 10)])
+        go_on.set()
+        maker.join(10)
+        assert len(node_files("siblingA")) == 2, "B removed the segment A was making"
+        assert a.directory is not None and a.directory.usage().ranks == (0,)
+    finally:
+        go_on.set()
+        maker.join(10)
+        a.close()
+        b.close()
+    assert node_files("siblingA") == [] and node_files("siblingB") == []
+
+
+@pytest.mark.parametrize("room_for", [0, 1])  # the directory's file, then the arena's
+def test_a_full_dev_shm_fails_the_node_tier_at_setup_and_leaves_no_files(
+    monkeypatch: pytest.MonkeyPatch, room_for: int
+) -> None:
+    fallocate = os.posix_fallocate
+    calls = []
+
+    def full(fd: int, offset: int, length: int) -> None:
+        calls.append(length)
+        if len(calls) > room_for:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        fallocate(fd, offset, length)
+
+    # Unreserved, the arena's pages would be allocated on first touch: a SIGBUS, later.
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    host = _node_host("fullshm")
+    done: concurrent.futures.Future[torch.Tensor] = concurrent.futures.Future()
+    try:
+        host._attach([_whereabouts(64 << 10)], done, lambda arena, nbytes: None)
+        with pytest.raises(SharedMemoryFullError, match=r"no room for .*lower cpu_cache_mb"):
+            done.result(0)
+        assert host.directory is None
+        assert node_files("fullshm") == []
+    finally:
+        host.close()
+
+
+def test_a_close_during_the_attach_leaves_no_segment_behind(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    making, go_on = threading.Event(), threading.Event()
+    fallocate = os.posix_fallocate
+
+    def slow_fallocate(fd: int, offset: int, length: int) -> None:
+        if threading.current_thread().name == "attach" and not making.is_set():
+            making.set()  # the segment is being made: a big arena takes long
+            go_on.wait(10)
+        fallocate(fd, offset, length)
+
+    monkeypatch.setattr(os, "posix_fallocate", slow_fallocate)
+    host = _node_host("closeearly")
+    done: concurrent.futures.Future[torch.Tensor] = concurrent.futures.Future()
+    arrived: list[int] = []
+    attach = threading.Thread(
+        target=host._attach,
+        args=([_whereabouts(64 << 10)], done, lambda arena, nbytes: arrived.append(nbytes)),
+        name="attach",
+    )
+    attach.start()
+    try:
+        assert making.wait(10)
+        host.close()  # nothing attached yet: the attach thread must leave what it makes
+        go_on.set()
+        attach.join(10)
+        assert node_files("closeearly") == [], "the node's segment outlived the close"
+        assert arrived == [] and host.directory is None
+        with pytest.raises(CacheClosedError):
+            done.result(0)
+    finally:
+        go_on.set()
+        attach.join(10)
+        host.close()
