@@ -405,15 +405,18 @@ def _attach_or_create(
     if current >= HEADER_CELLS * 8:
         mapping = mmap.mmap(fd, current)
         head = torch.frombuffer(mapping, dtype=torch.int64, count=HEADER_CELLS)
-        if (
-            int(head[_H_MAGIC]) == _MAGIC
-            and int(head[_H_VERSION]) == _VERSION
-            and _any_rank_alive(fd, head, rank)
-        ):
-            del head
-            return mapping
+        version = int(head[_H_VERSION])
+        alive = int(head[_H_MAGIC]) == _MAGIC and _any_rank_alive(fd, head, rank)
         del head
+        if alive and version == _VERSION:
+            return mapping
         mapping.close()
+        if alive:  # ranks of another mmcache use it: never wipe what they hold
+            raise RuntimeError(
+                f"{path} is a node host tier of layout {version} (this mmcache writes layout "
+                f"{_VERSION}), in use by live ranks: run one mmcache version on a node, or "
+                "give this cache another name"
+            )
     os.ftruncate(fd, 0)  # zeroes whatever a dead node left
     try:
         os.ftruncate(fd, size)

@@ -13,6 +13,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+import pytest
 import torch
 
 from mmcache import node_directory
@@ -45,6 +46,27 @@ def test_a_feature_is_shared_once_written_and_a_second_copy_gives_way(tmp_path: 
         assert directory.usage().used_bytes == 12 * KiB
         assert directory.release(first) and directory.release(second + 4 * KiB)
         assert directory.usage().used_bytes == 0 and directory.records() == []
+    finally:
+        directory.detach()
+        os.unlink(path)
+
+
+def test_a_directory_of_another_layout_in_use_is_refused_not_wiped(tmp_path: Path) -> None:
+    path = _path(tmp_path)
+    directory = NodeDirectory.open(path, 0, 64 * KiB, 4096, lambda: None)
+    try:
+        held = directory.carve([4 * KiB])
+        with open(path, "r+b") as f:  # as another mmcache version's rank 0 would have it
+            f.seek(8)  # the header's version cell
+            f.write((1).to_bytes(8, sys.byteorder))
+        made: list[int] = []
+        with pytest.raises(RuntimeError, match="layout 1"):
+            NodeDirectory.open(path, 1, 64 * KiB, 4096, lambda: made.append(1))
+        assert made == [] and os.path.getsize(path) > 0  # the arena was not made anew
+        with open(path, "rb") as f:
+            f.seek(8)
+            assert int.from_bytes(f.read(8), sys.byteorder) == 1
+        assert held == 0
     finally:
         directory.detach()
         os.unlink(path)
