@@ -38,6 +38,7 @@ __all__ = ["KEYS_PER_COLLECTIVE", "Agreement", "check_group"]
 log = logging.getLogger("mmcache")
 
 _T = TypeVar("_T")
+_R = TypeVar("_R")
 
 #: Keys whose hits one all_reduce agrees on; a call with more takes one collective per 256.
 KEYS_PER_COLLECTIVE: Final = 256
@@ -155,11 +156,23 @@ class Agreement:
         miss: None): what a rank holds stays valid until it is served or dropped, whatever
         the cache does meanwhile. A copy that failed is this rank's miss.
         """
+        return await self.agree_then(call, keys, read, _same)
+
+    async def agree_then(
+        self,
+        call: str,
+        keys: Sequence[Hashable],
+        read: Callable[[], Awaitable[list[_T | None]]],
+        then: Callable[[list[_T | None]], _R],
+    ) -> _R:
+        """then(agree's answer), called once the ranks agreed, inside the call's shielded
+        part: what then starts (get_or_compute's computation on an agreed miss) starts on
+        every rank, whether or not the caller is still there."""
         self._check_usable(call)
         if self.size == 1:
-            return await read()
-        task: asyncio.Task[list[_T | None]] = asyncio.get_running_loop().create_task(
-            self._agree(call, keys, read)
+            return then(await read())
+        task: asyncio.Task[_R] = asyncio.get_running_loop().create_task(
+            self._agree(call, keys, read, then)
         )
         self._calls.add(task)
         task.add_done_callback(self._ended)
@@ -176,7 +189,8 @@ class Agreement:
         call: str,
         keys: Sequence[Hashable],
         read: Callable[[], Awaitable[list[_T | None]]],
-    ) -> list[_T | None]:
+        then: Callable[[list[_T | None]], _R],
+    ) -> _R:
         async with self._lock:  # one call at a time, in the order they were made
             self._check_usable(call)
             try:
@@ -204,7 +218,7 @@ class Agreement:
             if lost:
                 self.misses += lost
                 self._series.misses.inc(lost)
-            return found
+            return then(found)
 
     async def _meet(self, call: str, keys: Sequence[Hashable], hits: list[bool]) -> list[bool]:
         """The MIN over the group of hits, per key; GroupError where the ranks' keys differ."""
@@ -339,6 +353,10 @@ class Agreement:
             with contextlib.suppress(BaseException):  # cancelled or failed: closing either way
                 await task
         self._jobs.put(None)
+
+
+def _same(found: _T) -> _T:
+    return found
 
 
 def _settle(done: asyncio.Future[Any], outcome: Any) -> None:

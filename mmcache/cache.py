@@ -318,10 +318,18 @@ class FeatureCache:
         The result is put with put's cost= measured: the host's wall time from calling fn
         until it returned the tensor (or its awaitable did), so device work that fn queued
         and did not wait for is not in it. With a group, the lookup is the group's: fn runs
-        on every rank or on none (the single flight stays per rank).
+        on every rank or on none (the single flight stays per rank); once the ranks agreed
+        on a miss, fn runs on every rank even where the caller was cancelled meanwhile.
         """
         if stream is None:
             stream = self._device.current_stream()
+        if self._agreement is not None:
+            to_host = False if device is None else self._reads.wants_host(device)
+            if self._life.serving is not asyncio.get_running_loop():
+                await self._life.ready_to_serve()
+            check_key(key)
+            read = functools.partial(self._lookups.read_one, key, rows, to_host, stream)
+            return await self._on_miss.agreed(self._agreement, key, fn, read, device, rows, stream)
         found = await self.get(key, device=device, rows=rows, stream=stream)
         if found is not None:
             return found

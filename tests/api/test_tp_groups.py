@@ -8,6 +8,7 @@ lookup a second group gathers each rank's answer and checks that they are the sa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 import traceback
@@ -154,6 +155,7 @@ def several_scenarios(rank: int, world: int, control: Any) -> Report:
     async def all_of_them() -> Report:
         scenarios = {
             "compute": _compute_where_one_rank_misses,
+            "compute_cancelled": _compute_whose_caller_is_cancelled,
             "hold": _discard_while_agreeing,
             "cancel": _cancel_a_call,
             "other_keys": _other_keys,
@@ -211,6 +213,40 @@ def test_get_or_compute_runs_fn_on_every_rank_where_any_rank_misses(
     assert reports[0]["ran"] == [0] and reports[1]["ran"] == [1]
     assert reports[0]["exact"] and reports[1]["exact"]
     assert reports[0]["group_misses"] == 2 and reports[1]["group_misses"] == 0
+
+
+async def _compute_whose_caller_is_cancelled(rank: int) -> Report:
+    ran = asyncio.Event()
+
+    def compute() -> torch.Tensor:
+        ran.set()
+        return value(4)
+
+    async with _cache(rank, CollectorRegistry(), gpu_cache_mb=1, cpu_cache_mb=1) as cache:
+        if rank == 0:
+            calling = asyncio.create_task(cache.get_or_compute(4, compute))
+            await asyncio.sleep(0.1)  # its agreement waits for rank 1
+            calling.cancel()  # the request was aborted: the agreement still meets (a miss)
+            with contextlib.suppress(asyncio.CancelledError):
+                await calling
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(ran.wait(), 3)
+        else:
+            await asyncio.sleep(0.3)
+            await cache.get_or_compute(4, compute)
+        for _ in range(100):  # the computation's put lands
+            if 4 in cache:
+                break
+            await asyncio.sleep(0.01)
+        held = 4 in cache
+    return {"ran": ran.is_set(), "held": held}
+
+
+def test_get_or_compute_runs_fn_on_every_rank_though_a_caller_is_cancelled(
+    two_ranks: dict[int, Report],
+) -> None:
+    reports = part(two_ranks, "compute_cancelled")
+    assert reports[0] == reports[1] == {"ran": True, "held": True}
 
 
 # --- what a rank hit is held until it is served --------------------------------------------
