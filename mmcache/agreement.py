@@ -162,7 +162,7 @@ class Agreement:
         self,
         call: str,
         keys: Sequence[Hashable],
-        read: Callable[[], Awaitable[list[_T | None]]],
+        read: Callable[[], Awaitable[list[_T]]],
         then: Callable[[list[_T | None]], _R],
     ) -> _R:
         """then(agree's answer), called once the ranks agreed, inside the call's shielded
@@ -170,7 +170,7 @@ class Agreement:
         every rank, whether or not the caller is still there."""
         self._check_usable(call)
         if self.size == 1:
-            return then(await read())
+            return then([*await read()])
         task: asyncio.Task[_R] = asyncio.get_running_loop().create_task(
             self._agree(call, keys, read, then)
         )
@@ -188,13 +188,14 @@ class Agreement:
         self,
         call: str,
         keys: Sequence[Hashable],
-        read: Callable[[], Awaitable[list[_T | None]]],
+        read: Callable[[], Awaitable[list[_T]]],
         then: Callable[[list[_T | None]], _R],
     ) -> _R:
         async with self._lock:  # one call at a time, in the order they were made
             self._check_usable(call)
+            found: list[_T | None]
             try:
-                found = await read()
+                found = [*await read()]
             except (CopyFailedError, DeviceOutOfMemoryError) as exc:
                 log.warning(
                     "%s: %s of %d key(s) failed here (%s); a miss on every rank",

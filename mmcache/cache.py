@@ -318,8 +318,9 @@ class FeatureCache:
         The result is put with put's cost= measured: the host's wall time from calling fn
         until it returned the tensor (or its awaitable did), so device work that fn queued
         and did not wait for is not in it. With a group, the lookup is the group's: fn runs
-        on every rank or on none (the single flight stays per rank); once the ranks agreed
-        on a miss, fn runs on every rank even where the caller was cancelled meanwhile.
+        on every rank or on none (a computation of key running here counts as this rank's
+        hit, joined where every rank hit); once the ranks agreed on a miss, fn runs on every
+        rank even where the caller was cancelled meanwhile.
         """
         if stream is None:
             stream = self._device.current_stream()

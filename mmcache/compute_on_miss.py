@@ -83,17 +83,30 @@ class ComputeOnMiss:
         rows: slice | None,
         stream: Stream,
     ) -> torch.Tensor:
-        """get_or_compute with a group: read() (this rank's get of key) agreed by the ranks;
-        on an agreed miss the computation starts inside the agreement's shielded part, so
-        that it starts on every rank, a caller cancelled meanwhile or not."""
+        """get_or_compute with a group: read() (this rank's get of key) agreed by the ranks.
 
-        def then(found: list[torch.Tensor | None]) -> torch.Tensor | asyncio.Task[Computed]:
-            hit = found[0]
-            if hit is not None:
-                return hit
-            return self._inflight.run(key, functools.partial(self._compute, key, fn, stream))
+        A computation of key running here counts as this rank's hit, joined where every
+        rank hit: the ranks then decide alike, whoever's computation has finished. An
+        agreed miss starts a new computation (one running here is not joined: another
+        rank's failed or was evicted), inside the agreement's shielded part, so that it
+        starts on every rank, a caller cancelled meanwhile or not.
+        """
 
-        got = await agreement.agree_then("get_or_compute", (key,), read, then)
+        async def read_or_join() -> list[torch.Tensor | asyncio.Task[Computed] | None]:
+            found: list[torch.Tensor | asyncio.Task[Computed] | None] = [*await read()]
+            if found[0] is None:
+                found[0] = self._inflight.joinable(key)
+            return found
+
+        def then(
+            found: list[torch.Tensor | asyncio.Task[Computed] | None],
+        ) -> torch.Tensor | asyncio.Task[Computed]:
+            got = found[0]
+            if got is not None:
+                return got
+            return self._inflight.start(key, functools.partial(self._compute, key, fn, stream))
+
+        got = await agreement.agree_then("get_or_compute", (key,), read_or_join, then)
         if isinstance(got, torch.Tensor):
             return got
         return await self._served(got, device, rows, stream)

@@ -156,6 +156,7 @@ def several_scenarios(rank: int, world: int, control: Any) -> Report:
         scenarios = {
             "compute": _compute_where_one_rank_misses,
             "compute_cancelled": _compute_whose_caller_is_cancelled,
+            "compute_joined": _compute_while_a_computation_runs,
             "hold": _discard_while_agreeing,
             "cancel": _cancel_a_call,
             "other_keys": _other_keys,
@@ -247,6 +248,37 @@ def test_get_or_compute_runs_fn_on_every_rank_though_a_caller_is_cancelled(
 ) -> None:
     reports = part(two_ranks, "compute_cancelled")
     assert reports[0] == reports[1] == {"ran": True, "held": True}
+
+
+async def _compute_while_a_computation_runs(rank: int) -> Report:
+    ran: list[int] = []
+
+    async def compute() -> torch.Tensor:
+        ran.append(rank)
+        await asyncio.sleep(1.0 if rank == 0 else 0)  # rank 0's is still running at call 2
+        return value(6)
+
+    async with _cache(rank, CollectorRegistry(), gpu_cache_mb=1, cpu_cache_mb=1) as cache:
+        first = asyncio.create_task(cache.get_or_compute(6, compute))
+        if rank == 0:
+            await asyncio.sleep(0.2)
+        else:
+            await asyncio.wait([first])  # rank 1 holds 6 before it makes call 2
+        second = asyncio.create_task(cache.get_or_compute(6, compute))
+        got = await asyncio.gather(first, second)
+        exact = all(same_bytes(t, value(6)) for t in got)
+        stats = cache.stats()
+    return {"ran": ran, "exact": exact, "group_misses": stats.group_misses}
+
+
+def test_get_or_compute_joins_a_running_computation_on_every_rank_or_on_none(
+    two_ranks: dict[int, Report],
+) -> None:
+    reports = part(two_ranks, "compute_joined")
+    # Call 2: rank 0 still computes 6, rank 1 holds it: both count it a hit, fn runs nowhere.
+    assert reports[0]["ran"] == [0] and reports[1]["ran"] == [1]
+    assert reports[0]["exact"] and reports[1]["exact"]
+    assert reports[0]["group_misses"] == reports[1]["group_misses"] == 0
 
 
 # --- what a rank hit is held until it is served --------------------------------------------
