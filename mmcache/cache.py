@@ -7,8 +7,8 @@ import contextlib
 import functools
 import math
 import threading
-from collections.abc import AsyncIterator, Hashable, Iterable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Iterable, Sequence
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 from prometheus_client import CollectorRegistry
@@ -252,13 +252,16 @@ class FeatureCache:
         """
         if stream is None:
             stream = self._device.current_stream()
+        if self._agreement is not None:  # a collective: no await before its place is taken
+            start = self._group_start()
+            to_host = False if device is None else self._reads.wants_host(device)
+            check_key(key)
+            read = functools.partial(self._lookups.read_one, key, rows, to_host, stream)
+            return (await self._agreement.agree("get", (key,), start(read)))[0]
         to_host = False if device is None else self._reads.wants_host(device)
         if self._life.serving is not asyncio.get_running_loop():
             await self._life.ready_to_serve()
         check_key(key)
-        if self._agreement is not None:
-            read = functools.partial(self._lookups.read_one, key, rows, to_host, stream)
-            return (await self._agreement.agree("get", (key,), read))[0]
         found = self._entries.get(key)
         if found is None:
             if self._remote is not None:  # both local tiers missed: ask the shared one
@@ -289,13 +292,16 @@ class FeatureCache:
         """
         if stream is None:
             stream = self._device.current_stream()
+        if self._agreement is not None:  # a collective: no await before its place is taken
+            start = self._group_start()
+            batch = key_list(keys, "get_many")
+            to_host = False if device is None else self._reads.wants_host(device)
+            read = functools.partial(self._lookups.read_many, batch, to_host, stream)
+            return await self._agreement.agree("get_many", batch, start(read))
         batch = key_list(keys, "get_many")
         to_host = False if device is None else self._reads.wants_host(device)
         if self._life.serving is not asyncio.get_running_loop():
             await self._life.ready_to_serve()
-        if self._agreement is not None:
-            read = functools.partial(self._lookups.read_many, batch, to_host, stream)
-            return await self._agreement.agree("get_many", batch, read)
         if to_host or self._remote is not None:
             return await self._lookups.read_many(batch, to_host, stream)
         # Host hits are read with the other gets of this loop turn: one copy batch, fence
@@ -324,17 +330,28 @@ class FeatureCache:
         """
         if stream is None:
             stream = self._device.current_stream()
-        if self._agreement is not None:
+        if self._agreement is not None:  # a collective: no await before its place is taken
+            start = self._group_start()
             to_host = False if device is None else self._reads.wants_host(device)
-            if self._life.serving is not asyncio.get_running_loop():
-                await self._life.ready_to_serve()
             check_key(key)
             read = functools.partial(self._lookups.read_one, key, rows, to_host, stream)
-            return await self._on_miss.agreed(self._agreement, key, fn, read, device, rows, stream)
+            return await self._on_miss.agreed(
+                self._agreement, key, fn, start(read), device, rows, stream
+            )
         found = await self.get(key, device=device, rows=rows, stream=stream)
         if found is not None:
             return found
         return await self._on_miss.compute(key, fn, device, rows, stream)
+
+    def _group_start(self) -> Callable[[Read[_T]], Read[_T]]:
+        """What a group's lookup wraps its read in: the read, or where the cache is not
+        started yet, its start then the read, both inside the agreement. A lookup takes its
+        place in the group's order when it is called, with no await before: one that
+        started the cache before its agreement would let a later call overtake it. Raises
+        at once where the cache is closed or belongs to another loop."""
+        if self._life.serving is asyncio.get_running_loop() or not self._life.must_start():
+            return _as_is
+        return functools.partial(_after, self._life.start)
 
     def put_threadsafe(
         self,
@@ -462,6 +479,23 @@ class FeatureCache:
         Hits served to other threads are counted in it (the loop applies them first).
         """
         return self._life.stats()
+
+
+_T = TypeVar("_T")
+#: a group lookup's read of this rank's cache
+Read = Callable[[], Awaitable[list[_T]]]
+
+
+def _as_is(read: Read[_T]) -> Read[_T]:
+    return read
+
+
+def _after(start: Callable[[], Awaitable[None]], read: Read[_T]) -> Read[_T]:
+    async def started_then_read() -> list[_T]:
+        await start()
+        return await read()
+
+    return started_then_read
 
 
 def _checked_cost(cost: object) -> float:

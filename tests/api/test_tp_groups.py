@@ -160,6 +160,7 @@ def several_scenarios(rank: int, world: int, control: Any) -> Report:
             "hold": _discard_while_agreeing,
             "cancel": _cancel_a_call,
             "other_keys": _other_keys,
+            "lazy_start": _lookups_that_start_the_cache,
         }
         reports: Report = {}
         for name, scenario in scenarios.items():
@@ -374,6 +375,31 @@ def test_ranks_calling_with_other_keys_all_get_a_clear_error(
         assert "different keys" in report["errors"][0]
         assert "different numbers of keys" in report["errors"][1]
         assert "different numbers of keys" in report["errors"][2]  # 300 and 301: two rounds
+
+
+async def _lookups_that_start_the_cache(rank: int) -> Report:
+    cache = _cache(rank, CollectorRegistry(), gpu_cache_mb=1, cpu_cache_mb=1)
+    if rank == 1:
+        await cache.start()  # rank 0's first lookup starts its cache
+
+    async def lookup(keys: list[int]) -> str:
+        try:
+            return repr(await cache.get_many(keys))
+        except GroupError as exc:
+            return str(exc)
+
+    # Made in this order on both ranks: rank 0's second must not overtake its first.
+    answers = await asyncio.gather(lookup([1]), lookup([2, 3]), lookup([4]))
+    await cache.close()
+    return {"answers": answers}
+
+
+def test_lookups_keep_their_order_though_the_first_starts_the_cache(
+    two_ranks: dict[int, Report],
+) -> None:
+    reports = part(two_ranks, "lazy_start")
+    for report in reports.values():
+        assert report["answers"] == ["[None]", "[None, None]", "[None]"]
 
 
 # --- a peer that dies or hangs -----------------------------------------------------------
