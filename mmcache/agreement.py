@@ -25,7 +25,7 @@ import queue
 import threading
 import time
 from collections.abc import Awaitable, Callable, Hashable, Sequence
-from typing import Any, Final, TypeVar, final
+from typing import Any, Final, NoReturn, TypeVar, final
 
 import torch
 
@@ -33,7 +33,7 @@ from mmcache.errors import CopyFailedError, DeviceOutOfMemoryError, GroupError, 
 from mmcache.metrics import CacheMetrics
 from mmcache.remote.codec import encode_key
 
-__all__ = ["KEYS_PER_COLLECTIVE", "Agreement", "check_group"]
+__all__ = ["KEYS_PER_COLLECTIVE", "Agreement", "Refused", "check_group", "refused"]
 
 log = logging.getLogger("mmcache")
 
@@ -51,6 +51,11 @@ _SIZE: Final = _HEADER + KEYS_PER_COLLECTIVE
 #: How long past the group's own timeout the loop waits for a collective before it gives up
 #: on it (a backend that does not enforce its timeout, or a peer stuck inside NCCL).
 _GRACE_S: Final = 5.0
+
+#: The header of a call that a rank refused (its caller's keys or arguments): the count and
+#: its complement both 0, which no call of fewer than 2**32 - 1 keys sends, so that the MIN
+#: shows every rank that one refused.
+_REFUSED: Final = bytes(_HEADER)
 
 #: what the group's thread runs (a collective), the future of its result, and its loop
 _Job = tuple[Callable[[], Any], asyncio.Future[Any], asyncio.AbstractEventLoop] | None
@@ -90,6 +95,25 @@ def _agreed(field: bytearray | memoryview) -> bool:
     bytes were the same."""
     half = len(field) // 2
     return all(field[i] == 255 - field[half + i] for i in range(half))
+
+
+class Refused(Exception):
+    """Raised by a read (see refused): this rank refused the call's arguments; every rank
+    fails the call, this one with error, and the ranks' later calls still pair."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def refused(error: Exception) -> Callable[[], Awaitable[list[Any]]]:
+    """The read of a call whose arguments this rank refused with error: it takes part in
+    the call's collective all the same, and every rank's call fails."""
+
+    async def read() -> list[Any]:
+        raise Refused(error)
+
+    return read
 
 
 @final
@@ -170,7 +194,11 @@ class Agreement:
         every rank, whether or not the caller is still there."""
         self._check_usable(call)
         if self.size == 1:
-            return then([*await read()])
+            try:
+                found: list[_T | None] = [*await read()]
+            except Refused as refusal:
+                raise refusal.error from None
+            return then(found)
         task: asyncio.Task[_R] = asyncio.get_running_loop().create_task(
             self._agree(call, keys, read, then)
         )
@@ -178,6 +206,13 @@ class Agreement:
         task.add_done_callback(self._ended)
         # Shielded: once made, a call meets the other ranks even if its caller goes away.
         return await asyncio.shield(task)
+
+    async def refuse(self, call: str, read: Callable[[], Awaitable[list[Any]]]) -> NoReturn:
+        """Take part in the call whose arguments this rank refused (read: refused(error),
+        after the cache's start where it is not started), then raise error; the other
+        ranks' call raises GroupError."""
+        await self.agree(call, (), read)
+        raise AssertionError("a refused call raises")  # pragma: no cover - agree raised
 
     def _ended(self, task: asyncio.Task[Any]) -> None:
         self._calls.discard(task)
@@ -205,6 +240,12 @@ class Agreement:
                     str(exc),
                 )
                 found = [None] * len(keys)
+            except Refused as refusal:
+                # Every rank fails this call: the others with GroupError, this one with its
+                # caller's error; their next calls pair.
+                with contextlib.suppress(GroupError):
+                    await self._meet(call, (), [], refused=True)
+                raise refusal.error from None
             except Exception:
                 # The other ranks still get their answer (a miss), then this rank raises.
                 await self._meet(call, keys, [False] * len(keys))
@@ -221,11 +262,17 @@ class Agreement:
                 self._series.misses.inc(lost)
             return then(found)
 
-    async def _meet(self, call: str, keys: Sequence[Hashable], hits: list[bool]) -> list[bool]:
-        """The MIN over the group of hits, per key; GroupError where the ranks' keys differ."""
+    async def _meet(
+        self, call: str, keys: Sequence[Hashable], hits: list[bool], *, refused: bool = False
+    ) -> list[bool]:
+        """The MIN over the group of hits, per key; GroupError where the ranks' keys differ
+        or a rank refused the call (refused: this one did)."""
         n = len(keys)
-        header = _complemented(n.to_bytes(_COUNT, "little")) + _complemented(
-            hashlib.blake2b(encode_key(tuple(keys)), digest_size=_DIGEST).digest()
+        header = (
+            _REFUSED
+            if refused
+            else _complemented(n.to_bytes(_COUNT, "little"))
+            + _complemented(hashlib.blake2b(encode_key(tuple(keys)), digest_size=_DIGEST).digest())
         )
         agreed: list[bool] = []
         for start in range(0, max(n, 1), KEYS_PER_COLLECTIVE):
@@ -236,6 +283,12 @@ class Agreement:
             result = await self._all_reduce(call, buffer)
             if start == 0:
                 # Every rank sees the same MIN: all raise here, before any later collective.
+                if not any(result[: 2 * _COUNT]):
+                    raise GroupError(
+                        f"{self._where}: {call} was refused on another rank of the group (a key "
+                        "or argument it could not take); every rank must call it with the same "
+                        "valid keys and arguments"
+                    )
                 if not _agreed(result[: 2 * _COUNT]):
                     raise GroupError(
                         f"{self._where}: {call} was called with different numbers of keys on "

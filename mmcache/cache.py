@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 from prometheus_client import CollectorRegistry
 
+from mmcache.agreement import refused
 from mmcache.compute_on_miss import ComputeFn, ComputeOnMiss
 from mmcache.core.entry import Entry, Member, State, check_key, key_list
 from mmcache.core.put_checks import check_items
@@ -254,8 +255,11 @@ class FeatureCache:
             stream = self._device.current_stream()
         if self._agreement is not None:  # a collective: no await before its place is taken
             start = self._group_start()
-            to_host = False if device is None else self._reads.wants_host(device)
-            check_key(key)
+            try:
+                to_host = False if device is None else self._reads.wants_host(device)
+                check_key(key)
+            except Exception as exc:  # every rank fails this call, and later calls pair
+                await self._agreement.refuse("get", start(refused(exc)))
             read = functools.partial(self._lookups.read_one, key, rows, to_host, stream)
             return (await self._agreement.agree("get", (key,), start(read)))[0]
         to_host = False if device is None else self._reads.wants_host(device)
@@ -294,8 +298,11 @@ class FeatureCache:
             stream = self._device.current_stream()
         if self._agreement is not None:  # a collective: no await before its place is taken
             start = self._group_start()
-            batch = key_list(keys, "get_many")
-            to_host = False if device is None else self._reads.wants_host(device)
+            try:
+                batch = key_list(keys, "get_many")
+                to_host = False if device is None else self._reads.wants_host(device)
+            except Exception as exc:  # every rank fails this call, and later calls pair
+                await self._agreement.refuse("get_many", start(refused(exc)))
             read = functools.partial(self._lookups.read_many, batch, to_host, stream)
             return await self._agreement.agree("get_many", batch, start(read))
         batch = key_list(keys, "get_many")
@@ -332,8 +339,11 @@ class FeatureCache:
             stream = self._device.current_stream()
         if self._agreement is not None:  # a collective: no await before its place is taken
             start = self._group_start()
-            to_host = False if device is None else self._reads.wants_host(device)
-            check_key(key)
+            try:
+                to_host = False if device is None else self._reads.wants_host(device)
+                check_key(key)
+            except Exception as exc:  # every rank fails this call, and later calls pair
+                await self._agreement.refuse("get_or_compute", start(refused(exc)))
             read = functools.partial(self._lookups.read_one, key, rows, to_host, stream)
             return await self._on_miss.agreed(
                 self._agreement, key, fn, start(read), device, rows, stream

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import random
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,12 @@ KEYS = 24
 PEER_TIMEOUT_S = 2.0
 
 
-def _cache(rank: int, registry: CollectorRegistry, **settings: Any) -> FeatureCache:
+def _cache(
+    rank: int,
+    registry: CollectorRegistry,
+    group: dist.ProcessGroup | None = None,
+    **settings: Any,
+) -> FeatureCache:
     """A rank's cache: its own budgets, and copies slower the higher its rank."""
     settings.setdefault("evict_ahead", 0)
     return FeatureCache(
@@ -39,8 +45,16 @@ def _cache(rank: int, registry: CollectorRegistry, **settings: Any) -> FeatureCa
         device=SimDevice(latency_s=0.0004 * rank),
         name=f"rank{rank}",
         registry=registry,
-        group=dist.group.WORLD,
+        group=dist.group.WORLD if group is None else group,
     )
+
+
+def _own_group() -> dist.ProcessGroup:
+    """A group of every rank for one scenario (a collective: every rank makes it in turn),
+    so that ranks whose calls go out of step there do not take the others' with them."""
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=PEER_TIMEOUT_S))
+    assert isinstance(group, dist.ProcessGroup)
+    return group
 
 
 # --- agreement under random operations --------------------------------------------------
@@ -161,6 +175,7 @@ def several_scenarios(rank: int, world: int, control: Any) -> Report:
             "cancel": _cancel_a_call,
             "other_keys": _other_keys,
             "lazy_start": _lookups_that_start_the_cache,
+            "refused": _calls_refused_on_one_rank,
         }
         reports: Report = {}
         for name, scenario in scenarios.items():
@@ -400,6 +415,40 @@ def test_lookups_keep_their_order_though_the_first_starts_the_cache(
     reports = part(two_ranks, "lazy_start")
     for report in reports.values():
         assert report["answers"] == ["[None]", "[None, None]", "[None]"]
+
+
+async def _calls_refused_on_one_rank(rank: int) -> Report:
+    errors: list[str] = []
+    group = _own_group()
+    async with _cache(rank, CollectorRegistry(), group, gpu_cache_mb=1, cpu_cache_mb=1) as cache:
+        await cache.put(1, value(1))
+        unhashable: Any = [1]
+        calls: list[Callable[[], Awaitable[object]]] = [
+            lambda: cache.get(1.5 if rank == 0 else 2),  # a key rank 0 refuses
+            lambda: cache.get_many([1, 2], device="meta" if rank == 1 else None),
+            lambda: cache.get_or_compute(unhashable if rank == 1 else 1, lambda: value(1)),
+        ]
+        for call in calls:
+            try:
+                await call()
+                errors.append("")
+            except Exception as exc:
+                errors.append(f"{type(exc).__name__}: {exc}")
+        got = await cache.get(1)  # the ranks' calls still pair: 1 with 1
+        exact = got is not None and same_bytes(got, value(1))
+    return {"errors": errors, "exact": exact}
+
+
+def test_a_call_refused_on_one_rank_fails_on_every_rank_and_later_calls_pair(
+    two_ranks: dict[int, Report],
+) -> None:
+    reports = part(two_ranks, "refused")
+    refused_by = (0, 1, 1)
+    for i, refusing in enumerate(refused_by):
+        mine, other = reports[refusing]["errors"][i], reports[1 - refusing]["errors"][i]
+        assert mine.startswith(("InvalidKeyError", "InvalidValueError")), mine
+        assert other.startswith("GroupError") and "refused on another rank" in other, other
+    assert reports[0]["exact"] and reports[1]["exact"]
 
 
 # --- a peer that dies or hangs -----------------------------------------------------------
