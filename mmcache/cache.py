@@ -473,12 +473,16 @@ class FeatureCache:
         only on the device, or whose host bytes cross two pinned chunks of the arena (a
         device copy of the view would be refused). Do not keep or write to the tensor
         after the block.
+
+        Never a collective, with a group too: it reads this rank's cache alone.
         """
+        stream = self._device.current_stream()
         await self._life.ready_to_serve()
         check_key(key)
         found = self._entries.get(key)
         if found is None or not self._reads.can_borrow(found):
-            yield await self.get(key, device="cpu")
+            # get(key, device="cpu")'s read, of this rank's tiers alone: no agreement.
+            yield (await self._lookups.read_one(key, None, True, stream))[0]
             return
         async with self._reads.borrow(found) as view:
             yield view

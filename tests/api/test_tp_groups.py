@@ -176,6 +176,7 @@ def several_scenarios(rank: int, world: int, control: Any) -> Report:
             "other_keys": _other_keys,
             "lazy_start": _lookups_that_start_the_cache,
             "refused": _calls_refused_on_one_rank,
+            "borrow": _borrow_where_one_rank_holds_it_on_the_gpu_only,
         }
         reports: Report = {}
         for name, scenario in scenarios.items():
@@ -449,6 +450,35 @@ def test_a_call_refused_on_one_rank_fails_on_every_rank_and_later_calls_pair(
         assert mine.startswith(("InvalidKeyError", "InvalidValueError")), mine
         assert other.startswith("GroupError") and "refused on another rank" in other, other
     assert reports[0]["exact"] and reports[1]["exact"]
+
+
+# --- local calls ----------------------------------------------------------------------------
+
+
+async def _borrow_where_one_rank_holds_it_on_the_gpu_only(rank: int) -> Report:
+    group = _own_group()
+    # Rank 0 keeps its features on the host (no GPU tier), rank 1 on the GPU.
+    gpu_mb = 0 if rank == 0 else 1
+    registry = CollectorRegistry()
+    async with _cache(rank, registry, group, gpu_cache_mb=gpu_mb, cpu_cache_mb=1) as cache:
+        for key in (1, 2):
+            await cache.put(key, value(key))
+        await cache.drain()
+        async with cache.borrow(1) as view:  # local: a view (rank 0) or a host copy (rank 1)
+            borrowed = view is not None and same_bytes(view, value(1))
+        try:
+            got = {key: await cache.get(key) for key in (2, 1)}  # the ranks' calls still pair
+            exact = all(t is not None and same_bytes(t, value(k)) for k, t in got.items())
+            raised = ""
+        except GroupError as exc:
+            exact, raised = False, str(exc)
+    return {"borrowed": borrowed, "exact": exact, "raised": raised}
+
+
+def test_borrow_is_local_with_a_group(two_ranks: dict[int, Report]) -> None:
+    reports = part(two_ranks, "borrow")
+    for report in reports.values():
+        assert report == {"borrowed": True, "exact": True, "raised": ""}
 
 
 # --- a peer that dies or hangs -----------------------------------------------------------
