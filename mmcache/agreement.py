@@ -29,7 +29,13 @@ from typing import Any, Final, NoReturn, TypeVar, final
 
 import torch
 
-from mmcache.errors import CopyFailedError, DeviceOutOfMemoryError, GroupError, InvalidValueError
+from mmcache.errors import (
+    CacheClosedError,
+    CopyFailedError,
+    DeviceOutOfMemoryError,
+    GroupError,
+    InvalidValueError,
+)
 from mmcache.metrics import CacheMetrics
 from mmcache.remote.codec import encode_key
 
@@ -204,8 +210,17 @@ class Agreement:
         )
         self._calls.add(task)
         task.add_done_callback(self._ended)
-        # Shielded: once made, a call meets the other ranks even if its caller goes away.
-        return await asyncio.shield(task)
+        try:
+            # Shielded: once made, a call meets the other ranks even if its caller goes away.
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if self._closed and task.cancelled() and not _cancelling():
+                # close() cancelled the call, not its caller: the caller gets an error.
+                raise CacheClosedError(
+                    f"{self._where}: {call} was not answered: the cache closed while it waited "
+                    "for the other ranks"
+                ) from None
+            raise
 
     async def refuse(self, call: str, read: Callable[[], Awaitable[list[Any]]]) -> NoReturn:
         """Take part in the call whose arguments this rank refused (read: refused(error),
@@ -407,6 +422,12 @@ class Agreement:
             with contextlib.suppress(BaseException):  # cancelled or failed: closing either way
                 await task
         self._jobs.put(None)
+
+
+def _cancelling() -> bool:
+    """Whether the running task was asked to cancel (its caller's cancel, not close's)."""
+    current = asyncio.current_task()
+    return current is not None and current.cancelling() > 0
 
 
 def _same(found: _T) -> _T:

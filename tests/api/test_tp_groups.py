@@ -177,6 +177,7 @@ def several_scenarios(rank: int, world: int, control: Any) -> Report:
             "lazy_start": _lookups_that_start_the_cache,
             "refused": _calls_refused_on_one_rank,
             "borrow": _borrow_where_one_rank_holds_it_on_the_gpu_only,
+            "close_pending": _close_while_a_lookup_waits_for_a_rank,
         }
         reports: Report = {}
         for name, scenario in scenarios.items():
@@ -479,6 +480,40 @@ def test_borrow_is_local_with_a_group(two_ranks: dict[int, Report]) -> None:
     reports = part(two_ranks, "borrow")
     for report in reports.values():
         assert report == {"borrowed": True, "exact": True, "raised": ""}
+
+
+# --- close ---------------------------------------------------------------------------------
+
+
+async def _close_while_a_lookup_waits_for_a_rank(rank: int) -> Report:
+    group = _own_group()
+    cache = _cache(rank, CollectorRegistry(), group, gpu_cache_mb=1, cpu_cache_mb=1)
+    await cache.start()
+    await cache.put(1, value(1))
+    got = ""
+    if rank == 0:
+        waiting = asyncio.create_task(cache.get(1))
+        await asyncio.sleep(0.2)  # it waits for rank 1
+        await cache.close()
+        try:
+            await waiting
+        except BaseException as exc:  # CancelledError included: what its caller is handed
+            got = type(exc).__name__
+        else:
+            got = "served"
+    else:
+        await asyncio.sleep(0.5)  # then answers rank 0's collective, which went on
+        await cache.get(1)
+        await cache.close()
+    await asyncio.to_thread(dist.barrier)  # rank 0 stays until rank 1's get has met it
+    return {"got": got}
+
+
+def test_close_fails_a_lookup_waiting_for_the_other_ranks_with_cache_closed_error(
+    two_ranks: dict[int, Report],
+) -> None:
+    reports = part(two_ranks, "close_pending")
+    assert reports[0]["got"] == "CacheClosedError"  # not CancelledError: it was not cancelled
 
 
 # --- a peer that dies or hangs -----------------------------------------------------------
