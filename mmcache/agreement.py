@@ -266,7 +266,11 @@ class Agreement:
                 await self._meet(call, keys, [False] * len(keys))
                 raise
             hits = [value is not None for value in found]
-            agreed = await self._meet(call, keys, hits)
+            try:
+                agreed = await self._meet(call, keys, hits)
+            except BaseException:
+                del found  # the error's traceback must not keep what this rank read alive
+                raise
             lost = 0
             for i, ok in enumerate(agreed):
                 if not ok and hits[i]:

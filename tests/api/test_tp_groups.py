@@ -527,18 +527,20 @@ async def _lose_a_peer(rank: int, control: Any, how: str) -> Report:
     cache = _cache(rank, CollectorRegistry(), gpu_cache_mb=1, cpu_cache_mb=1)
     await cache.start()
     await cache.put(1, value(1))
-    first = await cache.get(1)
+    first = await cache.get(1) is not None
     if rank == 1:
         control.set()  # the parent kills this process now, or it just stops calling
         await asyncio.sleep(3600)
     await asyncio.to_thread(control.wait, 60)
     await asyncio.sleep(0.2)  # the kill has landed
     started = time.monotonic()
+    held: list[str] = []
     try:
         await cache.get(1)
         raised = ""
     except GroupError as exc:
         raised = str(exc)
+        held = _tensors_held_by(exc)
     took = time.monotonic() - started
     try:
         await cache.get_many([1])
@@ -549,13 +551,27 @@ async def _lose_a_peer(rank: int, control: Any, how: str) -> Report:
     closing = time.monotonic()
     await cache.close()
     return {
-        "first_hit": first is not None,
+        "first_hit": first,
+        "held": held,
         "raised": raised,
         "took": took,
         "again": again,
         "again_took": again_took,
         "close_took": time.monotonic() - closing,
     }
+
+
+def _tensors_held_by(error: BaseException) -> list[str]:
+    """The frames of error's traceback whose locals hold a tensor (alone or in a list)."""
+    held = []
+    tb = error.__traceback__
+    while tb is not None:
+        for name, local in tb.tb_frame.f_locals.items():
+            items = local if isinstance(local, list) else [local]
+            if any(isinstance(item, torch.Tensor) for item in items):
+                held.append(f"{tb.tb_frame.f_code.co_name}: {name}")
+        tb = tb.tb_next
+    return held
 
 
 @pytest.mark.parametrize("how", ["killed", "stuck"])
@@ -573,6 +589,7 @@ def test_a_peer_that_dies_or_hangs_is_an_error_within_the_timeout(tmp_path: Path
     report = reports[0]
     assert report["first_hit"]
     assert "could not agree" in report["raised"]
+    assert report["held"] == []  # the error keeps no hit it read alive
     assert "rank 0 of a gloo group of 2" in report["raised"]
     assert report["took"] < PEER_TIMEOUT_S + 2
     if how == "stuck":
