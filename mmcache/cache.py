@@ -353,6 +353,28 @@ class FeatureCache:
             return found
         return await self._on_miss.compute(key, fn, device, rows, stream)
 
+    async def _get_noting(
+        self, key: Hashable, stream: Stream, note: Callable[[], _N]
+    ) -> tuple[torch.Tensor | None, _N]:
+        """get(key) with a group (a collective), and note() taken in the same step as this
+        rank's read of key, inside the agreement: what a caller keeps beside the value (the
+        SGLang adapter's shell of it) is then the read value's, whatever changes meanwhile."""
+        agreement = self._agreement
+        assert agreement is not None
+        start = self._group_start()
+        try:
+            check_key(key)
+        except Exception as exc:  # every rank fails this call, and later calls pair
+            await agreement.refuse("get", start(refused(exc)))
+        noted: list[_N] = []
+
+        async def read() -> list[torch.Tensor | None]:
+            noted.append(note())  # then read_one looks key up with no await in between
+            return await self._lookups.read_one(key, None, False, stream)
+
+        found = await agreement.agree("get", (key,), start(read))
+        return found[0], noted[0]
+
     def _group_start(self) -> Callable[[Read[_T]], Read[_T]]:
         """What a group's lookup wraps its read in: the read, or where the cache is not
         started yet, its start then the read, both inside the agreement. A lookup takes its
@@ -496,6 +518,7 @@ class FeatureCache:
 
 
 _T = TypeVar("_T")
+_N = TypeVar("_N")
 #: a group lookup's read of this rank's cache
 Read = Callable[[], Awaitable[list[_T]]]
 
