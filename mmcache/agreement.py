@@ -10,7 +10,8 @@ The mask goes through one all_reduce of a fixed 280 bytes per 256 keys, whatever
 so that ranks that disagree on the number of keys get a clear error instead of a collective
 of mismatched sizes (gloo aborts the process on one). Its header carries the number of keys
 and a digest of them, each beside its complement, so that the MIN shows whether every rank
-called with the same keys.
+called with the same keys. A rank that refused a call's arguments (a bad key) sends a header
+of zeros instead, so that every rank fails that call and their later calls still pair.
 """
 
 from __future__ import annotations
@@ -128,9 +129,10 @@ class Agreement:
 
     Calls are collectives: every rank makes them with the same keys in the same order.
     They are carried out one at a time, in the order they were made, and a call whose
-    caller is cancelled still meets the other ranks (its answer is dropped). A collective
-    that fails or outlasts the group's timeout raises GroupError, and so does every later
-    call: the ranks no longer know which call is which.
+    caller is cancelled still meets the other ranks (its answer is dropped); close() fails
+    the calls not answered yet with CacheClosedError. A collective that fails or outlasts
+    the group's timeout raises GroupError, and so does every later call: the ranks no
+    longer know which call is which.
     """
 
     def __init__(
