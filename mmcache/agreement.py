@@ -10,7 +10,8 @@ The mask goes through one all_reduce of a fixed 280 bytes per 256 keys, whatever
 so that ranks that disagree on the number of keys get a clear error instead of a collective
 of mismatched sizes (gloo aborts the process on one). Its header carries the number of keys
 and a digest of them, each beside its complement, so that the MIN shows whether every rank
-called with the same keys.
+called with the same keys. A rank that refused a call's arguments (a bad key) sends a header
+of zeros instead, so that every rank fails that call and their later calls still pair.
 """
 
 from __future__ import annotations
@@ -25,19 +26,26 @@ import queue
 import threading
 import time
 from collections.abc import Awaitable, Callable, Hashable, Sequence
-from typing import Any, Final, TypeVar, final
+from typing import Any, Final, NoReturn, TypeVar, final
 
 import torch
 
-from mmcache.errors import CopyFailedError, DeviceOutOfMemoryError, GroupError, InvalidValueError
+from mmcache.errors import (
+    CacheClosedError,
+    CopyFailedError,
+    DeviceOutOfMemoryError,
+    GroupError,
+    InvalidValueError,
+)
 from mmcache.metrics import CacheMetrics
 from mmcache.remote.codec import encode_key
 
-__all__ = ["KEYS_PER_COLLECTIVE", "Agreement", "check_group"]
+__all__ = ["KEYS_PER_COLLECTIVE", "Agreement", "Refused", "check_group", "refused"]
 
 log = logging.getLogger("mmcache")
 
 _T = TypeVar("_T")
+_R = TypeVar("_R")
 
 #: Keys whose hits one all_reduce agrees on; a call with more takes one collective per 256.
 KEYS_PER_COLLECTIVE: Final = 256
@@ -50,6 +58,11 @@ _SIZE: Final = _HEADER + KEYS_PER_COLLECTIVE
 #: How long past the group's own timeout the loop waits for a collective before it gives up
 #: on it (a backend that does not enforce its timeout, or a peer stuck inside NCCL).
 _GRACE_S: Final = 5.0
+
+#: The header of a call that a rank refused (its caller's keys or arguments): the count and
+#: its complement both 0, which no call of fewer than 2**32 - 1 keys sends, so that the MIN
+#: shows every rank that one refused.
+_REFUSED: Final = bytes(_HEADER)
 
 #: what the group's thread runs (a collective), the future of its result, and its loop
 _Job = tuple[Callable[[], Any], asyncio.Future[Any], asyncio.AbstractEventLoop] | None
@@ -91,15 +104,35 @@ def _agreed(field: bytearray | memoryview) -> bool:
     return all(field[i] == 255 - field[half + i] for i in range(half))
 
 
+class Refused(Exception):
+    """Raised by a read (see refused): this rank refused the call's arguments; every rank
+    fails the call, this one with error, and the ranks' later calls still pair."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def refused(error: Exception) -> Callable[[], Awaitable[list[Any]]]:
+    """The read of a call whose arguments this rank refused with error: it takes part in
+    the call's collective all the same, and every rank's call fails."""
+
+    async def read() -> list[Any]:
+        raise Refused(error)
+
+    return read
+
+
 @final
 class Agreement:
     """One cache's side of its group's agreement: a lookup's hits, agreed by every rank.
 
     Calls are collectives: every rank makes them with the same keys in the same order.
     They are carried out one at a time, in the order they were made, and a call whose
-    caller is cancelled still meets the other ranks (its answer is dropped). A collective
-    that fails or outlasts the group's timeout raises GroupError, and so does every later
-    call: the ranks no longer know which call is which.
+    caller is cancelled still meets the other ranks (its answer is dropped); close() fails
+    the calls not answered yet with CacheClosedError. A collective that fails or outlasts
+    the group's timeout raises GroupError, and so does every later call: the ranks no
+    longer know which call is which.
     """
 
     def __init__(
@@ -155,16 +188,48 @@ class Agreement:
         miss: None): what a rank holds stays valid until it is served or dropped, whatever
         the cache does meanwhile. A copy that failed is this rank's miss.
         """
+        return await self.agree_then(call, keys, read, _same)
+
+    async def agree_then(
+        self,
+        call: str,
+        keys: Sequence[Hashable],
+        read: Callable[[], Awaitable[list[_T]]],
+        then: Callable[[list[_T | None]], _R],
+    ) -> _R:
+        """then(agree's answer), called once the ranks agreed, inside the call's shielded
+        part: what then starts (get_or_compute's computation on an agreed miss) starts on
+        every rank, whether or not the caller is still there."""
         self._check_usable(call)
         if self.size == 1:
-            return await read()
-        task: asyncio.Task[list[_T | None]] = asyncio.get_running_loop().create_task(
-            self._agree(call, keys, read)
+            try:
+                found: list[_T | None] = [*await read()]
+            except Refused as refusal:
+                raise refusal.error from None
+            return then(found)
+        task: asyncio.Task[_R] = asyncio.get_running_loop().create_task(
+            self._agree(call, keys, read, then)
         )
         self._calls.add(task)
         task.add_done_callback(self._ended)
-        # Shielded: once made, a call meets the other ranks even if its caller goes away.
-        return await asyncio.shield(task)
+        try:
+            # Shielded: once made, a call meets the other ranks even if its caller goes away.
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if self._closed and task.cancelled() and not _cancelling():
+                # close() cancelled the call, not its caller: the caller gets an error.
+                raise CacheClosedError(
+                    f"{self._where}: {call} was not answered: the cache closed while it waited "
+                    "for the other ranks"
+                ) from None
+            raise
+
+    async def refuse(self, call: str, read: Callable[[], Awaitable[list[Any]]]) -> NoReturn:
+        """Take part in the call whose arguments this rank refused (read: refused(error),
+        after the cache's start where it is not started), then raise error; the other
+        ranks' call raises GroupError."""
+        await self.agree(call, (), read)
+        raise AssertionError("a refused call raises")  # pragma: no cover - agree raised
 
     def _ended(self, task: asyncio.Task[Any]) -> None:
         self._calls.discard(task)
@@ -175,12 +240,14 @@ class Agreement:
         self,
         call: str,
         keys: Sequence[Hashable],
-        read: Callable[[], Awaitable[list[_T | None]]],
-    ) -> list[_T | None]:
+        read: Callable[[], Awaitable[list[_T]]],
+        then: Callable[[list[_T | None]], _R],
+    ) -> _R:
         async with self._lock:  # one call at a time, in the order they were made
             self._check_usable(call)
+            found: list[_T | None]
             try:
-                found = await read()
+                found = [*await read()]
             except (CopyFailedError, DeviceOutOfMemoryError) as exc:
                 log.warning(
                     "%s: %s of %d key(s) failed here (%s); a miss on every rank",
@@ -190,12 +257,22 @@ class Agreement:
                     str(exc),
                 )
                 found = [None] * len(keys)
+            except Refused as refusal:
+                # Every rank fails this call: the others with GroupError, this one with its
+                # caller's error; their next calls pair.
+                with contextlib.suppress(GroupError):
+                    await self._meet(call, (), [], refused=True)
+                raise refusal.error from None
             except Exception:
                 # The other ranks still get their answer (a miss), then this rank raises.
                 await self._meet(call, keys, [False] * len(keys))
                 raise
             hits = [value is not None for value in found]
-            agreed = await self._meet(call, keys, hits)
+            try:
+                agreed = await self._meet(call, keys, hits)
+            except BaseException:
+                del found  # the error's traceback must not keep what this rank read alive
+                raise
             lost = 0
             for i, ok in enumerate(agreed):
                 if not ok and hits[i]:
@@ -204,13 +281,19 @@ class Agreement:
             if lost:
                 self.misses += lost
                 self._series.misses.inc(lost)
-            return found
+            return then(found)
 
-    async def _meet(self, call: str, keys: Sequence[Hashable], hits: list[bool]) -> list[bool]:
-        """The MIN over the group of hits, per key; GroupError where the ranks' keys differ."""
+    async def _meet(
+        self, call: str, keys: Sequence[Hashable], hits: list[bool], *, refused: bool = False
+    ) -> list[bool]:
+        """The MIN over the group of hits, per key; GroupError where the ranks' keys differ
+        or a rank refused the call (refused: this one did)."""
         n = len(keys)
-        header = _complemented(n.to_bytes(_COUNT, "little")) + _complemented(
-            hashlib.blake2b(encode_key(tuple(keys)), digest_size=_DIGEST).digest()
+        header = (
+            _REFUSED
+            if refused
+            else _complemented(n.to_bytes(_COUNT, "little"))
+            + _complemented(hashlib.blake2b(encode_key(tuple(keys)), digest_size=_DIGEST).digest())
         )
         agreed: list[bool] = []
         for start in range(0, max(n, 1), KEYS_PER_COLLECTIVE):
@@ -221,6 +304,12 @@ class Agreement:
             result = await self._all_reduce(call, buffer)
             if start == 0:
                 # Every rank sees the same MIN: all raise here, before any later collective.
+                if not any(result[: 2 * _COUNT]):
+                    raise GroupError(
+                        f"{self._where}: {call} was refused on another rank of the group (a key "
+                        "or argument it could not take); every rank must call it with the same "
+                        "valid keys and arguments"
+                    )
                 if not _agreed(result[: 2 * _COUNT]):
                     raise GroupError(
                         f"{self._where}: {call} was called with different numbers of keys on "
@@ -339,6 +428,16 @@ class Agreement:
             with contextlib.suppress(BaseException):  # cancelled or failed: closing either way
                 await task
         self._jobs.put(None)
+
+
+def _cancelling() -> bool:
+    """Whether the running task was asked to cancel (its caller's cancel, not close's)."""
+    current = asyncio.current_task()
+    return current is not None and current.cancelling() > 0
+
+
+def _same(found: _T) -> _T:
+    return found
 
 
 def _settle(done: asyncio.Future[Any], outcome: Any) -> None:

@@ -7,12 +7,13 @@ import contextlib
 import functools
 import math
 import threading
-from collections.abc import AsyncIterator, Hashable, Iterable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Iterable, Sequence
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 from prometheus_client import CollectorRegistry
 
+from mmcache.agreement import refused
 from mmcache.compute_on_miss import ComputeFn, ComputeOnMiss
 from mmcache.core.entry import Entry, Member, State, check_key, key_list
 from mmcache.core.put_checks import check_items
@@ -252,13 +253,19 @@ class FeatureCache:
         """
         if stream is None:
             stream = self._device.current_stream()
+        if self._agreement is not None:  # a collective: no await before its place is taken
+            start = self._group_start()
+            try:
+                to_host = False if device is None else self._reads.wants_host(device)
+                check_key(key)
+            except Exception as exc:  # every rank fails this call, and later calls pair
+                await self._agreement.refuse("get", start(refused(exc)))
+            read = functools.partial(self._lookups.read_one, key, rows, to_host, stream)
+            return (await self._agreement.agree("get", (key,), start(read)))[0]
         to_host = False if device is None else self._reads.wants_host(device)
         if self._life.serving is not asyncio.get_running_loop():
             await self._life.ready_to_serve()
         check_key(key)
-        if self._agreement is not None:
-            read = functools.partial(self._lookups.read_one, key, rows, to_host, stream)
-            return (await self._agreement.agree("get", (key,), read))[0]
         found = self._entries.get(key)
         if found is None:
             if self._remote is not None:  # both local tiers missed: ask the shared one
@@ -289,13 +296,19 @@ class FeatureCache:
         """
         if stream is None:
             stream = self._device.current_stream()
+        if self._agreement is not None:  # a collective: no await before its place is taken
+            start = self._group_start()
+            try:
+                batch = key_list(keys, "get_many")
+                to_host = False if device is None else self._reads.wants_host(device)
+            except Exception as exc:  # every rank fails this call, and later calls pair
+                await self._agreement.refuse("get_many", start(refused(exc)))
+            read = functools.partial(self._lookups.read_many, batch, to_host, stream)
+            return await self._agreement.agree("get_many", batch, start(read))
         batch = key_list(keys, "get_many")
         to_host = False if device is None else self._reads.wants_host(device)
         if self._life.serving is not asyncio.get_running_loop():
             await self._life.ready_to_serve()
-        if self._agreement is not None:
-            read = functools.partial(self._lookups.read_many, batch, to_host, stream)
-            return await self._agreement.agree("get_many", batch, read)
         if to_host or self._remote is not None:
             return await self._lookups.read_many(batch, to_host, stream)
         # Host hits are read with the other gets of this loop turn: one copy batch, fence
@@ -318,14 +331,59 @@ class FeatureCache:
         The result is put with put's cost= measured: the host's wall time from calling fn
         until it returned the tensor (or its awaitable did), so device work that fn queued
         and did not wait for is not in it. With a group, the lookup is the group's: fn runs
-        on every rank or on none (the single flight stays per rank).
+        on every rank or on none (a computation of key running here counts as this rank's
+        hit, joined where every rank hit); once the ranks agreed on a miss, fn runs on every
+        rank even where the caller was cancelled meanwhile.
         """
         if stream is None:
             stream = self._device.current_stream()
+        if self._agreement is not None:  # a collective: no await before its place is taken
+            start = self._group_start()
+            try:
+                to_host = False if device is None else self._reads.wants_host(device)
+                check_key(key)
+            except Exception as exc:  # every rank fails this call, and later calls pair
+                await self._agreement.refuse("get_or_compute", start(refused(exc)))
+            read = functools.partial(self._lookups.read_one, key, rows, to_host, stream)
+            return await self._on_miss.agreed(
+                self._agreement, key, fn, start(read), device, rows, stream
+            )
         found = await self.get(key, device=device, rows=rows, stream=stream)
         if found is not None:
             return found
         return await self._on_miss.compute(key, fn, device, rows, stream)
+
+    async def _get_noting(
+        self, key: Hashable, stream: Stream, note: Callable[[], _N]
+    ) -> tuple[torch.Tensor | None, _N]:
+        """get(key) with a group (a collective), and note() taken in the same step as this
+        rank's read of key, inside the agreement: what a caller keeps beside the value (the
+        SGLang adapter's shell of it) is then the read value's, whatever changes meanwhile."""
+        agreement = self._agreement
+        assert agreement is not None
+        start = self._group_start()
+        try:
+            check_key(key)
+        except Exception as exc:  # every rank fails this call, and later calls pair
+            await agreement.refuse("get", start(refused(exc)))
+        noted: list[_N] = []
+
+        async def read() -> list[torch.Tensor | None]:
+            noted.append(note())  # then read_one looks key up with no await in between
+            return await self._lookups.read_one(key, None, False, stream)
+
+        found = await agreement.agree("get", (key,), start(read))
+        return found[0], noted[0]
+
+    def _group_start(self) -> Callable[[Read[_T]], Read[_T]]:
+        """What a group's lookup wraps its read in: the read, or where the cache is not
+        started yet, its start then the read, both inside the agreement. A lookup takes its
+        place in the group's order when it is called, with no await before: one that
+        started the cache before its agreement would let a later call overtake it. Raises
+        at once where the cache is closed or belongs to another loop."""
+        if self._life.serving is asyncio.get_running_loop() or not self._life.must_start():
+            return _as_is
+        return functools.partial(_after, self._life.start)
 
     def put_threadsafe(
         self,
@@ -437,12 +495,16 @@ class FeatureCache:
         only on the device, or whose host bytes cross two pinned chunks of the arena (a
         device copy of the view would be refused). Do not keep or write to the tensor
         after the block.
+
+        Never a collective, with a group too: it reads this rank's cache alone.
         """
+        stream = self._device.current_stream()
         await self._life.ready_to_serve()
         check_key(key)
         found = self._entries.get(key)
         if found is None or not self._reads.can_borrow(found):
-            yield await self.get(key, device="cpu")
+            # get(key, device="cpu")'s read, of this rank's tiers alone: no agreement.
+            yield (await self._lookups.read_one(key, None, True, stream))[0]
             return
         async with self._reads.borrow(found) as view:
             yield view
@@ -453,6 +515,24 @@ class FeatureCache:
         Hits served to other threads are counted in it (the loop applies them first).
         """
         return self._life.stats()
+
+
+_T = TypeVar("_T")
+_N = TypeVar("_N")
+#: a group lookup's read of this rank's cache
+Read = Callable[[], Awaitable[list[_T]]]
+
+
+def _as_is(read: Read[_T]) -> Read[_T]:
+    return read
+
+
+def _after(start: Callable[[], Awaitable[None]], read: Read[_T]) -> Read[_T]:
+    async def started_then_read() -> list[_T]:
+        await start()
+        return await read()
+
+    return started_then_read
 
 
 def _checked_cost(cost: object) -> float:

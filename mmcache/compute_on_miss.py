@@ -24,11 +24,14 @@ from mmcache.layouts import check_strided
 from mmcache.single_flight import SingleFlight
 
 if TYPE_CHECKING:
+    from mmcache.agreement import Agreement
     from mmcache.core.reads import Reads
 
 __all__ = ["ComputeFn", "ComputeOnMiss"]
 
 ComputeFn = Callable[[], "torch.Tensor | Awaitable[torch.Tensor]"]
+#: a computation's value and the fence of its producer's stream
+Computed = tuple[torch.Tensor, Fence]
 
 
 class PutFn(Protocol):
@@ -68,6 +71,54 @@ class ComputeOnMiss:
     ) -> torch.Tensor:
         """key's value from fn (computed once for all concurrent callers), as get returns it."""
         task = self._inflight.run(key, functools.partial(self._compute, key, fn, stream))
+        return await self._served(task, device, rows, stream)
+
+    async def agreed(
+        self,
+        agreement: Agreement,
+        key: Hashable,
+        fn: ComputeFn,
+        read: Callable[[], Awaitable[list[torch.Tensor | None]]],
+        device: str | torch.device | None,
+        rows: slice | None,
+        stream: Stream,
+    ) -> torch.Tensor:
+        """get_or_compute with a group: read() (this rank's get of key) agreed by the ranks.
+
+        A computation of key running here counts as this rank's hit, joined where every
+        rank hit: the ranks then decide alike, whoever's computation has finished. An
+        agreed miss starts a new computation (one running here is not joined: another
+        rank's failed or was evicted), inside the agreement's shielded part, so that it
+        starts on every rank, a caller cancelled meanwhile or not.
+        """
+
+        async def read_or_join() -> list[torch.Tensor | asyncio.Task[Computed] | None]:
+            found: list[torch.Tensor | asyncio.Task[Computed] | None] = [*await read()]
+            if found[0] is None:
+                found[0] = self._inflight.joinable(key)
+            return found
+
+        def then(
+            found: list[torch.Tensor | asyncio.Task[Computed] | None],
+        ) -> torch.Tensor | asyncio.Task[Computed]:
+            got = found[0]
+            if got is not None:
+                return got
+            return self._inflight.start(key, functools.partial(self._compute, key, fn, stream))
+
+        got = await agreement.agree_then("get_or_compute", (key,), read_or_join, then)
+        if isinstance(got, torch.Tensor):
+            return got
+        return await self._served(got, device, rows, stream)
+
+    async def _served(
+        self,
+        task: asyncio.Task[Computed],
+        device: str | torch.device | None,
+        rows: slice | None,
+        stream: Stream,
+    ) -> torch.Tensor:
+        """The computation's value, as get returns it."""
         value, ready = await asyncio.shield(task)
         span = row_range(rows, tuple(value.shape))
         if self._reads.wants_host(device):

@@ -238,6 +238,22 @@ class Lifecycle:
                 "put_threadsafe()/get_threadsafe() from other threads"
             )
 
+    def must_start(self) -> bool:
+        """ready_to_serve's checks, with no await: raise if the cache is closed or belongs to
+        another loop; True where it is not started yet (a group's lookup starts it inside
+        its agreement, so that it has its place in the group's order from its call)."""
+        if self.closed:
+            raise CacheClosedError("this FeatureCache is closed")
+        loop = self.loop
+        if loop is None:
+            return True
+        if asyncio.get_running_loop() is not loop:
+            raise WrongLoopError(
+                "this FeatureCache belongs to another event loop; call it from the loop "
+                "that started it (asyncio.run_coroutine_threadsafe from other threads)"
+            )
+        return False
+
     async def ready_to_serve(self) -> None:
         """Start the cache on the running loop if it is not started; raise if it is closed
         or belongs to another loop."""

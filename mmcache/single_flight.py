@@ -36,13 +36,15 @@ class SingleFlight(Generic[_T]):
     asyncio.shield, so one cancelled caller does not cancel the others' work.
     """
 
-    __slots__ = ("_running",)
+    __slots__ = ("_displaced", "_running")
 
     def __init__(self) -> None:
         self._running: dict[Hashable, asyncio.Task[_T]] = {}
+        # Computations that a newer one of their key took the place of (start), until done.
+        self._displaced: set[asyncio.Task[_T]] = set()
 
     def __len__(self) -> int:
-        return len(self._running)
+        return len(self._running) + len(self._displaced)
 
     def run(
         self, key: Hashable, compute: Callable[[], Coroutine[Any, Any, _T]]
@@ -52,12 +54,18 @@ class SingleFlight(Generic[_T]):
         Raises ReentrantComputeError when called from inside key's own computation
         (directly, or from a task it started and awaits): waiting would be for ever.
         """
-        task = self._running.get(key)
+        task = self.joinable(key)
         if task is None:
-            task = asyncio.ensure_future(_as_computation(compute))
-            self._running[key] = task
-            task.add_done_callback(lambda t: self._done(key, t))
-        elif weakref.ref(task) in _computing.get():
+            task = self.start(key, compute)
+        return task
+
+    def joinable(self, key: Hashable) -> asyncio.Task[_T] | None:
+        """The task computing key's value, or None where none runs.
+
+        Raises ReentrantComputeError when called from inside that computation (see run).
+        """
+        task = self._running.get(key)
+        if task is not None and weakref.ref(task) in _computing.get():
             raise ReentrantComputeError(
                 f"get_or_compute({reprlib.repr(key)}) was called from inside its own fn "
                 "(directly or through a task that fn started and awaits), which would wait "
@@ -65,13 +73,27 @@ class SingleFlight(Generic[_T]):
             )
         return task
 
+    def start(
+        self, key: Hashable, compute: Callable[[], Coroutine[Any, Any, _T]]
+    ) -> asyncio.Task[_T]:
+        """A new task of compute(), which later callers of key join; one already running
+        for key still runs, for the callers it has."""
+        task = asyncio.ensure_future(_as_computation(compute))
+        old = self._running.get(key)
+        if old is not None:
+            self._displaced.add(old)
+        self._running[key] = task
+        task.add_done_callback(lambda t: self._done(key, t))
+        return task
+
     def running(self) -> list[asyncio.Task[_T]]:
         """The computations not finished yet."""
-        return list(self._running.values())
+        return [*self._running.values(), *self._displaced]
 
     def _done(self, key: Hashable, task: asyncio.Task[_T]) -> None:
         if self._running.get(key) is task:
             del self._running[key]
+        self._displaced.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.debug("computing %r failed: %s", key, task.exception())
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import importlib
 import importlib.metadata
 import inspect
@@ -333,6 +334,8 @@ class MMCacheMultimodalCache(MultimodalCache):  # type: ignore[misc]
     # --- on the loop's thread --------------------------------------------------------------
 
     async def _get(self, key: Hashable, stream: Stream) -> EmbeddingResult | None:
+        if not self._thread_hits:  # a group: a collective, whose hits every rank agreed on
+            return await self._agreed_get(key, stream)
         shell = self._known.get(key, _UNKNOWN)
         tensor = await self._cache.get(key, stream=stream)
         if tensor is None:
@@ -343,6 +346,18 @@ class MMCacheMultimodalCache(MultimodalCache):  # type: ignore[misc]
             # Freed or set again while the get waited (a host hit's upload): the tensor
             # may be either value, so neither shell can be told to be its. A miss: SGLang
             # encodes the image again.
+            return None
+        return self._result(tensor, None if shell is _UNKNOWN else shell)
+
+    async def _agreed_get(self, key: Hashable, stream: Stream) -> EmbeddingResult | None:
+        """_get with a group: the shell is read with the tensor, inside the agreement, so that
+        an agreed hit is served here too, though its key is freed or set meanwhile."""
+        tensor, shell = await self._cache._get_noting(
+            key, stream, functools.partial(self._known.get, key, _UNKNOWN)
+        )
+        if tensor is None:
+            if key not in self._cache:  # a miss may still be held here
+                self._known.pop(key, None)
             return None
         return self._result(tensor, None if shell is _UNKNOWN else shell)
 

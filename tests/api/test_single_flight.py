@@ -342,3 +342,29 @@ async def test_close_after_a_reentrant_computation_does_not_wait_for_the_copy_ti
     assert loop.time() - started < 2
     with pytest.raises(ReentrantComputeError):
         await task
+
+
+async def test_a_computation_started_over_a_running_one_leaves_it_to_finish() -> None:
+    """SingleFlight.start (a group's agreed miss): a new computation takes the key's place,
+    later callers join it, and the one it displaced still runs and is still waited for."""
+    from mmcache.single_flight import SingleFlight
+
+    flights: SingleFlight[int] = SingleFlight()
+    gate = asyncio.Event()
+
+    async def slow() -> int:
+        await gate.wait()
+        return 1
+
+    async def fast() -> int:
+        return 2
+
+    first = flights.start("k", slow)
+    second = flights.start("k", fast)
+    assert flights.joinable("k") is second and flights.run("k", fast) is second
+    assert set(flights.running()) == {first, second} and len(flights) == 2
+    assert await second == 2
+    assert flights.running() == [first]  # displaced, not forgotten: close waits for it
+    gate.set()
+    assert await first == 1
+    assert flights.running() == [] and len(flights) == 0 and flights.joinable("k") is None

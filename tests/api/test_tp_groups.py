@@ -8,10 +8,12 @@ lookup a second group gathers each rank's answer and checks that they are the sa
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import datetime
 import random
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +32,12 @@ KEYS = 24
 PEER_TIMEOUT_S = 2.0
 
 
-def _cache(rank: int, registry: CollectorRegistry, **settings: Any) -> FeatureCache:
+def _cache(
+    rank: int,
+    registry: CollectorRegistry,
+    group: dist.ProcessGroup | None = None,
+    **settings: Any,
+) -> FeatureCache:
     """A rank's cache: its own budgets, and copies slower the higher its rank."""
     settings.setdefault("evict_ahead", 0)
     return FeatureCache(
@@ -38,8 +45,16 @@ def _cache(rank: int, registry: CollectorRegistry, **settings: Any) -> FeatureCa
         device=SimDevice(latency_s=0.0004 * rank),
         name=f"rank{rank}",
         registry=registry,
-        group=dist.group.WORLD,
+        group=dist.group.WORLD if group is None else group,
     )
+
+
+def _own_group() -> dist.ProcessGroup:
+    """A group of every rank for one scenario (a collective: every rank makes it in turn),
+    so that ranks whose calls go out of step there do not take the others' with them."""
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=PEER_TIMEOUT_S))
+    assert isinstance(group, dist.ProcessGroup)
+    return group
 
 
 # --- agreement under random operations --------------------------------------------------
@@ -154,9 +169,15 @@ def several_scenarios(rank: int, world: int, control: Any) -> Report:
     async def all_of_them() -> Report:
         scenarios = {
             "compute": _compute_where_one_rank_misses,
+            "compute_cancelled": _compute_whose_caller_is_cancelled,
+            "compute_joined": _compute_while_a_computation_runs,
             "hold": _discard_while_agreeing,
             "cancel": _cancel_a_call,
             "other_keys": _other_keys,
+            "lazy_start": _lookups_that_start_the_cache,
+            "refused": _calls_refused_on_one_rank,
+            "borrow": _borrow_where_one_rank_holds_it_on_the_gpu_only,
+            "close_pending": _close_while_a_lookup_waits_for_a_rank,
         }
         reports: Report = {}
         for name, scenario in scenarios.items():
@@ -211,6 +232,71 @@ def test_get_or_compute_runs_fn_on_every_rank_where_any_rank_misses(
     assert reports[0]["ran"] == [0] and reports[1]["ran"] == [1]
     assert reports[0]["exact"] and reports[1]["exact"]
     assert reports[0]["group_misses"] == 2 and reports[1]["group_misses"] == 0
+
+
+async def _compute_whose_caller_is_cancelled(rank: int) -> Report:
+    ran = asyncio.Event()
+
+    def compute() -> torch.Tensor:
+        ran.set()
+        return value(4)
+
+    async with _cache(rank, CollectorRegistry(), gpu_cache_mb=1, cpu_cache_mb=1) as cache:
+        if rank == 0:
+            calling = asyncio.create_task(cache.get_or_compute(4, compute))
+            await asyncio.sleep(0.1)  # its agreement waits for rank 1
+            calling.cancel()  # the request was aborted: the agreement still meets (a miss)
+            with contextlib.suppress(asyncio.CancelledError):
+                await calling
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(ran.wait(), 3)
+        else:
+            await asyncio.sleep(0.3)
+            await cache.get_or_compute(4, compute)
+        for _ in range(100):  # the computation's put lands
+            if 4 in cache:
+                break
+            await asyncio.sleep(0.01)
+        held = 4 in cache
+    return {"ran": ran.is_set(), "held": held}
+
+
+def test_get_or_compute_runs_fn_on_every_rank_though_a_caller_is_cancelled(
+    two_ranks: dict[int, Report],
+) -> None:
+    reports = part(two_ranks, "compute_cancelled")
+    assert reports[0] == reports[1] == {"ran": True, "held": True}
+
+
+async def _compute_while_a_computation_runs(rank: int) -> Report:
+    ran: list[int] = []
+
+    async def compute() -> torch.Tensor:
+        ran.append(rank)
+        await asyncio.sleep(1.0 if rank == 0 else 0)  # rank 0's is still running at call 2
+        return value(6)
+
+    async with _cache(rank, CollectorRegistry(), gpu_cache_mb=1, cpu_cache_mb=1) as cache:
+        first = asyncio.create_task(cache.get_or_compute(6, compute))
+        if rank == 0:
+            await asyncio.sleep(0.2)
+        else:
+            await asyncio.wait([first])  # rank 1 holds 6 before it makes call 2
+        second = asyncio.create_task(cache.get_or_compute(6, compute))
+        got = await asyncio.gather(first, second)
+        exact = all(same_bytes(t, value(6)) for t in got)
+        stats = cache.stats()
+    return {"ran": ran, "exact": exact, "group_misses": stats.group_misses}
+
+
+def test_get_or_compute_joins_a_running_computation_on_every_rank_or_on_none(
+    two_ranks: dict[int, Report],
+) -> None:
+    reports = part(two_ranks, "compute_joined")
+    # Call 2: rank 0 still computes 6, rank 1 holds it: both count it a hit, fn runs nowhere.
+    assert reports[0]["ran"] == [0] and reports[1]["ran"] == [1]
+    assert reports[0]["exact"] and reports[1]["exact"]
+    assert reports[0]["group_misses"] == reports[1]["group_misses"] == 0
 
 
 # --- what a rank hit is held until it is served --------------------------------------------
@@ -308,6 +394,128 @@ def test_ranks_calling_with_other_keys_all_get_a_clear_error(
         assert "different numbers of keys" in report["errors"][2]  # 300 and 301: two rounds
 
 
+async def _lookups_that_start_the_cache(rank: int) -> Report:
+    cache = _cache(rank, CollectorRegistry(), gpu_cache_mb=1, cpu_cache_mb=1)
+    if rank == 1:
+        await cache.start()  # rank 0's first lookup starts its cache
+
+    async def lookup(keys: list[int]) -> str:
+        try:
+            return repr(await cache.get_many(keys))
+        except GroupError as exc:
+            return str(exc)
+
+    # Made in this order on both ranks: rank 0's second must not overtake its first.
+    answers = await asyncio.gather(lookup([1]), lookup([2, 3]), lookup([4]))
+    await cache.close()
+    return {"answers": answers}
+
+
+def test_lookups_keep_their_order_though_the_first_starts_the_cache(
+    two_ranks: dict[int, Report],
+) -> None:
+    reports = part(two_ranks, "lazy_start")
+    for report in reports.values():
+        assert report["answers"] == ["[None]", "[None, None]", "[None]"]
+
+
+async def _calls_refused_on_one_rank(rank: int) -> Report:
+    errors: list[str] = []
+    group = _own_group()
+    async with _cache(rank, CollectorRegistry(), group, gpu_cache_mb=1, cpu_cache_mb=1) as cache:
+        await cache.put(1, value(1))
+        unhashable: Any = [1]
+        calls: list[Callable[[], Awaitable[object]]] = [
+            lambda: cache.get(1.5 if rank == 0 else 2),  # a key rank 0 refuses
+            lambda: cache.get_many([1, 2], device="meta" if rank == 1 else None),
+            lambda: cache.get_or_compute(unhashable if rank == 1 else 1, lambda: value(1)),
+        ]
+        for call in calls:
+            try:
+                await call()
+                errors.append("")
+            except Exception as exc:
+                errors.append(f"{type(exc).__name__}: {exc}")
+        got = await cache.get(1)  # the ranks' calls still pair: 1 with 1
+        exact = got is not None and same_bytes(got, value(1))
+    return {"errors": errors, "exact": exact}
+
+
+def test_a_call_refused_on_one_rank_fails_on_every_rank_and_later_calls_pair(
+    two_ranks: dict[int, Report],
+) -> None:
+    reports = part(two_ranks, "refused")
+    refused_by = (0, 1, 1)
+    for i, refusing in enumerate(refused_by):
+        mine, other = reports[refusing]["errors"][i], reports[1 - refusing]["errors"][i]
+        assert mine.startswith(("InvalidKeyError", "InvalidValueError")), mine
+        assert other.startswith("GroupError") and "refused on another rank" in other, other
+    assert reports[0]["exact"] and reports[1]["exact"]
+
+
+# --- local calls ----------------------------------------------------------------------------
+
+
+async def _borrow_where_one_rank_holds_it_on_the_gpu_only(rank: int) -> Report:
+    group = _own_group()
+    # Rank 0 keeps its features on the host (no GPU tier), rank 1 on the GPU.
+    gpu_mb = 0 if rank == 0 else 1
+    registry = CollectorRegistry()
+    async with _cache(rank, registry, group, gpu_cache_mb=gpu_mb, cpu_cache_mb=1) as cache:
+        for key in (1, 2):
+            await cache.put(key, value(key))
+        await cache.drain()
+        async with cache.borrow(1) as view:  # local: a view (rank 0) or a host copy (rank 1)
+            borrowed = view is not None and same_bytes(view, value(1))
+        try:
+            got = {key: await cache.get(key) for key in (2, 1)}  # the ranks' calls still pair
+            exact = all(t is not None and same_bytes(t, value(k)) for k, t in got.items())
+            raised = ""
+        except GroupError as exc:
+            exact, raised = False, str(exc)
+    return {"borrowed": borrowed, "exact": exact, "raised": raised}
+
+
+def test_borrow_is_local_with_a_group(two_ranks: dict[int, Report]) -> None:
+    reports = part(two_ranks, "borrow")
+    for report in reports.values():
+        assert report == {"borrowed": True, "exact": True, "raised": ""}
+
+
+# --- close ---------------------------------------------------------------------------------
+
+
+async def _close_while_a_lookup_waits_for_a_rank(rank: int) -> Report:
+    group = _own_group()
+    cache = _cache(rank, CollectorRegistry(), group, gpu_cache_mb=1, cpu_cache_mb=1)
+    await cache.start()
+    await cache.put(1, value(1))
+    got = ""
+    if rank == 0:
+        waiting = asyncio.create_task(cache.get(1))
+        await asyncio.sleep(0.2)  # it waits for rank 1
+        await cache.close()
+        try:
+            await waiting
+        except BaseException as exc:  # CancelledError included: what its caller is handed
+            got = type(exc).__name__
+        else:
+            got = "served"
+    else:
+        await asyncio.sleep(0.5)  # then answers rank 0's collective, which went on
+        await cache.get(1)
+        await cache.close()
+    await asyncio.to_thread(dist.barrier)  # rank 0 stays until rank 1's get has met it
+    return {"got": got}
+
+
+def test_close_fails_a_lookup_waiting_for_the_other_ranks_with_cache_closed_error(
+    two_ranks: dict[int, Report],
+) -> None:
+    reports = part(two_ranks, "close_pending")
+    assert reports[0]["got"] == "CacheClosedError"  # not CancelledError: it was not cancelled
+
+
 # --- a peer that dies or hangs -----------------------------------------------------------
 
 
@@ -319,18 +527,20 @@ async def _lose_a_peer(rank: int, control: Any, how: str) -> Report:
     cache = _cache(rank, CollectorRegistry(), gpu_cache_mb=1, cpu_cache_mb=1)
     await cache.start()
     await cache.put(1, value(1))
-    first = await cache.get(1)
+    first = await cache.get(1) is not None
     if rank == 1:
         control.set()  # the parent kills this process now, or it just stops calling
         await asyncio.sleep(3600)
     await asyncio.to_thread(control.wait, 60)
     await asyncio.sleep(0.2)  # the kill has landed
     started = time.monotonic()
+    held: list[str] = []
     try:
         await cache.get(1)
         raised = ""
     except GroupError as exc:
         raised = str(exc)
+        held = _tensors_held_by(exc)
     took = time.monotonic() - started
     try:
         await cache.get_many([1])
@@ -341,13 +551,27 @@ async def _lose_a_peer(rank: int, control: Any, how: str) -> Report:
     closing = time.monotonic()
     await cache.close()
     return {
-        "first_hit": first is not None,
+        "first_hit": first,
+        "held": held,
         "raised": raised,
         "took": took,
         "again": again,
         "again_took": again_took,
         "close_took": time.monotonic() - closing,
     }
+
+
+def _tensors_held_by(error: BaseException) -> list[str]:
+    """The frames of error's traceback whose locals hold a tensor (alone or in a list)."""
+    held = []
+    tb = error.__traceback__
+    while tb is not None:
+        for name, local in tb.tb_frame.f_locals.items():
+            items = local if isinstance(local, list) else [local]
+            if any(isinstance(item, torch.Tensor) for item in items):
+                held.append(f"{tb.tb_frame.f_code.co_name}: {name}")
+        tb = tb.tb_next
+    return held
 
 
 @pytest.mark.parametrize("how", ["killed", "stuck"])
@@ -365,6 +589,7 @@ def test_a_peer_that_dies_or_hangs_is_an_error_within_the_timeout(tmp_path: Path
     report = reports[0]
     assert report["first_hit"]
     assert "could not agree" in report["raised"]
+    assert report["held"] == []  # the error keeps no hit it read alive
     assert "rank 0 of a gloo group of 2" in report["raised"]
     assert report["took"] < PEER_TIMEOUT_S + 2
     if how == "stuck":

@@ -652,6 +652,46 @@ def test_with_the_tp_group_every_rank_runs_the_encoder_or_none(tmp_path: Path) -
     assert reports[0]["framed"] and reports[1]["framed"]
 
 
+def free_during_get_rank(rank: int, world: int, control: Any) -> dict[str, Any]:
+    """Rank 0 frees an item while its get_single of it waits for rank 1 in the agreement."""
+    import time
+
+    import torch.distributed as dist
+
+    cache = MMCacheMultimodalCache(
+        64 * KiB, device="sim", registry=CollectorRegistry(), group=dist.group.WORLD
+    )
+    assert cache.set(7, Framed(embedding=feature(7, 4, torch.float32), frames=[2]))
+    dist.barrier()
+    found: list[Any] = []
+    if rank == 0:
+        looking = threading.Thread(target=lambda: found.append(cache.get_single(7)))
+        looking.start()
+        time.sleep(0.3)  # its read is done: it waits for rank 1
+        freed = cache.free(7)  # SGLang's scheduler frees the item meanwhile
+        looking.join(30)
+    else:
+        time.sleep(0.8)
+        freed = False
+        found.append(cache.get_single(7))
+    hit = found[0]
+    framed = isinstance(hit, Framed) and hit.frames == [2]
+    exact = hit is not None and torch.equal(hit.embedding, feature(7, 4, torch.float32))
+    cache.close()
+    return {"freed": freed, "hit": hit is not None, "framed": framed, "exact": exact}
+
+
+def test_with_the_tp_group_an_agreed_hit_is_served_though_freed_during_the_get(
+    tmp_path: Path,
+) -> None:
+    from ranks import run_ranks
+
+    reports = run_ranks(tmp_path, 2, free_during_get_rank, timeout_s=30)
+    assert reports[0]["freed"]
+    for report in reports.values():
+        assert report["hit"] and report["framed"] and report["exact"]
+
+
 @pytest.fixture
 def world_of_one(tmp_path: Path) -> Iterator[Any]:
     import torch.distributed as dist
