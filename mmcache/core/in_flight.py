@@ -168,8 +168,9 @@ class InFlight:
         # Room on its way no more: a put waiting for it must have other entries evicted.
         self._ledger.overdue(device_bytes)
         self._counters.quarantined()
-        lost = self._index.forget(entry)
-        if lost:
-            self._counters.lost(lost)
-        entry.discard()
+        if entry.state is not State.GONE:  # discarded or replaced meanwhile: gone already
+            lost = self._index.forget(entry)
+            if lost:
+                self._counters.lost(lost)
+            entry.discard()
         return True

@@ -737,6 +737,34 @@ async def test_a_put_whose_room_is_all_held_by_quarantined_offloads_times_out(
         await cache.close(timeout=2)
 
 
+async def test_an_entry_discarded_while_its_offload_hangs_is_quarantined_all_the_same(
+    sim_rig: Rig,
+) -> None:
+    reg = CollectorRegistry()
+    dev = sim(sim_rig)
+    errors: list[dict[str, Any]] = []
+    asyncio.get_running_loop().set_exception_handler(lambda _, context: errors.append(context))
+    cache = make(sim_rig, 8, 64, reg, small_copy_bytes=0, copy_timeout_s=0.2)
+    await cache.start()
+    try:
+        await cache.put(0, value(0))
+        await cache.put(1, value(1))
+        dev.inject("fence_never_completes")
+        put = asyncio.create_task(cache.put(2, value(2)))  # 0's offload hangs
+        await asyncio.sleep(0.01)
+        assert cache.discard(0)  # while its copy is in flight
+        # Both offloads are quarantined, the discarded one too: the put is told.
+        with pytest.raises(CopyTimeoutError):
+            await within(3, put)
+        assert faults(reg, "quarantined") == 2
+        assert errors == []
+        dev.unstick()
+        await settled(sim_rig, cache)
+    finally:
+        dev.unstick()
+        await cache.close(timeout=2)
+
+
 async def test_a_get_waiting_on_a_stuck_upload_times_out(sim_rig: Rig) -> None:
     reg = CollectorRegistry()
     dev = sim(sim_rig)
