@@ -77,8 +77,10 @@ class Evictor:
             # Below the low-water mark: offload a batch now, so the copies of the next
             # batch overlap with the puts that use the room this one makes. Topping up a
             # batch saves a copy only where a host tier takes it (else it drops more).
-            slack = ahead // 2 if self._state.pool is not None else 0
-            self.evict_for(nbytes + ahead, slack=slack, ahead=True)
+            if self._state.pool is not None:
+                self.evict_for(nbytes + ahead, slack=ahead // 2, ahead=True)
+            else:  # no host tier (yet): a victim ahead would only be dropped early
+                self.evict_for(nbytes)
         return ledger.capacity - ledger.used >= nbytes
 
     def give_back(self, grant: Grant) -> None:

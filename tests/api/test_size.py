@@ -486,16 +486,19 @@ async def test_an_eviction_ahead_tops_up_its_last_batch(
     assert await served_from(cache, evicted) == "gpu"
 
 
-async def test_without_a_host_tier_an_eviction_ahead_drops_no_more_than_it_needs(
+async def test_without_a_host_tier_nothing_is_evicted_ahead(
     rig: Rig, make_cache: CacheFactory
 ) -> None:
-    """Topping up saves a copy; with no host tier to copy to it would only drop more."""
+    """Ahead of need a victim is offloaded so that its copy overlaps the next puts; with
+    no host tier it could only be dropped while it still fits."""
     cache = make_cache(gpu_mb=32, cpu_mb=0, evict_ahead=0.5)
-    for i in range(128):
+    for i in range(128):  # 128 x 256 KiB: the tier exactly
         await put_feature(cache, rig, i, 256, seed=i)
     s = cache.stats()
-    assert s.dropped == 33  # 8.25 MiB to reach 16.25 MiB free (see the test above)
-    assert s.gpu_entries == 95
+    assert s.dropped == 0 and s.gpu_entries == 128
+    await put_feature(cache, rig, 128, 256, seed=128)  # one more: one goes
+    s = cache.stats()
+    assert s.dropped == 1 and s.gpu_entries == 128
 
 
 @pytest.mark.parametrize(
