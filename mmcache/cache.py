@@ -398,6 +398,8 @@ class FeatureCache:
         """put() from a thread other than the cache's loop; blocks that thread until done.
 
         The stream is the calling thread's current one, read here (streams are per thread).
+        Past timeout the put is cancelled: TimeoutError means it inserted nothing (and
+        never will), True that it completed just before.
         """
         if stream is None:
             stream = self._device.current_stream()

@@ -193,3 +193,25 @@ async def test_a_threadsafe_put_orders_after_the_callers_stream(sim_rig: Rig) ->
         assert raised is not None
     finally:
         await cache.close()
+
+
+async def test_a_threadsafe_put_that_times_out_never_inserts_later(sim_rig: Rig) -> None:
+    dev = sim(sim_rig)
+    settings = CacheSettings(
+        gpu_cache_mb=8 / 1024, cpu_cache_mb=64 / 1024, evict_ahead=0, small_copy_bytes=0
+    )
+    async with FeatureCache(settings, dev, registry=CollectorRegistry()) as cache:
+        await cache.put(0, value(0))
+        await cache.put(1, value(1))  # the GPU tier is full
+        mine = value(2)
+        with dev.hold():  # the offload that makes the room is held back
+            with pytest.raises(TimeoutError):
+                await asyncio.to_thread(cache.put_threadsafe, "k", mine, timeout=0.2)
+            mine.fill_(7.0)  # told it failed, the caller uses its tensor again
+        await cache.drain()
+        assert "k" not in cache  # the put gave up with its caller
+        assert cache.stats().leaked_bytes == 0
+        # Within its timeout it is served as ever.
+        assert await asyncio.to_thread(cache.put_threadsafe, "k", value(3), timeout=10)
+        got = await cache.get("k", device="cpu")
+        assert got is not None and torch.equal(got, value(3))
