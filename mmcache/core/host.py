@@ -16,7 +16,7 @@ import torch
 from mmcache.core.entry import Entry
 from mmcache.core.state import Release, TierState
 from mmcache.device import Device, Fence
-from mmcache.errors import CacheClosedError
+from mmcache.errors import CacheClosedError, CopyTimeoutError
 from mmcache.host_pool import HostBlock, HostPool
 from mmcache.node_host import NodeHost
 
@@ -95,6 +95,21 @@ class HostTier:
         return bool(sizes) and (
             max(sizes) > pool.max_block_bytes or sum(map(pool.rounded, sizes)) > pool.capacity_bytes
         )
+
+    def _check_not_held_by_hung_copies(self, sizes: Sequence[int]) -> None:
+        """CopyTimeoutError where sizes need more room than the arena has outside the
+        quarantine: only a hung copy that completes at last could give it back."""
+        quarantine = self._state.quarantine
+        pool = self.pool
+        if not quarantine or pool is None:
+            return
+        held = quarantine.host_bytes()
+        if sum(map(pool.rounded, sizes)) > pool.capacity_bytes - held:
+            raise CopyTimeoutError(
+                f"put waits for host room that offload copies hold: {held} bytes of the "
+                f"{pool.capacity_bytes}-byte arena are quarantined (their copies did not "
+                "complete within MMCACHE_COPY_TIMEOUT_SEC), and the room left cannot take it"
+            )
 
     def limit(self) -> int:
         """The largest feature the host tier can take."""
@@ -234,6 +249,7 @@ class HostTier:
                 return True
         if not wait or self.failed(sizes):
             return False
+        self._check_not_held_by_hung_copies(sizes)
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[None] = loop.create_future()
         self._waiters.append(waiter)
@@ -246,6 +262,8 @@ class HostTier:
                 if self.failed(sizes):
                     return False
                 taken = self._allocate_all(sizes)
+                if taken is None:
+                    self._check_not_held_by_hung_copies(sizes)
                 if taken is not None:
                     blocks.extend(taken)
                     return True

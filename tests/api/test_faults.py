@@ -765,6 +765,29 @@ async def test_an_entry_discarded_while_its_offload_hangs_is_quarantined_all_the
         await cache.close(timeout=2)
 
 
+async def test_a_host_tier_put_whose_room_is_all_held_by_quarantined_copies_times_out(
+    sim_rig: Rig,
+) -> None:
+    reg = CollectorRegistry()
+    dev = sim(sim_rig)
+    cache = make(sim_rig, 0, 8, reg, small_copy_bytes=0, copy_timeout_s=0.2)  # GPU tier off
+    await cache.start()
+    try:
+        await cache.wait_host_ready(timeout=5)
+        dev.inject("fence_never_completes")  # the copies of 0 and 1 into the host tier hang
+        await cache.put(0, value(0))
+        await cache.put(1, value(1))
+        with pytest.raises(CopyTimeoutError, match="quarantined"):
+            await within(3, cache.put(2, value(2)))
+        assert 2 not in cache and faults(reg, "quarantined") == 2
+        dev.unstick()
+        await settled(sim_rig, cache)
+        assert await within(2, cache.put(2, value(2)))
+    finally:
+        dev.unstick()
+        await cache.close(timeout=2)
+
+
 async def test_a_get_waiting_on_a_stuck_upload_times_out(sim_rig: Rig) -> None:
     reg = CollectorRegistry()
     dev = sim(sim_rig)
