@@ -8,7 +8,7 @@ import functools
 import math
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Iterable, Sequence
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from prometheus_client import CollectorRegistry
@@ -255,11 +255,7 @@ class FeatureCache:
             stream = self._device.current_stream()
         if self._agreement is not None:  # a collective: no await before its place is taken
             start = self._group_start()
-            try:
-                to_host = False if device is None else self._reads.wants_host(device)
-                check_key(key)
-            except Exception as exc:  # every rank fails this call, and later calls pair
-                await self._agreement.refuse("get", start(refused(exc)))
+            to_host = await self._group_key_checks("get", key, device, start)
             read = functools.partial(self._lookups.read_one, key, rows, to_host, stream)
             return (await self._agreement.agree("get", (key,), start(read)))[0]
         to_host = False if device is None else self._reads.wants_host(device)
@@ -339,11 +335,7 @@ class FeatureCache:
             stream = self._device.current_stream()
         if self._agreement is not None:  # a collective: no await before its place is taken
             start = self._group_start()
-            try:
-                to_host = False if device is None else self._reads.wants_host(device)
-                check_key(key)
-            except Exception as exc:  # every rank fails this call, and later calls pair
-                await self._agreement.refuse("get_or_compute", start(refused(exc)))
+            to_host = await self._group_key_checks("get_or_compute", key, device, start)
             read = functools.partial(self._lookups.read_one, key, rows, to_host, stream)
             return await self._on_miss.agreed(
                 self._agreement, key, fn, start(read), device, rows, stream
@@ -374,6 +366,24 @@ class FeatureCache:
 
         found = await agreement.agree("get", (key,), start(read))
         return found[0], noted[0]
+
+    async def _group_key_checks(
+        self,
+        call: str,
+        key: Hashable,
+        device: str | torch.device | None,
+        start: Callable[[Read[Any]], Read[Any]],
+    ) -> bool:
+        """A group lookup's key and device checked: whether it reads to the host. Where
+        this rank refuses them, it still takes part in the call (every rank fails it, and
+        later calls pair), then raises."""
+        try:
+            to_host = False if device is None else self._reads.wants_host(device)
+            check_key(key)
+        except Exception as exc:
+            assert self._agreement is not None
+            await self._agreement.refuse(call, start(refused(exc)))
+        return to_host
 
     def _group_start(self) -> Callable[[Read[_T]], Read[_T]]:
         """What a group's lookup wraps its read in: the read, or where the cache is not
