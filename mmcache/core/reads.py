@@ -192,9 +192,11 @@ class Reads:
             pass
         elif ready.done():
             # Checked here, not before the alias: a copy that failed in between must not
-            # slip through as done.
-            del out
-            raise_if_failed(ready)
+            # slip through as done. One that completed well since ok() is served.
+            failure = copy_failure(ready)
+            if failure is not None:
+                del out
+                raise failure
         else:
             if self._device.stream_ordered_reads:
                 self._device.wait_on(stream, ready)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import pytest
@@ -12,6 +12,7 @@ import torch
 from conftest import CacheFactory, Rig, assert_exact, needs_hold
 
 from mmcache import FeatureCache, InvalidRowsError, InvalidValueError
+from mmcache.device import Fence
 
 DTYPES = [torch.bfloat16, torch.float32, torch.int8, torch.int64]
 SHAPES = [(4096,), (64, 128), (8, 16, 32)]
@@ -409,6 +410,39 @@ async def test_a_rows_read_keeps_no_device_memory_alive(rig: Rig, make_cache: Ca
     await cache.drain()
     assert cache.stats().gpu_bytes == 0
     assert rig.allocated_bytes() == 0
+
+
+class _DoneBetweenTheChecks(Fence):
+    """A producer fence whose copy completes well between a read's ok() and done()."""
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    def done(self) -> bool:
+        self.asked += 1
+        return self.asked > 1  # pending when ok() asks first, done from the next call on
+
+    def exception(self) -> BaseException | None:
+        return None
+
+    def add_done_callback(self, fn: Callable[[], None]) -> None:
+        fn()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self.done()
+
+
+async def test_a_producer_copy_that_completes_during_the_read_is_served(
+    rig: Rig, make_cache: CacheFactory
+) -> None:
+    cache = make_cache(gpu_mb=1, cpu_mb=1)
+    t = make_data(rig, 64, 64, dtype=torch.float32, seed=15)
+    expected = t.cpu().clone()
+    assert await cache.put("k", t)
+    await cache.drain()
+    entry = cache._core.state.index["k"]
+    entry.ready = _DoneBetweenTheChecks()
+    assert_exact(await cache.get("k"), expected)
 
 
 async def test_a_lazy_conjugate_is_cached_as_its_values(rig: Rig, make_cache: CacheFactory) -> None:

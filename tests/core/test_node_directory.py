@@ -10,7 +10,7 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from types import FrameType
+from types import CodeType, FrameType, FunctionType, ModuleType
 from typing import Any
 
 import pytest
@@ -187,6 +187,28 @@ _BINARY_OP = dis.opmap["BINARY_OP"]
 _FIRST_INPLACE = 13  # BINARY_OP's arguments from here on are the in-place ones (a += b)
 
 
+def _is_a_write(code: CodeType, at: int) -> bool:
+    """Whether the instruction at byte offset at stores into a subscript (t[i] = v, t[i] |= v)."""
+    op = code.co_code[at]
+    return op == _STORE_SUBSCR or (op == _BINARY_OP and code.co_code[at + 1] >= _FIRST_INPLACE)
+
+
+def _codes(module: ModuleType) -> list[CodeType]:
+    """Every code object defined in module: its functions, methods and what they nest."""
+    found: list[CodeType] = []
+    todo = [
+        f.__code__
+        for owner in (module, *[c for c in vars(module).values() if isinstance(c, type)])
+        for f in vars(owner).values()
+        if isinstance(f, FunctionType) and f.__module__ == module.__name__
+    ]
+    while todo:
+        code = todo.pop()
+        found.append(code)
+        todo += [c for c in code.co_consts if isinstance(c, CodeType)]
+    return found
+
+
 def _die_at(step: int) -> None:
     """Exit this process, as a SIGKILL would, right before its step-th write in
     node_directory.py from now on. The directory writes its shared cells by item
@@ -194,15 +216,29 @@ def _die_at(step: int) -> None:
     dying at every point that differs."""
     seen = 0
 
-    def each(frame: FrameType, event: str, arg: Any) -> Any:
+    def before(code: CodeType, at: int) -> None:
         nonlocal seen
+        if _is_a_write(code, at):
+            seen += 1
+            if seen == step:
+                os._exit(0)
+
+    if sys.version_info >= (3, 12):
+        # Per-opcode trace events asked for from a trace function are not delivered on
+        # 3.12 (and not always on 3.13): watch the module's instructions instead.
+        monitoring = sys.monitoring  # type: ignore[attr-defined,unused-ignore]
+        tool = monitoring.DEBUGGER_ID
+        monitoring.use_tool_id(tool, "die_at")
+        monitoring.register_callback(
+            tool, monitoring.events.INSTRUCTION, lambda code, at: before(code, at)
+        )
+        for code in _codes(node_directory):
+            monitoring.set_local_events(tool, code, monitoring.events.INSTRUCTION)
+        return
+
+    def each(frame: FrameType, event: str, arg: Any) -> Any:
         if event == "opcode":
-            code, at = frame.f_code.co_code, frame.f_lasti
-            op = code[at]
-            if op == _STORE_SUBSCR or (op == _BINARY_OP and code[at + 1] >= _FIRST_INPLACE):
-                seen += 1
-                if seen == step:
-                    os._exit(0)
+            before(frame.f_code, frame.f_lasti)
         return each
 
     def calls(frame: FrameType, event: str, arg: Any) -> Any:
