@@ -12,6 +12,7 @@ import torch
 from conftest import CacheFactory, Rig, assert_exact, needs_hold
 
 from mmcache import FeatureCache, InvalidRowsError, InvalidValueError
+from mmcache.core.entry import Entry
 from mmcache.device import Fence
 
 DTYPES = [torch.bfloat16, torch.float32, torch.int8, torch.int64]
@@ -441,6 +442,7 @@ async def test_a_producer_copy_that_completes_during_the_read_is_served(
     assert await cache.put("k", t)
     await cache.drain()
     entry = cache._core.state.index["k"]
+    assert isinstance(entry, Entry)
     entry.ready = _DoneBetweenTheChecks()
     assert_exact(await cache.get("k"), expected)
 
