@@ -3,7 +3,8 @@
 #   OUT=/tmp/out bash benchmarks/gpu_suite.sh [tests|bench|ab|ipc|soak|demo|profile|all] [--quick]
 # ab: bench_ops, bench_serving and bench_offload --quick of an earlier commit's tree in
 # build/ab/base (made here by `git archive COMMIT mmcache benchmarks | tar -x -C
-# build/ab/base`, carried) and of this tree, alternated on one host.
+# build/ab/base`, carried) and of this tree, alternated on one host; AB_BENCH="serving ops"
+# runs those alone, in that order.
 # Wheels for packages the machine lacks may be carried in .whl/ (installed to /tmp/site):
 # `bash scripts/device_wheels.sh` downloads them, the versions CI tests.
 set -uo pipefail
@@ -88,16 +89,22 @@ if [ "$what" = ab ]; then
       --out "$out/$name-$tree.json" >"$out/$name-$tree.log" 2>&1) || status=1
     grep -E '^\| ' "$out/$name-$tree.log" | tail -"${AB_ROWS:-12}"
   }
-  for round in 1 2; do  # ABBA: a host that drifts favours neither
-    for tree in $([ $round = 1 ] && echo "base head" || echo "head base"); do
-      ab "$tree" "ops$round" 60 benchmarks/bench_ops.py --device cuda
-    done
-  done
-  for tree in base head; do
-    ab "$tree" serving 180 benchmarks/bench_serving.py --device cuda --seconds 2 --warmup 1
-  done
-  for tree in head base; do
-    ab "$tree" offload 120 benchmarks/bench_offload.py --quick
+  # AB_BENCH picks and orders the benchmarks (a short lease: the one that matters first).
+  for bench in ${AB_BENCH:-ops serving offload}; do
+    case $bench in
+      ops) for round in 1 2; do  # ABBA: a host that drifts favours neither
+          for tree in $([ $round = 1 ] && echo "base head" || echo "head base"); do
+            ab "$tree" "ops$round" 60 benchmarks/bench_ops.py --device cuda
+          done
+        done ;;
+      serving) for tree in base head; do
+          ab "$tree" serving 180 benchmarks/bench_serving.py --device cuda --seconds 2 --warmup 1
+        done ;;
+      offload) for tree in head base; do
+          ab "$tree" offload 120 benchmarks/bench_offload.py --quick
+        done ;;
+      *) echo "gpu_suite.sh ab: no benchmark '$bench' (ops, serving, offload)"; status=2 ;;
+    esac
   done
 fi
 if [ "$what" = profile ]; then
