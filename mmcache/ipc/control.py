@@ -137,7 +137,13 @@ class ControlBlock:
         """A new control block owned by this process (the sender), in its private directory."""
         cells = _cells(n_lanes, n_slots)
         segment = SharedSegment.create(directory, "control", cells * 8)
-        segment.commit(0, cells * 8, "lower the number of IPC slots or receivers")
+        try:
+            segment.commit(0, cells * 8, "lower the number of IPC slots or receivers")
+        except BaseException:
+            # Nobody else holds it yet: its descriptor would stay open until exit.
+            segment.unlink()
+            segment.close()
+            raise
         c = segment.cells()
         c[_H_PID] = os.getpid()
         c[_H_LANES] = n_lanes
