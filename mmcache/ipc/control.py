@@ -30,7 +30,16 @@ from typing import Final, final
 from mmcache.ipc.errors import InvalidHandleError, TooManyReceiversError
 from mmcache.ipc.shm import SharedSegment
 
-__all__ = ["FREE", "GONE", "LIVE", "WHERE_CODES", "ControlBlock", "LaneInfo", "process_alive"]
+__all__ = [
+    "FREE",
+    "GONE",
+    "LIVE",
+    "MAX_ROWS",
+    "WHERE_CODES",
+    "ControlBlock",
+    "LaneInfo",
+    "process_alive",
+]
 
 MAGIC: Final = 0x6D6D636163686531  # "mmcache1"
 VERSION: Final = 2
@@ -44,7 +53,8 @@ _LANE: Final = 4
 _L_STATE, _L_PID, _L_EPOCH, _L_PEER = range(4)
 _SLOT_FIXED: Final = 6
 _S_SEQ, _S_READY, _S_WHERE, _S_OFFSET, _S_NBYTES, _S_DIGEST = range(6)
-_MAX_ROWS: Final = 1 << 20  # far above any real sender's lanes or slots
+#: Lanes or slots of a control block at most (far above any real sender's).
+MAX_ROWS: Final = 1 << 20
 #: How a slot records where its slice is.
 WHERE_CODES: Final = {"pool": 1, "host": 2}
 
@@ -102,8 +112,8 @@ class ControlBlock:
                 len(c) < _HEADER
                 or c[_H_MAGIC] != MAGIC
                 or c[_H_VERSION] != VERSION
-                or not 0 <= c[_H_LANES] <= _MAX_ROWS
-                or not 0 <= c[_H_SLOTS] <= _MAX_ROWS
+                or not 0 <= c[_H_LANES] <= MAX_ROWS
+                or not 0 <= c[_H_SLOTS] <= MAX_ROWS
                 or len(c) < _cells(c[_H_LANES], c[_H_SLOTS])
             ):
                 raise InvalidHandleError(
@@ -127,7 +137,13 @@ class ControlBlock:
         """A new control block owned by this process (the sender), in its private directory."""
         cells = _cells(n_lanes, n_slots)
         segment = SharedSegment.create(directory, "control", cells * 8)
-        segment.commit(0, cells * 8, "lower the number of IPC slots or receivers")
+        try:
+            segment.commit(0, cells * 8, "lower the number of IPC slots or receivers")
+        except BaseException:
+            # Nobody else holds it yet: its descriptor would stay open until exit.
+            segment.unlink()
+            segment.close()
+            raise
         c = segment.cells()
         c[_H_PID] = os.getpid()
         c[_H_LANES] = n_lanes

@@ -379,6 +379,7 @@ class FeatureReceiver:
                     "control block publishes; the handle was altered"
                 )
             return channel
+        self._leave_gone_senders()
         try:
             control = ControlBlock.attach(endpoint.control_path)
         except FileNotFoundError:
@@ -400,6 +401,28 @@ class FeatureReceiver:
         channel = SenderChannel(endpoint, control, lane, epoch, self._close_kept)
         self._channels[endpoint.control_path] = channel
         return channel
+
+    def _leave_gone_senders(self) -> None:
+        """Leave the senders that closed or exited and whose memory nothing reads any more:
+        a receiver whose senders are replaced would keep each old one's memory mapped."""
+        for path, channel in list(self._channels.items()):
+            if channel.control.sender_alive() or channel.busy():
+                continue
+            del self._channels[path]
+            self._known_endpoints = {
+                key: known
+                for key, known in self._known_endpoints.items()
+                if known[1] is not channel
+            }
+            # On a thread: unmapping a pool waits for the whole GPU, unpinning takes a while.
+            threading.Thread(target=self._leave_gone, args=(channel,), name="mmcache-close").start()
+
+    @staticmethod
+    def _leave_gone(channel: SenderChannel) -> None:
+        try:
+            channel.close()
+        except Exception:  # nobody awaits this release
+            log.exception("FeatureReceiver: leaving an IPC sender that is gone failed")
 
     def _peer_ok(self, endpoint: SenderEndpoint) -> bool:
         """Whether this receiver can read the sender's pool where it is."""

@@ -33,7 +33,7 @@ from mmcache.errors import (
     SettingsError,
     WrongLoopError,
 )
-from mmcache.ipc.control import LIVE, ControlBlock
+from mmcache.ipc.control import LIVE, MAX_ROWS, ControlBlock
 from mmcache.ipc.handle import FeatureBatch, FeatureHandle, SenderEndpoint, device_kind
 from mmcache.ipc.leases import Lease, LeaseLedger
 from mmcache.ipc.memory import SenderMemory
@@ -79,6 +79,10 @@ class FeatureSender:
             raise SettingsError(f"max_receivers ({lanes}) must be at least consumers ({consumers})")
         if max_slices < 1:
             raise SettingsError(f"max_slices must be >= 1, not {max_slices}")
+        # More than a control block holds would fail only at start(), as a version mismatch.
+        for what, rows in (("max_slices", max_slices), ("max_receivers", lanes)):
+            if rows > MAX_ROWS:
+                raise SettingsError(f"{what} must be at most {MAX_ROWS}, not {rows}")
         if alignment < 1 or alignment & (alignment - 1):
             raise SettingsError(f"alignment must be a power of two, not {alignment}")
         self.settings = settings if settings is not None else CacheSettings()

@@ -191,9 +191,14 @@ class SliceWriter:
                 if not own.tensor.is_contiguous():
                     # A device-to-host copy needs one dense range: pack the view on the device.
                     packed = self._device.empty(own.tensor.shape, own.tensor.dtype, stream)
-                    compacted = self._device.submit(
-                        CopyPlan("d2d", (own.tensor,), (packed,), stream=stream)
-                    )
+                    try:
+                        compacted = self._device.submit(
+                            CopyPlan("d2d", (own.tensor,), (packed,), stream=stream)
+                        )
+                    except BaseException:
+                        # No source owns it yet: nothing else would give it back.
+                        self._device.release(packed, ())
+                        raise
                     own.replace(packed, [compacted])
                     after = [compacted]  # the last on stream: after the tensors' makers too
             srcs = _held_tensors(owns)

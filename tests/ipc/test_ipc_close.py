@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import gc
 import logging
 import os
 import sys
@@ -70,6 +71,48 @@ async def test_a_receiver_leaves_its_senders_off_the_loop(
         assert await longest_loop_gap(tr.receivers[0].close()) < 0.1
         tr.sender.sweep()
         assert tr.sender.stats().receivers == 0  # close() returned once it had left
+
+
+def _mapped(directory: str) -> list[str]:
+    """The files of directory this process has mapped."""
+    with open("/proc/self/maps") as maps:
+        return sorted({line.split(None, 5)[-1].strip() for line in maps if directory in line})
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs procfs")
+async def test_a_receiver_lets_go_of_a_sender_that_closed_once_it_meets_another() -> None:
+    """A long-lived receiver whose senders are replaced keeps none of the old ones' memory
+    mapped (a fallback of ipc_fallback_mb each, held in /dev/shm while mapped)."""
+    receiver = FeatureReceiver(device=SimDevice())
+    # On a device of its own: once closed, nothing of this process but the receiver maps it.
+    old = FeatureSender(ipc_settings(pool_mb=1), "sim", registry=CollectorRegistry())
+    await old.start()
+    directory = os.path.dirname(old.endpoint.control_path)
+    await receiver.connect(old.endpoint)
+    pooled = await old.send(torch.ones(16))
+    hosted = await old.send(torch.ones(512 << 10))  # 2 MiB: larger than the pool
+    assert (pooled.where, hosted.where) == ("pool", "host")
+    await receiver.receive(pooled)
+    await receiver.receive(hosted)
+    await old.close()
+    del old
+    assert _mapped(directory)  # the receiver's own mappings of the closed sender
+    new = FeatureSender(ipc_settings(pool_mb=1), "sim", registry=CollectorRegistry())
+    await new.start()
+    try:
+        await receiver.connect(new.endpoint)
+        deadline = time.monotonic() + 2
+        while True:  # left on a thread of its own
+            gc.collect()
+            if not _mapped(directory) or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.01)
+        assert _mapped(directory) == []
+        handle = await new.send(torch.full((8,), 3.0))
+        assert torch.equal(await receiver.receive(handle), torch.full((8,), 3.0))
+    finally:
+        await receiver.close()
+        await new.close()
 
 
 async def test_a_receiver_close_waits_for_an_open_lease(rig: Rig) -> None:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
+import gc
 import os
 import shutil
 import time
@@ -11,7 +13,7 @@ import time
 import pytest
 import torch
 from conftest import Rig
-from ipc_support import MiB, Transport, settled_bytes, transport
+from ipc_support import MiB, Transport, ipc_settings, settled_bytes, transport
 
 from mmcache.device import SimDevice
 from mmcache.errors import ValueTooLargeError
@@ -201,6 +203,45 @@ async def test_a_full_dev_shm_is_a_clear_error(
         # Room in /dev/shm again: the sender goes on.
         handle = await tr.sender.send(torch.ones(1024))
         assert torch.equal(await tr.receivers[0].receive(handle), torch.ones(1024))
+
+
+def _left_behind(directory: str) -> list[str]:
+    """A sender's directory if it still exists, and what this process's file descriptors
+    have open in it."""
+    found = [directory] if os.path.exists(directory) else []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith(directory):
+                found.append(target)
+    return found
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs procfs")
+@pytest.mark.parametrize("reserved", [0, 1])
+async def test_a_start_that_finds_dev_shm_full_leaves_nothing_open(
+    sim_rig: Rig, monkeypatch: pytest.MonkeyPatch, reserved: int
+) -> None:
+    """Whichever reservation finds /dev/shm full (0: the control block's, 1: the pool's),
+    no descriptor of the failed sender's segments stays open."""
+    fallocate = os.posix_fallocate
+    made: list[str] = []
+
+    def full_after(fd: int, offset: int, length: int) -> None:
+        made.append(os.readlink(f"/proc/self/fd/{fd}"))
+        if len(made) > reserved:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        fallocate(fd, offset, length)
+
+    sender = FeatureSender(ipc_settings(), device=sim_rig.device)
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "posix_fallocate", full_after)
+        with pytest.raises(SharedMemoryFullError, match="shm-size"):
+            await sender.start()
+    del sender
+    gc.collect()
+    directory = os.path.dirname(made[0])
+    assert _left_behind(directory) == []
 
 
 async def test_a_feature_larger_than_pool_and_fallback_is_refused(sim_rig: Rig) -> None:

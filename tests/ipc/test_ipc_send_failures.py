@@ -119,6 +119,21 @@ async def test_a_send_that_fails_after_reserving_gives_everything_back(
         await _assert_all_given_back(tr, baseline)
 
 
+async def test_a_strided_fallback_send_whose_packing_fails_gives_everything_back(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The dense buffer a strided feature is packed into on its way to the host fallback
+    goes back too when the copy into it cannot be queued."""
+    async with transport(rig, consumers=1, use_cuda_ipc=False) as tr:
+        baseline = rig.allocated_bytes()
+        with monkeypatch.context() as patched:
+            patched.setattr(tr.sender.device, "_copy_d2d", _fail)
+            for seed in range(3):
+                with pytest.raises(RuntimeError, match="injected failure"):
+                    await tr.sender.send(rig.tensor(64, 128, seed=seed).t())
+        await _assert_all_given_back(tr, baseline)
+
+
 @pytest.mark.parametrize("point", ["pool copy", "pool slot publish", "fallback copy"])
 async def test_a_failed_send_gives_its_source_back_only_after_its_producer(
     sim_rig: Rig, monkeypatch: pytest.MonkeyPatch, point: str

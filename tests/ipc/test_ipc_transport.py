@@ -21,7 +21,7 @@ from ipc_support import (
 )
 
 from mmcache.device import SimDevice
-from mmcache.errors import CacheClosedError, InvalidValueError
+from mmcache.errors import CacheClosedError, InvalidValueError, SettingsError
 from mmcache.ipc import FeatureHandle, FeatureSender, HandleExpiredError
 from mmcache.ipc.channel import SenderChannel
 from mmcache.ipc.control import ControlBlock
@@ -306,6 +306,16 @@ async def test_send_refuses_what_it_cannot_carry(sim_rig: Rig) -> None:
             await tr.sender.send([1, 2, 3])  # type: ignore[arg-type]
         with pytest.raises(ValueError, match="consumers"):
             FeatureSender(ipc_settings(), device=sim_rig.device, consumers=0)
+
+
+@pytest.mark.parametrize("arg", ["max_slices", "max_receivers"])
+def test_a_sender_refuses_more_slots_or_lanes_than_its_control_block_holds(
+    sim_rig: Rig, arg: str
+) -> None:
+    # Refused when made, naming the argument: not at start() as a "version mismatch".
+    with pytest.raises(SettingsError, match=rf"^{arg} must be at most 1048576, not 2000000"):
+        kwargs: dict[str, Any] = {arg: 2_000_000}
+        FeatureSender(ipc_settings(), device=sim_rig.device, **kwargs)
 
 
 async def test_a_closed_sender_unlinks_its_memory_and_refuses_sends(sim_rig: Rig) -> None:
