@@ -237,7 +237,7 @@ class MMCacheECConnector(ECConnectorBase):
             if role == ECConnectorRole.WORKER:
                 self._cache = FeatureCache(self._settings, device=device, name=self._name)
                 self._loop.run(self._cache.start())
-            elif self._settings.remote_url is not None:
+            elif self._settings.remote_url is not None and self.is_consumer:
                 from mmcache.remote.redis_store import RedisStore
 
                 self._store = RedisStore(
@@ -452,8 +452,11 @@ class MMCacheECConnector(ECConnectorBase):
         """Whether the remote server holds this output (False when it cannot say in time).
 
         Never raises: an identifier that is not an mm hash (a str) is False, logged, and
-        never asked of the server.
+        never asked of the server. A producer-only instance answers False without asking:
+        vLLM encodes what it answers False for, and it loads nothing.
         """
+        if not self.is_consumer:
+            return False
         if not self._is_mm_hash(identifier):
             _bad_identifier(identifier)
             return False
@@ -466,9 +469,10 @@ class MMCacheECConnector(ECConnectorBase):
         """Ask the server about all of request's items in one batch; never defers it.
 
         Items whose identifier is not an mm hash are left out (has_cache_item answers False
-        for them); the others are asked.
+        for them); the others are asked. A producer-only instance asks nothing.
         """
-        self._lookup(getattr(feature, "identifier", None) for feature in request.mm_features)
+        if self.is_consumer:
+            self._lookup(getattr(f, "identifier", None) for f in request.mm_features)
         return True
 
     def _lookup(self, identifiers: Iterable[object]) -> dict[str, bool]:

@@ -485,3 +485,18 @@ def test_a_bad_save_is_counted_and_loses_no_other_save(
     assert stats is not None
     assert stats.reduce()["saves"] == 2 and stats.reduce()["save_failures"] == len(bad)
     assert scheduler.has_cache_item("a") and scheduler.has_cache_item("b")
+
+
+def test_a_producer_only_scheduler_never_answers_cached(make: Make, redis_url: str) -> None:
+    """vLLM neither encodes an item that has_cache_item answers True for nor, on a
+    producer-only instance, loads it: the answer must be False, as the server is not asked."""
+    producer = make("ec_producer", ECConnectorRole.WORKER, remote_url=redis_url)
+    scheduler = make("ec_producer", ECConnectorRole.SCHEDULER, remote_url=redis_url)
+    producer.save_caches({"h": torch.ones(4, 4)}, "h")
+    producer.flush(10)
+    assert not scheduler.is_consumer
+    assert scheduler.has_cache_item("h") is False
+    output = schedule(scheduler, request("r", "h"))
+    meta = output.ec_connector_metadata
+    assert isinstance(meta, MMCacheECConnectorMetadata) and meta.loads == []
+    assert scheduler.get_ec_connector_stats() is None  # nothing asked of the server
