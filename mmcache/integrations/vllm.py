@@ -29,7 +29,6 @@ import dataclasses
 import logging
 import reprlib
 import threading
-import time
 from collections.abc import Hashable, Iterable
 from typing import TYPE_CHECKING, Any, Final, TypeGuard, final
 
@@ -41,7 +40,8 @@ from mmcache.errors import InvalidKeyError, MMCacheError, SettingsError
 from mmcache.integrations import IntegrationError
 from mmcache.integrations.loop_thread import LoopThread
 from mmcache.remote.codec import server_key
-from mmcache.settings import CacheSettings
+from mmcache.remote.faults import Faults
+from mmcache.settings import CacheSettings, redact_url
 
 try:
     import vllm
@@ -93,8 +93,6 @@ STAT_NAMES: Final = (
 #: Saves handed to the cache's loop and not done yet, at most; past it a save is dropped
 #: (counted in save_failures) so that a slow cache cannot pin the runner's outputs unbounded.
 MAX_PENDING_SAVES: Final = 64
-_BACKOFF_MIN_S: Final = 0.05
-_BACKOFF_MAX_S: Final = 5.0
 
 
 @final
@@ -224,8 +222,12 @@ class MMCacheECConnector(ECConnectorBase):
         # Scheduler side.
         self._store: RemoteStore | None = None
         self._known: dict[str, bool] = {}  # this step's answers of the remote server
-        self._down_until = 0.0
-        self._backoff = _BACKOFF_MIN_S
+        # Backs off from a server that fails; logs each outage when it starts and ends.
+        self._faults = Faults(
+            f"{redact_url(self._settings.remote_url or '')} ({self._name})",
+            lambda kind: None,
+            self._settings.remote_timeout_sec,
+        )
         self._loads: list[LoadItem] = []
         self._unavailable: set[str] = set()
         # Worker side.
@@ -237,7 +239,7 @@ class MMCacheECConnector(ECConnectorBase):
             if role == ECConnectorRole.WORKER:
                 self._cache = FeatureCache(self._settings, device=device, name=self._name)
                 self._loop.run(self._cache.start())
-            elif self._settings.remote_url is not None:
+            elif self._settings.remote_url is not None and self.is_consumer:
                 from mmcache.remote.redis_store import RedisStore
 
                 self._store = RedisStore(
@@ -452,8 +454,11 @@ class MMCacheECConnector(ECConnectorBase):
         """Whether the remote server holds this output (False when it cannot say in time).
 
         Never raises: an identifier that is not an mm hash (a str) is False, logged, and
-        never asked of the server.
+        never asked of the server. A producer-only instance answers False without asking:
+        vLLM encodes what it answers False for, and it loads nothing.
         """
+        if not self.is_consumer:
+            return False
         if not self._is_mm_hash(identifier):
             _bad_identifier(identifier)
             return False
@@ -466,9 +471,10 @@ class MMCacheECConnector(ECConnectorBase):
         """Ask the server about all of request's items in one batch; never defers it.
 
         Items whose identifier is not an mm hash are left out (has_cache_item answers False
-        for them); the others are asked.
+        for them); the others are asked. A producer-only instance asks nothing.
         """
-        self._lookup(getattr(feature, "identifier", None) for feature in request.mm_features)
+        if self.is_consumer:
+            self._lookup(getattr(f, "identifier", None) for f in request.mm_features)
         return True
 
     def _lookup(self, identifiers: Iterable[object]) -> dict[str, bool]:
@@ -485,7 +491,7 @@ class MMCacheECConnector(ECConnectorBase):
 
     def _ask(self, ids: list[str]) -> list[bool]:
         store = self._store
-        if store is None or self._closed or time.monotonic() < self._down_until:
+        if store is None or self._closed or not self._faults.available():
             return [False] * len(ids)
         keys = [server_key(self._settings.remote_namespace, self.cache_key(i)) for i in ids]
 
@@ -497,11 +503,9 @@ class MMCacheECConnector(ECConnectorBase):
             answers = self._loop.run(ask())
         except Exception as exc:  # a server down, slow or failing: every answer is False
             self._count("lookup_errors")
-            self._down_until = time.monotonic() + self._backoff
-            log.debug("MMCacheECConnector: the remote server did not answer: %r", exc)
-            self._backoff = min(self._backoff * 2, _BACKOFF_MAX_S)
+            self._faults.failed("exists", exc)
             return [False] * len(ids)
-        self._backoff = _BACKOFF_MIN_S
+        self._faults.succeeded()
         return answers
 
     def update_state_after_alloc(self, request: Any, index: int) -> None:

@@ -70,9 +70,15 @@ class WriteQueue:
         return True
 
     async def drain(self) -> None:
-        """Wait until every write queued so far has been sent (or failed, counted)."""
-        while self._task is not None:
-            await asyncio.shield(self._task)
+        """Wait until every write queued so far has been sent (or failed or dropped, counted)."""
+        while (task := self._task) is not None:
+            try:
+                await asyncio.shield(task)
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if not task.cancelled() or (current is not None and current.cancelling()):
+                    raise
+                return  # close() stopped the writes: what is left is dropped, not this caller
 
     async def close(self, timeout: float) -> list[Write]:  # noqa: ASYNC109
         """Send what is queued for up to timeout s, then stop; the writes left unsent."""

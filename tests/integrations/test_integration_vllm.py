@@ -485,3 +485,47 @@ def test_a_bad_save_is_counted_and_loses_no_other_save(
     assert stats is not None
     assert stats.reduce()["saves"] == 2 and stats.reduce()["save_failures"] == len(bad)
     assert scheduler.has_cache_item("a") and scheduler.has_cache_item("b")
+
+
+def test_a_producer_only_scheduler_never_answers_cached(make: Make, redis_url: str) -> None:
+    """vLLM neither encodes an item that has_cache_item answers True for nor, on a
+    producer-only instance, loads it: the answer must be False, as the server is not asked."""
+    producer = make("ec_producer", ECConnectorRole.WORKER, remote_url=redis_url)
+    scheduler = make("ec_producer", ECConnectorRole.SCHEDULER, remote_url=redis_url)
+    producer.save_caches({"h": torch.ones(4, 4)}, "h")
+    producer.flush(10)
+    assert not scheduler.is_consumer
+    assert scheduler.has_cache_item("h") is False
+    output = schedule(scheduler, request("r", "h"))
+    meta = output.ec_connector_metadata
+    assert isinstance(meta, MMCacheECConnectorMetadata) and meta.loads == []
+    assert scheduler.get_ec_connector_stats() is None  # nothing asked of the server
+
+
+def test_a_scheduler_logs_an_outage_when_it_starts_and_when_it_ends(
+    make: Make, tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    from redis_server import RedisServer, require_server
+
+    require_server()
+    server = RedisServer(tmp_path)  # not started yet: the server is down
+    scheduler = make(
+        "ec_consumer", ECConnectorRole.SCHEDULER, remote_url=server.url, remote_timeout_sec=0.2
+    )
+    with caplog.at_level(logging.WARNING, logger="mmcache"):
+        for i in range(10):  # several back-offs, each ended by a failed retry
+            schedule(scheduler, request(f"r{i}", f"h{i}"))
+            time.sleep(0.06)
+        down = [r.getMessage() for r in caplog.records if r.name == "mmcache"]
+        assert len(down) == 1 and "ConnectionError" in down[0], down
+        server.start()
+        try:
+            deadline = time.monotonic() + 15
+            while len([r for r in caplog.records if r.name == "mmcache"]) < 2:
+                assert time.monotonic() < deadline, "the scheduler never logged the recovery"
+                schedule(scheduler, request("r", "h"))
+                time.sleep(0.05)
+        finally:
+            server.stop()
+    logged = [r.getMessage() for r in caplog.records if r.name == "mmcache"]
+    assert len(logged) == 2 and "back after" in logged[1], logged

@@ -338,3 +338,28 @@ def test_the_demo_fails_when_its_remote_tier_never_answered(
     out = capsys.readouterr().out
     assert f"FAIL: the remote tier ({url}) never answered" in out
     assert "PASS" not in out
+
+
+async def test_a_drain_that_close_overtakes_returns_instead_of_being_cancelled(
+    rig: Rig, make_cache: CacheFactory, redis_url: str
+) -> None:
+    """close() stops the writes its time limit leaves unsent; a drain() waiting for them then
+    returns (they are dropped, counted) instead of raising CancelledError in a task that no
+    one cancelled."""
+    cache = make_cache(gpu_mb=4, remote_url=redis_url, remote_timeout_sec=0.2)
+    with rig.hold():  # the writes' host copies do not land: they wait past close's limit
+        for i in range(4):
+            await put_feature(cache, rig, ("k", i), 16, seed=i)
+        drain = asyncio.create_task(cache.drain())
+        await asyncio.sleep(0.05)
+        closing = asyncio.create_task(cache.close())
+        await asyncio.sleep(0.5)
+    await closing
+    await asyncio.wait([drain], timeout=5)
+    assert drain.done() and not drain.cancelled()
+    assert drain.result() is None
+    s = cache.stats()
+    assert (
+        s.remote_queued_bytes == 0
+        and s.remote_dropped_writes + s.remote_written_bytes // (16 * 1024) == 4
+    )
