@@ -70,6 +70,7 @@ class ServerCalls:
     ) -> _T | Failed:
         limit = self.timeout(nbytes)
         started = time.perf_counter()
+        sent = self.faults.now()  # a failure of a call sent during a back-off extends none
         try:
             async with asyncio.timeout(limit) as deadline:
                 result = await call
@@ -81,7 +82,7 @@ class ServerCalls:
         except Exception as e:
             if isinstance(e, TimeoutError) and deadline.expired():
                 e = TimeoutError(f"timed out after {limit:.2f} s{_moving(nbytes)}")
-            self.faults.failed(op, e)
+            self.faults.failed(op, e, sent)
             return FAILED
         seconds = self._seconds.get(op) if timed else None
         if seconds is not None:

@@ -49,10 +49,11 @@ def describe(exc: BaseException) -> str:
 class Faults:
     """Whether the remote tier should try the server now, and what went wrong so far.
 
-    After an error, operations skip the server for a back-off that doubles with each
-    error in a row (BACKOFF_MIN_S to BACKOFF_MAX_S); once it has passed, one operation
-    probes the server and the others go on skipping it until that one's answer (or for
-    probe_s at most); the first success ends the burst.
+    After an error, operations skip the server for a back-off (BACKOFF_MIN_S to
+    BACKOFF_MAX_S); once it has passed, one operation probes the server and the others go
+    on skipping it until that one's answer (or for probe_s at most); the first success
+    ends the burst. The back-off doubles only when an operation sent after it ended (the
+    probe) fails too: those sent before, in flight when the server went, count once.
     The client reconnects on the first operation after the back-off. Every burst (an
     outage) is logged twice, however many calls failed in it: one warning when it starts,
     one when it ends.
@@ -108,13 +109,19 @@ class Faults:
         self._probe_until = now + self._probe_s
         return True
 
-    def failed(self, op: str, exc: BaseException) -> None:
-        """An operation failed: count it, log it if it starts a burst, back off."""
+    def now(self) -> float:
+        """The time on the clock of the back-off: an operation's, when sent, for failed()."""
+        return self._clock()
+
+    def failed(self, op: str, exc: BaseException, sent: float | None = None) -> None:
+        """An operation, sent at sent (now() then; None: just now), failed: count it, log
+        it if it starts a burst, back off."""
         kind = error_kind(exc)
         self.errors[kind] += 1
         self._count(kind)
+        now = self._clock()
         if self._burst == 0:
-            self._since = self._clock()
+            self._since = now
             log.warning(
                 "remote tier %s: %s failed (%s); serving local tiers only, retrying with "
                 "back-off (logged again when it recovers)",
@@ -122,9 +129,14 @@ class Faults:
                 op,
                 describe(exc),
             )
+        elif (now if sent is None else sent) < self._retry_at:
+            # Sent before this back-off ended: in flight when the server went, its error
+            # is the same outage's, not a retry that failed again.
+            self._burst += 1
+            return
         self._burst += 1
         self._backoff = min(BACKOFF_MAX_S, max(BACKOFF_MIN_S, self._backoff * 2))
-        self._retry_at = self._clock() + self._backoff
+        self._retry_at = now + self._backoff
         self._probe_until = 0.0  # the probe answered
 
     def succeeded(self) -> None:

@@ -233,6 +233,63 @@ def test_every_outage_is_logged_when_it_starts_and_when_it_ends(
     assert tracker.errors["timeout"] == 15 and tracker.total == 16
 
 
+async def test_calls_failing_in_one_outage_back_off_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The calls in flight when the server goes down all fail: one outage, one back-off at
+    its least, however many failed and whenever their errors come; it doubles only when
+    the probe after it fails too."""
+    from mmcache.remote.calls import ServerCalls
+    from mmcache.remote.faults import BACKOFF_MIN_S, Faults
+
+    faults = Faults("server", lambda kind: None)
+    now = [1000.0]
+    faults._clock = lambda: now[0]
+    calls = ServerCalls(faults, 1.0, {})
+
+    async def refused(answered: asyncio.Event) -> None:
+        await answered.wait()
+        raise ConnectionRefusedError("refused")
+
+    def send(count: int) -> tuple[list[asyncio.Event], list[asyncio.Task[object]]]:
+        answers = [asyncio.Event() for _ in range(count)]
+        return answers, [asyncio.create_task(calls("get", refused(a))) for a in answers]
+
+    # Eight calls fail at the same moment.
+    answers, tasks = send(8)
+    await asyncio.sleep(0)
+    for answer in answers:
+        answer.set()
+    await asyncio.gather(*tasks)
+    assert not faults.available()
+    now[0] += BACKOFF_MIN_S
+    assert faults.available()  # the least back-off is over: the probe
+    assert not faults.available()  # the others wait for its answer
+    faults.succeeded()
+
+    # Four calls sent together fail one by one, each after the least back-off.
+    answers, tasks = send(4)
+    await asyncio.sleep(0)
+    for answer, task in zip(answers, tasks, strict=True):
+        now[0] += BACKOFF_MIN_S * 1.2
+        answer.set()
+        await task
+    assert faults.available()  # the first error's back-off is over: the probe
+    probe, failing = send(1)
+    now[0] += 0.01
+    probe[0].set()
+    await failing[0]
+    now[0] += 2 * BACKOFF_MIN_S - 0.001
+    assert not faults.available()  # the probe failed: twice as long
+    now[0] += 0.001
+    assert faults.available()
+    faults.succeeded()
+    warnings = [m for m in _warnings(caplog) if "remote tier server" in m]
+    assert len(warnings) == 4  # two outages, each logged when it starts and ends
+    assert "back after 8 failed operations" in warnings[1]
+    assert "back after 5 failed operations" in warnings[3]
+
+
 async def test_a_get_cancelled_during_a_fetch_leaves_the_fetch_to_land(
     rig: Rig, make_cache: CacheFactory, own_server: RedisServer
 ) -> None:
