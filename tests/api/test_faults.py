@@ -591,9 +591,11 @@ async def test_a_host_arena_that_cannot_be_allocated(
 
 
 @contextlib.asynccontextmanager
-async def stuck_cache(rig: Rig, reg: CollectorRegistry, **kw: Any) -> AsyncIterator[FeatureCache]:
+async def stuck_cache(
+    rig: Rig, reg: CollectorRegistry, gpu_kib: float = 16, cpu_kib: float = 64, **kw: Any
+) -> AsyncIterator[FeatureCache]:
     """A cache with a short copy timeout; stuck fences are completed before it closes."""
-    cache = make(rig, 16, 64, reg, small_copy_bytes=0, copy_timeout_s=0.2, **kw)
+    cache = make(rig, gpu_kib, cpu_kib, reg, small_copy_bytes=0, copy_timeout_s=0.2, **kw)
     await cache.start()
     try:
         yield cache
@@ -670,9 +672,7 @@ async def test_a_put_waiting_on_a_quarantined_offload_evicts_another_entry(
 ) -> None:
     reg = CollectorRegistry()
     dev = sim(sim_rig)
-    cache = make(sim_rig, 8, 64, reg, small_copy_bytes=0, copy_timeout_s=0.2)
-    await cache.start()
-    try:
+    async with stuck_cache(sim_rig, reg, gpu_kib=8) as cache:
         for i in range(3):
             await cache.put(i, value(i))
         await on_host(cache, 0)
@@ -701,9 +701,6 @@ async def test_a_put_waiting_on_a_quarantined_offload_evicts_another_entry(
         await settled(sim_rig, cache)
         releasing_is_exact(cache)
         assert cache.stats().quarantined_bytes == 0
-    finally:
-        dev.unstick()
-        await cache.close(timeout=2)
 
 
 async def test_a_put_whose_room_is_all_held_by_quarantined_offloads_times_out(
@@ -711,9 +708,7 @@ async def test_a_put_whose_room_is_all_held_by_quarantined_offloads_times_out(
 ) -> None:
     reg = CollectorRegistry()
     dev = sim(sim_rig)
-    cache = make(sim_rig, 8, 64, reg, small_copy_bytes=0, copy_timeout_s=0.2)
-    await cache.start()
-    try:
+    async with stuck_cache(sim_rig, reg, gpu_kib=8) as cache:
         await cache.put(0, value(0))
         await cache.put(1, value(1))
         dev.inject("fence_never_completes")  # and the copies behind it on its stream
@@ -732,9 +727,6 @@ async def test_a_put_whose_room_is_all_held_by_quarantined_offloads_times_out(
         assert await within(2, cache.put(2, value(2)))
         got = await cache.get(2)
         assert got is not None and torch.equal(got, value(2))
-    finally:
-        dev.unstick()
-        await cache.close(timeout=2)
 
 
 async def test_an_entry_discarded_while_its_offload_hangs_is_quarantined_all_the_same(
@@ -744,9 +736,7 @@ async def test_an_entry_discarded_while_its_offload_hangs_is_quarantined_all_the
     dev = sim(sim_rig)
     errors: list[dict[str, Any]] = []
     asyncio.get_running_loop().set_exception_handler(lambda _, context: errors.append(context))
-    cache = make(sim_rig, 8, 64, reg, small_copy_bytes=0, copy_timeout_s=0.2)
-    await cache.start()
-    try:
+    async with stuck_cache(sim_rig, reg, gpu_kib=8) as cache:
         await cache.put(0, value(0))
         await cache.put(1, value(1))
         dev.inject("fence_never_completes")
@@ -760,9 +750,6 @@ async def test_an_entry_discarded_while_its_offload_hangs_is_quarantined_all_the
         assert errors == []
         dev.unstick()
         await settled(sim_rig, cache)
-    finally:
-        dev.unstick()
-        await cache.close(timeout=2)
 
 
 async def test_a_host_tier_put_whose_room_is_all_held_by_quarantined_copies_times_out(
@@ -770,9 +757,7 @@ async def test_a_host_tier_put_whose_room_is_all_held_by_quarantined_copies_time
 ) -> None:
     reg = CollectorRegistry()
     dev = sim(sim_rig)
-    cache = make(sim_rig, 0, 8, reg, small_copy_bytes=0, copy_timeout_s=0.2)  # GPU tier off
-    await cache.start()
-    try:
+    async with stuck_cache(sim_rig, reg, gpu_kib=0, cpu_kib=8) as cache:  # GPU tier off
         await cache.wait_host_ready(timeout=5)
         dev.inject("fence_never_completes")  # the copies of 0 and 1 into the host tier hang
         await cache.put(0, value(0))
@@ -783,9 +768,6 @@ async def test_a_host_tier_put_whose_room_is_all_held_by_quarantined_copies_time
         dev.unstick()
         await settled(sim_rig, cache)
         assert await within(2, cache.put(2, value(2)))
-    finally:
-        dev.unstick()
-        await cache.close(timeout=2)
 
 
 async def test_a_get_waiting_on_a_stuck_upload_times_out(sim_rig: Rig) -> None:

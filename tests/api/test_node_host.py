@@ -282,19 +282,29 @@ def _node_host(name: str, capacity: int = 64 << 10) -> NodeHost:
     return NodeHost(name, alone, SimDevice(), capacity, 4096)
 
 
-def test_a_sibling_cache_leaves_a_node_segment_being_made_alone(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def _hold_fallocate(
+    monkeypatch: pytest.MonkeyPatch, thread: str
+) -> tuple[threading.Event, threading.Event]:
+    """(making, go_on): the first posix_fallocate of the thread named thread sets making and
+    waits for go_on, as reserving a big arena in /dev/shm takes long."""
     making, go_on = threading.Event(), threading.Event()
     fallocate = os.posix_fallocate
 
     def slow_fallocate(fd: int, offset: int, length: int) -> None:
-        if threading.current_thread().name == "maker" and not making.is_set():
-            making.set()  # A's directory exists, sized, its lock held: a big arena takes long
+        if threading.current_thread().name == thread and not making.is_set():
+            making.set()
             go_on.wait(10)
         fallocate(fd, offset, length)
 
     monkeypatch.setattr(os, "posix_fallocate", slow_fallocate)
+    return making, go_on
+
+
+def test_a_sibling_cache_leaves_a_node_segment_being_made_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A's directory exists, sized, its lock held, while its arena is reserved.
+    making, go_on = _hold_fallocate(monkeypatch, "maker")
     a, b = _node_host("siblingA"), _node_host("siblingB")
     maker = threading.Thread(target=a._map, args=([_whereabouts(64 << 10)],), name="maker")
     maker.start()
@@ -345,16 +355,7 @@ def test_a_full_dev_shm_fails_the_node_tier_at_setup_and_leaves_no_files(
 def test_a_close_during_the_attach_leaves_no_segment_behind(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    making, go_on = threading.Event(), threading.Event()
-    fallocate = os.posix_fallocate
-
-    def slow_fallocate(fd: int, offset: int, length: int) -> None:
-        if threading.current_thread().name == "attach" and not making.is_set():
-            making.set()  # the segment is being made: a big arena takes long
-            go_on.wait(10)
-        fallocate(fd, offset, length)
-
-    monkeypatch.setattr(os, "posix_fallocate", slow_fallocate)
+    making, go_on = _hold_fallocate(monkeypatch, "attach")  # the segment is being made
     host = _node_host("closeearly")
     done: concurrent.futures.Future[torch.Tensor] = concurrent.futures.Future()
     arrived: list[int] = []
