@@ -120,6 +120,9 @@ class Faults:
         self.errors[kind] += 1
         self._count(kind)
         now = self._clock()
+        # Sent before this back-off ended: in flight when the server went, its error is the
+        # same outage's, not a retry that failed again.
+        in_flight = self._burst > 0 and (now if sent is None else sent) < self._retry_at
         if self._burst == 0:
             self._since = now
             log.warning(
@@ -129,12 +132,9 @@ class Faults:
                 op,
                 describe(exc),
             )
-        elif (now if sent is None else sent) < self._retry_at:
-            # Sent before this back-off ended: in flight when the server went, its error
-            # is the same outage's, not a retry that failed again.
-            self._burst += 1
-            return
         self._burst += 1
+        if in_flight:
+            return
         self._backoff = min(BACKOFF_MAX_S, max(BACKOFF_MIN_S, self._backoff * 2))
         self._retry_at = now + self._backoff
         self._probe_until = 0.0  # the probe answered
