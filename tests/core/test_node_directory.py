@@ -229,9 +229,7 @@ def _die_at(step: int) -> None:
         monitoring = sys.monitoring  # type: ignore[attr-defined,unused-ignore]
         tool = monitoring.DEBUGGER_ID
         monitoring.use_tool_id(tool, "die_at")
-        monitoring.register_callback(
-            tool, monitoring.events.INSTRUCTION, lambda code, at: before(code, at)
-        )
+        monitoring.register_callback(tool, monitoring.events.INSTRUCTION, before)
         for code in _codes(node_directory):
             monitoring.set_local_events(tool, code, monitoring.events.INSTRUCTION)
         return
