@@ -375,7 +375,6 @@ class FeatureSender:
                     pieces, placement, ready, stream, (owed, needed), batch
                 )
             else:
-                self._placer.count_fallback(reason)
                 sent = await self._writer.write_host(
                     pieces, placement, ready, stream, (owed, needed), batch
                 )
@@ -383,6 +382,8 @@ class FeatureSender:
             self._room.abort(placement, ())  # nothing once it is a lease
             release_all(owns, placement.after or [ready])
             raise
+        if placement.where != "pool":
+            self._placer.count_fallback(reason)  # a send that failed took no fallback
         self._sends += 1
         return sent
 

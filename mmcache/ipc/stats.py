@@ -7,7 +7,11 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True, slots=True)
 class TransportStats:
-    """Bytes are slice bytes (rounded to the alignment); leases are sends not yet released."""
+    """Bytes are slice bytes (rounded to the alignment); leases are sends not yet released.
+
+    sends and fallbacks count sends that succeeded (fallbacks: those through host memory);
+    receivers_lost counts receivers that left since start, by close() or by dying.
+    """
 
     pool_used_bytes: int
     pool_capacity_bytes: int
