@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: the GPU test suite, then the benchmarks; results under $OUT.
-#   OUT=/tmp/out bash benchmarks/gpu_suite.sh [tests|bench|ab|ipc|soak|demo|profile|all] [--quick]
+#   OUT=/tmp/out bash benchmarks/gpu_suite.sh [tests|bench|serving|groups|ab|ipc|soak|demo|profile|all] [--quick]
+# serving: bench_serving, bench_cold_start, bench_adapters, bench_ops (the serving path's
+# figures in one call); groups: bench_groups and the group and node-tier tests on CUDA.
 # ab: bench_ops, bench_serving and bench_offload --quick of an earlier commit's tree in
 # build/ab/base (made here by `git archive COMMIT mmcache benchmarks | tar -x -C
 # build/ab/base`, carried) and of this tree, alternated on one host; AB_BENCH="serving ops"
@@ -76,6 +78,25 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
   # One client, 8 MB, from the moment each design is made (mmcache's arena still pinning).
   timeout 120 python3 benchmarks/bench_cold_start.py --out "$out/cold.json" 2>&1 | tee "$out/cold.log" | tail -12
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if [ "$what" = serving ]; then
+  # What the serving path is judged by, in one call (bench's other parts take a second).
+  timeout 200 python3 benchmarks/bench_serving.py --device cuda --seconds 2 --warmup 1 --op-calls 1000 \
+    --out "$out/serving.json" 2>&1 | tee "$out/serving.log" | tail -45
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  timeout 120 python3 benchmarks/bench_cold_start.py --out "$out/cold.json" 2>&1 | tee "$out/cold.log" | tail -12
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  timeout 90 python3 benchmarks/bench_adapters.py --device cuda --out "$out/adapters.json" 2>&1 | tee "$out/adapters.log" | tail -12
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  timeout 60 python3 benchmarks/bench_ops.py --device cuda --out "$out/ops.json" 2>&1 | tee "$out/ops.log" | tail -12
+fi
+if [ "$what" = groups ] || [ "$what" = all ]; then
+  # Ranks of a TP group; on one GPU they share it (NCCL needs a GPU a rank).
+  timeout 300 python3 benchmarks/bench_groups.py --device cuda --out "$out/groups.json" 2>&1 | tee "$out/groups.log" | tail -20
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/api/test_groups.py \
+    tests/api/test_tp_groups.py tests/api/test_node_host.py tests/core/test_node_directory.py 2>&1 | tee "$out/groups-tests.log" | tail -8
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if [ "$what" = ab ]; then
