@@ -238,9 +238,9 @@ class NodeDirectory:
         with self._locked():
             return self._sweep_locked()
 
-    def detach(self) -> bool:
+    def detach(self, on_last: Callable[[], None] = lambda: None) -> bool:
         """Release every reference of this rank and leave; whether a live rank stays
-        attached (if not, the caller removes the files)."""
+        attached (if not, on_last is called first, under the lock, to remove the files)."""
         with self._thread_lock:
             if self._mapping is None:
                 return True
@@ -250,6 +250,10 @@ class NodeDirectory:
                 self._drop_rank(self.rank)
                 self._head[_H_PIDS + self.rank] = 0
                 others = any(int(pid) for pid in self._head[_H_PIDS : _H_PIDS + MAX_RANKS])
+                if not others:
+                    # Under the lock: a rank waiting for it finds the files unlinked and
+                    # makes new ones, never attaches to files about to be removed.
+                    on_last()
             finally:
                 self._close()  # closing the file drops our locks on it
         return others

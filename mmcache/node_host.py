@@ -20,6 +20,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import fcntl
+import functools
 import glob
 import logging
 import mmap
@@ -258,11 +259,9 @@ class NodeHost:
     def _leave(self, directory: NodeDirectory, unpin: Callable[[], None] | None) -> None:
         """Give up this rank's blocks and its place in the node; the last rank removes the
         files."""
-        others = directory.detach()
+        directory.detach(functools.partial(_remove, self._base))
         with _ATTACHING:
             _ATTACHED_HERE.discard(self._base)
-        if not others:
-            _remove(self._base)
         if unpin is not None:
             unpin()
 

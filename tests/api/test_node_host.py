@@ -14,6 +14,7 @@ import asyncio
 import concurrent.futures
 import datetime
 import errno
+import multiprocessing
 import os
 import random
 import threading
@@ -378,3 +379,40 @@ def test_a_close_during_the_attach_leaves_no_segment_behind(
         go_on.set()
         attach.join(10)
         host.close()
+
+
+def _attach_as_rank_1(name: str, everyone: list[bytes], attached: Any, leave: Any) -> None:
+    """Rank 1 of name's node, in a process of its own: attach, say so, stay until told."""
+    host = NodeHost(name, cast(Agreement, SimpleNamespace(rank=1)), SimDevice(), 64 << 10, 4096)
+    host._map(everyone)
+    attached.set()
+    leave.wait(60)
+    host.close()
+
+
+def test_a_rank_attaching_as_the_last_one_leaves_keeps_its_files(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    everyone = [_whereabouts(64 << 10), _whereabouts(64 << 10)]  # one machine, two ranks
+    ctx = multiprocessing.get_context("spawn")
+    attached, leave = ctx.Event(), ctx.Event()
+    rank_1 = ctx.Process(target=_attach_as_rank_1, args=("handover", everyone, attached, leave))
+    detach = NodeDirectory.detach
+
+    def detach_then_rank_1_attaches(directory: NodeDirectory, *args: Any) -> bool:
+        others = detach(directory, *args)
+        rank_1.start()  # rank 1 takes the directory's lock as soon as rank 0 lets it go
+        assert attached.wait(60)
+        return others
+
+    host = _node_host("handover")
+    host._map(everyone)
+    monkeypatch.setattr(NodeDirectory, "detach", detach_then_rank_1_attaches)
+    try:
+        host.close()
+        assert len(node_files("handover")) == 2, "rank 0 removed the files rank 1 attached to"
+    finally:
+        leave.set()
+        rank_1.join(60)
+    assert rank_1.exitcode == 0
+    assert node_files("handover") == []
