@@ -186,7 +186,7 @@ class Lifecycle:
         with contextlib.suppress(CopyTimeoutError):
             await core.packings.wait_all(timeout)  # one that never ends keeps its values
         self.gauges.request()
-        core.host.leave_node()  # host_share="node": its copies have landed
+        await core.host.leave_node(timeout)  # host_share="node": once its copies have landed
         self.metrics.close()
         if self._owns_device:
             # Off the loop: unpinning a large arena takes the driver long enough to stall

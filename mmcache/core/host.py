@@ -67,6 +67,8 @@ class HostTier:
         #: the puts waiting for host room (read-only): truthy while any waits
         self.line: Collection[object] = self._waiters
         self._closed = False
+        #: set by leave_node once every block of the node's pool is given back
+        self._unused: asyncio.Future[None] | None = None
 
     @property
     def waiting(self) -> bool:
@@ -183,7 +185,7 @@ class HostTier:
             return
         pool = self.pool
         if pool is None and self.node is not None:
-            self.pool = pool = self.node.pool(arena, defer=defer, on_free=self.wake)
+            self.pool = pool = self.node.pool(arena, defer=defer, on_free=self._node_freed)
             self._state.attach_pool(pool)
         elif pool is None:
             self.pool = pool = HostPool(
@@ -290,11 +292,45 @@ class HostTier:
         if self._ready is not None:
             self._ready.set()
 
-    def leave_node(self) -> None:
-        """Give up this rank's blocks of the node's shared host tier, once its copies have
-        landed (close); the last rank of the node removes its files."""
-        if self.node is not None:
-            self.node.close()
+    async def leave_node(self, timeout: float | None) -> None:  # noqa: ASYNC109
+        """Give up this rank's blocks of the node's shared host tier once no copy uses them
+        (close, waiting up to timeout s); the last rank of the node removes its files."""
+        node = self.node
+        if node is None:
+            return
+        pool = self.pool
+        if pool is not None and pool.blocks_live:
+            # A copy still writes (an offload) or reads one of this rank's blocks: left now,
+            # another rank could take those bytes while it runs. Leave once the pool has
+            # them all back (a copy that never ends: the others sweep this rank at its exit).
+            self._unused = unused = asyncio.get_running_loop().create_future()
+            try:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(unused), timeout)
+            finally:
+                in_use = unused.cancel()  # then _node_freed leaves once the last comes back
+            if in_use:
+                log.warning(
+                    "the node's shared host tier keeps %d block(s) of this rank until the "
+                    "copies still using them complete",
+                    pool.blocks_live,
+                )
+                return
+        node.close()
+
+    def _node_freed(self) -> None:
+        """The node's pool gave a block back: wake a put waiting for room, or, where the
+        cache is leaving the node and it was the last, leave (leave_node)."""
+        unused = self._unused
+        pool = self.pool
+        if unused is not None and pool is not None and not pool.blocks_live:
+            self._unused = None
+            if unused.cancelled():  # leave_node gave up waiting
+                assert self.node is not None
+                self.node.close()
+            else:  # leave_node, still waiting, leaves
+                unused.set_result(None)
+        self.wake()
 
     def fail_waiters(self) -> None:
         """Raise CacheClosedError in every put waiting for host room."""

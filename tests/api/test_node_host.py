@@ -416,3 +416,60 @@ def test_a_rank_attaching_as_the_last_one_leaves_keeps_its_files(
         rank_1.join(60)
     assert rank_1.exitcode == 0
     assert node_files("handover") == []
+
+
+# --- a close that gives up on a copy still writing the node's arena ----------------------
+
+
+def close_with_a_copy_in_flight(rank: int, world: int, control: Any) -> Report:
+    return asyncio.run(_close_with_a_copy_in_flight(rank))
+
+
+async def _close_with_a_copy_in_flight(rank: int) -> Report:
+    checking = dist.new_group(backend="gloo")
+    device = SimDevice()
+    settings = CacheSettings(gpu_cache_mb=0, cpu_cache_mb=64 / 1024, host_share="node")
+    cache = FeatureCache(
+        settings,
+        device=device,
+        name="inflight",
+        registry=CollectorRegistry(),
+        group=dist.group.WORLD,
+    )
+    await cache.start()
+    assert await cache.wait_host_ready(30)
+    served = None
+    if rank == 0:
+        with device.hold():
+            await cache.put(0, value(0))  # its copy into the node's arena has not run
+            await cache.close(timeout=0.2)  # gives up waiting for it
+            dist.barrier(group=checking)  # rank 1 takes room in the node's arena
+            dist.barrier(group=checking)
+        device.synchronize()  # the copy runs at last
+        node = cache._core.host.node
+        assert node is not None
+        for _ in range(500):  # its landing gives the block back, and the rank leaves
+            if node.directory is None:
+                break
+            await asyncio.sleep(0.01)
+        dist.barrier(group=checking)
+    else:
+        dist.barrier(group=checking)
+        assert await cache.put(1, value(1))
+        await cache.drain()
+        dist.barrier(group=checking)
+        dist.barrier(group=checking)
+        async with cache.borrow(1) as view:
+            assert view is not None
+            served = same_bytes(view, value(1))
+        await cache.close()
+    dist.barrier(group=checking)
+    return {"served": served, "files_left": node_files("inflight")}
+
+
+def test_a_copy_still_running_after_close_never_writes_into_another_ranks_feature(
+    tmp_path: Path,
+) -> None:
+    reports = run_ranks(tmp_path, 2, close_with_a_copy_in_flight)
+    assert reports[1]["served"], "rank 0's late copy overwrote rank 1's feature"
+    assert reports[1]["files_left"] == []
