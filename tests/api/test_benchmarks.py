@@ -51,6 +51,37 @@ def test_benchmark_runs_without_a_gpu(name: str) -> None:
     assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
 
 
+def test_bench_adapters_times_the_caches_thread_calls_without_sglang(tmp_path: Path) -> None:
+    """Where SGLang is not installed (a GPU machine for figures only), the thread path's
+    rows are still timed, on a loop thread of the adapter's kind."""
+    out = tmp_path / "adapters.json"
+    hide_sglang = (
+        "import runpy, sys; sys.modules['sglang'] = None; "
+        f"sys.argv = ['bench_adapters.py', *{[*RUNS['bench_adapters.py'], '--out', str(out)]!r}]; "
+        "runpy.run_path('benchmarks/bench_adapters.py', run_name='__main__')"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", hide_sglang],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=BENCHMARKS.parent,
+    )
+    assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
+    results = json.loads(out.read_text())
+    assert results["adapter"] is False
+    assert set(results["results"]) == {
+        "round trip (trivial coroutine)",
+        "FeatureCache.get_resident_threadsafe GPU hit",
+        "FeatureCache.get_threadsafe GPU hit",
+        "FeatureCache.get on the loop, GPU hit, handed off",
+        "FeatureCache.get_threadsafe miss",
+    }
+    assert all(row["p50_us"] > 0 for row in results["results"].values())
+    assert "FeatureCache on sim" in done.stdout
+
+
 def test_bench_ipc_measures_every_path_exact_on_the_simulator(tmp_path: Path) -> None:
     out = tmp_path / "ipc.json"
     done = _run("bench_ipc.py", "--out", str(out))
