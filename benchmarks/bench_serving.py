@@ -27,9 +27,15 @@ of Python between yields, as tokenising and HTTP handling are: the loop's availa
 A single-client phase then times mmcache's calls one at a time (loop-thread CPU, which
 leaves out copy and wait time) and classes them by what the cache's counters did.
 
+On a shared host a design's window can land on a slow core or a busy moment: --rounds N
+runs each design's window N times, the designs taking turns, and reports each design's
+median round with its range; --loop-cores fast keeps the process on the cores a Python
+probe finds fastest.
+
     python benchmarks/bench_serving.py [--device cuda|sim] [--sizes 64KB 1MB 8MB] [--quick]
         [--concurrency C] [--catalogue N] [--zipf S] [--encode-ms MS] [--gpu-fraction F]
-        [--cpu-fraction F] [--seconds S] [--warmup S] [--out F]
+        [--cpu-fraction F] [--seconds S] [--warmup S] [--rounds N] [--loop-cores fast]
+        [--out F]
 
 On --device sim the cache runs on the simulator and the baselines on plain CPU tensors,
 with no encode kernel: the figures exercise the script and its checks, not a GPU. Exits
@@ -67,12 +73,15 @@ from _common import (  # noqa: E402
     SPECS,
     LoopLag,
     MiB,
+    core_speeds,
     cuda_elapsed_s,
+    describe_cores,
     fmt,
     gbps,
     markdown_table,
     median,
     percentile,
+    pin_to_fast_cores,
     summary_us,
     write_json,
 )
@@ -117,6 +126,7 @@ class Config:
     warmup_s: float = 1.0
     op_calls: int = 2000
     seed: int = 0
+    rounds: int = 1
 
     @property
     def simulated(self) -> bool:
@@ -743,14 +753,18 @@ async def measure_size(
         "strategies": {},
     }
     has_get_many = hasattr(FeatureCache, "get_many")
+    names = [name for name in STRATEGIES if name != MM_MANY or has_get_many]
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    for _ in range(cfg.rounds):  # designs alternate: a host that drifts favours none of them
+        for name in names:
+            strategy = make_strategy(name, features, cfg, gpu_bytes, cpu_bytes)
+            runs[name].append(await serve(strategy, features, requests, cfg))
+            del strategy
+            release_memory(cfg)
     for name in STRATEGIES:
-        if name == MM_MANY and not has_get_many:
-            out["strategies"][name] = {"skipped": NO_GET_MANY}
-            continue
-        strategy = make_strategy(name, features, cfg, gpu_bytes, cpu_bytes)
-        out["strategies"][name] = await serve(strategy, features, requests, cfg)
-        del strategy
-        release_memory(cfg)
+        out["strategies"][name] = (
+            median_round(runs[name]) if name in runs else {"skipped": NO_GET_MANY}
+        )
     out["ratios"] = ratios(out["strategies"])
     if not cfg.simulated:
         out["h2d_gbps"] = h2d = h2d_gbps(features.nbytes, cfg.tensor_device)
@@ -765,6 +779,17 @@ async def measure_size(
     out["operations"] = await operation_costs(features, requests, cfg, gpu_bytes, cpu_bytes)
     release_memory(cfg)
     return out
+
+
+def median_round(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """A design's round of median req/s (the lower middle one of an even count), with every
+    round's req/s beside it; wrong values and leaked bytes of all rounds."""
+    row = dict(sorted(rounds, key=lambda r: r["requests_per_s"])[(len(rounds) - 1) // 2])
+    row["rounds_requests_per_s"] = [r["requests_per_s"] for r in rounds]
+    row["wrong_values"] = sum(r["wrong_values"] for r in rounds)
+    if "leaked_bytes" in row:
+        row["leaked_bytes"] = sum(r["leaked_bytes"] for r in rounds)
+    return row
 
 
 def h2d_gbps(nbytes: int, device: torch.device) -> float:
@@ -826,6 +851,7 @@ async def run(cfg: Config) -> dict[str, Any]:
             "warmup_s": cfg.warmup_s,
             "op_calls": cfg.op_calls,
             "seed": cfg.seed,
+            "rounds": cfg.rounds,
         },
         "has_get_many": hasattr(FeatureCache, "get_many"),
         "sizes": {},
@@ -861,6 +887,11 @@ def report(results: dict[str, Any]) -> str:
         f"{cfg['catalogue']} images, Zipf {cfg['zipf']:g}, GPU tier {cfg['gpu_fraction']:g} "
         f"and host tier {cfg['cpu_fraction']:g} of the working set, {cfg['seconds']:g} s "
         f"after {cfg['warmup_s']:g} s of warm-up"
+        + (
+            f"; {cfg['rounds']} rounds, designs alternated: the median round (req/s range)"
+            if cfg.get("rounds", 1) > 1
+            else ""
+        )
     ]
     headers = [
         "design",
@@ -881,10 +912,12 @@ def report(results: dict[str, Any]) -> str:
                 rows.append([name, row["skipped"], *["-"] * (len(headers) - 2)])
                 continue
             lat, lag = row["latency_ms"], row["loop_lag_ms"]
+            rates = row.get("rounds_requests_per_s", [])
+            spread = f" ({fmt(min(rates), 0)}-{fmt(max(rates), 0)})" if len(rates) > 1 else ""
             rows.append(
                 [
                     name,
-                    fmt(row["requests_per_s"], 0),
+                    fmt(row["requests_per_s"], 0) + spread,
                     f"{row['gpu_hit_share']:.1%}",
                     f"{fmt(lat['p50'])} / {fmt(lat['p99'])}",
                     fmt(row["loop_cpu_us_per_feature"], 0),
@@ -959,6 +992,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--seed", type=int, default=DEFAULTS.seed)
     parser.add_argument(
+        "--rounds",
+        type=int,
+        default=DEFAULTS.rounds,
+        help="windows of each design, alternated; the median is reported (default 1)",
+    )
+    parser.add_argument(
+        "--loop-cores",
+        choices=("any", "fast"),
+        default="any",
+        help="fast: keep the process on the cores a Python probe finds fastest (shared hosts)",
+    )
+    parser.add_argument(
         "--quick",
         action="store_true",
         help="16 clients, 64 images, 1 s windows after 0.5 s of warm-up, 300 single calls",
@@ -986,10 +1031,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         warmup_s=pick(args.warmup, 0.5, DEFAULTS.warmup_s),
         op_calls=pick(args.op_calls, 300, DEFAULTS.op_calls),
         seed=args.seed,
+        rounds=args.rounds,
     )
     problem = check_config(cfg)
     if problem:
         parser.error(problem)
+    if args.loop_cores == "fast":
+        speeds = core_speeds()
+        fast = pin_to_fast_cores(speeds)
+        print(f"bench_serving: kept to cores {fast} ({describe_cores(speeds)})")
     if cfg.simulated:
         # The checks then run on the loop's own thread: torch's intra-op threads would spin
         # against whatever else keeps the cores busy and slow each one several times over.
@@ -1013,6 +1063,8 @@ def check_config(cfg: Config) -> str | None:
         return f"--catalogue must be 1..{PATTERN_LIMIT}, not {cfg.catalogue}"
     if cfg.concurrency < 1:
         return f"--concurrency must be at least 1, not {cfg.concurrency}"
+    if cfg.rounds < 1:
+        return f"--rounds must be at least 1, not {cfg.rounds}"
     if not cfg.seconds > 0 or not cfg.warmup_s >= 0 or cfg.op_calls < 0:
         return "--seconds must be > 0, --warmup and --op-calls >= 0"
     if not cfg.gpu_fraction > 0 or not cfg.cpu_fraction >= 0 or not cfg.encode_ms >= 0:

@@ -268,6 +268,24 @@ def test_bench_serving_reports_every_design_exact_on_the_simulator(tmp_path: Pat
     assert row["operations"]["wrong_values"] == 0 and row["operations"]["leaked_bytes"] == 0
 
 
+def test_bench_serving_alternates_rounds_and_reports_each_designs_median(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "serving.json"
+    done = _run("bench_serving.py", "--out", str(out), "--op-calls", "0", "--rounds", "3")
+    assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
+    results = json.loads(out.read_text())
+    assert results["config"]["rounds"] == 3 and results["wrong_values"] == 0
+    for name, figures in results["sizes"]["64KB"]["strategies"].items():
+        if "skipped" in figures:
+            continue
+        rates = figures["rounds_requests_per_s"]
+        assert len(rates) == 3 and all(rate > 0 for rate in rates), name
+        assert figures["requests_per_s"] == sorted(rates)[1], name  # the median round's row
+    assert "3 rounds, designs alternated" in done.stdout
+    assert _run("bench_serving.py", "--rounds", "0").returncode == 2  # refused by argparse
+
+
 async def test_bench_serving_runs_get_many_where_the_cache_has_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
