@@ -2,7 +2,8 @@
 # One call on a GPU machine: the GPU test suite, then the benchmarks; results under $OUT.
 #   OUT=/tmp/out bash benchmarks/gpu_suite.sh [tests|bench|serving|groups|ab|ipc|soak|demo|profile|all] [--quick]
 # serving: bench_serving, bench_cold_start, bench_adapters, bench_ops (the serving path's
-# figures in one call); groups: bench_groups and the group and node-tier tests on CUDA.
+# figures in one call); groups: bench_groups and the group and node-tier tests on CUDA;
+# profile: profile_ops (where one call's loop-thread time goes) and bench_offload's profile.
 # ab: bench_ops, bench_serving and bench_offload --quick of an earlier commit's tree in
 # build/ab/base (made here by `git archive COMMIT mmcache benchmarks | tar -x -C
 # build/ab/base`, carried) and of this tree, alternated on one host; AB_BENCH="serving ops"
@@ -131,6 +132,10 @@ if [ "$what" = ab ]; then
   done
 fi
 if [ "$what" = profile ]; then
+  # Where a single call's loop-thread time goes: each class of call, torch's calls included.
+  timeout 120 python3 benchmarks/profile_ops.py --device cuda --out "$out/profile_ops.json" 2>&1 | tee "$out/profile_ops.log" | head -120
+  timeout 120 python3 benchmarks/profile_ops.py --device cuda --size 8MB --features 256 \
+    --gpu-features 32 --out "$out/profile_ops_8mb.json" >"$out/profile_ops_8mb.log" 2>&1
   timeout 120 python3 -m cProfile -o "$out/offload.prof" benchmarks/bench_offload.py --quick >/dev/null 2>&1
   python3 -c "import pstats,sys; pstats.Stats(sys.argv[1]).sort_stats('tottime').print_stats(30)" "$out/offload.prof" | tail -45
 fi

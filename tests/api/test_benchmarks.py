@@ -31,6 +31,7 @@ RUNS: dict[str, list[str]] = {
     "bench_serving.py": ["--device", "sim", "--quick", "--sizes", "64KB", "--seconds", "0.3"],
     "bench_remote.py": ["--device", "sim", "--quick"],  # without redis-server: says so, exits 0
     "gpu_probe.py": ["--quick"],  # CUDA only: says so and exits 0
+    "profile_ops.py": ["--features", "64", "--gpu-features", "8", "--top", "5"],
 }
 
 
