@@ -124,8 +124,10 @@ if [ "$what" = ab ]; then
       serving) for tree in base head; do
           ab "$tree" serving 180 benchmarks/bench_serving.py --device cuda --seconds 2 --warmup 1
         done ;;
-      offload) for tree in head base; do
-          ab "$tree" offload 120 benchmarks/bench_offload.py --quick
+      offload) for round in 1 2; do  # ABBA: one put per feature moves by a third run to run
+          for tree in $([ $round = 1 ] && echo "head base" || echo "base head"); do
+            ab "$tree" "offload$round" 120 benchmarks/bench_offload.py --quick
+          done
         done ;;
       *) echo "gpu_suite.sh ab: no benchmark '$bench' (ops, serving, offload)"; status=2 ;;
     esac
