@@ -9,7 +9,10 @@ scenarios on a GPU are in test_cuda_device.py.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import gc
+import mmap
+import os
 import threading
 import time
 import weakref
@@ -84,6 +87,37 @@ def test_an_arena_is_pinned_in_chunks_and_copies_split_where_they_cross_one() ->
     arena.stop_pinning()
     arena.unpin()
     assert sorted(driver.unregistered) == sorted(driver.registered)
+
+
+def _resident_pages(ptr: int, nbytes: int) -> tuple[int, int]:
+    """(pages of [ptr, ptr + nbytes) in memory, pages in all), by mincore(2)."""
+    pages = -(-nbytes // mmap.PAGESIZE)
+    vec = (ctypes.c_ubyte * pages)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    if libc.mincore(ptr, nbytes, vec) != 0:
+        raise OSError(ctypes.get_errno(), "mincore failed")
+    return sum(v & 1 for v in vec), pages
+
+
+@pytest.mark.skipif(
+    tuple(int(p) for p in os.uname().release.split(".")[:2]) < (5, 14),
+    reason="MADV_POPULATE_WRITE needs Linux 5.14",
+)
+def test_an_arena_chunk_is_in_memory_before_it_is_registered() -> None:
+    """The kernel's zero-fill of fresh pages happens before the registration, not inside it
+    (where it would hold the driver's lock that kernel launches wait for)."""
+    seen: list[tuple[int, int]] = []
+
+    class Resident(Driver):
+        def host_register(self, ordinal: int, ptr: int, nbytes: int, setting: str) -> None:
+            seen.append(_resident_pages(ptr, nbytes))
+            super().host_register(ordinal, ptr, nbytes, setting)
+
+    arena = an_arena(Resident(), chunk=4 * MiB)
+    arena.host_arena(16 * MiB)
+    assert len(seen) == 4
+    assert all(resident == pages for resident, pages in seen), seen
 
 
 def test_an_arena_smaller_than_a_chunk_needs_no_split() -> None:
