@@ -45,7 +45,12 @@ import torch
 
 from mmcache.ipc.shm import reserve
 
-__all__ = ["MAX_RANKS", "NodeDirectory", "NodeUsage", "records_for"]
+__all__ = ["MAX_RANKS", "DetachedError", "NodeDirectory", "NodeUsage", "records_for"]
+
+
+class DetachedError(RuntimeError):
+    """The rank has left the node's directory (its cache closed)."""
+
 
 MAX_RANKS: Final = 64  # one bit of an int64 per rank
 _MAGIC: Final = 0x6D6D6E6F6465  # "mmnode"
@@ -152,7 +157,7 @@ class NodeDirectory:
     def _locked(self) -> Iterator[None]:
         with self._thread_lock:  # first: this process's other threads wait here
             if self._fd < 0:
-                raise RuntimeError("the node's directory is detached")
+                raise DetachedError("the node's directory is detached")
             fcntl.lockf(self._fd, fcntl.LOCK_EX, 1, _MUTEX)
             try:
                 yield

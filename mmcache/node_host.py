@@ -38,7 +38,13 @@ from mmcache.agreement import Agreement
 from mmcache.device.base import Device, Fence
 from mmcache.errors import CacheClosedError, SettingsError
 from mmcache.ipc.shm import SHM_DIR, reserve
-from mmcache.node_directory import MAX_RANKS, NodeDirectory, NodeUsage, records_for
+from mmcache.node_directory import (
+    MAX_RANKS,
+    DetachedError,
+    NodeDirectory,
+    NodeUsage,
+    records_for,
+)
 from mmcache.node_pool import NodeHostPool
 from mmcache.settings import CacheSettings
 
@@ -152,9 +158,14 @@ class NodeHost:
         )
 
     def usage(self) -> NodeUsage | None:
-        """What the node's arena holds (None until attached)."""
+        """What the node's arena holds (None until attached, and once left)."""
         directory = self.directory
-        return None if directory is None else directory.usage()
+        if directory is None:
+            return None
+        try:
+            return directory.usage()
+        except DetachedError:  # stats() from another thread while close() left the node
+            return None
 
     def close(self) -> None:
         """Release every block this rank holds and leave; the last rank removes the files.

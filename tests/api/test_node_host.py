@@ -326,6 +326,23 @@ def test_a_sibling_cache_leaves_a_node_segment_being_made_alone(
     assert node_files("siblingA") == [] and node_files("siblingB") == []
 
 
+def test_usage_read_while_the_rank_leaves_the_node_is_none_not_an_error() -> None:
+    """stats() may run on another thread while close() leaves the node: a thread that read
+    the directory just before close() took it away finds it detached, and the usage is
+    none, as once the rank has left."""
+    host = _node_host("leaving")
+    host._map([_whereabouts(64 << 10)])
+    stale = host.directory
+    assert stale is not None and host.usage() is not None
+    host.close()
+    host.directory = stale  # what the other thread still holds
+    try:
+        assert host.usage() is None
+    finally:
+        host.directory = None
+    assert node_files("leaving") == []
+
+
 @pytest.mark.parametrize("room_for", [0, 1])  # the directory's file, then the arena's
 def test_a_full_dev_shm_fails_the_node_tier_at_setup_and_leaves_no_files(
     monkeypatch: pytest.MonkeyPatch, room_for: int
