@@ -74,7 +74,8 @@ def check_host_share(settings: CacheSettings, group: object) -> None:
     size = dist.get_world_size(group)  # type: ignore[arg-type]
     if size > MAX_RANKS:
         raise SettingsError(
-            f"host_share='node' takes groups of up to {MAX_RANKS} ranks, not {size}"
+            f"{settings.how_to_change('host_share')}: host_share='node' takes groups of up "
+            f"to {MAX_RANKS} ranks, not {size}; leave host_share='rank' for this group"
         )
 
 

@@ -33,8 +33,8 @@ from mmcache import CacheClosedError, CacheSettings, FeatureCache, GroupError, S
 from mmcache.agreement import Agreement
 from mmcache.device import SimDevice
 from mmcache.ipc.errors import SharedMemoryFullError
-from mmcache.node_directory import NodeDirectory
-from mmcache.node_host import NodeHost, _whereabouts, node_files
+from mmcache.node_directory import MAX_RANKS, NodeDirectory
+from mmcache.node_host import NodeHost, _whereabouts, check_host_share, node_files
 
 KEYS = 24
 PEER_TIMEOUT_S = 2.0
@@ -275,6 +275,15 @@ def test_a_node_host_tier_without_a_group_is_refused() -> None:
     settings = CacheSettings(gpu_cache_mb=1, cpu_cache_mb=1, host_share="node")
     with pytest.raises(SettingsError, match=r"host_share='node'.*group="):
         FeatureCache(settings, device="sim", registry=CollectorRegistry())
+
+
+def test_a_node_host_tier_for_a_group_too_large_is_refused_naming_the_setting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("MMCACHE_HOST_SHARE", "node")
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: MAX_RANKS + 1)
+    with pytest.raises(SettingsError, match=rf"MMCACHE_HOST_SHARE.*up to {MAX_RANKS} ranks"):
+        check_host_share(CacheSettings(), object())
 
 
 def _node_host(name: str, capacity: int = 64 << 10) -> NodeHost:
