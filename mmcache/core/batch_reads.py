@@ -155,13 +155,14 @@ class BatchReads:
                 if fence.done():
                     raise_if_failed(fence)
         if uploads:
-            fences = self._upload(uploads, out, used, stream)
-            waits.extend(fences)
-            if blame is not None:
-                uploaded: list[Hashable] = []
-                for i, _, _ in uploads:
-                    uploaded.append(keys[i])
-                for fence in fences:
+            # Each fence is blamed for its own copies' keys alone: a copy that fails on one
+            # stream must not fail the callers whose features came by the other.
+            for fence, behind in self._upload(uploads, out, used, stream):
+                waits.append(fence)
+                if blame is not None:
+                    uploaded: list[Hashable] = []
+                    for i, _, _ in behind:
+                        uploaded.append(keys[i])
                     blame[fence] = uploaded
         for i, seen in repeats:
             found_tensor = out[seen]
@@ -174,10 +175,11 @@ class BatchReads:
         out: list[torch.Tensor | None],
         used: list[torch.Tensor],
         stream: Stream,
-    ) -> list[Fence]:
+    ) -> list[tuple[Fence, list[_Upload]]]:
         """Queue the host hits' copies; promote those that fit. Small ones that stay the
         reader's share one buffer copied on its stream, the rest go behind one fence on
-        the H2D stream; returns the fences the reads must order after."""
+        the H2D stream; returns the fences the reads must order after, each with the
+        uploads copied behind it."""
         small = self._reads.small_copy_bytes
         on_reader: list[_Upload] = []
         on_copy_stream: list[_Upload] = []
@@ -216,17 +218,16 @@ class BatchReads:
             written = entry.copy_fence
             if written is not None and written not in copies.after:
                 copies.after.append(written)
-        fences: list[Fence] = []
+        fences: list[tuple[Fence, list[_Upload]]] = []
         if on_reader:
             fence = self._upload_on_reader(on_reader, reader, out, stream)
             if fence is not None:
-                fences.append(fence)
+                fences.append((fence, on_reader))
         if on_copy_stream:
-            fences.append(
-                self._upload_on_copy_stream(
-                    on_copy_stream, copy_stream, promoted, shared, out, used
-                )
+            fence = self._upload_on_copy_stream(
+                on_copy_stream, copy_stream, promoted, shared, out, used
             )
+            fences.append((fence, on_copy_stream))
         return fences
 
     def _upload_on_reader(

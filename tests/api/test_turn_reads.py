@@ -301,3 +301,33 @@ async def test_a_copy_that_never_completes_times_out_only_the_calls_that_read_it
         rig.device.unstick()
     await cache.drain()
     assert cache.stats().leaked_bytes == 0
+
+
+async def test_a_failed_upload_fails_only_the_calls_that_read_behind_it(
+    rig: Rig, make_cache: CacheFactory
+) -> None:
+    """One turn's host hits go behind two fences (the small ones copied on the reader's
+    stream, the larger ones on the copy stream): a copy that fails behind one of them
+    fails the calls that read behind it, not those served by the other."""
+    if not isinstance(rig.device, SimDevice):
+        pytest.skip("injects a failed copy into the simulator")
+    cache = make_cache(
+        gpu_mb=2 * FEATURE_KIB / KiB,
+        cpu_mb=4,
+        promote_on_hit=False,
+        small_copy_bytes=FEATURE_KIB * KiB + 1,  # 0 and 1 below it, "large" above
+    )
+    await host_resident(rig, cache, 2)
+    large_value = await put_feature(cache, rig, "large", 2 * FEATURE_KIB, seed=7)
+    for i in (2, 3):
+        await put_feature(cache, rig, i, FEATURE_KIB, seed=i)  # pushes "large" to the host
+    await cache.drain()
+    assert _on_host(cache, "large")  # type: ignore[arg-type]
+    rig.device.inject("copy_fails", 1)  # the reader stream's copy, queued first
+    small = asyncio.ensure_future(cache.get(0))
+    large = asyncio.ensure_future(cache.get("large"))
+    with pytest.raises(CopyFailedError):
+        await small
+    assert_exact(await large, large_value)
+    await cache.drain()
+    assert cache.stats().leaked_bytes == 0
