@@ -160,10 +160,7 @@ class BatchReads:
             for fence, behind in self._upload(uploads, out, used, stream):
                 waits.append(fence)
                 if blame is not None:
-                    uploaded: list[Hashable] = []
-                    for i, _, _ in behind:
-                        uploaded.append(keys[i])
-                    blame[fence] = uploaded
+                    blame[fence] = [keys[i] for i, _, _ in behind]
         for i, seen in repeats:
             found_tensor = out[seen]
             out[i] = None if found_tensor is None else found_tensor.detach()

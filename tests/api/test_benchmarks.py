@@ -36,8 +36,13 @@ RUNS: dict[str, list[str]] = {
 
 
 def _run(name: str, *extra: str) -> subprocess.CompletedProcess[str]:
+    return _python(str(BENCHMARKS / name), *RUNS[name], *extra)
+
+
+def _python(*argv: str) -> subprocess.CompletedProcess[str]:
+    """This Python run on argv from the repository root, its output captured."""
     return subprocess.run(
-        [sys.executable, str(BENCHMARKS / name), *RUNS[name], *extra],
+        [sys.executable, *argv],
         capture_output=True,
         text=True,
         timeout=120,
@@ -61,14 +66,7 @@ def test_bench_adapters_times_the_caches_thread_calls_without_sglang(tmp_path: P
         f"sys.argv = ['bench_adapters.py', *{[*RUNS['bench_adapters.py'], '--out', str(out)]!r}]; "
         "runpy.run_path('benchmarks/bench_adapters.py', run_name='__main__')"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", hide_sglang],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        cwd=BENCHMARKS.parent,
-    )
+    done = _python("-c", hide_sglang)
     assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
     results = json.loads(out.read_text())
     assert results["adapter"] is False
