@@ -159,8 +159,11 @@ class BatchReads:
             # stream must not fail the callers whose features came by the other.
             for fence, behind in self._upload(uploads, out, used, stream):
                 waits.append(fence)
-                if blame is not None:
-                    blame[fence] = [keys[i] for i, _, _ in behind]
+                if blame is not None:  # a loop, not a comprehension: no frame of its own
+                    uploaded: list[Hashable] = []
+                    for i, _, _ in behind:
+                        uploaded.append(keys[i])
+                    blame[fence] = uploaded
         for i, seen in repeats:
             found_tensor = out[seen]
             out[i] = None if found_tensor is None else found_tensor.detach()
