@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import cProfile
 import functools
 import gc
 import itertools
@@ -127,6 +128,7 @@ class Config:
     op_calls: int = 2000
     seed: int = 0
     rounds: int = 1
+    profile_dir: str | None = None
 
     @property
     def simulated(self) -> bool:
@@ -554,9 +556,14 @@ def settle_device(cfg: Config) -> float:
 
 
 async def serve(
-    strategy: Strategy, features: Features, requests: Requests, cfg: Config
+    strategy: Strategy,
+    features: Features,
+    requests: Requests,
+    cfg: Config,
+    profile_to: str | None = None,
 ) -> dict[str, Any]:
-    """Run the workload through strategy: warm-up, then the timed window."""
+    """Run the workload through strategy: warm-up, then the timed window (cProfile'd into
+    the pstats file profile_to where given: where the loop thread's time goes)."""
     requests.restart()
     await strategy.start()
     w = Window()
@@ -566,15 +573,21 @@ async def serve(
     front = asyncio.create_task(front_end(w))
     await asyncio.sleep(cfg.warmup_s)
     settle_device(cfg)  # the window starts with no GPU backlog and ends counting its own
+    probe = cProfile.Profile() if profile_to is not None else None
     async with LoopLag(TICK_S) as lag:
         w.open = True
         cpu_start, start = time.thread_time(), time.perf_counter()
+        if probe is not None:
+            probe.enable()
         await asyncio.sleep(cfg.seconds)
         # A window in which no request finished measures nothing (a short one on a busy
         # host): it stays open until one does, and the rate is over the time it was open.
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(w.first_request.wait(), max(10 * cfg.seconds, 5.0))
         w.open = False
+        if probe is not None and profile_to is not None:
+            probe.disable()
+            probe.dump_stats(profile_to)
         cpu_s, wall_s = time.thread_time() - cpu_start, time.perf_counter() - start
         lags_ms = [lag_s * 1e3 for lag_s in lag.lags]
         backlog_s = settle_device(cfg)
@@ -755,10 +768,14 @@ async def measure_size(
     has_get_many = hasattr(FeatureCache, "get_many")
     names = [name for name in STRATEGIES if name != MM_MANY or has_get_many]
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
-    for _ in range(cfg.rounds):  # designs alternate: a host that drifts favours none of them
+    for turn in range(cfg.rounds):  # designs alternate: a host that drifts favours none
         for name in names:
             strategy = make_strategy(name, features, cfg, gpu_bytes, cpu_bytes)
-            runs[name].append(await serve(strategy, features, requests, cfg))
+            profile_to = None
+            if cfg.profile_dir and turn == 0:
+                slug = re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_")
+                profile_to = str(Path(cfg.profile_dir) / f"{size}-{slug}.prof")
+            runs[name].append(await serve(strategy, features, requests, cfg, profile_to))
             del strategy
             release_memory(cfg)
     for name in STRATEGIES:
@@ -1008,6 +1025,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="16 clients, 64 images, 1 s windows after 0.5 s of warm-up, 300 single calls",
     )
+    parser.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="cProfile each design's first timed window into DIR/<size>-<design>.prof "
+        "(its figures then carry the profiler's cost)",
+    )
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() else "sim")
@@ -1032,10 +1055,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         op_calls=pick(args.op_calls, 300, DEFAULTS.op_calls),
         seed=args.seed,
         rounds=args.rounds,
+        profile_dir=args.profile,
     )
     problem = check_config(cfg)
     if problem:
         parser.error(problem)
+    if cfg.profile_dir:
+        Path(cfg.profile_dir).mkdir(parents=True, exist_ok=True)
     if args.loop_cores == "fast":
         speeds = core_speeds()
         fast = pin_to_fast_cores(speeds)

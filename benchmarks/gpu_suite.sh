@@ -3,11 +3,12 @@
 #   OUT=/tmp/out bash benchmarks/gpu_suite.sh [tests|bench|serving|groups|ab|ipc|soak|demo|profile|all] [--quick]
 # serving: bench_serving, bench_cold_start, bench_adapters, bench_ops (the serving path's
 # figures in one call); groups: bench_groups and the group and node-tier tests on CUDA;
-# profile: profile_ops (where one call's loop-thread time goes) and bench_offload's profile.
+# profile: bench_serving under cProfile (pstats per design and size) and profile_ops.
 # ab: bench_ops, bench_serving and bench_offload --quick of an earlier commit's tree in
 # build/ab/base (made here by `git archive COMMIT mmcache benchmarks | tar -x -C
-# build/ab/base`, carried) and of this tree, alternated on one host; AB_BENCH="serving ops"
-# runs those alone, in that order.
+# build/ab/base`, carried; AB_BASE names another folder) and of this tree, alternated on
+# one host; AB_BENCH="serving ops" runs those alone, in that order; AB_SERVING adds
+# bench_serving arguments.
 # Wheels for packages the machine lacks may be carried in .whl/ (installed to /tmp/site):
 # `bash scripts/device_wheels.sh` downloads them, the versions CI tests.
 set -uo pipefail
@@ -103,11 +104,12 @@ if [ "$what" = groups ] || [ "$what" = all ]; then
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if [ "$what" = ab ]; then
-  [ -d build/ab/base/mmcache ] || { echo "gpu_suite.sh ab: build/ab/base holds no tree"; exit 2; }
+  base_dir="$PWD/${AB_BASE:-build/ab/base}"
+  [ -d "$base_dir/mmcache" ] || { echo "gpu_suite.sh ab: $base_dir holds no tree"; exit 2; }
   ab() {  # ab TREE NAME SECONDS SCRIPT ARGS...: one benchmark of one tree, its table's tail
     local tree=$1 name=$2 limit=$3 dir=$PWD
     shift 3
-    [ "$tree" = base ] && dir=$PWD/build/ab/base
+    [ "$tree" = base ] && dir=$base_dir
     echo "=== $tree: $*"
     (cd "$dir" && PYTHONPATH="/tmp/site:$dir" timeout "$limit" python3 "$@" \
       --out "$out/$name-$tree.json" >"$out/$name-$tree.log" 2>&1) || status=1
@@ -122,7 +124,9 @@ if [ "$what" = ab ]; then
           done
         done ;;
       serving) for tree in base head; do
-          ab "$tree" serving 180 benchmarks/bench_serving.py --device cuda --seconds 2 --warmup 1
+          # shellcheck disable=SC2086  # AB_SERVING is words
+          ab "$tree" serving 240 benchmarks/bench_serving.py --device cuda --seconds 2 --warmup 1 \
+            ${AB_SERVING:-}
         done ;;
       offload) for round in 1 2; do  # ABBA: one put per feature moves by a third run to run
           for tree in $([ $round = 1 ] && echo "head base" || echo "base head"); do
@@ -134,12 +138,17 @@ if [ "$what" = ab ]; then
   done
 fi
 if [ "$what" = profile ]; then
-  # Where a single call's loop-thread time goes: each class of call, torch's calls included.
-  timeout 120 python3 benchmarks/profile_ops.py --device cuda --out "$out/profile_ops.json" 2>&1 | tee "$out/profile_ops.log" | head -120
-  timeout 120 python3 benchmarks/profile_ops.py --device cuda --size 8MB --features 256 \
-    --gpu-features 32 --out "$out/profile_ops_8mb.json" >"$out/profile_ops_8mb.log" 2>&1
-  timeout 120 python3 -m cProfile -o "$out/offload.prof" benchmarks/bench_offload.py --quick >/dev/null 2>&1
-  python3 -c "import pstats,sys; pstats.Stats(sys.argv[1]).sort_stats('tottime').print_stats(30)" "$out/offload.prof" | tail -45
+  # Where the loop thread's time goes: bench_serving's timed windows under cProfile (each
+  # design, each size: pstats files to read beside each other), then single calls of each
+  # class (profile_ops), torch's and the driver's calls included.
+  timeout 300 python3 benchmarks/bench_serving.py --device cuda --seconds 2 --warmup 1 --op-calls 0 \
+    --profile "$out/serving-prof" --out "$out/serving-prof.json" 2>&1 | tee "$out/serving-prof.log" | grep -E "^### |^\| mmcache|^\| floor"
+  for prof in "$out"/serving-prof/*mmcache_get.prof; do
+    echo "== $prof"
+    python3 -c "import pstats,sys; pstats.Stats(sys.argv[1]).sort_stats('tottime').print_stats(25)" "$prof" | tail -32
+  done
+  timeout 120 python3 benchmarks/profile_ops.py --device cuda --size 1MB --features 512 \
+    --gpu-features 64 --out "$out/profile_ops_1mb.json" >"$out/profile_ops_1mb.log" 2>&1
 fi
 if [ "$what" = ipc ] || [ "$what" = all ]; then
   timeout 120 python3 examples/encoder_to_scheduler_ipc.py --device cuda 2>&1 | tail -5

@@ -109,10 +109,12 @@ class CudaDevice(Device):
         self._driver = _LazyDriver()
         copier: BatchCopier | None = None
         d2d_copier: BatchCopier | None = None
+        h2d_copier: BatchCopier | None = None
         if batch_copies:
             try:
-                copier = self._driver().batch_copier(self.index)
-                d2d_copier = self._driver().batch_copier(self.index, to_host=False)
+                copier = self._driver().batch_copier(self.index, "d2h")
+                d2d_copier = self._driver().batch_copier(self.index, "d2d")
+                h2d_copier = self._driver().batch_copier(self.index, "h2d")
             except Exception as exc:  # copies still work through torch
                 _log.warning("%s: no batched copies through the driver (%s)", self.name, str(exc))
         with torch.cuda.device(self._device):
@@ -132,7 +134,15 @@ class CudaDevice(Device):
         )
         self._memory = DeviceMemory(self._device, self.name, h2d)
         self._copies = CudaCopies(
-            self._device, self.name, self._memory, self._arena, self._waiters, d2h, h2d, d2d_copier
+            self._device,
+            self.name,
+            self._memory,
+            self._arena,
+            self._waiters,
+            d2h,
+            h2d,
+            d2d_copier,
+            h2d_copier,
         )
         self._batches = BatchedCopies(
             self.name, self._memory, self._arena, self._copies, copier, pack_max_bytes
@@ -426,6 +436,9 @@ class CudaDevice(Device):
             ),
             "batched_copies_within_gpu": (
                 "torch copy_" if self._copies.d2d_batches is None else "cuMemcpyBatchAsync"
+            ),
+            "batched_uploads": (
+                "torch copy_" if self._copies.h2d_batches is None else "cuMemcpyBatchAsync"
             ),
         }
         if self._driver.instance is not None:

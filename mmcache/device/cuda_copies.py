@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Final, final
+from typing import final
 
 import torch
 
@@ -19,9 +19,10 @@ from mmcache.device.base import (
 )
 from mmcache.device.cuda_arena import PinnedArena
 from mmcache.device.cuda_driver import BatchCopier
+from mmcache.device.cuda_driver_copies import LEGACY_DEFAULT_STREAM, DriverCopies
 from mmcache.device.cuda_fence import CudaFence, order_after, record_fence
 from mmcache.device.cuda_memory import DeviceMemory, record_use
-from mmcache.device.cuda_streams import OnStream, as_cuda_stream, new_stream
+from mmcache.device.cuda_streams import OnStream, as_cuda_stream
 from mmcache.device.cuda_waiters import FenceWaiters
 from mmcache.errors import (
     CacheClosedError,
@@ -35,9 +36,6 @@ from mmcache.layouts import rows_back_to_back
 __all__ = ["CudaCopies", "enqueue_error", "flat_bytes"]
 
 _log = logging.getLogger(__name__)
-
-#: the handle of CUDA's legacy default stream (torch's default stream)
-_LEGACY_DEFAULT_STREAM: Final = 0
 
 
 def flat_bytes(tensor: torch.Tensor, role: str) -> torch.Tensor:
@@ -105,6 +103,7 @@ class CudaCopies:
         d2h: torch.cuda.Stream,
         h2d: torch.cuda.Stream,
         d2d_batches: BatchCopier | None = None,
+        h2d_batches: BatchCopier | None = None,
     ) -> None:
         self._device = device
         self._name = name
@@ -113,15 +112,20 @@ class CudaCopies:
         self._waiters = waiters
         self._d2h = d2h
         self._h2d = h2d
-        # Several copies within the GPU by one driver call, where the driver has them.
-        self._d2d_batches = d2d_batches
-        self._d2d_side: torch.cuda.Stream | None = None  # made at its first use
+        # Several copies within the GPU, or from the arena, by one driver call where the
+        # driver has them.
+        self._by_driver = DriverCopies(name, device, arena, d2d_batches, h2d_batches)
         self._closed = False
 
     @property
     def d2d_batches(self) -> BatchCopier | None:
         """The driver's batched copies within the GPU; None without them, or once refused."""
-        return self._d2d_batches
+        return self._by_driver.d2d
+
+    @property
+    def h2d_batches(self) -> BatchCopier | None:
+        """The driver's batched copies from the arena; None without them, or once refused."""
+        return self._by_driver.h2d
 
     @property
     def d2h(self) -> torch.cuda.Stream:
@@ -240,10 +244,14 @@ class CudaCopies:
             with OnStream(cuda_stream):
                 buffer = self._memory.empty_here((nbytes,), torch.uint8)
                 order_after(cuda_stream, after)
-                for src, offset in zip(srcs, offsets, strict=True):
-                    src_bytes = flat_bytes(src, "source")
-                    dst = buffer[offset : offset + src_bytes.numel()]
-                    self.copy_bytes(dst, src_bytes, host=src_bytes)
+                base = buffer.data_ptr()
+                if not self._by_driver.upload(
+                    srcs, [base + offset for offset in offsets], cuda_stream
+                ):
+                    for src, offset in zip(srcs, offsets, strict=True):
+                        src_bytes = flat_bytes(src, "source")
+                        dst = buffer[offset : offset + src_bytes.numel()]
+                        self.copy_bytes(dst, src_bytes, host=src_bytes)
         except RuntimeError as exc:
             raise enqueue_error("host-to-device", nbytes, exc) from exc
         return buffer
@@ -288,8 +296,13 @@ class CudaCopies:
         try:
             with OnStream(stream):
                 order_after(stream, after)
-                for dst_bytes, src_bytes in pairs:
-                    self.copy_bytes(dst_bytes, src_bytes, host=src_bytes)
+                if not self._by_driver.upload(
+                    [src_bytes for _, src_bytes in pairs],
+                    [dst_bytes.data_ptr() for dst_bytes, _ in pairs],
+                    stream,
+                ):
+                    for dst_bytes, src_bytes in pairs:
+                        self.copy_bytes(dst_bytes, src_bytes, host=src_bytes)
                 keep_blocks(dsts, stream)
                 return self.record_on(stream)
         except RuntimeError as exc:
@@ -328,14 +341,13 @@ class CudaCopies:
         srcs = [src for src, _ in pairs]
         # Several dense pairs: one driver batch, where the driver has them.
         by_driver = (
-            self._d2d_batches is not None
+            self._by_driver.d2d is not None
             and len(pairs) > 1
             and all(_dense(src) and _dense(dst) for src, dst in pairs)
         )
         try:
-            if not (
-                by_driver and self._batched_d2d(srcs, [d.data_ptr() for _, d in pairs], cuda_stream)
-            ):
+            addresses = [dst.data_ptr() for _, dst in pairs]
+            if not (by_driver and self._by_driver.within_gpu(srcs, addresses, cuda_stream)):
                 with OnStream(cuda_stream):
                     for (src, dst), same in zip(pairs, alike, strict=True):
                         if same:
@@ -374,14 +386,14 @@ class CudaCopies:
         if rows is not None:
             return self._gather_into(srcs, dst, offsets[0], rows, cuda_stream, views)
         # One copy on the legacy default stream gains nothing from the driver's batches
-        # (they need a stream of their own there, see _batched_d2d).
-        alone = len(srcs) < 2 and cuda_stream.cuda_stream == _LEGACY_DEFAULT_STREAM
-        if self._d2d_batches is None or alone or not all(map(_dense, srcs)):
+        # (they need a stream of their own there, see DriverCopies.batch).
+        alone = len(srcs) < 2 and cuda_stream.cuda_stream == LEGACY_DEFAULT_STREAM
+        if self._by_driver.d2d is None or alone or not all(map(_dense, srcs)):
             pairs = destination_pairs(srcs, dst, offsets, views)
             return self.copy_d2d_many(pairs, stream, dsts_held=True)
         base = dst.data_ptr()
         try:
-            if not self._batched_d2d(srcs, [base + at for at in offsets], cuda_stream):
+            if not self._by_driver.within_gpu(srcs, [base + at for at in offsets], cuda_stream):
                 return self.copy_d2d_into(srcs, dst, offsets, stream, views)  # now by torch
             keep_blocks(srcs, cuda_stream)
             return self.record_on(cuda_stream)
@@ -414,48 +426,6 @@ class CudaCopies:
             return self.record_on(stream)
         except RuntimeError as exc:
             raise enqueue_error("device-to-device", sum(s.nbytes for s in srcs), exc) from exc
-
-    def _batched_d2d(
-        self, srcs: Sequence[torch.Tensor], dsts: Sequence[int], stream: torch.cuda.Stream
-    ) -> bool:
-        """Queue each of srcs (dense tensors of this GPU) to the address in dsts (room for
-        it, checked) as one driver batch on stream; False if the driver refused it, after
-        which torch copies within the GPU (nothing of a refused call is queued).
-
-        The driver refuses batches on the legacy default stream: there they run on a side
-        stream between two stream waits, which keep them in that stream's order.
-        """
-        copier = self._d2d_batches
-        assert copier is not None
-        ptrs, addresses, sizes = [], [], []
-        for src, at in zip(srcs, dsts, strict=True):
-            if src.nbytes:
-                ptrs.append(src.data_ptr())
-                addresses.append(at)
-                sizes.append(src.nbytes)
-        if not sizes:
-            return True
-        on = stream
-        if stream.cuda_stream == _LEGACY_DEFAULT_STREAM:
-            on = self._side_stream()
-            on.wait_stream(stream)
-        try:
-            copier.copy(addresses, ptrs, sizes, on.cuda_stream)
-        except CopyFailedError as exc:
-            # The reason, not exc: a log record keeping its traceback would keep the sources.
-            reason = str(exc)
-            _log.warning("%s: %s; torch copies within the GPU from now on", self._name, reason)
-            self._d2d_batches = None
-            return False
-        if on is not stream:
-            stream.wait_stream(on)
-        return True
-
-    def _side_stream(self) -> torch.cuda.Stream:
-        """The stream that runs driver batches for work queued on the legacy default stream."""
-        if self._d2d_side is None:
-            self._d2d_side = new_stream(self._device, priority=0)
-        return self._d2d_side
 
     def copy_d2d_new(self, src: torch.Tensor, stream: Stream) -> tuple[torch.Tensor, CudaFence]:
         """A new tensor of this GPU filled from src (this GPU, contiguous) on stream.

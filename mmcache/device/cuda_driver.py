@@ -199,12 +199,12 @@ class CudaDriver:
 
     # --- batched copies ---------------------------------------------------------------
 
-    def batch_copier(self, ordinal: int, *, to_host: bool = True) -> BatchCopier | None:
-        """Copies from GPU ordinal to pinned host memory (or, to_host=False, to the same
-        GPU's memory), many in one call; None before CUDA 12.8."""
+    def batch_copier(self, ordinal: int, direction: str = "d2h") -> BatchCopier | None:
+        """Copies of GPU ordinal in one direction ("d2h": to pinned host memory, "h2d": from
+        it, "d2d": within the GPU), many in one call; None before CUDA 12.8."""
         if self._batch_copy is None:
             return None
-        return BatchCopier(self, self._context(ordinal), ordinal, to_host=to_host)
+        return BatchCopier(self, self._context(ordinal), ordinal, direction)
 
     # --- device memory shared across processes ----------------------------------------
 
@@ -336,7 +336,7 @@ def _bind_batch_copy(lib: ctypes.CDLL, version: int) -> tuple[Any, bool]:
 
 @final
 class BatchCopier:
-    """cuMemcpyBatchAsync from one GPU's memory to pinned host memory, or to the same GPU.
+    """cuMemcpyBatchAsync between one GPU's memory and pinned host memory, or within the GPU.
 
     One driver call queues every range of a batch, where torch queues one copy per copy_
     call, and needs no gather kernel in front of it: less host time per batch than
@@ -346,32 +346,28 @@ class BatchCopier:
     __slots__ = ("_attrs", "_call", "_context", "_driver", "_fail_index", "_index")
 
     def __init__(
-        self, driver: CudaDriver, context: ctypes.c_void_p, ordinal: int, *, to_host: bool
+        self, driver: CudaDriver, context: ctypes.c_void_p, ordinal: int, direction: str
     ) -> None:
         self._driver = driver
         self._call = driver._batch_copy
         self._fail_index = driver._batch_fail_index
         self._context = context
-        # One set of attributes for every copy, read in stream order. Offloads go on copy
-        # engines rather than SMs (compute runs beside them); copies within the GPU state
-        # no preference, leaving the choice to the driver.
-        if to_host:
-            dst = _MemLocation(_CU_MEM_LOCATION_TYPE_HOST, 0)
-            flags = _CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE
-        else:
-            dst, flags = _MemLocation(_CU_MEM_LOCATION_TYPE_DEVICE, ordinal), 0
-        self._attrs = _MemcpyAttributes(
-            _CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
-            _MemLocation(_CU_MEM_LOCATION_TYPE_DEVICE, ordinal),
-            dst,
-            flags,
-        )
+        # One set of attributes for every copy, read in stream order. Copies across the
+        # bus go on copy engines rather than SMs (compute runs beside them); copies within
+        # the GPU state no preference, leaving the choice to the driver.
+        if direction not in ("d2h", "h2d", "d2d"):
+            raise ValueError(f"direction must be 'd2h', 'h2d' or 'd2d', not {direction!r}")
+        gpu = _MemLocation(_CU_MEM_LOCATION_TYPE_DEVICE, ordinal)
+        host = _MemLocation(_CU_MEM_LOCATION_TYPE_HOST, 0)
+        src, dst = (host, gpu) if direction == "h2d" else (gpu, gpu if direction == "d2d" else host)
+        flags = 0 if direction == "d2d" else _CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE
+        self._attrs = _MemcpyAttributes(_CU_MEMCPY_SRC_ACCESS_ORDER_STREAM, src, dst, flags)
         self._index = (ctypes.c_size_t * 1)(0)
 
     def copy(
         self, dsts: Sequence[int], srcs: Sequence[int], sizes: Sequence[int], stream: int
     ) -> None:
-        """Queue sizes[i] bytes from device address srcs[i] to address dsts[i] on stream.
+        """Queue sizes[i] bytes from address srcs[i] to address dsts[i] on stream.
 
         Raises CopyFailedError if the driver refuses the batch (nothing is then known to be
         queued; copying the same ranges again is harmless).

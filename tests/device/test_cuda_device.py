@@ -30,7 +30,9 @@ from device_copies import (
     copy_d2h,
     copy_d2h_batch,
     copy_h2d,
+    copy_h2d_many,
     host_arena,
+    upload_packed_on,
 )
 from prometheus_client import CollectorRegistry
 
@@ -820,6 +822,95 @@ async def offload_and_read_back(device: CudaDevice, rows: list[int]) -> CacheSta
             got = await cache.get(i, device="cpu")
             assert got is not None and torch.equal(got, want), i
     return stats
+
+
+def counted_batches(monkeypatch: pytest.MonkeyPatch, copier: BatchCopier | None) -> list[int]:
+    """The sizes of the batches copier is given from now on (each call's copy count)."""
+    calls: list[int] = []
+    real = BatchCopier.copy
+
+    def counting(self: BatchCopier, *args: Any) -> None:
+        if self is copier:
+            calls.append(len(args[2]))
+        real(self, *args)
+
+    monkeypatch.setattr(BatchCopier, "copy", counting)
+    return calls
+
+
+@pytest.mark.parametrize("on", ["default", "side"])
+@pytest.mark.parametrize("batch_copies", [True, False], ids=["driver-batch", "torch-copy"])
+def test_uploads_of_a_turn_take_one_driver_call_in_the_readers_order(
+    on: str, batch_copies: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Host hits uploaded for a reader (one buffer, one ordering) and promotions (the H2D
+    stream) go to the driver as one batch each, a range across an arena chunk split at
+    it; the bytes land after the reader's queued work (the legacy default stream's
+    batches run on a side stream between two waits) and before its later work."""
+    device = CudaDevice(0, batch_copies=batch_copies, pin_chunk_bytes=4 * MiB)
+    if batch_copies:
+        needs_driver_batches(device)
+    copier = device._copies.h2d_batches
+    assert (copier is not None) == batch_copies
+    calls = counted_batches(monkeypatch, copier)
+    arena = host_arena(device, 12 * MiB)
+    arena.copy_(torch.randint(0, 255, (arena.numel(),), dtype=torch.uint8))
+    # 1 MiB, 64 KiB, one byte, and 2 MiB across the first chunk boundary.
+    spans = [(0, MiB), (MiB + 512, 64 * 1024), (2 * MiB, 1), (3 * MiB, 2 * MiB)]
+    srcs = [arena[at : at + n] for at, n in spans]
+    offsets, size = [], 0
+    for _, n in spans:
+        offsets.append(size)
+        size += -(-n // 512) * 512 + 512
+    reader = torch.cuda.default_stream() if on == "default" else side_stream()
+    with torch.cuda.stream(reader):
+        earlier = torch.zeros(size, dtype=torch.uint8, device="cuda:0")
+    hold(reader)
+    with torch.cuda.stream(reader):
+        earlier.fill_(7)  # queued before the upload: the buffer may be this memory's next use
+    del earlier
+    buffer, fence = upload_packed_on(device, srcs, offsets, size, reader, [])
+    if fence is not None:
+        device.wait_on(reader, fence)
+    with torch.cuda.stream(reader):
+        seen = buffer.clone()  # after the upload in the reader's order
+    device.use_on(buffer, reader)
+    reader.synchronize()
+    for (at, n), offset in zip(spans, offsets, strict=True):
+        assert torch.equal(seen[offset : offset + n].cpu(), arena[at : at + n])
+    dsts = [torch.empty(n, dtype=torch.uint8, device="cuda:0") for _, n in spans]
+    assert copy_h2d_many(device, srcs, dsts, []).wait(30)
+    assert all(torch.equal(d.cpu(), s) for d, s in zip(dsts, srcs, strict=True))
+    # One call each; the 2 MiB range is two copies (one per registered chunk).
+    assert calls == ([5, 5] if batch_copies else [])
+    assert device.describe()["batched_uploads"] == (
+        "cuMemcpyBatchAsync" if batch_copies else "torch copy_"
+    )
+    device.close()
+
+
+def test_an_upload_batch_the_driver_refuses_goes_through_torch(
+    device: CudaDevice, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    needs_driver_batches(device)
+    copier = device._copies.h2d_batches
+    queue = BatchCopier.copy
+
+    def refuse(self: BatchCopier, *args: Any) -> None:
+        if self is copier:
+            raise CopyFailedError("cuMemcpyBatchAsync of 2 copies failed: refused for the test")
+        queue(self, *args)
+
+    monkeypatch.setattr(BatchCopier, "copy", refuse)
+    arena = host_arena(device, 2 * MiB)
+    arena.copy_(torch.randint(0, 255, (arena.numel(),), dtype=torch.uint8))
+    srcs = [arena[:MiB], arena[MiB:]]
+    buffer, fence = upload_packed_on(device, srcs, [0, MiB], 2 * MiB, side_stream(), [])
+    assert fence is None or fence.wait(30)
+    torch.cuda.synchronize()
+    assert torch.equal(buffer.cpu(), arena)
+    assert device.describe()["batched_uploads"] == "torch copy_"  # from then on
+    assert device.describe()["batched_copies"] == "cuMemcpyBatchAsync"  # offloads keep theirs
 
 
 @pytest.mark.parametrize("method", ["register", "hostalloc"])

@@ -197,7 +197,7 @@ def test_without_batched_copies_no_batch_goes_to_the_driver_unchecked() -> None:
 class BareDriver(Driver):
     """A driver without batched copies."""
 
-    def batch_copier(self, ordinal: int, *, to_host: bool = True) -> None:
+    def batch_copier(self, ordinal: int, direction: str = "d2h") -> None:
         return None
 
 
