@@ -4,22 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import math
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import AsyncIterator, Callable, Hashable, Iterable, Sequence
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 from prometheus_client import CollectorRegistry
 
-from mmcache.agreement import refused
 from mmcache.compute_on_miss import ComputeFn, ComputeOnMiss
 from mmcache.core.entry import Entry, Member, State, check_key, key_list
 from mmcache.core.put_checks import check_items
 from mmcache.core.thread_hits import GIL_ENABLED
 from mmcache.device import Device, Stream
 from mmcache.errors import InvalidValueError
+from mmcache.group_lookups import GroupLookups
 from mmcache.layouts import check_strided
 from mmcache.lifecycle import Lifecycle
 from mmcache.lookups import Lookups
@@ -64,7 +63,6 @@ class FeatureCache:
             self.settings, device, name=name, registry=registry, group=group
         )
         self._device = life.device
-        self._agreement = life.agreement
         self._remote = life.remote  # the shared third tier (remote_url), or None
         # The parts a get or put reaches on every call, without a lookup through core.
         self._core = core = life.core
@@ -79,6 +77,11 @@ class FeatureCache:
         self._lookups = Lookups(core, life.remote)
         self._on_miss = ComputeOnMiss(
             life.inflight, device=self._device, reads=core.reads, put=self.put
+        )
+        self._group_lookups = (
+            None
+            if life.agreement is None
+            else GroupLookups(life, life.agreement, self._lookups, core.reads, self._on_miss)
         )
 
     # --- lifecycle ----------------------------------------------------------------------
@@ -253,11 +256,8 @@ class FeatureCache:
         """
         if stream is None:
             stream = self._device.current_stream()
-        if self._agreement is not None:  # a collective: no await before its place is taken
-            start = self._group_start()
-            to_host = await self._group_key_checks("get", key, device, start)
-            read = functools.partial(self._lookups.read_one, key, rows, to_host, stream)
-            return (await self._agreement.agree("get", (key,), start(read)))[0]
+        if self._group_lookups is not None:  # a collective: no await before its place is taken
+            return await self._group_lookups.get(key, device, rows, stream)
         to_host = False if device is None else self._reads.wants_host(device)
         if self._life.serving is not asyncio.get_running_loop():
             await self._life.ready_to_serve()
@@ -292,15 +292,8 @@ class FeatureCache:
         """
         if stream is None:
             stream = self._device.current_stream()
-        if self._agreement is not None:  # a collective: no await before its place is taken
-            start = self._group_start()
-            try:
-                batch = key_list(keys, "get_many")
-                to_host = False if device is None else self._reads.wants_host(device)
-            except Exception as exc:  # every rank fails this call, and later calls pair
-                await self._agreement.refuse("get_many", start(refused(exc)))
-            read = functools.partial(self._lookups.read_many, batch, to_host, stream)
-            return await self._agreement.agree("get_many", batch, start(read))
+        if self._group_lookups is not None:  # a collective: no await before its place is taken
+            return await self._group_lookups.get_many(keys, device, stream)
         batch = key_list(keys, "get_many")
         to_host = False if device is None else self._reads.wants_host(device)
         if self._life.serving is not asyncio.get_running_loop():
@@ -333,13 +326,8 @@ class FeatureCache:
         """
         if stream is None:
             stream = self._device.current_stream()
-        if self._agreement is not None:  # a collective: no await before its place is taken
-            start = self._group_start()
-            to_host = await self._group_key_checks("get_or_compute", key, device, start)
-            read = functools.partial(self._lookups.read_one, key, rows, to_host, stream)
-            return await self._on_miss.agreed(
-                self._agreement, key, fn, start(read), device, rows, stream
-            )
+        if self._group_lookups is not None:  # a collective: no await before its place is taken
+            return await self._group_lookups.get_or_compute(key, fn, device, rows, stream)
         found = await self.get(key, device=device, rows=rows, stream=stream)
         if found is not None:
             return found
@@ -348,52 +336,10 @@ class FeatureCache:
     async def _get_noting(
         self, key: Hashable, stream: Stream, note: Callable[[], _N]
     ) -> tuple[torch.Tensor | None, _N]:
-        """get(key) with a group (a collective), and note() taken in the same step as this
-        rank's read of key, inside the agreement: what a caller keeps beside the value (the
-        SGLang adapter's shell of it) is then the read value's, whatever changes meanwhile."""
-        agreement = self._agreement
-        assert agreement is not None
-        start = self._group_start()
-        try:
-            check_key(key)
-        except Exception as exc:  # every rank fails this call, and later calls pair
-            await agreement.refuse("get", start(refused(exc)))
-        noted: list[_N] = []
-
-        async def read() -> list[torch.Tensor | None]:
-            noted.append(note())  # then read_one looks key up with no await in between
-            return await self._lookups.read_one(key, None, False, stream)
-
-        found = await agreement.agree("get", (key,), start(read))
-        return found[0], noted[0]
-
-    async def _group_key_checks(
-        self,
-        call: str,
-        key: Hashable,
-        device: str | torch.device | None,
-        start: Callable[[Read[Any]], Read[Any]],
-    ) -> bool:
-        """A group lookup's key and device checked: whether it reads to the host. Where
-        this rank refuses them, it still takes part in the call (every rank fails it, and
-        later calls pair), then raises."""
-        try:
-            to_host = False if device is None else self._reads.wants_host(device)
-            check_key(key)
-        except Exception as exc:
-            assert self._agreement is not None
-            await self._agreement.refuse(call, start(refused(exc)))
-        return to_host
-
-    def _group_start(self) -> Callable[[Read[_T]], Read[_T]]:
-        """What a group's lookup wraps its read in: the read, or where the cache is not
-        started yet, its start then the read, both inside the agreement. A lookup takes its
-        place in the group's order when it is called, with no await before: one that
-        started the cache before its agreement would let a later call overtake it. Raises
-        at once where the cache is closed or belongs to another loop."""
-        if self._life.serving is asyncio.get_running_loop() or not self._life.must_start():
-            return _as_is
-        return functools.partial(_after, self._life.start)
+        """get(key) with a group, and note() taken in the same step as this rank's read
+        (see GroupLookups.get_noting)."""
+        assert self._group_lookups is not None
+        return await self._group_lookups.get_noting(key, stream, note)
 
     def put_threadsafe(
         self,
@@ -529,22 +475,7 @@ class FeatureCache:
         return self._life.stats()
 
 
-_T = TypeVar("_T")
 _N = TypeVar("_N")
-#: a group lookup's read of this rank's cache
-Read = Callable[[], Awaitable[list[_T]]]
-
-
-def _as_is(read: Read[_T]) -> Read[_T]:
-    return read
-
-
-def _after(start: Callable[[], Awaitable[None]], read: Read[_T]) -> Read[_T]:
-    async def started_then_read() -> list[_T]:
-        await start()
-        return await read()
-
-    return started_then_read
 
 
 def _checked_cost(cost: object) -> float:
