@@ -39,7 +39,7 @@ from _common import (  # noqa: E402
     write_json,
 )
 
-from mmcache.device import CopyPlan, Fence  # noqa: E402
+from mmcache.device import CopyPlan, Fence, NewCopyPlan  # noqa: E402
 from mmcache.device.cuda import CudaDevice, CudaFence  # noqa: E402
 
 SIZES = {"64KB": 64 << 10, "1MB": 1 * MiB, "8MB": 8 * MiB, "64MB": 64 * MiB, "512MB": 512 * MiB}
@@ -408,8 +408,11 @@ async def waiter_cpu(device: CudaDevice, cycles_per_s: float, quick: bool) -> di
 # --- primitives -------------------------------------------------------------------------------
 
 
-def primitive_costs(device: CudaDevice, arena: torch.Tensor) -> dict[str, float]:
-    """CPU microseconds per call of the operations the cache does per entry."""
+def primitive_costs(
+    device: CudaDevice, arena: torch.Tensor, cycles_per_s: float
+) -> dict[str, float]:
+    """CPU microseconds per call of the operations the cache does per entry, and of what
+    its choices cost the kernels around it."""
     n = 2000
     stream = device.d2h_stream
     src = torch.empty(WAKE_COPY_BYTES, dtype=torch.uint8, device=device.name)
@@ -434,7 +437,72 @@ def primitive_costs(device: CudaDevice, arena: torch.Tensor) -> dict[str, float]
         "copy_d2h_64KB_enqueue_us": per_call(lambda: _copy_d2h(device, src, dst, ())),
     }
     torch.cuda.synchronize(device.index)
+    results.update(upload_enqueue_costs(device, arena))
+    results.update(kernel_launch_beside_pending_frees(device, cycles_per_s))
     return results
+
+
+def upload_enqueue_costs(device: CudaDevice, arena: torch.Tensor) -> dict[str, float]:
+    """CPU µs to queue 16 host hits of 1 MiB into one buffer on a reader's stream: as the
+    cache does (one driver batch where the driver has it) and by one torch copy_ each."""
+    features, nbytes, n = 16, MiB, 100
+    srcs = [arena[i * nbytes : (i + 1) * nbytes] for i in range(features)]
+    offsets = [i * nbytes for i in range(features)]
+    reader = torch.cuda.Stream(device.index)  # type: ignore[no-untyped-call]
+
+    def cache_upload() -> None:
+        plan = NewCopyPlan("h2d", srcs, (features * nbytes,), offsets=offsets, stream=reader)
+        buffer, _ = device.submit(plan)
+        buffer.record_stream(reader)
+
+    def copy_loop() -> None:
+        with torch.cuda.stream(reader):
+            buffer = torch.empty(features * nbytes, dtype=torch.uint8, device=device.name)
+            for src, at in zip(srcs, offsets, strict=True):
+                buffer[at : at + nbytes].copy_(src, non_blocking=True)
+
+    out = {}
+    timed = (("upload_16x1MiB_cache_us", cache_upload), ("upload_16x1MiB_copy_loop_us", copy_loop))
+    for name, fn in timed:
+        fn()
+        spent = 0.0
+        for _ in range(n):  # each queued alone: a full launch queue would block the host
+            reader.synchronize()
+            start = time.perf_counter()
+            fn()
+            spent += time.perf_counter() - start
+        out[name] = spent / n * 1e6
+        reader.synchronize()
+    return out
+
+
+def kernel_launch_beside_pending_frees(device: CudaDevice, cycles_per_s: float) -> dict[str, float]:
+    """CPU µs of a kernel that allocates its output (torch.sub of 1 MB), alone and while
+    blocks freed after record_stream on a busy stream wait for it: the caching allocator
+    then queries an event at each allocation, on every stream."""
+    n = 2000
+    a = torch.ones(512 * 1024, dtype=torch.bfloat16, device=device.name)
+
+    def per_call() -> float:
+        torch.sub(a, a)
+        start = time.perf_counter()
+        for _ in range(n):
+            torch.sub(a, a)
+        return (time.perf_counter() - start) / n * 1e6
+
+    plain = per_call()
+    torch.cuda.synchronize(device.index)
+    busy = torch.cuda.Stream(device.index)  # type: ignore[no-untyped-call]
+    side = torch.cuda.Stream(device.index)  # type: ignore[no-untyped-call]
+    gpu_sleep(int(cycles_per_s * 2.0), busy)  # far longer than the timed calls
+    with torch.cuda.stream(side):
+        blocks = [torch.empty(MiB, dtype=torch.uint8, device=device.name) for _ in range(64)]
+    for block in blocks:
+        block.record_stream(busy)
+    del blocks, block  # freed now; reusable once busy's work so far is done
+    pending = per_call()
+    torch.cuda.synchronize(device.index)
+    return {"sub_1MB_alloc_us": plain, "sub_1MB_alloc_pending_frees_us": pending}
 
 
 # --- main -------------------------------------------------------------------------------------
@@ -455,7 +523,7 @@ async def probe(index: int, quick: bool) -> dict[str, Any]:
         "arena_pin_s": pin_s,
         "sleep_cycles_per_s": cycles_per_s,
     }
-    results["primitives_us"] = primitive_costs(device, arena)
+    results["primitives_us"] = primitive_costs(device, arena, cycles_per_s)
     results["bandwidth"] = copy_bandwidth(device, arena, gpu, cycles_per_s, quick)
     results["small_copies"] = small_copy_paths(device, arena)
     results["straddling_copy"] = straddling_copy(device.index, gpu)
