@@ -346,8 +346,10 @@ class CudaCopies:
             and all(_dense(src) and _dense(dst) for src, dst in pairs)
         )
         try:
-            addresses = [dst.data_ptr() for _, dst in pairs]
-            if not (by_driver and self._by_driver.within_gpu(srcs, addresses, cuda_stream)):
+            if not (
+                by_driver
+                and self._by_driver.within_gpu(srcs, [d.data_ptr() for _, d in pairs], cuda_stream)
+            ):
                 with OnStream(cuda_stream):
                     for (src, dst), same in zip(pairs, alike, strict=True):
                         if same:
