@@ -4,6 +4,7 @@ from the pinned arena to it; torch's copies for a direction once the driver refu
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 from typing import Final, final
 
@@ -30,7 +31,7 @@ class DriverCopies:
     queued, so copying the same ranges again is harmless).
     """
 
-    __slots__ = ("_arena", "_copiers", "_device", "_name", "_side")
+    __slots__ = ("_arena", "_copiers", "_device", "_name", "_side", "_side_lock")
 
     def __init__(
         self,
@@ -44,7 +45,10 @@ class DriverCopies:
         self._device = device
         self._arena = arena
         self._copiers: dict[str, BatchCopier | None] = {"d2d": d2d, "h2d": h2d}
-        self._side: torch.cuda.Stream | None = None  # made at its first use
+        # The side stream of batches on the legacy default stream and the two events that
+        # order it, made at their first use; one batch at a time uses them (any thread).
+        self._side: tuple[torch.cuda.Stream, torch.cuda.Event, torch.cuda.Event] | None = None
+        self._side_lock = threading.Lock()
 
     @property
     def d2d(self) -> BatchCopier | None:
@@ -113,20 +117,31 @@ class DriverCopies:
         assert copier is not None
         if not sizes:
             return True
-        on = stream
-        if stream.cuda_stream == LEGACY_DEFAULT_STREAM:
-            if self._side is None:
-                self._side = new_stream(self._device, priority=0)
-            on = self._side
-            on.wait_stream(stream)
         try:
-            copier.copy(dsts, srcs, sizes, on.cuda_stream)
+            if stream.cuda_stream != LEGACY_DEFAULT_STREAM:
+                copier.copy(dsts, srcs, sizes, stream.cuda_stream)
+                return True
+            with self._side_lock:
+                # Events recorded again each batch: a wait takes the record before it, and
+                # none is made (or destroyed) per batch, as wait_stream would.
+                side, before, after = self._side_parts()
+                before.record(stream)
+                side.wait_event(before)
+                copier.copy(dsts, srcs, sizes, side.cuda_stream)
+                after.record(side)
+                stream.wait_event(after)
+            return True
         except CopyFailedError as exc:
             # The reason, not exc: a log record keeping its traceback would keep the sources.
             reason = str(exc)
             _log.warning("%s: %s; torch copies (%s) from now on", self._name, reason, direction)
             self._copiers[direction] = None
             return False
-        if on is not stream:
-            stream.wait_stream(on)
-        return True
+
+    def _side_parts(self) -> tuple[torch.cuda.Stream, torch.cuda.Event, torch.cuda.Event]:
+        """The side stream and its two events (each event's CUDA event is made at its first
+        record, on the stream's device)."""
+        if self._side is None:
+            events = torch.cuda.Event(), torch.cuda.Event()  # type: ignore[no-untyped-call]
+            self._side = (new_stream(self._device, priority=0), *events)
+        return self._side
