@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: the GPU test suite, then the benchmarks; results under $OUT.
-#   OUT=/tmp/out bash benchmarks/gpu_suite.sh [tests|bench|serving|groups|ab|ipc|soak|demo|profile|all] [--quick]
+#   OUT=/tmp/out bash benchmarks/gpu_suite.sh [tests|bench|probe|serving|groups|ab|ipc|soak|demo|profile|all] [--quick]
 # serving: bench_serving, bench_cold_start, bench_adapters, bench_ops (the serving path's
 # figures in one call); groups: bench_groups and the group and node-tier tests on CUDA;
 # profile: bench_serving under cProfile (pstats per design and size) and profile_ops.
@@ -80,6 +80,11 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
   # One client, 8 MB, from the moment each design is made (mmcache's arena still pinning).
   timeout 120 python3 benchmarks/bench_cold_start.py --out "$out/cold.json" 2>&1 | tee "$out/cold.log" | tail -12
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if [ "$what" = probe ]; then
+  # The device facts alone (copy paths, fence wake-ups, primitive costs): about a minute.
+  timeout 150 python3 benchmarks/gpu_probe.py --quick --out "$out/probe.json" 2>&1 | tee "$out/probe.log" | tail -60
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if [ "$what" = serving ]; then
