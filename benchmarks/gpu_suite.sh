@@ -40,8 +40,15 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   # The whole suite in one process is the verdict: state one test leaves behind must not
   # break another. It outlasts one device call (about 11 minutes on an H200 host), so it
   # runs in a session of its own: a second `gpu_suite.sh tests` within the machine's
-  # lease waits for the same run instead of starting another. An abort names its
+  # lease waits for the same run instead of starting another (SUITE_RESUME=1 on that
+  # second call: it never starts one). An abort names its
   # thread's stack (faulthandler) and glibc's reason.
+  if [ ! -e "$suite_log" ] && [ -n "${SUITE_RESUME:-}" ]; then
+    # The call that reads a verdict must not start a suite over on a fresh machine (the
+    # one that ran it was given back): that spends the lease on a run no call will read.
+    echo "gpu_suite.sh: no suite ran on this machine (a fresh one); start it again without SUITE_RESUME"
+    exit 4
+  fi
   if [ ! -e "$suite_log" ]; then
     LIBC_FATAL_STDERR_=1 setsid bash -c "python3 -X faulthandler -m pytest tests -q \
       -p no:cacheprovider --timeout 120 -o addopts='' -rfE --durations=20 \
