@@ -25,7 +25,7 @@ from mmcache.device.cuda_batch import (
 from mmcache.device.cuda_copies import CudaCopies
 from mmcache.device.cuda_driver import BatchCopier, CudaDriver
 from mmcache.device.cuda_fence import CudaFence, pending_event
-from mmcache.device.cuda_memory import DeviceMemory
+from mmcache.device.cuda_memory import DeviceMemory, record_use
 from mmcache.device.cuda_streams import CurrentStreams, OnStream, as_cuda_stream, new_stream
 from mmcache.device.cuda_waiters import FenceWaiters
 from mmcache.errors import InvalidValueError, MMCacheError
@@ -282,7 +282,7 @@ class CudaDevice(Device):
 
     def use_on(self, tensor: torch.Tensor, stream: Stream) -> None:
         """record_stream: the allocator keeps tensor's block until stream's queued work is done."""
-        self._memory.use_on(tensor, stream)
+        record_use(tensor, as_cuda_stream(stream))  # every GPU hit: no frame in between
 
     def release(self, tensor: torch.Tensor, after: Sequence[Fence]) -> None:
         """Drop the cache's alias once every fence in after is done."""

@@ -110,11 +110,6 @@ class DeviceMemory:
         return torch.empty(tuple(shape), dtype=dtype, pin_memory=True)
 
     @staticmethod
-    def use_on(tensor: torch.Tensor, stream: Stream) -> None:
-        """record_stream: the allocator keeps tensor's block until stream's queued work is done."""
-        record_use(tensor, as_cuda_stream(stream))
-
-    @staticmethod
     def release(tensor: torch.Tensor, after: Sequence[Fence]) -> None:
         """Drop the cache's alias once every fence in after is done.
 
