@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from collections.abc import Hashable
 from typing import Any
 
@@ -72,6 +73,51 @@ async def test_host_hits_of_one_turn_share_one_upload(
     for i, tensor in enumerate(got):
         assert_exact(tensor, want[i])
     assert cache.stats().hits_cpu == 8
+
+
+async def test_host_hits_of_mixed_dtypes_and_shapes_in_one_turn_are_each_their_own(
+    rig: Rig, make_cache: CacheFactory
+) -> None:
+    """One turn's host hits of several dtypes and shapes (a scalar, odd sizes, rows of a
+    group) come out of its upload each exact, contiguous, of its own dtype and shape,
+    and apart: each written with its own value, none changes another."""
+    cache = make_cache(gpu_mb=0.25, cpu_mb=8, promote_on_hit=False)
+    specs: list[tuple[tuple[int, ...], torch.dtype]] = [
+        ((8, 64), torch.bfloat16),
+        ((7,), torch.int8),
+        ((), torch.float32),
+        ((3, 5), torch.float64),
+        ((2, 3, 4), torch.int16),
+        ((1, 1, 3), torch.float16),
+        ((5,), torch.bool),
+    ]
+    want: dict[Hashable, torch.Tensor] = {}
+    for i, (shape, dtype) in enumerate(specs):
+        count = math.prod(shape)
+        value = (rig.tensor(max(1, count), seed=i)[:count] * 50).reshape(shape).to(dtype)
+        want[i] = value.cpu().clone()
+        assert await cache.put(i, value)
+    rows = rig.tensor(6, 16, dtype=torch.float32, seed=20)
+    want.update({"r0": rows[:1].cpu(), "r1": rows[1:3].cpu(), "r2": rows[3:].cpu()})
+    assert await cache.put_split(["r0", "r1", "r2"], rows, [1, 2, 3])
+    del rows
+    for k in range(8):  # the GPU tier's room goes to these: every key above to the host
+        await put_feature(cache, rig, ("filler", k), 64, seed=100 + k)
+    await cache.drain()
+    keys = list(want)
+    assert all(_on_host(cache, k) for k in range(len(specs)))
+    got = await asyncio.gather(*(cache.get(k) for k in keys))
+    assert cache.stats().hits_cpu == len(keys)
+    for key, tensor in zip(keys, got, strict=True):
+        assert tensor is not None and tensor.is_contiguous(), key
+        assert_exact(tensor, want[key])
+    for n, tensor in enumerate(got):
+        assert tensor is not None
+        tensor.fill_(n % 2 == 0 if tensor.dtype == torch.bool else n + 1)
+    for n, tensor in enumerate(got):
+        assert tensor is not None
+        mark = n % 2 == 0 if tensor.dtype == torch.bool else n + 1
+        assert bool((tensor == mark).all()), f"{keys[n]} was written by another's fill"
 
 
 async def test_gets_of_one_key_in_one_turn_read_it_once_and_count_each(
