@@ -783,6 +783,8 @@ async def measure_size(
             median_round(runs[name]) if name in runs else {"skipped": NO_GET_MANY}
         )
     out["ratios"] = ratios(out["strategies"])
+    if cfg.rounds > 1:
+        out["paired_ratios"] = paired_ratios(runs, cfg.rounds)
     if not cfg.simulated:
         out["h2d_gbps"] = h2d = h2d_gbps(features.nbytes, cfg.tensor_device)
         release_memory(cfg)
@@ -834,6 +836,24 @@ def bus_ceiling(row: dict[str, Any], feature_bytes: int, h2d: float) -> float | 
         return None
     per_request = row["stats"]["hits_cpu"] / lookups * feature_bytes * row["features"] / requests
     return h2d * GB / per_request if per_request else None
+
+
+def paired_ratios(
+    runs: dict[str, list[dict[str, Any]]], rounds: int
+) -> dict[str, dict[str, float]]:
+    """ratios() of each round's windows (the designs' windows of one round ran minutes
+    apart at most, so a host that drifts between rounds moves both sides): each ratio's
+    median over the rounds and its range."""
+    per_round: dict[str, list[float]] = {}
+    for turn in range(rounds):
+        rows = {name: runs[name][turn] if name in runs else {} for name in STRATEGIES}
+        for key, value in ratios(rows).items():
+            if value is not None:
+                per_round.setdefault(key, []).append(value)
+    return {
+        key: {"median": median(values), "min": min(values), "max": max(values)}
+        for key, values in per_round.items()
+    }
 
 
 def ratios(rows: dict[str, dict[str, Any]]) -> dict[str, float | None]:
@@ -956,6 +976,14 @@ def report(results: dict[str, Any]) -> str:
             "req/s ratios: "
             + "; ".join(f"{k} {fmt(v)}" for k, v in r["ratios"].items() if v is not None),
         ]
+        if "paired_ratios" in r:
+            lines.append(
+                "each round's ratio, median (range): "
+                + "; ".join(
+                    f"{k} {fmt(v['median'])} ({fmt(v['min'])}-{fmt(v['max'])})"
+                    for k, v in r["paired_ratios"].items()
+                )
+            )
         if "h2d_gbps" in r:
             ceilings = (r["strategies"][n].get("bus_ceiling_req_s") for n in (MM_GET, MM_MANY))
             lines.append(

@@ -281,6 +281,16 @@ def test_bench_serving_alternates_rounds_and_reports_each_designs_median(
         rates = figures["rounds_requests_per_s"]
         assert len(rates) == 3 and all(rate > 0 for rate in rates), name
         assert figures["requests_per_s"] == sorted(rates)[1], name  # the median round's row
+    # Each round's mmcache window over the same round's floor, then their median.
+    serving = _serving()
+    size = results["sizes"]["64KB"]["strategies"]
+    floor, ours = size[serving.FLOOR], size[serving.MM_GET]
+    pairs = zip(ours["rounds_requests_per_s"], floor["rounds_requests_per_s"], strict=True)
+    each = [a / b for a, b in pairs]
+    paired = results["sizes"]["64KB"]["paired_ratios"][f"{serving.MM_GET} / floor"]
+    assert paired["median"] == pytest.approx(sorted(each)[1])
+    assert paired["min"] == pytest.approx(min(each)) and paired["max"] == pytest.approx(max(each))
+    assert "each round's ratio, median (range)" in done.stdout
     assert "3 rounds, designs alternated" in done.stdout
     assert _run("bench_serving.py", "--rounds", "0").returncode == 2  # refused by argparse
 
