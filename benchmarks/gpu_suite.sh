@@ -135,10 +135,13 @@ if [ "$what" = ab ]; then
             ab "$tree" "ops$round" 60 benchmarks/bench_ops.py --device cuda
           done
         done ;;
-      serving) for tree in base head; do
-          # shellcheck disable=SC2086  # AB_SERVING is words
-          ab "$tree" serving 240 benchmarks/bench_serving.py --device cuda --seconds 2 --warmup 1 \
-            ${AB_SERVING:-}
+      serving) for round in 1 2; do  # ABBA; compare each run's mmcache ÷ floor ratios
+          for tree in $([ $round = 1 ] && echo "base head" || echo "head base"); do
+            # shellcheck disable=SC2086  # AB_SERVING is words
+            ab "$tree" "serving$round" 240 benchmarks/bench_serving.py --device cuda --seconds 2 \
+              --warmup 1 ${AB_SERVING:-}
+            grep -E "^req/s ratios|^each round" "$out/serving$round-$tree.log"
+          done
         done ;;
       offload) for round in 1 2; do  # ABBA: one put per feature moves by a third run to run
           for tree in $([ $round = 1 ] && echo "head base" || echo "base head"); do
