@@ -346,16 +346,7 @@ def test_copies_within_the_gpu_are_exact_and_wait_for_the_stream(
         needs_driver_batches(device)
     copier = device._copies.d2d_batches
     assert (copier is not None) == batch_copies
-    batches: list[int] = []
-    if copier is not None:
-        queue = BatchCopier.copy
-
-        def counted(self: BatchCopier, *args: Any) -> None:
-            if self is copier:
-                batches.append(len(args[2]))
-            queue(self, *args)
-
-        monkeypatch.setattr(BatchCopier, "copy", counted)
+    batches = counted_batches(monkeypatch, copier)
     specs: list[tuple[tuple[int, ...], torch.dtype]] = [
         ((1000, 4096), torch.bfloat16),  # 8 MB
         ((7,), torch.int8),
@@ -480,14 +471,7 @@ def test_a_batch_within_the_gpu_the_driver_refuses_goes_through_torch(
     needs_driver_batches(device)
     copier = device._copies.d2d_batches
     assert copier is not None
-    queue = BatchCopier.copy
-
-    def refuse(self: BatchCopier, *args: Any) -> None:
-        if self is copier:
-            raise CopyFailedError("cuMemcpyBatchAsync of 2 copies failed: refused for the test")
-        queue(self, *args)
-
-    monkeypatch.setattr(BatchCopier, "copy", refuse)
+    refuse_batches(monkeypatch, copier)
     srcs = [random_tensor((256, 1024), torch.bfloat16, seed=i) for i in range(2)]
     dsts = [torch.zeros_like(s) for s in srcs]
     assert copy_d2d_many(device, list(zip(srcs, dsts, strict=True)), side_stream()).wait(30)
@@ -678,6 +662,33 @@ def assert_copied_in_chunks(
     assert bool((arena[~written] == 0xAB).all()), "bytes outside the ranges were written"
 
 
+def counted_batches(monkeypatch: pytest.MonkeyPatch, copier: BatchCopier | None) -> list[int]:
+    """The sizes of the batches copier is given from now on (each call's copy count)."""
+    calls: list[int] = []
+    real = BatchCopier.copy
+
+    def counting(self: BatchCopier, *args: Any) -> None:
+        if self is copier:
+            calls.append(len(args[2]))
+        real(self, *args)
+
+    monkeypatch.setattr(BatchCopier, "copy", counting)
+    return calls
+
+
+def refuse_batches(monkeypatch: pytest.MonkeyPatch, copier: BatchCopier | None) -> None:
+    """copier's batches are refused from now on (as a driver that cannot take them); the
+    other copiers' go through."""
+    queue = BatchCopier.copy
+
+    def refuse(self: BatchCopier, *args: Any) -> None:
+        if self is copier:
+            raise CopyFailedError("cuMemcpyBatchAsync of 2 copies failed: refused for the test")
+        queue(self, *args)
+
+    monkeypatch.setattr(BatchCopier, "copy", refuse)
+
+
 def needs_driver_batches(device: CudaDevice) -> None:
     """Skip unless the driver has cuMemcpyBatchAsync (CUDA 12.8 and later)."""
     if device.describe()["batched_copies"] != "cuMemcpyBatchAsync":
@@ -824,20 +835,6 @@ async def offload_and_read_back(device: CudaDevice, rows: list[int]) -> CacheSta
     return stats
 
 
-def counted_batches(monkeypatch: pytest.MonkeyPatch, copier: BatchCopier | None) -> list[int]:
-    """The sizes of the batches copier is given from now on (each call's copy count)."""
-    calls: list[int] = []
-    real = BatchCopier.copy
-
-    def counting(self: BatchCopier, *args: Any) -> None:
-        if self is copier:
-            calls.append(len(args[2]))
-        real(self, *args)
-
-    monkeypatch.setattr(BatchCopier, "copy", counting)
-    return calls
-
-
 @pytest.mark.parametrize("on", ["default", "side"])
 @pytest.mark.parametrize("batch_copies", [True, False], ids=["driver-batch", "torch-copy"])
 def test_uploads_of_a_turn_take_one_driver_call_in_the_readers_order(
@@ -894,14 +891,7 @@ def test_an_upload_batch_the_driver_refuses_goes_through_torch(
 ) -> None:
     needs_driver_batches(device)
     copier = device._copies.h2d_batches
-    queue = BatchCopier.copy
-
-    def refuse(self: BatchCopier, *args: Any) -> None:
-        if self is copier:
-            raise CopyFailedError("cuMemcpyBatchAsync of 2 copies failed: refused for the test")
-        queue(self, *args)
-
-    monkeypatch.setattr(BatchCopier, "copy", refuse)
+    refuse_batches(monkeypatch, copier)
     arena = host_arena(device, 2 * MiB)
     arena.copy_(torch.randint(0, 255, (arena.numel(),), dtype=torch.uint8))
     srcs = [arena[:MiB], arena[MiB:]]
