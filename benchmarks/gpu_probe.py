@@ -408,6 +408,15 @@ async def waiter_cpu(device: CudaDevice, cycles_per_s: float, quick: bool) -> di
 # --- primitives -------------------------------------------------------------------------------
 
 
+def _us_per_call(fn: Callable[[], object], n: int) -> float:
+    """Host µs per call of fn, over n calls after one that is not timed."""
+    fn()
+    start = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - start) / n * 1e6
+
+
 def primitive_costs(
     device: CudaDevice, arena: torch.Tensor, cycles_per_s: float
 ) -> dict[str, float]:
@@ -419,11 +428,7 @@ def primitive_costs(
     dst = arena[:WAKE_COPY_BYTES]
 
     def per_call(fn: Callable[[], object]) -> float:
-        fn()
-        start = time.perf_counter()
-        for _ in range(n):
-            fn()
-        return (time.perf_counter() - start) / n * 1e6
+        return _us_per_call(fn, n)
 
     fence = device.record(stream)
     assert isinstance(fence, CudaFence)
@@ -484,11 +489,7 @@ def kernel_launch_beside_pending_frees(device: CudaDevice, cycles_per_s: float) 
     a = torch.ones(512 * 1024, dtype=torch.bfloat16, device=device.name)
 
     def per_call() -> float:
-        torch.sub(a, a)
-        start = time.perf_counter()
-        for _ in range(n):
-            torch.sub(a, a)
-        return (time.perf_counter() - start) / n * 1e6
+        return _us_per_call(lambda: torch.sub(a, a), n)
 
     plain = per_call()
     torch.cuda.synchronize(device.index)
