@@ -116,7 +116,9 @@ class NodeHost:
         # is left again by that thread, not kept until the process ends
         self._lock = threading.Lock()
 
-    def open(self, on_arena: Callable[[torch.Tensor, int], None]) -> concurrent.futures.Future[Any]:
+    def open(
+        self, on_arena: Callable[[torch.Tensor, int], object]
+    ) -> concurrent.futures.Future[Any]:
         """Agree on the node's segment with the group (queued now, before any lookup), then
         map it (and pin it on a GPU) on a thread: the future of the arena. on_arena(arena,
         nbytes) is called once it is usable, from that thread."""

@@ -9,7 +9,7 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable, Collection, Sequence
-from typing import Any, Protocol, final
+from typing import Any, Final, Protocol, final
 
 import torch
 
@@ -23,6 +23,11 @@ from mmcache.node_host import NodeHost
 __all__ = ["HostTier"]
 
 log = logging.getLogger("mmcache")
+
+#: Pinned room kept free ahead of the puts (a quarter of a smaller arena). Below it the
+#: arena pins at full speed, above it at the device's pace (PIN_PACE): pinning holds the
+#: driver lock that the engine's kernel launches wait for.
+PINNED_HEADROOM_BYTES: Final = 256 << 20
 
 
 class _Landings(Protocol):
@@ -64,6 +69,7 @@ class HostTier:
         self._ready: asyncio.Event | None = None  # set once pinning ended, done or failed
         self._complete = False  # the whole arena is pinned
         self._waiters: deque[asyncio.Future[None]] = deque()
+        self._awaited = 0  # wait_ready calls under way: the arena pins at full speed
         #: the puts waiting for host room (read-only): truthy while any waits
         self.line: Collection[object] = self._waiters
         self._closed = False
@@ -146,13 +152,14 @@ class HostTier:
                 arena, nbytes = latest.pop()
             self._grow(arena, nbytes, defer, on_ready)
 
-        def pinned(arena: torch.Tensor, nbytes: int) -> None:  # on the pinning thread
+        def pinned(arena: torch.Tensor, nbytes: int) -> bool:  # on the pinning thread
             with lock:
                 first = not latest
                 latest[:] = [(arena, nbytes)]
             if first:  # one callback at a time: the loop takes the latest report
                 with contextlib.suppress(RuntimeError):  # the loop is closed: nobody uses it
                     loop.call_soon_threadsafe(grow)
+            return self._pin_in_hurry(nbytes)
 
         if self.node is not None:
             future = self.node.open(pinned)
@@ -166,11 +173,28 @@ class HostTier:
         future.add_done_callback(arrived)
         return future
 
+    def _pin_in_hurry(self, ready: int) -> bool:
+        """Whether the arena should pin its next chunk at once, its first ready bytes
+        pinned: while the pinned room left is short of the headroom (PINNED_HEADROOM_BYTES,
+        a quarter of a smaller arena), a put waits for room or someone waits for the whole
+        arena. Read on the pinning thread: the loop's figures may be a moment old, which
+        moves the pace by a chunk at most."""
+        pool = self.pool
+        if pool is None or self._waiters or self._awaited:
+            return True
+        headroom = min(PINNED_HEADROOM_BYTES, self.capacity // 4)
+        return ready - pool.used_bytes < headroom
+
     async def wait_ready(self, timeout: float | None) -> bool:  # noqa: ASYNC109
-        """Wait until the whole arena is pinned; False if timeout passed first or it failed."""
+        """Wait until the whole arena is pinned (at full speed meanwhile); False if
+        timeout passed first or it failed."""
         assert self._ready is not None
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._ready.wait(), timeout)
+        self._awaited += 1
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._ready.wait(), timeout)
+        finally:
+            self._awaited -= 1
         return self.ready
 
     def _grow(

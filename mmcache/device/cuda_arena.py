@@ -17,7 +17,7 @@ from typing import Any, Final, Literal, cast, final
 
 import torch
 
-from mmcache.device.base import ArenaProgress
+from mmcache.device.base import PIN_PACE, ArenaProgress
 from mmcache.device.cuda_driver import CudaDriver
 from mmcache.errors import CacheClosedError, InvalidValueError, MMCacheError
 
@@ -34,7 +34,8 @@ _MiB: Final = 1 << 20
 # waits for, and pinning a whole arena at once would hold a launch for as long as that
 # takes. In small chunks with a pause between them (a waiter gets the lock only if the
 # pinning thread lets go for a moment), a launch waits for one chunk at most
-# (BENCHMARKS.md).
+# (BENCHMARKS.md); while the cache has pinned room ahead, the pauses are PIN_PACE times
+# a chunk's pinning.
 DEFAULT_PIN_CHUNK_BYTES: Final = 8 * _MiB
 _PIN_PAUSE_S: Final = 0.0005  # between chunks pinned in the background
 _HUGE_PAGE: Final = 2 * _MiB
@@ -231,7 +232,8 @@ class PinnedArena:
     ) -> torch.Tensor:
         """Pin nbytes of host memory; a "register" arena chunk by chunk, pause_s between
         chunks (so the process's other driver calls get the driver's lock in between),
-        reporting each chunk to on_pinned so that its bytes serve before the rest."""
+        reporting each chunk to on_pinned so that its bytes serve before the rest; where
+        on_pinned says there is no hurry, the pause is PIN_PACE times the chunk's pinning."""
         if nbytes == 0:
             return torch.empty(0, dtype=torch.uint8)
         driver = self._driver()
@@ -273,12 +275,13 @@ class PinnedArena:
                     raise MMCacheError(f"{self._name} closed while its host arena was pinned")
                 piece = min(chunk, size - start)
                 _populate(ptr + start, piece)
+                began = time.perf_counter()
                 driver.host_register(self._index, ptr + start, piece, "MMCACHE_CPU_CACHE_MB")
+                held = time.perf_counter() - began  # the driver's lock, held for this chunk
                 registered.append(ptr + start)
-                if on_pinned is not None:
-                    on_pinned(arena, min(start + chunk, nbytes))
+                hurry = on_pinned is None or on_pinned(arena, min(start + chunk, nbytes))
                 if pause_s:
-                    time.sleep(pause_s)
+                    time.sleep(pause_s if hurry else max(pause_s, held * PIN_PACE))
         except BaseException:
             if on_pinned is None or not registered:
                 self._ptr = self._nbytes = self._split_chunk = 0

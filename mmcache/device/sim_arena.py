@@ -12,7 +12,7 @@ from typing import Final, final
 
 import torch
 
-from mmcache.device.base import ArenaProgress
+from mmcache.device.base import PIN_PACE, ArenaProgress
 from mmcache.errors import MMCacheError
 
 __all__ = ["ARENA_PAGE", "POISON_BYTE", "SimArenas"]
@@ -76,7 +76,8 @@ class SimArenas:
         return arena
 
     def pin_async(self, nbytes: int, on_pinned: ArenaProgress | None) -> Future[torch.Tensor]:
-        """An arena pinned chunk by chunk on a thread; on_pinned(arena, ready) after each."""
+        """An arena pinned chunk by chunk on a thread; on_pinned(arena, ready) after each,
+        the next chunk paced (PIN_PACE) where it says there is no hurry."""
         future: Future[torch.Tensor] = Future()
         try:
             arena = self.host_arena(nbytes, pinned=False)
@@ -89,14 +90,15 @@ class SimArenas:
         def pin() -> None:
             try:
                 ready = 0
+                pause = 0.0  # after a chunk reported in no hurry: PIN_PACE times its pinning
                 while ready < nbytes:
-                    if self._stop.wait(self.pin_chunk_s):
+                    if self._stop.wait(pause + self.pin_chunk_s):
                         raise MMCacheError(f"{self._name} closed while its host arena was pinned")
                     ready = min(ready + self.pin_chunk_bytes, nbytes)
                     with self._lock:
                         record.pinned = ready
-                    if on_pinned is not None:
-                        on_pinned(arena, ready)
+                    hurry = on_pinned is None or on_pinned(arena, ready)
+                    pause = 0.0 if hurry else self.pin_chunk_s * PIN_PACE
             except BaseException as e:
                 future.set_exception(e)
             else:

@@ -311,3 +311,76 @@ async def test_with_the_gpu_tier_off_a_put_the_partial_arena_cannot_hold_gives_u
             assert_exact(await cache.get("small", device="cpu"), want)
             s = cache.stats()
             assert (len(cache), s.leaked_bytes) == (1, 0)
+
+
+@contextlib.contextmanager
+def pace_reports(device: Device) -> Iterator[list[tuple[int, bool]]]:
+    """Each report of the device's next arena, (ready bytes, whether the cache asked for
+    the next chunk at once), as the pinning thread gets it."""
+    reports: list[tuple[int, bool]] = []
+    pin = device.host_arena
+
+    def host_arena(nbytes: int, on_pinned: ArenaProgress | None = None) -> Future[torch.Tensor]:
+        assert on_pinned is not None
+
+        def report(arena: torch.Tensor, ready: int) -> bool:
+            hurry = on_pinned(arena, ready)
+            reports.append((ready, hurry))
+            return hurry
+
+        return pin(nbytes, report)
+
+    device.host_arena = host_arena  # type: ignore[method-assign]
+    try:
+        yield reports
+    finally:
+        del device.host_arena
+
+
+async def next_report(reports: list[tuple[int, bool]], timeout: float = 5) -> tuple[int, bool]:  # noqa: ASYNC109
+    seen = len(reports)
+    async with asyncio.timeout(timeout):
+        while True:
+            if len(reports) > seen:
+                return reports[seen]
+            await asyncio.sleep(0.002)
+
+
+async def test_an_idle_cache_pins_at_the_devices_pace_once_room_is_ahead() -> None:
+    """Pinning holds the driver lock an engine's launches wait for: once a quarter of the
+    arena is pinned and free, an idle cache lets the rest pin at PIN_PACE; someone waiting
+    for the whole arena has it pinned at full speed again."""
+    device = pinning_sim(chunk_s=0.01)
+    try:
+        with pace_reports(device) as reports:
+            async with chunked_cache(device, gpu_mb=1, cpu_mb=16) as cache:
+                await pinned_at_least(cache, 6 * MiB)
+                assert all(hurry for ready, hurry in reports if ready < 4 * MiB)
+                assert [hurry for ready, hurry in reports if 5 * MiB <= ready <= 6 * MiB] == [
+                    False,
+                    False,
+                ]
+                waiting = asyncio.create_task(cache.wait_host_ready(timeout=10))
+                await asyncio.sleep(0)  # the wait has begun: every later report hurries
+                after = len(reports) + 1  # a report may be on its way already
+                assert await waiting
+                assert reports[-1][0] == 16 * MiB
+                assert all(hurry for _, hurry in reports[after:])
+    finally:
+        device.close()
+
+
+async def test_puts_that_use_the_pinned_room_make_the_arena_pin_at_full_speed() -> None:
+    device = pinning_sim(chunk_s=0.01)
+    rig = Rig(device, "sim")
+    try:
+        with pace_reports(device) as reports:
+            async with chunked_cache(device, gpu_mb=0, cpu_mb=16) as cache:
+                await pinned_at_least(cache, 5 * MiB)
+                assert (await next_report(reports))[1] is False  # 4 MiB or more free ahead
+                for k in range(8):  # 4 MiB to the host tier: less than a quarter left free
+                    await put_feature(cache, rig, k, 512, seed=k)
+                assert cache.stats().cpu_bytes == 4 * MiB
+                assert (await next_report(reports))[1] is True
+    finally:
+        device.close()

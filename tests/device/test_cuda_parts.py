@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import mmcache.device.cuda as cuda
-from mmcache.device.base import batch_order
+from mmcache.device.base import PIN_PACE, batch_order
 from mmcache.device.cuda_arena import PinnedArena
 from mmcache.device.cuda_batch import BatchedCopies
 from mmcache.device.cuda_copies import CudaCopies
@@ -235,9 +235,12 @@ def test_an_arena_pinned_in_the_background_serves_each_chunk_as_it_is_pinned() -
     driver = Driver()
     arena = an_arena(driver)
     reports: list[tuple[int, int]] = []
-    host = arena.host_arena_async(
-        3 * MiB + 100, lambda whole, ready: reports.append((whole.data_ptr(), ready))
-    ).result(timeout=10)
+
+    def report(whole: torch.Tensor, ready: int) -> bool:
+        reports.append((whole.data_ptr(), ready))
+        return True
+
+    host = arena.host_arena_async(3 * MiB + 100, report).result(timeout=10)
     base = host.data_ptr()
     assert reports == [(base, MiB), (base, 2 * MiB), (base, 3 * MiB), (base, 3 * MiB + 100)]
     assert arena.chunk_pieces(base + MiB - 10, 30) == [(0, 10), (10, 30)]
@@ -255,11 +258,12 @@ def test_a_background_pinning_stopped_half_way_keeps_its_served_chunks_until_unp
     ready_seen: list[int] = []
     wholes: list[torch.Tensor] = []
 
-    def pinned(whole: torch.Tensor, ready: int) -> None:
+    def pinned(whole: torch.Tensor, ready: int) -> bool:
         ready_seen.append(ready)
         wholes.append(whole)
         if ready >= 2 * MiB:
             served.set()
+        return True
 
     future = arena.host_arena_async(256 * MiB, pinned)
     assert served.wait(10)
@@ -309,3 +313,42 @@ def test_record_use_never_records_on_a_conjugate_or_negative_view(
     record_use(values, cast(Any, stream))
     ptr = values.untyped_storage().data_ptr()
     assert recorded == [(False, False, ptr, stream), (False, False, ptr, stream)]
+
+
+class TimedDriver(Driver):
+    """Pinning that takes 20 ms a chunk, each registration's start and end recorded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.spans: list[tuple[float, float]] = []
+
+    def host_register(self, ordinal: int, ptr: int, nbytes: int, setting: str) -> None:
+        began = time.perf_counter()
+        time.sleep(0.02)
+        super().host_register(ordinal, ptr, nbytes, setting)
+        self.spans.append((began, time.perf_counter()))
+
+
+def test_a_background_pinning_in_no_hurry_leaves_the_driver_lock_free_pin_pace_times_as_long() -> (
+    None
+):
+    """Each registration holds the driver lock the process's kernel launches wait for:
+    where the cache says there is no hurry, the next chunk waits PIN_PACE times as long as
+    the last one took; where it asks for room, only the short pause."""
+    driver = TimedDriver()
+    arena = an_arena(driver)
+    hurries = [True, False, False, True, True, False]
+
+    def pinned(whole: torch.Tensor, ready: int) -> bool:
+        return hurries[ready // MiB - 1]
+
+    arena.host_arena_async(6 * MiB, pinned).result(timeout=10)
+    spans = driver.spans
+    gaps = [spans[k + 1][0] - spans[k][1] for k in range(len(spans) - 1)]
+    for hurry, gap, (began, ended) in zip(hurries, gaps, spans, strict=False):
+        if hurry:
+            assert gap < PIN_PACE * (ended - began) / 2
+        else:
+            assert gap >= PIN_PACE * (ended - began) * 0.95
+    arena.stop_pinning()
+    arena.unpin()

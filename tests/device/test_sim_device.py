@@ -188,7 +188,12 @@ def test_fresh_arena_blocks_and_fresh_device_memory_are_poisoned() -> None:
 def test_an_arena_pins_chunk_by_chunk_and_only_pinned_bytes_are_handed_out() -> None:
     dev = SimDevice(pin_chunk_bytes=ARENA_PAGE, pin_chunk_s=0.05)
     reports: list[int] = []
-    future = dev.host_arena(3 * ARENA_PAGE, lambda arena, ready: reports.append(ready))
+
+    def report(arena: torch.Tensor, ready: int) -> bool:
+        reports.append(ready)
+        return True
+
+    future = dev.host_arena(3 * ARENA_PAGE, report)
     arena = future.result(timeout=5)
     assert reports == [ARENA_PAGE, 2 * ARENA_PAGE, 3 * ARENA_PAGE]
     assert dev.pinned_bytes == 3 * ARENA_PAGE
@@ -200,9 +205,10 @@ def test_an_arena_pins_chunk_by_chunk_and_only_pinned_bytes_are_handed_out() -> 
     first = threading.Event()
     seen: list[torch.Tensor] = []
 
-    def pinned(arena: torch.Tensor, ready: int) -> None:
+    def pinned(arena: torch.Tensor, ready: int) -> bool:
         seen.append(arena)
         first.set()
+        return True
 
     future = dev.host_arena(64 * ARENA_PAGE, pinned)
     assert first.wait(5)
