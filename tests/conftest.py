@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import os
 import threading
 import time
 import weakref
@@ -91,6 +92,12 @@ def stall(stream: torch.cuda.Stream, seconds: float) -> None:
         _SLEEP_CYCLES_PER_S.append(50_000_000 / (start.elapsed_time(end) / 1e3))
     with torch.cuda.stream(stream):
         torch.cuda._sleep(int(seconds * _SLEEP_CYCLES_PER_S[0]))  # type: ignore[no-untyped-call]
+
+
+def without_a_gpu() -> dict[str, str]:
+    """This process's environment with every GPU hidden: a child run with it takes the path
+    of a machine without one (the simulator), on a GPU host too."""
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
 
 
 def _make_device(kind: str) -> Device:

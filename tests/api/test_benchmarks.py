@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import without_a_gpu
 
 from mmcache import FeatureCache
 
@@ -40,7 +41,8 @@ def _run(name: str, *extra: str) -> subprocess.CompletedProcess[str]:
 
 
 def _python(*argv: str) -> subprocess.CompletedProcess[str]:
-    """This Python run on argv from the repository root, its output captured."""
+    """This Python run on argv from the repository root, its output captured, every GPU
+    hidden (on a GPU host too: the scripts' CUDA runs are gpu_suite.sh's)."""
     return subprocess.run(
         [sys.executable, *argv],
         capture_output=True,
@@ -48,6 +50,7 @@ def _python(*argv: str) -> subprocess.CompletedProcess[str]:
         timeout=120,
         check=False,
         cwd=BENCHMARKS.parent,
+        env=without_a_gpu(),
     )
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import without_a_gpu
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -48,6 +49,7 @@ def test_example_runs_on_the_simulator(name: str) -> None:
         timeout=60,
         check=False,
         cwd=EXAMPLES.parent,
+        env=without_a_gpu(),
     )
     assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
 
