@@ -105,6 +105,7 @@ class PinnedArena:
         "_pin_thread",
         "_ptr",
         "_split_chunk",
+        "_stop",
         "background_pinning",
         "huge_pages",
         "method",
@@ -136,6 +137,7 @@ class PinnedArena:
         self._finalizer: weakref.finalize[Any, Any] | None = None
         self._pin_thread: threading.Thread | None = None
         self._closed = False
+        self._stop = threading.Event()  # set with _closed: a pause between chunks ends early
 
     @property
     def ptr(self) -> int:
@@ -205,6 +207,7 @@ class PinnedArena:
     def stop_pinning(self) -> None:
         """Refuse a new arena and end a background pinning (it stops at its next chunk)."""
         self._closed = True
+        self._stop.set()
         if self._pin_thread is not None:
             self._pin_thread.join()
 
@@ -281,7 +284,7 @@ class PinnedArena:
                 registered.append(ptr + start)
                 hurry = on_pinned is None or on_pinned(arena, min(start + chunk, nbytes))
                 if pause_s:
-                    time.sleep(pause_s if hurry else max(pause_s, held * PIN_PACE))
+                    self._stop.wait(pause_s if hurry else max(pause_s, held * PIN_PACE))
         except BaseException:
             if on_pinned is None or not registered:
                 self._ptr = self._nbytes = self._split_chunk = 0

@@ -352,3 +352,23 @@ def test_a_background_pinning_in_no_hurry_leaves_the_driver_lock_free_pin_pace_t
             assert gap >= PIN_PACE * (ended - began) * 0.95
     arena.stop_pinning()
     arena.unpin()
+
+
+def test_stopping_a_pinning_in_no_hurry_does_not_wait_out_its_pause() -> None:
+    driver = TimedDriver()
+    arena = an_arena(driver)
+    reported = threading.Event()
+
+    def pinned(whole: torch.Tensor, ready: int) -> bool:
+        reported.set()
+        return False  # the next chunk after a pause of PIN_PACE times 20 ms
+
+    future = arena.host_arena_async(64 * MiB, pinned)
+    assert reported.wait(10)
+    started = time.perf_counter()
+    arena.stop_pinning()
+    assert time.perf_counter() - started < PIN_PACE * 0.02 / 2
+    with pytest.raises(MMCacheError, match="closed while its host arena was pinned"):
+        future.result(timeout=10)
+    arena.unpin()
+    assert sorted(driver.unregistered) == sorted(driver.registered)
