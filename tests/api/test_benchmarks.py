@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from child_runs import ChildRuns
 from conftest import without_a_gpu
 
 from mmcache import FeatureCache
@@ -36,42 +37,124 @@ RUNS: dict[str, list[str]] = {
 }
 
 
-def _run(name: str, *extra: str) -> subprocess.CompletedProcess[str]:
-    return _python(str(BENCHMARKS / name), *RUNS[name], *extra)
+#: The adapter benchmark with SGLang hidden, as on a GPU machine for figures only.
+_HIDE_SGLANG = (
+    "import runpy, sys; sys.modules['sglang'] = None; "
+    "sys.argv = ['bench_adapters.py', *{args!r}]; "
+    "runpy.run_path('benchmarks/bench_adapters.py', run_name='__main__')"
+)
+
+#: The module's other child runs: test -> (run key, script, arguments after RUNS'); OUT
+#: stands for the run's own JSON file.
+_TEST_RUNS: dict[str, tuple[str, str, list[str]]] = {
+    "test_bench_ipc_measures_every_path_exact_on_the_simulator": (
+        "ipc",
+        "bench_ipc.py",
+        ["--out", "OUT"],
+    ),
+    "test_bench_offload_can_leave_gc_alone_and_yield_after_every_feature": (
+        "offload-gc-alone",
+        "bench_offload.py",
+        ["--out", "OUT", "--rounds", "1", "--no-gc-freeze", "--burst-mb", "0"],
+    ),
+    "test_bench_cold_start_serves_while_the_arena_pins": (
+        # 1 MB features: a 440 MiB arena, 55 simulated chunks of 2.5 ms, so at least
+        # 0.14 s of pinning; the first window closes before it can end.
+        "cold-start",
+        "bench_cold_start.py",
+        ["--size", "1MB", "--windows", "0.1", "0.4", "--rounds", "1", "--out", "OUT"],
+    ),
+    "test_bench_serving_reports_every_design_exact_on_the_simulator": (
+        "serving",
+        "bench_serving.py",
+        ["--out", "OUT", "--op-calls", "100"],
+    ),
+    "test_bench_serving_alternates_rounds_and_reports_each_designs_median": (
+        "serving-rounds",
+        "bench_serving.py",
+        ["--out", "OUT", "--op-calls", "0", "--rounds", "3"],
+    ),
+}
+#: Runs each test starts itself: figures a busy host would spoil, or a quick refusal.
+_ALONE = {
+    "serving-no-rounds": [
+        str(BENCHMARKS / "bench_serving.py"),
+        *RUNS["bench_serving.py"],
+        "--rounds",
+        "0",
+    ],
+    # bench_offload --loop-cores fast keeps to the cores it timed fastest.
+    "offload-fast-cores": [
+        str(BENCHMARKS / "bench_offload.py"),
+        *RUNS["bench_offload.py"],
+        "--out",
+        "OUT",
+        "--loop-cores",
+        "fast",
+    ],
+}
 
 
-def _python(*argv: str) -> subprocess.CompletedProcess[str]:
-    """This Python run on argv from the repository root, its output captured, every GPU
-    hidden (on a GPU host too: the scripts' CUDA runs are gpu_suite.sh's)."""
-    return subprocess.run(
-        [sys.executable, *argv],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        cwd=BENCHMARKS.parent,
-        env=without_a_gpu(),
-    )
+class Children:
+    """This module's benchmark runs, every GPU hidden (on a GPU host too: the scripts' CUDA
+    runs are gpu_suite.sh's), from the repository root; each writes its JSON to out(key)."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self._out_dir = out_dir
+        runs: dict[str, list[str]] = {name: [str(BENCHMARKS / name), *RUNS[name]] for name in RUNS}
+        for key, script, extra in _TEST_RUNS.values():
+            runs[key] = [str(BENCHMARKS / script), *RUNS[script], *extra]
+        runs.update(_ALONE)
+        adapters = [*RUNS["bench_adapters.py"], "--out", "OUT"]
+        runs["adapters-without-sglang"] = ["-c", _HIDE_SGLANG.format(args=adapters)]
+        out = {key: [self._swap_out(key, arg) for arg in argv] for key, argv in runs.items()}
+        self.runs = ChildRuns(out, cwd=BENCHMARKS.parent, timeout=120, env=without_a_gpu())
+
+    def _swap_out(self, key: str, arg: str) -> str:
+        if arg == "OUT":
+            return str(self.out(key))
+        return arg.replace("'OUT'", repr(str(self.out(key))))
+
+    def out(self, key: str) -> Path:
+        return self._out_dir / f"{key}.json"
+
+    def result(self, key: str) -> subprocess.CompletedProcess[str]:
+        return self.runs.result(key)
+
+
+@pytest.fixture(scope="module")
+def children(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Children:
+    """The runs of the module's selected tests, side by side before the first reads its
+    own (where the host has cores to spare: tests/child_runs.py)."""
+    made = Children(tmp_path_factory.mktemp("benchmarks"))
+    keys: list[str] = []
+    for item in request.session.items:
+        if not isinstance(item, pytest.Function) or item.module is not request.module:
+            continue
+        if item.originalname == "test_benchmark_runs_without_a_gpu":
+            keys.append(str(item.callspec.params["name"]))
+        elif item.originalname in _TEST_RUNS:
+            keys.append(_TEST_RUNS[item.originalname][0])
+        elif (
+            item.originalname == "test_bench_adapters_times_the_caches_thread_calls_without_sglang"
+        ):
+            keys.append("adapters-without-sglang")
+    made.runs.start(keys)
+    return made
 
 
 @pytest.mark.parametrize("name", sorted(set(RUNS) - {"bench_ipc.py"}))  # its own test below
-def test_benchmark_runs_without_a_gpu(name: str) -> None:
-    done = _run(name)
+def test_benchmark_runs_without_a_gpu(name: str, children: Children) -> None:
+    done = children.result(name)
     assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
 
 
-def test_bench_adapters_times_the_caches_thread_calls_without_sglang(tmp_path: Path) -> None:
+def test_bench_adapters_times_the_caches_thread_calls_without_sglang(children: Children) -> None:
     """Where SGLang is not installed (a GPU machine for figures only), the thread path's
     rows are still timed, on a loop thread of the adapter's kind."""
-    out = tmp_path / "adapters.json"
-    hide_sglang = (
-        "import runpy, sys; sys.modules['sglang'] = None; "
-        f"sys.argv = ['bench_adapters.py', *{[*RUNS['bench_adapters.py'], '--out', str(out)]!r}]; "
-        "runpy.run_path('benchmarks/bench_adapters.py', run_name='__main__')"
-    )
-    done = _python("-c", hide_sglang)
+    done = children.result("adapters-without-sglang")
     assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
-    results = json.loads(out.read_text())
+    results = json.loads(children.out("adapters-without-sglang").read_text())
     assert results["adapter"] is False
     assert set(results["results"]) == {
         "round trip (trivial coroutine)",
@@ -84,11 +167,10 @@ def test_bench_adapters_times_the_caches_thread_calls_without_sglang(tmp_path: P
     assert "FeatureCache on sim" in done.stdout
 
 
-def test_bench_ipc_measures_every_path_exact_on_the_simulator(tmp_path: Path) -> None:
-    out = tmp_path / "ipc.json"
-    done = _run("bench_ipc.py", "--out", str(out))
+def test_bench_ipc_measures_every_path_exact_on_the_simulator(children: Children) -> None:
+    done = children.result("ipc")
     assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
-    results = json.loads(out.read_text())
+    results = json.loads(children.out("ipc").read_text())
     paths = ("pool receive", "pool lease", "fallback", "torch.mp queue")
     rows = {(row["path"], row["size"], row["batch"]): row for row in results["rows"]}
     assert set(rows) == {(p, s, b) for p in paths for s in ("64KB", "1MB", "8MB") for b in (1, 16)}
@@ -109,11 +191,12 @@ def test_bench_ipc_measures_every_path_exact_on_the_simulator(tmp_path: Path) ->
     assert "Steady stream:" in done.stdout
 
 
-def test_bench_offload_reports_exact_reads_and_no_leaks_on_the_simulator(tmp_path: Path) -> None:
-    out = tmp_path / "offload.json"
-    done = _run("bench_offload.py", "--out", str(out), "--loop-cores", "fast")
+def test_bench_offload_reports_exact_reads_and_no_leaks_on_the_simulator(
+    children: Children,
+) -> None:
+    done = children.result("offload-fast-cores")  # alone: it times the cores
     assert done.returncode == 0, done.stderr
-    results = json.loads(out.read_text())
+    results = json.loads(children.out("offload-fast-cores").read_text())
     speeds = {int(core): us for core, us in results["cores"]["speeds"].items()}
     pinned = results["cores"]["pinned_to"]
     assert pinned and set(pinned) <= set(speeds)
@@ -135,13 +218,12 @@ def test_bench_offload_reports_exact_reads_and_no_leaks_on_the_simulator(tmp_pat
             assert mmcache["offload_many"]["dropped"] == 0, name
 
 
-def test_bench_offload_can_leave_gc_alone_and_yield_after_every_feature(tmp_path: Path) -> None:
-    out = tmp_path / "offload.json"
-    done = _run(
-        "bench_offload.py", "--out", str(out), "--rounds", "1", "--no-gc-freeze", "--burst-mb", "0"
-    )
+def test_bench_offload_can_leave_gc_alone_and_yield_after_every_feature(
+    children: Children,
+) -> None:
+    done = children.result("offload-gc-alone")
     assert done.returncode == 0, done.stderr
-    results = json.loads(out.read_text())
+    results = json.loads(children.out("offload-gc-alone").read_text())
     assert results["gc_frozen_objects"] == 0
     assert "garbage collector: nothing frozen (--no-gc-freeze)" in done.stdout
     assert {row["burst_features"] for row in results["sizes"].values()} == {1}
@@ -188,24 +270,10 @@ def _serving() -> Any:
     return bench_serving
 
 
-def test_bench_cold_start_serves_while_the_arena_pins(tmp_path: Path) -> None:
-    out = tmp_path / "cold.json"
-    # 1 MB features: a 440 MiB arena, 55 simulated chunks of 2.5 ms, so at least 0.14 s
-    # of pinning; the first window closes before it can end.
-    done = _run(
-        "bench_cold_start.py",
-        "--size",
-        "1MB",
-        "--windows",
-        "0.1",
-        "0.4",
-        "--rounds",
-        "1",
-        "--out",
-        str(out),
-    )
+def test_bench_cold_start_serves_while_the_arena_pins(children: Children) -> None:
+    done = children.result("cold-start")
     assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
-    results = json.loads(out.read_text())
+    results = json.loads(children.out("cold-start").read_text())
     assert results["wrong_values"] == 0 and results["leaked_bytes"] == 0
     assert set(results["runs"]) == {"SGLang-style (non_blocking + event)", "mmcache get"}
     for name, runs in results["runs"].items():
@@ -237,13 +305,12 @@ def _small_serving_config() -> Any:
     )
 
 
-def test_bench_serving_reports_every_design_exact_on_the_simulator(tmp_path: Path) -> None:
+def test_bench_serving_reports_every_design_exact_on_the_simulator(children: Children) -> None:
     serving = _serving()
-    out = tmp_path / "serving.json"
-    done = _run("bench_serving.py", "--out", str(out), "--op-calls", "100")
+    done = children.result("serving")
     assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
     assert "simulated" in done.stdout
-    results = json.loads(out.read_text())
+    results = json.loads(children.out("serving").read_text())
     assert results["simulated"] and results["wrong_values"] == 0 and results["leaked_bytes"] == 0
     row = results["sizes"]["64KB"]
     assert set(row["strategies"]) == set(serving.STRATEGIES)
@@ -271,12 +338,11 @@ def test_bench_serving_reports_every_design_exact_on_the_simulator(tmp_path: Pat
 
 
 def test_bench_serving_alternates_rounds_and_reports_each_designs_median(
-    tmp_path: Path,
+    children: Children,
 ) -> None:
-    out = tmp_path / "serving.json"
-    done = _run("bench_serving.py", "--out", str(out), "--op-calls", "0", "--rounds", "3")
+    done = children.result("serving-rounds")
     assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
-    results = json.loads(out.read_text())
+    results = json.loads(children.out("serving-rounds").read_text())
     assert results["config"]["rounds"] == 3 and results["wrong_values"] == 0
     for name, figures in results["sizes"]["64KB"]["strategies"].items():
         if "skipped" in figures:
@@ -295,7 +361,7 @@ def test_bench_serving_alternates_rounds_and_reports_each_designs_median(
     assert paired["min"] == pytest.approx(min(each)) and paired["max"] == pytest.approx(max(each))
     assert "each round's ratio, median (range)" in done.stdout
     assert "3 rounds, designs alternated" in done.stdout
-    assert _run("bench_serving.py", "--rounds", "0").returncode == 2  # refused by argparse
+    assert children.result("serving-no-rounds").returncode == 2  # refused by argparse
 
 
 async def test_bench_serving_runs_get_many_where_the_cache_has_it(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 import subprocess
 import sys
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from child_runs import ChildRuns
 from conftest import without_a_gpu
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -33,24 +35,54 @@ def _scripts() -> list[str]:
     return sorted({p.name for p in EXAMPLES.glob("*.py")} | set(ARGUMENTS))
 
 
-@pytest.mark.parametrize("name", _scripts())
-def test_example_runs_on_the_simulator(name: str) -> None:
-    script = EXAMPLES / name
-    if not script.exists():
-        pytest.skip(f"examples/{name} is not written yet")
+def _not_runnable(name: str) -> str | None:
+    """Why examples/name cannot run here, or None."""
+    if not (EXAMPLES / name).exists():
+        return f"examples/{name} is not written yet"
     if name in NEEDS and shutil.which(NEEDS[name]) is None:
-        pytest.skip(f"examples/{name} starts a {NEEDS[name]}, which is not installed")
-    if name in ENGINE_MODULES:
-        pytest.importorskip(ENGINE_MODULES[name], reason="its engine is not installed")
-    done = subprocess.run(
-        [sys.executable, str(script), *ARGUMENTS.get(name, ["--device", "sim"])],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
+        return f"examples/{name} starts a {NEEDS[name]}, which is not installed"
+    if (
+        name in ENGINE_MODULES
+        and importlib.util.find_spec(ENGINE_MODULES[name].split(".")[0]) is None
+    ):
+        return "its engine is not installed"
+    return None
+
+
+@pytest.fixture(scope="module")
+def examples(request: pytest.FixtureRequest) -> ChildRuns:
+    """Each example on the simulator, every GPU hidden; the selected ones run side by side
+    before the first test reads its own (where the host has cores to spare)."""
+    runs = ChildRuns(
+        {
+            name: [str(EXAMPLES / name), *ARGUMENTS.get(name, ["--device", "sim"])]
+            for name in _scripts()
+        },
         cwd=EXAMPLES.parent,
+        timeout=60,
         env=without_a_gpu(),
     )
+    runs.start(
+        [
+            str(item.callspec.params["name"])
+            for item in request.session.items
+            if isinstance(item, pytest.Function)
+            and item.module is request.module
+            and item.originalname == "test_example_runs_on_the_simulator"
+            and _not_runnable(str(item.callspec.params["name"])) is None
+        ]
+    )
+    return runs
+
+
+@pytest.mark.parametrize("name", _scripts())
+def test_example_runs_on_the_simulator(name: str, examples: ChildRuns) -> None:
+    reason = _not_runnable(name)
+    if reason is not None:
+        pytest.skip(reason)
+    if name in ENGINE_MODULES:
+        pytest.importorskip(ENGINE_MODULES[name], reason="its engine is not installed")
+    done = examples.result(name)
     assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
 
 
