@@ -1,14 +1,14 @@
-"""Child Python processes of one test module, run side by side before its tests read them.
+"""Child Python processes of one test module, started side by side, each read by its test.
 
 Most of what a benchmark's or an example's test waits for is its child starting Python
 and torch. On a host with cores to spare (a GPU host: 16) the module's children run a
-few at a time while its first test waits, and each test then reads its own child's
-result; on a small machine (CI: 2 cores) they would only slow each other and run one at
-a time, each when its test asks, as they did before.
+few at a time from the module's start, and each test waits for its own; on a small
+machine (CI: 2 cores) they would only slow each other, and each runs when its test asks.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import subprocess
 import sys
@@ -26,8 +26,8 @@ Result = subprocess.CompletedProcess[str]
 
 
 class ChildRuns:
-    """Named runs of this Python (argv, working directory, environment, timeout); the
-    selected ones started side by side by start(), any other run when result() asks."""
+    """Named runs of this Python (argv, working directory, environment, timeout); those
+    given to start() run side by side from then, any other when result() asks."""
 
     def __init__(
         self,
@@ -42,6 +42,7 @@ class ChildRuns:
         self._timeout = timeout
         self._env = None if env is None else dict(env)
         self._started: dict[str, Future[Result]] = {}
+        self._pool: ThreadPoolExecutor | None = None
 
     def _run(self, key: str) -> Result:
         return subprocess.run(
@@ -55,14 +56,23 @@ class ChildRuns:
         )
 
     def start(self, keys: Sequence[str]) -> None:
-        """Run keys' children WORKERS at a time and wait for all (none with one worker)."""
+        """Start keys' children, WORKERS at a time, in that order (none with one worker):
+        each test then waits for its own alone."""
         if WORKERS < 2 or len(keys) < 2:
             return
-        with ThreadPoolExecutor(WORKERS, thread_name_prefix="child-run") as pool:
-            for key in keys:
-                self._started[key] = pool.submit(self._run, key)
+        self._pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="child-run")
+        for key in keys:
+            self._started[key] = self._pool.submit(self._run, key)
 
-    def result(self, key: str) -> Result:
-        """The child's result (a run that timed out raises here, in its own test)."""
+    def result(self, key: str, *, alone: bool = False) -> Result:
+        """The child's result (a run that timed out raises here, in its own test); alone:
+        once every child started has ended (a run that times itself)."""
+        if alone:
+            concurrent.futures.wait(self._started.values())
         started = self._started.pop(key, None)
         return self._run(key) if started is None else started.result()
+
+    def close(self) -> None:
+        """End the children not read (their tests were skipped or failed early)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)

@@ -6,6 +6,7 @@ import asyncio
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -119,13 +120,15 @@ class Children:
         return self._out_dir / f"{key}.json"
 
     def result(self, key: str) -> subprocess.CompletedProcess[str]:
-        return self.runs.result(key)
+        return self.runs.result(key, alone=key in _ALONE)
 
 
 @pytest.fixture(scope="module")
-def children(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Children:
-    """The runs of the module's selected tests, side by side before the first reads its
-    own (where the host has cores to spare: tests/child_runs.py)."""
+def children(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Children]:
+    """The runs of the module's selected tests, started side by side from the first (where
+    the host has cores to spare: tests/child_runs.py)."""
     made = Children(tmp_path_factory.mktemp("benchmarks"))
     keys: list[str] = []
     for item in request.session.items:
@@ -140,7 +143,8 @@ def children(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
         ):
             keys.append("adapters-without-sglang")
     made.runs.start(keys)
-    return made
+    yield made
+    made.runs.close()
 
 
 @pytest.mark.parametrize("name", sorted(set(RUNS) - {"bench_ipc.py"}))  # its own test below

@@ -6,6 +6,7 @@ import importlib.util
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -50,9 +51,9 @@ def _not_runnable(name: str) -> str | None:
 
 
 @pytest.fixture(scope="module")
-def examples(request: pytest.FixtureRequest) -> ChildRuns:
-    """Each example on the simulator, every GPU hidden; the selected ones run side by side
-    before the first test reads its own (where the host has cores to spare)."""
+def examples(request: pytest.FixtureRequest) -> Iterator[ChildRuns]:
+    """Each example on the simulator, every GPU hidden; the selected ones started side by
+    side from the first test (where the host has cores to spare)."""
     runs = ChildRuns(
         {
             name: [str(EXAMPLES / name), *ARGUMENTS.get(name, ["--device", "sim"])]
@@ -72,7 +73,8 @@ def examples(request: pytest.FixtureRequest) -> ChildRuns:
             and _not_runnable(str(item.callspec.params["name"])) is None
         ]
     )
-    return runs
+    yield runs
+    runs.close()
 
 
 @pytest.mark.parametrize("name", _scripts())
