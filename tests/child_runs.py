@@ -73,6 +73,7 @@ class ChildRuns:
         return self._run(key) if started is None else started.result()
 
     def close(self) -> None:
-        """End the children not read (their tests were skipped or failed early)."""
+        """Drop the children not started yet and wait for those running (a test that
+        failed before reading its own leaves one, which ends within its timeout)."""
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)

@@ -69,7 +69,8 @@ class HostTier:
         self._ready: asyncio.Event | None = None  # set once pinning ended, done or failed
         self._complete = False  # the whole arena is pinned
         self._waiters: deque[asyncio.Future[None]] = deque()
-        self._awaited = 0  # wait_ready calls under way: the arena pins at full speed
+        # wait_ready calls and puts waiting for room under way: the arena pins at full speed
+        self._awaited = 0
         #: the puts waiting for host room (read-only): truthy while any waits
         self.line: Collection[object] = self._waiters
         self._closed = False
@@ -180,7 +181,7 @@ class HostTier:
         arena. Read on the pinning thread: the loop's figures may be a moment old, which
         moves the pace by a chunk at most."""
         pool = self.pool
-        if pool is None or self._waiters or self._awaited:
+        if pool is None or self._awaited:
             return True
         headroom = min(PINNED_HEADROOM_BYTES, self.capacity // 4)
         return ready - pool.used_bytes < headroom
@@ -280,6 +281,7 @@ class HostTier:
         waiter: asyncio.Future[None] = loop.create_future()
         self._waiters.append(waiter)
         landings.watch()  # now, not late: landings let us evict their entries
+        self._awaited += 1  # the arena pins at full speed while a put waits for room
         try:
             while True:
                 await waiter
@@ -297,6 +299,7 @@ class HostTier:
                 self._waiters.appendleft(waiter)
                 landings.watch()  # a report just took us off the line: watch on
         finally:
+            self._awaited -= 1
             with contextlib.suppress(ValueError):
                 self._waiters.remove(waiter)
             self.wake()

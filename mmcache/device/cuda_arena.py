@@ -38,6 +38,9 @@ _MiB: Final = 1 << 20
 # a chunk's pinning.
 DEFAULT_PIN_CHUNK_BYTES: Final = 8 * _MiB
 _PIN_PAUSE_S: Final = 0.0005  # between chunks pinned in the background
+# A paced pause at most: a registration that waited long for the driver's lock (the
+# engine capturing graphs, say) must not hold back the chunks a put will soon need.
+_PACED_PAUSE_MAX_S: Final = 0.05
 _HUGE_PAGE: Final = 2 * _MiB
 PAGE: Final = mmap.PAGESIZE
 _MADV_POPULATE_WRITE: Final = 23  # Linux 5.14+
@@ -283,8 +286,9 @@ class PinnedArena:
                 held = time.perf_counter() - began  # the driver's lock, held for this chunk
                 registered.append(ptr + start)
                 hurry = on_pinned is None or on_pinned(arena, min(start + chunk, nbytes))
-                if pause_s:
-                    self._stop.wait(pause_s if hurry else max(pause_s, held * PIN_PACE))
+                if pause_s and start + chunk < size:  # none after the last: it is done
+                    paced = min(held * PIN_PACE, _PACED_PAUSE_MAX_S)
+                    self._stop.wait(pause_s if hurry else max(pause_s, paced))
         except BaseException:
             if on_pinned is None or not registered:
                 self._ptr = self._nbytes = self._split_chunk = 0

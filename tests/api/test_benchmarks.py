@@ -284,7 +284,9 @@ def test_bench_cold_start_serves_while_the_arena_pins(children: Children) -> Non
         (run,) = runs
         assert all(rate > 0 for rate in run["requests_per_s"]), name
     (mm,) = results["runs"]["mmcache get"]
-    assert mm["pinned_fraction"][0] < 1.0 and mm["arena_pinned_s"] > 0.1
+    # Pinned in part at the first window's end; whole (if within the run) after 0.1 s at least.
+    assert mm["pinned_fraction"][0] < 1.0
+    assert mm["arena_pinned_s"] is None or mm["arena_pinned_s"] > 0.1
     assert "mmcache ÷ SGLang-style" in done.stdout
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import subprocess
 import sys
@@ -42,11 +41,6 @@ def _not_runnable(name: str) -> str | None:
         return f"examples/{name} is not written yet"
     if name in NEEDS and shutil.which(NEEDS[name]) is None:
         return f"examples/{name} starts a {NEEDS[name]}, which is not installed"
-    if (
-        name in ENGINE_MODULES
-        and importlib.util.find_spec(ENGINE_MODULES[name].split(".")[0]) is None
-    ):
-        return "its engine is not installed"
     return None
 
 
@@ -71,6 +65,7 @@ def examples(request: pytest.FixtureRequest) -> Iterator[ChildRuns]:
             and item.module is request.module
             and item.originalname == "test_example_runs_on_the_simulator"
             and _not_runnable(str(item.callspec.params["name"])) is None
+            and item.callspec.params["name"] not in ENGINE_MODULES  # its test may skip
         ]
     )
     yield runs

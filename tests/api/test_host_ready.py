@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future
 
@@ -313,17 +314,27 @@ async def test_with_the_gpu_tier_off_a_put_the_partial_arena_cannot_hold_gives_u
             assert (len(cache), s.leaked_bytes) == (1, 0)
 
 
+class PaceReports(list[tuple[int, bool]]):
+    """Each report of an arena, (ready bytes, whether the cache asked for the next chunk
+    at once), as the pinning thread gets it; while held is clear, the next report waits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held = threading.Event()
+        self.held.set()
+
+
 @contextlib.contextmanager
-def pace_reports(device: Device) -> Iterator[list[tuple[int, bool]]]:
-    """Each report of the device's next arena, (ready bytes, whether the cache asked for
-    the next chunk at once), as the pinning thread gets it."""
-    reports: list[tuple[int, bool]] = []
+def pace_reports(device: Device) -> Iterator[PaceReports]:
+    """The reports of the device's next arena."""
+    reports = PaceReports()
     pin = device.host_arena
 
     def host_arena(nbytes: int, on_pinned: ArenaProgress | None = None) -> Future[torch.Tensor]:
         assert on_pinned is not None
 
         def report(arena: torch.Tensor, ready: int) -> bool:
+            reports.held.wait(10)
             hurry = on_pinned(arena, ready)
             reports.append((ready, hurry))
             return hurry
@@ -346,6 +357,15 @@ async def next_report(reports: list[tuple[int, bool]], timeout: float = 5) -> tu
             await asyncio.sleep(0.002)
 
 
+async def reported_at_least(reports: list[tuple[int, bool]], nbytes: int) -> None:
+    """Wait until the pinning thread has recorded a report of nbytes or more."""
+    async with asyncio.timeout(10):
+        while True:
+            if reports and reports[-1][0] >= nbytes:
+                return
+            await asyncio.sleep(0.002)
+
+
 async def test_an_idle_cache_pins_at_the_devices_pace_once_room_is_ahead() -> None:
     """Pinning holds the driver lock an engine's launches wait for: once a quarter of the
     arena is pinned and free, an idle cache lets the rest pin at PIN_PACE; someone waiting
@@ -354,7 +374,7 @@ async def test_an_idle_cache_pins_at_the_devices_pace_once_room_is_ahead() -> No
     try:
         with pace_reports(device) as reports:
             async with chunked_cache(device, gpu_mb=1, cpu_mb=16) as cache:
-                await pinned_at_least(cache, 6 * MiB)
+                await reported_at_least(reports, 6 * MiB)
                 assert all(hurry for ready, hurry in reports if ready < 4 * MiB)
                 assert [hurry for ready, hurry in reports if 5 * MiB <= ready <= 6 * MiB] == [
                     False,
@@ -378,9 +398,38 @@ async def test_puts_that_use_the_pinned_room_make_the_arena_pin_at_full_speed() 
             async with chunked_cache(device, gpu_mb=0, cpu_mb=16) as cache:
                 await pinned_at_least(cache, 5 * MiB)
                 assert (await next_report(reports))[1] is False  # 4 MiB or more free ahead
-                for k in range(8):  # 4 MiB to the host tier: less than a quarter left free
-                    await put_feature(cache, rig, k, 512, seed=k)
-                assert cache.stats().cpu_bytes == 4 * MiB
+                reports.held.clear()  # no report while the puts run: the next sees them all
+                try:
+                    for k in range(8):  # 4 MiB to the host tier: less than a quarter left free
+                        await put_feature(cache, rig, k, 512, seed=k)
+                    assert cache.stats().cpu_bytes == 4 * MiB
+                finally:
+                    reports.held.set()
                 assert (await next_report(reports))[1] is True
+    finally:
+        device.close()
+
+
+async def test_a_put_waiting_for_host_room_makes_the_arena_pin_at_full_speed() -> None:
+    device = pinning_sim(chunk_s=0.01)
+    rig = Rig(device, "sim")
+    try:
+        with pace_reports(device) as reports:
+            async with chunked_cache(device, gpu_mb=0, cpu_mb=16) as cache:
+                await pinned_at_least(cache, 5 * MiB)
+                ready, hurry = await next_report(reports)
+                assert hurry is False
+                reports.held.clear()  # the next report waits until the put waits
+                # 3 MiB more than is pinned, all at once or none: the put waits.
+                wanted = min(ready + 3 * MiB, 16 * MiB)
+                items = [(k, feature(rig, 512, seed=k)) for k in range(wanted // (512 << 10))]
+                putting = asyncio.create_task(cache.put_many(items))
+                await asyncio.sleep(0.05)
+                assert not putting.done()
+                after = len(reports)
+                reports.held.set()
+                assert await asyncio.wait_for(putting, 10)
+                waited = [hurry for ready, hurry in reports[after:] if ready < wanted]
+                assert waited and all(waited)
     finally:
         device.close()

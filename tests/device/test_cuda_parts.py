@@ -316,17 +316,36 @@ def test_record_use_never_records_on_a_conjugate_or_negative_view(
 
 
 class TimedDriver(Driver):
-    """Pinning that takes 20 ms a chunk, each registration's start and end recorded."""
+    """Pinning that takes hold seconds a chunk, each registration's start and end recorded."""
 
-    def __init__(self) -> None:
+    def __init__(self, hold: float) -> None:
         super().__init__()
+        self.hold = hold
         self.spans: list[tuple[float, float]] = []
 
     def host_register(self, ordinal: int, ptr: int, nbytes: int, setting: str) -> None:
         began = time.perf_counter()
-        time.sleep(0.02)
+        time.sleep(self.hold)
         super().host_register(ordinal, ptr, nbytes, setting)
         self.spans.append((began, time.perf_counter()))
+
+
+def pinning_gaps(hold: float, hurries: list[bool]) -> list[tuple[float, float]]:
+    """Pin len(hurries) chunks, each reported with its hurry: (how long each chunk's
+    registration took, the gap before the next), for all but the last chunk."""
+    driver = TimedDriver(hold)
+    arena = an_arena(driver)
+
+    def pinned(whole: torch.Tensor, ready: int) -> bool:
+        return hurries[ready // MiB - 1]
+
+    arena.host_arena_async(len(hurries) * MiB, pinned).result(timeout=10)
+    spans = driver.spans
+    arena.stop_pinning()
+    arena.unpin()
+    return [
+        (spans[k][1] - spans[k][0], spans[k + 1][0] - spans[k][1]) for k in range(len(spans) - 1)
+    ]
 
 
 def test_a_background_pinning_in_no_hurry_leaves_the_driver_lock_free_pin_pace_times_as_long() -> (
@@ -335,39 +354,35 @@ def test_a_background_pinning_in_no_hurry_leaves_the_driver_lock_free_pin_pace_t
     """Each registration holds the driver lock the process's kernel launches wait for:
     where the cache says there is no hurry, the next chunk waits PIN_PACE times as long as
     the last one took; where it asks for room, only the short pause."""
-    driver = TimedDriver()
-    arena = an_arena(driver)
     hurries = [True, False, False, True, True, False]
-
-    def pinned(whole: torch.Tensor, ready: int) -> bool:
-        return hurries[ready // MiB - 1]
-
-    arena.host_arena_async(6 * MiB, pinned).result(timeout=10)
-    spans = driver.spans
-    gaps = [spans[k + 1][0] - spans[k][1] for k in range(len(spans) - 1)]
-    for hurry, gap, (began, ended) in zip(hurries, gaps, spans, strict=False):
+    for hurry, (held, gap) in zip(hurries, pinning_gaps(0.01, hurries), strict=False):
         if hurry:
-            assert gap < PIN_PACE * (ended - began) / 2
+            assert gap < PIN_PACE * held / 2
         else:
-            assert gap >= PIN_PACE * (ended - began) * 0.95
-    arena.stop_pinning()
-    arena.unpin()
+            assert gap >= PIN_PACE * held * 0.95
+
+
+def test_a_paced_pause_is_50_ms_at_most() -> None:
+    """A registration that waited long for the driver's lock must not hold back the chunks
+    a put will soon need: the pause after it is capped."""
+    for held, gap in pinning_gaps(0.1, [False, False, False]):
+        assert 0.05 * 0.95 <= gap < min(PIN_PACE * held, 0.05 + 0.03)
 
 
 def test_stopping_a_pinning_in_no_hurry_does_not_wait_out_its_pause() -> None:
-    driver = TimedDriver()
+    driver = TimedDriver(0.016)
     arena = an_arena(driver)
     reported = threading.Event()
 
     def pinned(whole: torch.Tensor, ready: int) -> bool:
         reported.set()
-        return False  # the next chunk after a pause of PIN_PACE times 20 ms
+        return False  # the next chunk after a pause of PIN_PACE times 16 ms
 
     future = arena.host_arena_async(64 * MiB, pinned)
     assert reported.wait(10)
     started = time.perf_counter()
     arena.stop_pinning()
-    assert time.perf_counter() - started < PIN_PACE * 0.02 / 2
+    assert time.perf_counter() - started < PIN_PACE * 0.016 * 0.75
     with pytest.raises(MMCacheError, match="closed while its host arena was pinned"):
         future.result(timeout=10)
     arena.unpin()
