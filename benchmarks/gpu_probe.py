@@ -226,6 +226,50 @@ def pinning_cost(index: int, quick: bool) -> dict[str, dict[str, float]]:
     return results
 
 
+def launches_while_pinning(index: int, quick: bool) -> dict[str, dict[str, float]]:
+    """CPU µs per kernel launch (torch.sub of 1 MB) with no pinning, and while a fresh
+    device pins its arena in the background at full speed (the cache in a hurry) and at
+    its pace (PIN_PACE: the cache with room ahead); pinning holds the driver lock every
+    launch waits for. The launches run until the arena is pinned; pin_s, how long it took."""
+    nbytes = (512 if quick else 2048) * MiB
+    results: dict[str, dict[str, float]] = {}
+    for name, hurry in (
+        ("no pinning", None),
+        ("pinning, full speed", True),
+        ("pinning, paced", False),
+    ):
+        device = CudaDevice(index)
+        a = torch.ones(512 * 1024, dtype=torch.bfloat16, device=device.name)
+        torch.sub(a, a)
+        torch.cuda.synchronize(device.index)
+        start = time.perf_counter()
+        if hurry is None:
+            pinned = None
+            until = start + 0.5
+        else:
+
+            def says(arena: torch.Tensor, ready: int, hurry: bool = hurry) -> bool:
+                return hurry  # the same answer at each chunk
+
+            pinned = device.host_arena(nbytes, says)
+            until = math.inf
+        samples: list[float] = []
+        while (pinned is None or not pinned.done()) and time.perf_counter() < until:
+            for _ in range(50):
+                began = time.perf_counter()
+                torch.sub(a, a)
+                samples.append(time.perf_counter() - began)
+            torch.cuda.synchronize(device.index)  # the GPU's queue never fills
+        pin_s = math.nan if pinned is None else time.perf_counter() - start
+        results[name] = {**summary_us(samples), "pin_s": pin_s}
+        if pinned is not None:
+            pinned.result()  # raises where pinning failed
+        device.close()
+        del a, pinned
+        gc.collect()
+    return results
+
+
 # --- fence wake-up ----------------------------------------------------------------------------
 
 
@@ -541,6 +585,10 @@ async def probe(index: int, quick: bool) -> dict[str, Any]:
     del arena, gpu
     gc.collect()
     results["pinning"] = pinning_cost(index, quick)
+    try:  # the newest measurement: a failure of its own leaves the rest reported
+        results["launches_while_pinning"] = launches_while_pinning(index, quick)
+    except Exception as exc:
+        results["launches_while_pinning"] = {"error": {"message": repr(exc)}}
     return results
 
 
@@ -601,6 +649,20 @@ def report(results: dict[str, Any]) -> str:
             [
                 [k, v["pin_s"], v["ms_per_MiB"], v["unpin_s"], bool(v["is_pinned"])]
                 for k, v in results["pinning"].items()
+            ],
+        ),
+        "",
+    ]
+    launches = results["launches_while_pinning"]
+    out += [
+        "### Kernel launches while the arena pins (CPU µs per launch of a 1 MB sub)",
+        markdown_table(
+            ["while", "p50", "p99", "max", "launches", "pinned after s"],
+            [
+                [k, v["p50_us"], v["p99_us"], v["max_us"], int(v["n"]), v["pin_s"]]
+                if "message" not in v
+                else [k, v["message"], "", "", "", ""]
+                for k, v in launches.items()
             ],
         ),
         "",
