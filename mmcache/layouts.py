@@ -3,6 +3,7 @@ otherwise), and runs of features that lie back to back in flat memory."""
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Hashable, Sequence
 
@@ -10,7 +11,19 @@ import torch
 
 from mmcache.errors import InvalidValueError
 
-__all__ = ["check_strided", "rows_back_to_back"]
+__all__ = ["check_strided", "contiguous_strides", "rows_back_to_back"]
+
+
+@functools.lru_cache(maxsize=1024)
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of shape (torch's: a size-0 dimension counts 1);
+    cached, as features repeat a few shapes and a hit is one C call."""
+    strides = [1] * len(shape)
+    step = 1
+    for dim in range(len(shape) - 1, -1, -1):
+        strides[dim] = step
+        step *= max(shape[dim], 1)
+    return tuple(strides)
 
 
 def check_strided(value: object, caller: str) -> None:

@@ -13,6 +13,7 @@ from mmcache.core.reads import Reads, raise_if_failed
 from mmcache.core.state import TierState
 from mmcache.device import CopyPlan, Device, Fence, NewCopyPlan, Stream
 from mmcache.errors import CopyTimeoutError, DeviceOutOfMemoryError
+from mmcache.layouts import contiguous_strides
 from mmcache.waiting import wait_fences
 
 __all__ = ["UPLOAD_ALIGNMENT", "BatchReads"]
@@ -23,25 +24,6 @@ UPLOAD_ALIGNMENT = 256
 
 #: (the output position, the entry to read, the group member read, or None for a whole entry)
 _Upload = tuple[int, Entry, Member | None]
-#: A feature shape -> its contiguous strides: the few shapes of a model's features, so
-#: that a view into an upload buffer is one as_strided call (a slice and two views were
-#: three). Cleared where a workload brings more shapes than this.
-_STRIDES: dict[tuple[int, ...], tuple[int, ...]] = {}
-_STRIDES_KEPT = 4096
-
-
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The strides of a contiguous tensor of shape (torch's: a size-0 dimension counts 1)."""
-    strides = []
-    step = 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    strides.reverse()
-    if len(_STRIDES) >= _STRIDES_KEPT:
-        _STRIDES.clear()
-    _STRIDES[shape] = found = tuple(strides)
-    return found
 
 
 class _Copies(NamedTuple):
@@ -289,11 +271,10 @@ class BatchReads:
             if as_dtype is None:  # offsets are aligned: the buffer is whole items of dtype
                 view = buffer.view(dtype)
                 as_dtype = typed[dtype] = (view, int(view.storage_offset()))
-            strides = _STRIDES.get(shape)
-            if strides is None:
-                strides = _contiguous_strides(shape)
             view, base = as_dtype
-            out[i] = view.as_strided(shape, strides, base + offset // dtype.itemsize)
+            out[i] = view.as_strided(
+                shape, contiguous_strides(shape), base + offset // dtype.itemsize
+            )
             entries.append(entry)
             moved += src.numel()
         del srcs

@@ -9,7 +9,6 @@ clean error at send, never SIGBUS.
 
 from __future__ import annotations
 
-import functools
 import heapq
 import math
 from collections.abc import Callable, Sequence
@@ -20,6 +19,7 @@ import torch
 from mmcache.device.base import Device, Fence
 from mmcache.host_pool import Defer, HostBlock, HostPool
 from mmcache.ipc.shm import SharedSegment
+from mmcache.layouts import contiguous_strides
 
 __all__ = ["COMMIT_CHUNK", "ArenaViews", "SliceArena", "SlotAllocator"]
 
@@ -60,17 +60,6 @@ class ArenaViews:
         except RuntimeError:  # a size or start that is not a whole number of items
             return None
         return alias, int(alias.storage_offset())
-
-
-@functools.lru_cache(maxsize=1024)
-def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The strides of a contiguous tensor of shape (features repeat a few shapes)."""
-    strides = [1] * len(shape)
-    step = 1
-    for dim in range(len(shape) - 1, -1, -1):
-        strides[dim] = step
-        step *= max(shape[dim], 1)
-    return tuple(strides)
 
 
 @final
