@@ -348,6 +348,19 @@ def pace_reports(device: Device) -> Iterator[PaceReports]:
         del device.host_arena
 
 
+@contextlib.asynccontextmanager
+async def paced_cache(gpu_mb: float) -> AsyncIterator[tuple[FeatureCache, PaceReports, Rig]]:
+    """A cache of a 16 MiB host tier on a simulator that pins it in 1 MiB chunks of
+    10 ms, with the reports of its arena (4 MiB of headroom: a quarter of it)."""
+    device = pinning_sim(chunk_s=0.01)
+    try:
+        with pace_reports(device) as reports:
+            async with chunked_cache(device, gpu_mb=gpu_mb, cpu_mb=16) as cache:
+                yield cache, reports, Rig(device, "sim")
+    finally:
+        device.close()
+
+
 async def next_report(reports: list[tuple[int, bool]], timeout: float = 5) -> tuple[int, bool]:  # noqa: ASYNC109
     seen = len(reports)
     async with asyncio.timeout(timeout):
@@ -370,66 +383,49 @@ async def test_an_idle_cache_pins_at_the_devices_pace_once_room_is_ahead() -> No
     """Pinning holds the driver lock an engine's launches wait for: once a quarter of the
     arena is pinned and free, an idle cache lets the rest pin at PIN_PACE; someone waiting
     for the whole arena has it pinned at full speed again."""
-    device = pinning_sim(chunk_s=0.01)
-    try:
-        with pace_reports(device) as reports:
-            async with chunked_cache(device, gpu_mb=1, cpu_mb=16) as cache:
-                await reported_at_least(reports, 6 * MiB)
-                assert all(hurry for ready, hurry in reports if ready < 4 * MiB)
-                assert [hurry for ready, hurry in reports if 5 * MiB <= ready <= 6 * MiB] == [
-                    False,
-                    False,
-                ]
-                waiting = asyncio.create_task(cache.wait_host_ready(timeout=10))
-                await asyncio.sleep(0)  # the wait has begun: every later report hurries
-                after = len(reports) + 1  # a report may be on its way already
-                assert await waiting
-                assert reports[-1][0] == 16 * MiB
-                assert all(hurry for _, hurry in reports[after:])
-    finally:
-        device.close()
+    async with paced_cache(gpu_mb=1) as (cache, reports, _):
+        await reported_at_least(reports, 6 * MiB)
+        assert all(hurry for ready, hurry in reports if ready < 4 * MiB)
+        assert [hurry for ready, hurry in reports if 5 * MiB <= ready <= 6 * MiB] == [
+            False,
+            False,
+        ]
+        waiting = asyncio.create_task(cache.wait_host_ready(timeout=10))
+        await asyncio.sleep(0)  # the wait has begun: every later report hurries
+        after = len(reports) + 1  # a report may be on its way already
+        assert await waiting
+        assert reports[-1][0] == 16 * MiB
+        assert all(hurry for _, hurry in reports[after:])
 
 
 async def test_puts_that_use_the_pinned_room_make_the_arena_pin_at_full_speed() -> None:
-    device = pinning_sim(chunk_s=0.01)
-    rig = Rig(device, "sim")
-    try:
-        with pace_reports(device) as reports:
-            async with chunked_cache(device, gpu_mb=0, cpu_mb=16) as cache:
-                await pinned_at_least(cache, 5 * MiB)
-                assert (await next_report(reports))[1] is False  # 4 MiB or more free ahead
-                reports.held.clear()  # no report while the puts run: the next sees them all
-                try:
-                    for k in range(8):  # 4 MiB to the host tier: less than a quarter left free
-                        await put_feature(cache, rig, k, 512, seed=k)
-                    assert cache.stats().cpu_bytes == 4 * MiB
-                finally:
-                    reports.held.set()
-                assert (await next_report(reports))[1] is True
-    finally:
-        device.close()
+    async with paced_cache(gpu_mb=0) as (cache, reports, rig):
+        await pinned_at_least(cache, 5 * MiB)
+        assert (await next_report(reports))[1] is False  # 4 MiB or more free ahead
+        reports.held.clear()  # no report while the puts run: the next sees them all
+        try:
+            for k in range(8):  # 4 MiB to the host tier: less than a quarter left free
+                await put_feature(cache, rig, k, 512, seed=k)
+            assert cache.stats().cpu_bytes == 4 * MiB
+        finally:
+            reports.held.set()
+        assert (await next_report(reports))[1] is True
 
 
 async def test_a_put_waiting_for_host_room_makes_the_arena_pin_at_full_speed() -> None:
-    device = pinning_sim(chunk_s=0.01)
-    rig = Rig(device, "sim")
-    try:
-        with pace_reports(device) as reports:
-            async with chunked_cache(device, gpu_mb=0, cpu_mb=16) as cache:
-                await pinned_at_least(cache, 5 * MiB)
-                ready, hurry = await next_report(reports)
-                assert hurry is False
-                reports.held.clear()  # the next report waits until the put waits
-                # 3 MiB more than is pinned, all at once or none: the put waits.
-                wanted = min(ready + 3 * MiB, 16 * MiB)
-                items = [(k, feature(rig, 512, seed=k)) for k in range(wanted // (512 << 10))]
-                putting = asyncio.create_task(cache.put_many(items))
-                await asyncio.sleep(0.05)
-                assert not putting.done()
-                after = len(reports)
-                reports.held.set()
-                assert await asyncio.wait_for(putting, 10)
-                waited = [hurry for ready, hurry in reports[after:] if ready < wanted]
-                assert waited and all(waited)
-    finally:
-        device.close()
+    async with paced_cache(gpu_mb=0) as (cache, reports, rig):
+        await pinned_at_least(cache, 5 * MiB)
+        ready, hurry = await next_report(reports)
+        assert hurry is False
+        reports.held.clear()  # the next report waits until the put waits
+        # 3 MiB more than is pinned, all at once or none: the put waits.
+        wanted = min(ready + 3 * MiB, 16 * MiB)
+        items = [(k, feature(rig, 512, seed=k)) for k in range(wanted // (512 << 10))]
+        putting = asyncio.create_task(cache.put_many(items))
+        await asyncio.sleep(0.05)
+        assert not putting.done()
+        after = len(reports)
+        reports.held.set()
+        assert await asyncio.wait_for(putting, 10)
+        waited = [hurry for ready, hurry in reports[after:] if ready < wanted]
+        assert waited and all(waited)
