@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import datetime
 import random
+import threading
 import time
 import traceback
 from collections.abc import Awaitable, Callable, Iterator
@@ -24,7 +25,9 @@ from prometheus_client import CollectorRegistry
 from ranks import Report, run_ranks, same_bytes, value
 
 from mmcache import CacheSettings, FeatureCache, GroupError, InvalidValueError
+from mmcache.agreement import Agreement
 from mmcache.device import SimDevice
+from mmcache.metrics import CacheMetrics
 
 KiB = 1024
 KEYS = 24
@@ -643,3 +646,31 @@ async def test_touch_refreshes_recency_without_a_read(sim_rig: Any) -> None:
         assert cache.stats().hits_gpu == before.hits_gpu  # not counted as a read
         await cache.put(4, torch.randn(8, 256))  # evicts the least recently used: 2
         assert 1 in cache and 2 not in cache
+
+
+async def test_the_group_thread_runs_on_the_caches_gpu(
+    world_of_one: dist.ProcessGroup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An NCCL group's collectives run on the cache's GPU, not on the thread's default
+    (GPU 0): torch's object collectives take the calling thread's current GPU."""
+    chosen: list[tuple[str, torch.device]] = []
+    monkeypatch.setattr(
+        torch.cuda,
+        "set_device",
+        lambda device: chosen.append((threading.current_thread().name, torch.device(device))),
+    )
+    agreement = Agreement(
+        world_of_one,
+        cache_name="tp",
+        device_name="cpu",
+        metrics=CacheMetrics("tp", CollectorRegistry()),
+    )
+    agreement._on = torch.device("cuda", 1)  # as an NCCL group's rank on GPU 1 has it
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[str] = loop.create_future()
+    agreement._queue(lambda: threading.current_thread().name, done, loop)
+    try:
+        thread = await asyncio.wait_for(done, 10)
+    finally:
+        await agreement.close()
+    assert chosen == [(thread, torch.device("cuda", 1))]
