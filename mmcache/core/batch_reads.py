@@ -370,8 +370,8 @@ class BatchReads:
                 if not fence.done():
                     device.wait_on(stream, fence)
                 raise_if_failed(fence)
-        for tensor in used:
-            device.use_on(tensor, stream)
+        if used:
+            device.use_all_on(used, stream)
 
     async def wait(self, waits: list[Fence], used: list[torch.Tensor], stream: Stream) -> None:
         """Order the served memory after the fences it depends on, on stream (or wait)."""
@@ -392,5 +392,5 @@ class BatchReads:
             except CopyTimeoutError:
                 self._counters.quarantined()  # the memory stays pinned by the copies
                 raise
-        for tensor in used:
-            device.use_on(tensor, stream)
+        if used:
+            device.use_all_on(used, stream)

@@ -177,8 +177,8 @@ class TurnReads:
                 device.wait_on(stream, fence)
             elif (failure := copy_failure(fence)) is not None:
                 bad[fence] = failure
-        for tensor in used:
-            device.use_on(tensor, stream)
+        if used:
+            device.use_all_on(used, stream)
         return _failures(bad, blame) if bad else None
 
     def _serve_after(
@@ -213,8 +213,8 @@ class TurnReads:
                     if bad is None:
                         bad = {}
                     bad[fence] = failure
-            for tensor in used:
-                self._device.use_on(tensor, stream)
+            if used:
+                self._device.use_all_on(used, stream)
             waited = time.perf_counter() - started
             for _ in futures:  # one wait per call
                 self._counters.waited(waited)

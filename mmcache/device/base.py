@@ -8,7 +8,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from typing import Any, Final, Protocol, final, overload
 
@@ -213,6 +213,11 @@ class Device(abc.ABC):
 
     def use_on(self, tensor: torch.Tensor, stream: Stream) -> None:  # noqa: B027 - optional hook
         """Tell the allocator that stream uses tensor (CUDA record_stream); default: nothing."""
+
+    def use_all_on(self, tensors: Iterable[torch.Tensor], stream: Stream) -> None:
+        """use_on of each of tensors (the outputs of one batch read)."""
+        for tensor in tensors:
+            self.use_on(tensor, stream)
 
     #: Said after the device's name in errors, where its tensors report another device.
     tensor_note: str = ""
@@ -589,6 +594,9 @@ class DeferredFence(Fence):
     def done(self) -> bool:
         return self.resolved().done()
 
+    def ok(self) -> bool:
+        return self.resolved().ok()
+
     def exception(self) -> BaseException | None:
         fence = self._fence
         return None if fence is None else fence.exception()  # not recorded: not failed yet
@@ -604,6 +612,9 @@ class _CompletedFence(Fence):
     __slots__ = ()
 
     def done(self) -> bool:
+        return True
+
+    def ok(self) -> bool:
         return True
 
     def exception(self) -> BaseException | None:

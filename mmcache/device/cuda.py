@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Final, final
 
 import torch
@@ -283,6 +283,12 @@ class CudaDevice(Device):
     def use_on(self, tensor: torch.Tensor, stream: Stream) -> None:
         """record_stream: the allocator keeps tensor's block until stream's queued work is done."""
         record_use(tensor, as_cuda_stream(stream))  # every GPU hit: no frame in between
+
+    def use_all_on(self, tensors: Iterable[torch.Tensor], stream: Stream) -> None:
+        """use_on of each of tensors, the stream resolved once (a batch's outputs)."""
+        on = as_cuda_stream(stream)
+        for tensor in tensors:
+            record_use(tensor, on)
 
     def release(self, tensor: torch.Tensor, after: Sequence[Fence]) -> None:
         """Drop the cache's alias once every fence in after is done."""

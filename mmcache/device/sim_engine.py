@@ -47,6 +47,9 @@ class SimFence(Fence):
     def done(self) -> bool:
         return self._done
 
+    def ok(self) -> bool:
+        return self._done and self._exc is None
+
     def exception(self) -> BaseException | None:
         return self._exc
 

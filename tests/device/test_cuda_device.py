@@ -557,6 +557,24 @@ def test_consumer_stream_waits_on_an_upload(device: CudaDevice) -> None:
     assert torch.equal(seen.cpu(), arena)
 
 
+def test_use_all_on_keeps_every_block_for_the_readers_queued_work(device: CudaDevice) -> None:
+    """A batch's outputs, used on a reader stream and dropped while its work is queued:
+    the allocator hands none of their blocks to a newcomer until that work is done."""
+    n = 16 * MiB
+    outputs = [torch.full((n,), i, dtype=torch.uint8, device="cuda:0") for i in range(3)]
+    pointers = [t.data_ptr() for t in outputs]
+    reader = side_stream()
+    hold(reader)
+    with torch.cuda.stream(reader):
+        sums = [t.sum() for t in outputs]  # queued behind the hold
+    device.use_all_on(outputs, reader)
+    del outputs
+    for ptr in pointers:
+        assert_block_kept(n, ptr)
+    reader.synchronize()
+    assert [int(s) for s in sums] == [i * n for i in range(3)]
+
+
 @pytest.mark.parametrize("batch_copies", [True, False], ids=["driver-batch", "torch-copy"])
 def test_batch_copy_is_exact_in_any_order_and_waits_for_its_producers(
     batch_copies: bool,

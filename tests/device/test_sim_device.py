@@ -12,7 +12,7 @@ import torch
 from device_copies import copy_d2d, copy_d2d_into, copy_d2h, copy_h2d, host_arena
 
 from mmcache.device import SimDevice, storage_use_count
-from mmcache.device.base import host_memory_bytes
+from mmcache.device.base import DONE, AllFences, DeferredFence, host_memory_bytes
 from mmcache.device.sim import ARENA_PAGE, POISON_BYTE
 from mmcache.errors import InvalidValueError, MMCacheError
 from mmcache.host_pool import HostPool
@@ -233,6 +233,28 @@ def test_injected_faults(kind: str) -> None:
         assert fence.wait(5) and fence.exception() is not None
     else:
         assert not fence.wait(0.05)
+    dev.close()
+
+
+def test_ok_is_done_without_error_for_every_kind_of_fence() -> None:
+    """ok() (one call where a read would ask done() and exception()) agrees with them:
+    pending, failed, good; recorded, deferred and already done."""
+    dev = SimDevice()
+    src = dev.adopt(torch.ones(4), dev.default_stream)
+    with dev.hold():
+        pending = copy_d2h(dev, src, torch.empty(4), after=[])
+        deferred = DeferredFence(dev, dev.d2h_stream)  # behind the held copy
+        assert not pending.ok() and not pending.done()
+        assert not deferred.ok() and deferred.recorded  # asking records it
+    dev.inject("copy_fails")
+    failed = copy_d2h(dev, src, torch.empty(4), after=[])
+    behind_failed = DeferredFence(dev, dev.d2h_stream)
+    for fence in (pending, deferred, failed, behind_failed):
+        assert fence.wait(5)
+        assert fence.ok() == (fence.done() and fence.exception() is None)
+    assert pending.ok() and deferred.ok() and not failed.ok()
+    assert DONE.ok() and DONE.done()
+    assert AllFences([pending, failed]).ok() is False
     dev.close()
 
 
