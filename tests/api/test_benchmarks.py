@@ -166,9 +166,11 @@ def test_bench_adapters_times_the_caches_thread_calls_without_sglang(children: C
         "FeatureCache.get_threadsafe GPU hit",
         "FeatureCache.get on the loop, GPU hit, handed off",
         "FeatureCache.get_threadsafe miss",
+        "FeatureCache.get_resident_threadsafe GPU hit, again",
     }
     assert all(row["p50_us"] > 0 for row in results["results"].values())
     assert "FeatureCache on sim" in done.stdout
+    assert "declined" not in done.stdout  # every resident read was served on the simulator
 
 
 def test_bench_ipc_measures_every_path_exact_on_the_simulator(children: Children) -> None:
