@@ -1,6 +1,6 @@
-"""Ranks of a torch.distributed group as real processes (spawn), joined by gloo on loopback:
-run_ranks runs a scenario on each and returns their reports (the tensor-parallel group tests'
-and the SGLang adapter's)."""
+"""Ranks of a torch.distributed group as real processes (spawn), joined by gloo on loopback
+(or by NCCL, a GPU a rank): run_ranks runs a scenario on each and returns their reports (the
+tensor-parallel group tests' and the SGLang adapter's)."""
 
 from __future__ import annotations
 
@@ -42,11 +42,14 @@ def _rank_main(
     timeout_s: float,
     outbox: Any,
     args: tuple[Any, ...],
+    backend: str,
 ) -> None:
     """One rank's process: join the group, run the scenario, report (or its error)."""
     try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)  # one GPU a rank
         dist.init_process_group(
-            "gloo",
+            backend,
             init_method=f"file://{store_path}",
             rank=rank,
             world_size=world,
@@ -69,8 +72,10 @@ def run_ranks(
     timeout_s: float = 30.0,
     between: Callable[[dict[int, Any], Any], None] | None = None,
     reporting: set[int] | None = None,
+    backend: str = "gloo",
 ) -> dict[int, Report]:
     """Run scenario(rank, world, *args) on world spawned ranks; their reports by rank.
+    backend "nccl" puts rank r on GPU r.
 
     between(processes, control), if given, runs in the parent while the ranks run; only
     the ranks in reporting (default: all) are waited for, the others are killed after.
@@ -83,7 +88,7 @@ def run_ranks(
     processes = {
         rank: ctx.Process(
             target=_rank_main,
-            args=(scenario, rank, world, store, timeout_s, outbox, (control, *args)),
+            args=(scenario, rank, world, store, timeout_s, outbox, (control, *args), backend),
             daemon=True,
         )
         for rank in range(world)

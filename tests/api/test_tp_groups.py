@@ -16,7 +16,7 @@ import time
 import traceback
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 import torch
@@ -599,6 +599,117 @@ def test_a_peer_that_dies_or_hangs_is_an_error_within_the_timeout(tmp_path: Path
         assert report["took"] > PEER_TIMEOUT_S - 0.5  # it did wait for the peer, for its timeout
     assert "failed earlier" in report["again"] and report["again_took"] < 0.5
     assert report["close_took"] < 5
+
+
+# --- NCCL, a GPU a rank --------------------------------------------------------------------
+
+HostShare = Literal["rank", "node"]
+
+
+def nccl_operations(
+    rank: int, world: int, control: Any, seed: int, steps: int, host_share: HostShare
+) -> Report:
+    return asyncio.run(_nccl_operations(rank, world, seed, steps, host_share))
+
+
+async def _nccl_operations(
+    rank: int, world: int, seed: int, steps: int, host_share: HostShare
+) -> Report:
+    """Random calls on caches on their ranks' own GPUs, agreeing through NCCL; a gloo
+    group checks every lookup's hits."""
+    shared = random.Random(seed)
+    local = random.Random(seed * 1000 + rank)
+    checking = dist.new_group(backend="gloo")
+    gpu = torch.device("cuda", rank)
+    host_kib = 64 if host_share == "node" else 64 - 16 * rank  # a node's tier is one size
+    settings = CacheSettings(
+        gpu_cache_mb=(24 + 16 * rank) / 1024,
+        cpu_cache_mb=host_kib / 1024,
+        evict_ahead=0,
+        host_share=host_share,
+    )
+    cache = FeatureCache(
+        settings,
+        device=str(gpu),
+        name=f"rank{rank}",
+        registry=CollectorRegistry(),
+        group=dist.group.WORLD,
+    )
+    counts = {"lookups": 0, "agreed_hits": 0, "computed": 0}
+    wrong: list[str] = []
+
+    def check(step: int, kind: str, found: list[torch.Tensor | None], keys: list[int]) -> None:
+        hits = tuple(t is not None for t in found)
+        mine = (step, kind, tuple(keys), hits)
+        everyone: list[Any] = [None] * world
+        dist.all_gather_object(everyone, mine, group=checking)
+        assert all(other == mine for other in everyone), f"ranks disagree: {everyone}"
+        counts["lookups"] += 1
+        for key, got in zip(keys, found, strict=True):
+            if got is not None:
+                counts["agreed_hits"] += 1
+                if not same_bytes(got.cpu(), value(key)):
+                    wrong.append(f"step {step}: {kind} of {key}")
+
+    async with cache:
+        await cache.wait_host_ready(60)
+        for step in range(steps):
+            roll = shared.random()
+            if roll < 0.35:
+                key = shared.randrange(KEYS)
+                if local.random() < 0.8:
+                    await cache.put(key, value(key).to(gpu))
+            elif roll < 0.45:
+                if local.random() < 0.6:
+                    cache.discard(local.randrange(KEYS))
+            elif roll < 0.7:
+                key = shared.randrange(KEYS)
+                where = "cpu" if shared.random() < 0.3 else None
+                check(step, f"get {where}", [await cache.get(key, device=where)], [key])
+            elif roll < 0.85:
+                keys = [shared.randrange(KEYS) for _ in range(shared.randint(1, 8))]
+                check(step, "get_many", await cache.get_many(keys), keys)
+            else:
+                key = shared.randrange(KEYS)
+                ran: list[int] = []
+
+                def compute(key: int = key, ran: list[int] = ran) -> torch.Tensor:
+                    ran.append(key)
+                    return value(key).to(gpu)
+
+                got = await cache.get_or_compute(key, compute)
+                counts["computed"] += len(ran)
+                check(step, "get_or_compute", [None if ran else got], [key])
+            if local.random() < 0.15:
+                await asyncio.sleep(0.002)
+        await cache.drain()
+        stats = cache.stats()
+    return {
+        **counts,
+        "wrong": wrong,
+        "group_misses": stats.group_misses,
+        "leaked_bytes": stats.leaked_bytes,
+        "pending_copies": stats.pending_copies,
+    }
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs a GPU a rank: two GPUs")
+@pytest.mark.parametrize("host_share", ["rank", "node"])
+def test_nccl_ranks_on_their_own_gpus_agree_on_every_hit(
+    tmp_path: Path, host_share: HostShare
+) -> None:
+    """The agreement's collective on each rank's GPU (the group's thread on the cache's
+    GPU, not GPU 0), and with one host tier per node, its segment agreed through NCCL."""
+    reports = run_ranks(
+        tmp_path, 2, nccl_operations, 3, 120, host_share, backend="nccl", timeout_s=60.0
+    )
+    for rank, report in reports.items():
+        assert report["wrong"] == [], f"rank {rank}"
+        assert report["leaked_bytes"] == 0 and report["pending_copies"] == 0, f"rank {rank}"
+    assert sum(r["group_misses"] for r in reports.values()) > 0
+    assert min(r["agreed_hits"] for r in reports.values()) > 0
+    assert len({r["lookups"] for r in reports.values()}) == 1
+    assert len({r["computed"] for r in reports.values()}) == 1
 
 
 # --- in one process -----------------------------------------------------------------------
