@@ -63,21 +63,52 @@ def _own_group() -> dist.ProcessGroup:
 # --- agreement under random operations --------------------------------------------------
 
 
-def random_operations(rank: int, world: int, control: Any, seed: int, steps: int) -> Report:
-    return asyncio.run(_random_operations(rank, world, seed, steps))
+HostShare = Literal["rank", "node"]
 
 
-async def _random_operations(rank: int, world: int, seed: int, steps: int) -> Report:
+def random_operations(
+    rank: int,
+    world: int,
+    control: Any,
+    seed: int,
+    steps: int,
+    on: str = "sim",
+    host_share: HostShare = "rank",
+) -> Report:
+    return asyncio.run(_random_operations(rank, world, seed, steps, on, host_share))
+
+
+async def _random_operations(
+    rank: int, world: int, seed: int, steps: int, on: str, host_share: HostShare
+) -> Report:
+    """Random calls, the same on every rank, with rank-local puts, discards and (on the
+    simulator) failed copies; a gloo group checks every lookup's hits. on: "sim", or
+    "cuda" for a cache on the rank's own GPU (its group NCCL)."""
     shared = random.Random(seed)  # the calls every rank makes: same keys, same order
     local = random.Random(seed * 1000 + rank)  # what only this rank does
     checking = dist.new_group(backend="gloo")
     registry = CollectorRegistry()
-    # Budgets differ by rank: 24 KiB to 72 KiB of GPU tier, 64 KiB down to 16 KiB of host.
-    cache = _cache(
-        rank, registry, gpu_cache_mb=(24 + 16 * rank) / 1024, cpu_cache_mb=(64 - 16 * rank) / 1024
-    )
+    # Budgets differ by rank: 24 KiB to 72 KiB of GPU tier, 64 KiB down to 16 KiB of host
+    # (a node's shared host tier is one size).
+    host_kib = 64 if host_share == "node" else 64 - 16 * rank
+    gpu_mb, host_mb = (24 + 16 * rank) / 1024, host_kib / 1024
+    if on == "sim":
+        cache = _cache(
+            rank, registry, gpu_cache_mb=gpu_mb, cpu_cache_mb=host_mb, host_share=host_share
+        )
+        home = torch.device("cpu")  # where the rank's features are made
+    else:
+        home = torch.device("cuda", rank)
+        cache = FeatureCache(
+            CacheSettings(
+                gpu_cache_mb=gpu_mb, cpu_cache_mb=host_mb, evict_ahead=0, host_share=host_share
+            ),
+            device=str(home),
+            name=f"rank{rank}",
+            registry=registry,
+            group=dist.group.WORLD,
+        )
     device = cache.device
-    assert isinstance(device, SimDevice)
     counts = {"lookups": 0, "agreed_hits": 0, "computed": 0, "faults": 0}
     wrong: list[str] = []
 
@@ -92,16 +123,17 @@ async def _random_operations(rank: int, world: int, seed: int, steps: int) -> Re
         for key, got in zip(keys, found, strict=True):
             if got is not None:
                 counts["agreed_hits"] += 1
-                if not same_bytes(got, value(key)):
+                if not same_bytes(got.cpu(), value(key)):
                     wrong.append(f"step {step}: {kind} of {key}")
 
     async with cache:
+        await cache.wait_host_ready(60)
         for step in range(steps):
             roll = shared.random()
             if roll < 0.35:
                 key = shared.randrange(KEYS)
                 if local.random() < 0.8:  # some ranks do not keep it
-                    await cache.put(key, value(key))
+                    await cache.put(key, value(key).to(home))
             elif roll < 0.45:
                 if local.random() < 0.6:
                     cache.discard(local.randrange(KEYS))
@@ -119,17 +151,17 @@ async def _random_operations(rank: int, world: int, seed: int, steps: int) -> Re
 
                 def compute(key: int = key, ran: list[int] = ran) -> torch.Tensor:
                     ran.append(key)
-                    return value(key)
+                    return value(key).to(home)
 
                 got = await cache.get_or_compute(key, compute)
                 counts["computed"] += len(ran)
                 # fn ran on every rank or on none: shown as a miss (ran) or a hit (did not).
                 check(step, "get_or_compute", [None if ran else got], [key])
-                if not same_bytes(got, value(key)):
+                if not same_bytes(got.cpu(), value(key)):
                     wrong.append(f"step {step}: get_or_compute of {key}")
             if local.random() < 0.15:
                 await asyncio.sleep(0.002)  # lets this rank's copies land, not the others'
-            if local.random() < 0.03:
+            if local.random() < 0.03 and isinstance(device, SimDevice):
                 device.inject("copy_fails")
                 counts["faults"] += 1
         await cache.drain()
@@ -145,12 +177,29 @@ async def _random_operations(rank: int, world: int, seed: int, steps: int) -> Re
     }
 
 
-@pytest.mark.parametrize(("world", "seed"), [(2, 1), (4, 2)])
+#: NCCL needs a GPU a rank: the cases on GPUs run where two are.
+_TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs two GPUs")
+
+
+@pytest.mark.parametrize(
+    ("world", "seed", "on", "host_share"),
+    [
+        pytest.param(2, 1, "sim", "rank", id="2-sim"),
+        pytest.param(4, 2, "sim", "rank", id="4-sim"),
+        # The agreement's collective on each rank's own GPU (the group's thread on the
+        # cache's GPU, not GPU 0); with a node's host tier, its segment agreed through NCCL.
+        pytest.param(2, 3, "cuda", "rank", id="2-nccl", marks=_TWO_GPUS),
+        pytest.param(2, 3, "cuda", "node", id="2-nccl-node", marks=_TWO_GPUS),
+    ],
+)
 def test_ranks_agree_on_every_hit_under_random_operations(
-    tmp_path: Path, world: int, seed: int
+    tmp_path: Path, world: int, seed: int, on: str, host_share: HostShare
 ) -> None:
     steps = 160 if world == 2 else 90
-    reports = run_ranks(tmp_path, world, random_operations, seed, steps)
+    backend = "nccl" if on == "cuda" else "gloo"
+    reports = run_ranks(
+        tmp_path, world, random_operations, seed, steps, on, host_share, backend=backend
+    )
     assert len(reports) == world
     for rank, report in reports.items():
         assert report["wrong"] == [], f"rank {rank}"
@@ -599,117 +648,6 @@ def test_a_peer_that_dies_or_hangs_is_an_error_within_the_timeout(tmp_path: Path
         assert report["took"] > PEER_TIMEOUT_S - 0.5  # it did wait for the peer, for its timeout
     assert "failed earlier" in report["again"] and report["again_took"] < 0.5
     assert report["close_took"] < 5
-
-
-# --- NCCL, a GPU a rank --------------------------------------------------------------------
-
-HostShare = Literal["rank", "node"]
-
-
-def nccl_operations(
-    rank: int, world: int, control: Any, seed: int, steps: int, host_share: HostShare
-) -> Report:
-    return asyncio.run(_nccl_operations(rank, world, seed, steps, host_share))
-
-
-async def _nccl_operations(
-    rank: int, world: int, seed: int, steps: int, host_share: HostShare
-) -> Report:
-    """Random calls on caches on their ranks' own GPUs, agreeing through NCCL; a gloo
-    group checks every lookup's hits."""
-    shared = random.Random(seed)
-    local = random.Random(seed * 1000 + rank)
-    checking = dist.new_group(backend="gloo")
-    gpu = torch.device("cuda", rank)
-    host_kib = 64 if host_share == "node" else 64 - 16 * rank  # a node's tier is one size
-    settings = CacheSettings(
-        gpu_cache_mb=(24 + 16 * rank) / 1024,
-        cpu_cache_mb=host_kib / 1024,
-        evict_ahead=0,
-        host_share=host_share,
-    )
-    cache = FeatureCache(
-        settings,
-        device=str(gpu),
-        name=f"rank{rank}",
-        registry=CollectorRegistry(),
-        group=dist.group.WORLD,
-    )
-    counts = {"lookups": 0, "agreed_hits": 0, "computed": 0}
-    wrong: list[str] = []
-
-    def check(step: int, kind: str, found: list[torch.Tensor | None], keys: list[int]) -> None:
-        hits = tuple(t is not None for t in found)
-        mine = (step, kind, tuple(keys), hits)
-        everyone: list[Any] = [None] * world
-        dist.all_gather_object(everyone, mine, group=checking)
-        assert all(other == mine for other in everyone), f"ranks disagree: {everyone}"
-        counts["lookups"] += 1
-        for key, got in zip(keys, found, strict=True):
-            if got is not None:
-                counts["agreed_hits"] += 1
-                if not same_bytes(got.cpu(), value(key)):
-                    wrong.append(f"step {step}: {kind} of {key}")
-
-    async with cache:
-        await cache.wait_host_ready(60)
-        for step in range(steps):
-            roll = shared.random()
-            if roll < 0.35:
-                key = shared.randrange(KEYS)
-                if local.random() < 0.8:
-                    await cache.put(key, value(key).to(gpu))
-            elif roll < 0.45:
-                if local.random() < 0.6:
-                    cache.discard(local.randrange(KEYS))
-            elif roll < 0.7:
-                key = shared.randrange(KEYS)
-                where = "cpu" if shared.random() < 0.3 else None
-                check(step, f"get {where}", [await cache.get(key, device=where)], [key])
-            elif roll < 0.85:
-                keys = [shared.randrange(KEYS) for _ in range(shared.randint(1, 8))]
-                check(step, "get_many", await cache.get_many(keys), keys)
-            else:
-                key = shared.randrange(KEYS)
-                ran: list[int] = []
-
-                def compute(key: int = key, ran: list[int] = ran) -> torch.Tensor:
-                    ran.append(key)
-                    return value(key).to(gpu)
-
-                got = await cache.get_or_compute(key, compute)
-                counts["computed"] += len(ran)
-                check(step, "get_or_compute", [None if ran else got], [key])
-            if local.random() < 0.15:
-                await asyncio.sleep(0.002)
-        await cache.drain()
-        stats = cache.stats()
-    return {
-        **counts,
-        "wrong": wrong,
-        "group_misses": stats.group_misses,
-        "leaked_bytes": stats.leaked_bytes,
-        "pending_copies": stats.pending_copies,
-    }
-
-
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs a GPU a rank: two GPUs")
-@pytest.mark.parametrize("host_share", ["rank", "node"])
-def test_nccl_ranks_on_their_own_gpus_agree_on_every_hit(
-    tmp_path: Path, host_share: HostShare
-) -> None:
-    """The agreement's collective on each rank's GPU (the group's thread on the cache's
-    GPU, not GPU 0), and with one host tier per node, its segment agreed through NCCL."""
-    reports = run_ranks(
-        tmp_path, 2, nccl_operations, 3, 120, host_share, backend="nccl", timeout_s=60.0
-    )
-    for rank, report in reports.items():
-        assert report["wrong"] == [], f"rank {rank}"
-        assert report["leaked_bytes"] == 0 and report["pending_copies"] == 0, f"rank {rank}"
-    assert sum(r["group_misses"] for r in reports.values()) > 0
-    assert min(r["agreed_hits"] for r in reports.values()) > 0
-    assert len({r["lookups"] for r in reports.values()}) == 1
-    assert len({r["computed"] for r in reports.values()}) == 1
 
 
 # --- in one process -----------------------------------------------------------------------
