@@ -95,7 +95,7 @@ def measure_cache(device: str, n: int) -> dict[str, dict[str, float]]:
             cache.get_threadsafe(-1 - i, stream=stream)
         for i in range(n):
             cache.put_threadsafe(i, values.pop(), stream=stream)
-        declined = [0]  # resident reads answered None (handed to the loop by get_threadsafe)
+        declined = [0]  # resident reads answered None (get_threadsafe would hand those off)
 
         def resident(i: int) -> object:
             out = cache.get_resident_threadsafe(i, stream=stream)

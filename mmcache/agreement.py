@@ -386,15 +386,19 @@ class Agreement:
 
     def _serve(self) -> None:
         """The group's thread: each collective in the order the calls reached it."""
+        unusable: Exception | None = None
         if self._on.type == "cuda":
             # A new thread's current GPU is GPU 0, and torch's object collectives (the node
             # tier's all_gather_object) take the current GPU: on rank 1 of an NCCL group
             # on GPU 1 they would meet rank 0 on GPU 0.
-            torch.cuda.set_device(self._on)
+            try:
+                torch.cuda.set_device(self._on)
+            except Exception as exc:  # each call fails with it, not with a timeout later
+                unusable = exc
         while (job := self._jobs.get()) is not None:
             run, done, loop = job
             try:
-                outcome: Any = run()
+                outcome: Any = run() if unusable is None else unusable
             except Exception as exc:
                 outcome = exc
             try:

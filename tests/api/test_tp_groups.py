@@ -39,6 +39,7 @@ def _cache(
     rank: int,
     registry: CollectorRegistry,
     group: dist.ProcessGroup | None = None,
+    name: str | None = None,
     **settings: Any,
 ) -> FeatureCache:
     """A rank's cache: its own budgets, and copies slower the higher its rank."""
@@ -46,7 +47,7 @@ def _cache(
     return FeatureCache(
         CacheSettings(**settings),
         device=SimDevice(latency_s=0.0004 * rank),
-        name=f"rank{rank}",
+        name=f"rank{rank}" if name is None else name,
         registry=registry,
         group=dist.group.WORLD if group is None else group,
     )
@@ -88,13 +89,18 @@ async def _random_operations(
     local = random.Random(seed * 1000 + rank)  # what only this rank does
     checking = dist.new_group(backend="gloo")
     registry = CollectorRegistry()
-    # Budgets differ by rank: 24 KiB to 72 KiB of GPU tier, 64 KiB down to 16 KiB of host
-    # (a node's shared host tier is one size).
-    host_kib = 64 if host_share == "node" else 64 - 16 * rank
-    gpu_mb, host_mb = (24 + 16 * rank) / 1024, host_kib / 1024
+    # Budgets differ by rank: 24 KiB to 72 KiB of GPU tier, 64 KiB down to 16 KiB of host.
+    gpu_mb, host_mb = (24 + 16 * rank) / 1024, (64 - 16 * rank) / 1024
+    # A node's host tier is named after the cache: one name on every rank shares it.
+    name = f"tp{seed}" if host_share == "node" else f"rank{rank}"
     if on == "sim":
         cache = _cache(
-            rank, registry, gpu_cache_mb=gpu_mb, cpu_cache_mb=host_mb, host_share=host_share
+            rank,
+            registry,
+            name=name,
+            gpu_cache_mb=gpu_mb,
+            cpu_cache_mb=host_mb,
+            host_share=host_share,
         )
         home = torch.device("cpu")  # where the rank's features are made
     else:
@@ -104,7 +110,7 @@ async def _random_operations(
                 gpu_cache_mb=gpu_mb, cpu_cache_mb=host_mb, evict_ahead=0, host_share=host_share
             ),
             device=str(home),
-            name=f"rank{rank}",
+            name=name,
             registry=registry,
             group=dist.group.WORLD,
         )
@@ -166,7 +172,9 @@ async def _random_operations(
                 counts["faults"] += 1
         await cache.drain()
         stats = cache.stats()
-        metric = registry.get_sample_value("mmcache_group_misses_total", {"cache": f"rank{rank}"})
+        metric = registry.get_sample_value("mmcache_group_misses_total", {"cache": name})
+        node = cache._core.host.node
+        segment = None if node is None else node._base  # the node's files, where it shares
     return {
         **counts,
         "wrong": wrong,
@@ -174,6 +182,7 @@ async def _random_operations(
         "metric_group_misses": metric,
         "leaked_bytes": stats.leaked_bytes,
         "pending_copies": stats.pending_copies,
+        "segment": segment,
     }
 
 
@@ -201,6 +210,11 @@ def test_ranks_agree_on_every_hit_under_random_operations(
         tmp_path, world, random_operations, seed, steps, on, host_share, backend=backend
     )
     assert len(reports) == world
+    segments = {r["segment"] for r in reports.values()}
+    if host_share == "node":  # every rank on the node's one host tier
+        assert len(segments) == 1 and None not in segments, segments
+    else:
+        assert segments == {None}
     for rank, report in reports.items():
         assert report["wrong"] == [], f"rank {rank}"
         assert report["leaked_bytes"] == 0 and report["pending_copies"] == 0, f"rank {rank}"
@@ -697,6 +711,22 @@ async def test_touch_refreshes_recency_without_a_read(sim_rig: Any) -> None:
         assert 1 in cache and 2 not in cache
 
 
+async def _on_the_group_thread(group: dist.ProcessGroup, gpu: int) -> str:
+    """The name of the thread that an agreement on GPU gpu runs its collectives on (a job
+    queued as an NCCL rank's would be)."""
+    agreement = Agreement(
+        group, cache_name="tp", device_name="cpu", metrics=CacheMetrics("tp", CollectorRegistry())
+    )
+    agreement._on = torch.device("cuda", gpu)  # as an NCCL group's rank on that GPU has it
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[str] = loop.create_future()
+    agreement._queue(lambda: threading.current_thread().name, done, loop)
+    try:
+        return await asyncio.wait_for(done, 10)
+    finally:
+        await agreement.close()
+
+
 async def test_the_group_thread_runs_on_the_caches_gpu(
     world_of_one: dist.ProcessGroup, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -708,18 +738,20 @@ async def test_the_group_thread_runs_on_the_caches_gpu(
         "set_device",
         lambda device: chosen.append((threading.current_thread().name, torch.device(device))),
     )
-    agreement = Agreement(
-        world_of_one,
-        cache_name="tp",
-        device_name="cpu",
-        metrics=CacheMetrics("tp", CollectorRegistry()),
-    )
-    agreement._on = torch.device("cuda", 1)  # as an NCCL group's rank on GPU 1 has it
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future[str] = loop.create_future()
-    agreement._queue(lambda: threading.current_thread().name, done, loop)
-    try:
-        thread = await asyncio.wait_for(done, 10)
-    finally:
-        await agreement.close()
+    thread = await _on_the_group_thread(world_of_one, 1)
     assert chosen == [(thread, torch.device("cuda", 1))]
+
+
+async def test_a_group_thread_that_cannot_use_the_gpu_fails_each_call_at_once(
+    world_of_one: dist.ProcessGroup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not a timeout later, as a stuck peer would: the call raises the GPU's error."""
+
+    def refuse(device: object) -> None:
+        raise RuntimeError("CUDA error: invalid device ordinal")
+
+    monkeypatch.setattr(torch.cuda, "set_device", refuse)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="invalid device ordinal"):
+        await _on_the_group_thread(world_of_one, 7)
+    assert time.monotonic() - started < 5

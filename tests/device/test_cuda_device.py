@@ -564,6 +564,7 @@ def test_use_all_on_keeps_every_block_for_the_readers_queued_work(device: CudaDe
     outputs = [torch.full((n,), i, dtype=torch.uint8, device="cuda:0") for i in range(3)]
     pointers = [t.data_ptr() for t in outputs]
     reader = side_stream()
+    reader.wait_stream(torch.cuda.current_stream())  # after the fills
     hold(reader)
     with torch.cuda.stream(reader):
         sums = [t.sum() for t in outputs]  # queued behind the hold
