@@ -525,6 +525,91 @@ def upload_enqueue_costs(device: CudaDevice, arena: torch.Tensor) -> dict[str, f
     return out
 
 
+_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM = 91  # a CUdevice_attribute
+
+
+class _MappedRange:
+    """A range of registered host memory as a CUDA array (__cuda_array_interface__): on a
+    GPU that reads registered memory through its host pointer (UVA), torch.as_tensor of it
+    is a device tensor whose kernels read the host bytes over PCIe, with no copy engine."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "version": 3,
+        }
+
+
+def mapped_gather(device: CudaDevice, arena: torch.Tensor) -> dict[str, Any]:
+    """16 and 32 host hits of 1 MiB gathered into one device buffer by one torch.cat kernel
+    that reads the pinned arena in place, against the cache's upload (one driver batch):
+    CPU µs to queue, GPU µs to run, GB/s, and whether the bytes match."""
+    out: dict[str, Any] = {}
+    # A kernel reading host memory the GPU cannot map faults the context for good: ask first
+    # (CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM).
+    can = ctypes.c_int(0)
+    try:
+        code = ctypes.CDLL("libcuda.so.1").cuDeviceGetAttribute(
+            ctypes.byref(can), _CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM, device.index
+        )
+    except OSError as exc:
+        return {"error": f"no driver library: {exc}"}
+    if code != 0 or not can.value:
+        return {"error": f"the GPU does not read registered memory by its host pointer ({code})"}
+    try:
+        mapped = torch.as_tensor(_MappedRange(arena.data_ptr(), arena.numel()), device=device.name)
+    except Exception as exc:  # not every driver lets a kernel read registered memory
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    reader = torch.cuda.Stream(device.index)  # type: ignore[no-untyped-call]
+    arena[: 32 * MiB].copy_(torch.randint(0, 255, (32 * MiB,), dtype=torch.uint8))
+    for features in (16, 32):
+        # Every other MiB: the hits of a turn are not adjacent in the arena.
+        starts = [2 * i * MiB % (arena.numel() - MiB) for i in range(features)]
+        srcs = [arena[at : at + MiB] for at in starts]
+        views = [mapped[at : at + MiB] for at in starts]
+        offsets = [i * MiB for i in range(features)]
+
+        def batch(srcs: list[torch.Tensor] = srcs, offsets: list[int] = offsets) -> torch.Tensor:
+            plan = NewCopyPlan("h2d", srcs, (len(srcs) * MiB,), offsets=offsets, stream=reader)
+            buffer, _ = device.submit(plan)
+            buffer.record_stream(reader)
+            return buffer
+
+        def cat(views: list[torch.Tensor] = views) -> torch.Tensor:
+            with torch.cuda.stream(reader):
+                return torch.cat(views)
+
+        for name, fn in (("driver_batch", batch), ("mapped_cat", cat)):
+            try:
+                result = fn()
+                reader.synchronize()
+                exact = bool(torch.equal(result.cpu(), torch.cat(srcs)))
+                cpu = gpu = 0.0
+                reps = 50
+                for _ in range(reps):
+                    reader.synchronize()
+                    begin = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+                    end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+                    begin.record(reader)
+                    t0 = time.perf_counter()
+                    fn()
+                    cpu += time.perf_counter() - t0
+                    end.record(reader)
+                    end.synchronize()
+                    gpu += begin.elapsed_time(end) / 1e3
+                out[f"{features}x1MiB_{name}"] = {
+                    "cpu_us": cpu / reps * 1e6,
+                    "gpu_us": gpu / reps * 1e6,
+                    "gbps": features * MiB * reps / gpu / 1e9,
+                    "exact": exact,
+                }
+            except Exception as exc:
+                out[f"{features}x1MiB_{name}"] = {"error": f"{type(exc).__name__}: {exc}"}
+    return out
+
+
 def kernel_launch_beside_pending_frees(device: CudaDevice, cycles_per_s: float) -> dict[str, float]:
     """CPU µs of a kernel that allocates its output (torch.sub of 1 MB), alone and while
     blocks freed after record_stream on a busy stream wait for it: the caching allocator
@@ -581,6 +666,8 @@ async def probe(index: int, quick: bool) -> dict[str, Any]:
     finally:
         _signal_wake.close()
         _signal_wake = None
+    # Last with this device: a kernel that read the host wrongly would spoil what follows.
+    results["mapped_gather"] = mapped_gather(device, arena)
     device.close()
     del arena, gpu
     gc.collect()
@@ -697,7 +784,17 @@ def report(results: dict[str, Any]) -> str:
             ["operation", "µs"],
             [[k.removesuffix("_us"), v] for k, v in results["primitives_us"].items()],
         ),
+        "",
+        "### A turn's host hits gathered: one driver batch, or one kernel reading the arena",
     ]
+    for name, row in results.get("mapped_gather", {}).items():
+        if not isinstance(row, dict) or "error" in row:
+            out.append(f"{name}: {row if not isinstance(row, dict) else row['error']}")
+            continue
+        out.append(
+            f"{name}: CPU {row['cpu_us']:.1f} µs, GPU {row['gpu_us']:.1f} µs, "
+            f"{row['gbps']:.1f} GB/s, exact {row['exact']}"
+        )
     return "\n".join(out)
 
 
