@@ -396,6 +396,15 @@ class DeferredPush:
         self._push()
 
 
+def hot_inc(series: Counter | Gauge) -> Callable[[float], None]:
+    """series.inc for a caller that counts on every lookup: the inc of the value
+    prometheus_client keeps for the series (in one process or in multiprocess mode) where
+    it has one, which spares a frame and an observability check per call; else series.inc.
+    Its callers never pass a negative amount (which inc would refuse)."""
+    inc = getattr(getattr(series, "_value", None), "inc", None)
+    return inc if callable(inc) else series.inc
+
+
 class CacheMetrics:
     """The metrics of one cache; every series carries its `cache` label."""
 

@@ -8,7 +8,7 @@ from collections.abc import Hashable
 from typing import Any, Literal, final
 
 from mmcache.errors import DeviceOutOfMemoryError
-from mmcache.metrics import CacheMetrics
+from mmcache.metrics import CacheMetrics, hot_inc
 
 __all__ = ["COUNTER_NAMES", "Counters"]
 
@@ -68,12 +68,12 @@ class Counters:
         self._metrics = metrics
         self._counting_oom = _CountingOom(self)
         # Bound series: a lookup is counted on every get, with no name to look up.
-        self._hit_gpu = metrics.lookup_counter("hit_gpu").inc
-        self._hit_cpu = metrics.lookup_counter("hit_cpu").inc
-        self._miss = metrics.lookup_counter("miss").inc
-        self._evicted_gpu = metrics.eviction_counter("gpu").inc
-        self._evicted_cpu = metrics.eviction_counter("cpu").inc
-        self._d2h_pending = metrics.copy_series("d2h")[0].inc
+        self._hit_gpu = hot_inc(metrics.lookup_counter("hit_gpu"))
+        self._hit_cpu = hot_inc(metrics.lookup_counter("hit_cpu"))
+        self._miss = hot_inc(metrics.lookup_counter("miss"))
+        self._evicted_gpu = hot_inc(metrics.eviction_counter("gpu"))
+        self._evicted_cpu = hot_inc(metrics.eviction_counter("cpu"))
+        self._d2h_pending = hot_inc(metrics.copy_series("d2h")[0])
         self.hits_gpu = self.hits_cpu = self.misses = 0
         self.evictions_gpu = self.evictions_cpu = self.dropped = self.rejected = 0
         self.d2h_bytes = self.h2d_bytes = self.promotions = 0
@@ -92,12 +92,12 @@ class Counters:
     def hit_gpu(self) -> None:
         """A get found its feature on the device (resident or being offloaded)."""
         self.hits_gpu += 1
-        self._hit_gpu()
+        self._hit_gpu(1)
 
     def hit_cpu(self) -> None:
         """A get found its feature only in the host tier."""
         self.hits_cpu += 1
-        self._hit_cpu()
+        self._hit_cpu(1)
 
     def looked_up(self, gpu: int, cpu: int, missed: int) -> None:
         """A batch of lookups: gpu and cpu hits, and misses (one call for a get_many)."""
@@ -114,7 +114,7 @@ class Counters:
     def miss(self) -> None:
         """A get found nothing."""
         self.misses += 1
-        self._miss()
+        self._miss(1)
 
     def evicted_gpu(self, features: int) -> None:
         """Features that left the GPU tier to make room (offloaded or dropped)."""

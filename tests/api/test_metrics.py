@@ -23,6 +23,7 @@ from mmcache.metrics import (
     CacheMetrics,
     CacheNameInUseError,
     asgi_app,
+    hot_inc,
     make_multiprocess_registry,
     mark_process_dead,
     start_metrics_server,
@@ -79,6 +80,32 @@ def test_lookup_counts_each_result(registry: CollectorRegistry, metrics: CacheMe
     assert value(registry, "mmcache_lookups_total", result="hit_gpu") == 2
     assert value(registry, "mmcache_lookups_total", result="hit_cpu") == 1
     assert value(registry, "mmcache_lookups_total", result="miss") == 3
+
+
+def test_hot_inc_counts_into_the_same_series(
+    registry: CollectorRegistry, metrics: CacheMetrics
+) -> None:
+    """The hot path's inc (the series' value's own) moves the sample a scrape reads, as
+    the series' inc does; a series without such a value falls back to its inc."""
+    hit = hot_inc(metrics.lookup_counter("hit_gpu"))
+    hit(1)
+    hit(3)
+    metrics.lookup("hit_gpu")
+    assert value(registry, "mmcache_lookups_total", result="hit_gpu") == 5
+    pending = hot_inc(metrics.copy_series("d2h")[0])
+    pending(2)
+    assert value(registry, "mmcache_pending_copies", direction="d2h") == 2
+
+    class Plain:
+        def __init__(self) -> None:
+            self.total = 0.0
+
+        def inc(self, amount: float = 1) -> None:
+            self.total += amount
+
+    plain = Plain()
+    hot_inc(plain)(4)  # type: ignore[arg-type]
+    assert plain.total == 4
 
 
 @pytest.mark.parametrize(
