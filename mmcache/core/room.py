@@ -313,6 +313,7 @@ class Room:
         decisions: list[bool] = []
         reserved = 0  # bytes promised to the hits promoted before
         window: dict[int, _Victim] | None = None  # victims compared with, once read
+        coldest: int | None = None  # the fewest uses among them (None: no victim)
         free_at_once: dict[int, bool] = {}  # victim's id -> whether its room is free now
         plan: EvictionPlan | None = None
         try:
@@ -338,6 +339,7 @@ class Room:
                         len(self._state.index),
                     )
                     window = self._victims({})
+                    coldest = _least_used(window)
                 sketch = admission.sketch
                 if isinstance(found, Entry):  # TinyLfu.used, inline: one call, not two
                     uses = found.hits + 1
@@ -346,6 +348,9 @@ class Room:
                     found.frequency_epoch = sketch.epoch
                 else:
                     wanted = sketch.add(found.key)
+                if coldest is None or wanted <= coldest:  # no victim is colder: the usual case
+                    decisions.append(False)
+                    continue
                 # The colder victims: those whose room is free at once (a host copy, no
                 # reader) first, then the least used, then by the order.
                 colder: list[_Candidate] = []
@@ -381,6 +386,7 @@ class Room:
                 for victim in chosen:
                     del window[id(victim)]
                 window = self._victims(window)
+                coldest = _least_used(window)
                 promote = ledger.capacity - ledger.used - reserved >= nbytes
                 if promote:
                     reserved += nbytes
@@ -451,3 +457,8 @@ class Room:
                 self._plan_batch([victim], victim.nbytes, plan)
         if small:
             self._plan_batch(small, small_bytes, plan)
+
+
+def _least_used(window: dict[int, _Victim]) -> int | None:
+    """The fewest uses among a window's victims; None for an empty window."""
+    return min((used for used, _, _ in window.values()), default=None)
