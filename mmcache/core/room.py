@@ -461,4 +461,8 @@ class Room:
 
 def _least_used(window: dict[int, _Victim]) -> int | None:
     """The fewest uses among a window's victims; None for an empty window."""
-    return min((used for used, _, _ in window.values()), default=None)
+    least: int | None = None
+    for used, _, _ in window.values():  # a loop, not a generator: no frame per victim
+        if least is None or used < least:
+            least = used
+    return least
