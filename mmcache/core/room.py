@@ -338,8 +338,7 @@ class Room:
                         ledger.gpu_entries,
                         len(self._state.index),
                     )
-                    window = self._victims({})
-                    coldest = _least_used(window)
+                    window, coldest = self._victims({})
                 sketch = admission.sketch
                 if isinstance(found, Entry):  # TinyLfu.used, inline: one call, not two
                     uses = found.hits + 1
@@ -385,8 +384,7 @@ class Room:
                     self._promoting = False
                 for victim in chosen:
                     del window[id(victim)]
-                window = self._victims(window)
-                coldest = _least_used(window)
+                window, coldest = self._victims(window)
                 promote = ledger.capacity - ledger.used - reserved >= nbytes
                 if promote:
                     reserved += nbytes
@@ -409,21 +407,21 @@ class Room:
         for found, _ in hits:
             held.add(id(found if isinstance(found, Entry) else found.group))
 
-    def _victims(self, known: dict[int, _Victim]) -> dict[int, _Victim]:
+    def _victims(self, known: dict[int, _Victim]) -> tuple[dict[int, _Victim], int | None]:
         """The next PROMOTION_VICTIMS victims in the GPU order by id: their uses lately
-        (those in known as they were read, the others read now) and places."""
+        (those in known as they were read, the others read now) and places; and the
+        fewest uses among them (None: no victim)."""
         sketch = self.admission.sketch if self.admission is not None else None
         assert sketch is not None
         epoch = sketch.epoch
         out: dict[int, _Victim] = {}
+        least: int | None = None
         for place, victim in enumerate(self._gpu_order.peek(PROMOTION_VICTIMS)):
             old = known.get(id(victim))
             if old is not None:
-                out[id(victim)] = (old[0], place, victim)
-                continue
+                used = old[0]
             # TinyLfu.frequency, inline: one call at most, none for a victim read before.
-            hits = victim.hits
-            if hits:
+            elif hits := victim.hits:
                 victim.hits = 0
                 used = victim.frequency = sketch.add(victim.key, hits)
                 victim.frequency_epoch = epoch
@@ -433,7 +431,9 @@ class Room:
                 used = victim.frequency = sketch.estimate(victim.key)
                 victim.frequency_epoch = epoch
             out[id(victim)] = (used, place, victim)
-        return out
+            if least is None or used < least:
+                least = used
+        return out, least
 
     def _evict_chosen(self, victims: list[Entry], plan: EvictionPlan) -> None:
         """Take victims (GPU entries) out of the GPU tier into plan: those with a host
@@ -457,12 +457,3 @@ class Room:
                 self._plan_batch([victim], victim.nbytes, plan)
         if small:
             self._plan_batch(small, small_bytes, plan)
-
-
-def _least_used(window: dict[int, _Victim]) -> int | None:
-    """The fewest uses among a window's victims; None for an empty window."""
-    least: int | None = None
-    for used, _, _ in window.values():  # a loop, not a generator: no frame per victim
-        if least is None or used < least:
-            least = used
-    return least
