@@ -72,9 +72,7 @@ class CudaFence(Fence):
 
     def ok(self) -> bool:
         """Done without error; a read's first question, so one call once done."""
-        if self._done:
-            return self._error is None
-        return self.done() and self._error is None
+        return (self._done or self.done()) and self._error is None
 
     def exception(self) -> BaseException | None:
         """The sticky CUDA error seen while waiting, if any (copies fail at enqueue instead)."""
