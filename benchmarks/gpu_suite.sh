@@ -38,9 +38,9 @@ if [ "$what" != tests ] && [ "$what" != all ] && suite_running; then
 fi
 if [ "$what" = tests ] || [ "$what" = all ]; then
   # The whole suite in one process is the verdict: state one test leaves behind must not
-  # break another. It took about 12 minutes on a GPU host (the benchmark and example
-  # children one at a time), close to a device call's 10, so it runs in a session of its
-  # own and this call waits for it SUITE_WAIT_S (565 s); a second `gpu_suite.sh tests`
+  # break another. It takes about 8 minutes on a GPU host (12 with the benchmark and
+  # example children one at a time), close to a device call's 10, so it runs in a session
+  # of its own and this call waits for it SUITE_WAIT_S (565 s); a second `gpu_suite.sh tests`
   # within the machine's lease waits for the same run instead of starting another
   # (SUITE_RESUME=1 on that second call: it never starts one). An abort names its
   # thread's stack (faulthandler) and glibc's reason.

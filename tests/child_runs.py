@@ -12,17 +12,27 @@ import concurrent.futures
 import os
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-__all__ = ["WORKERS", "ChildRuns"]
+import pytest
+
+__all__ = ["WORKERS", "ChildRuns", "selected_tests"]
 
 #: children at once: a quarter of the cores (each child's torch has threads of its own);
 #: PYTEST_CHILD_RUNS sets it
 WORKERS = int(os.environ.get("PYTEST_CHILD_RUNS", max(1, (os.cpu_count() or 1) // 4)))
 
 Result = subprocess.CompletedProcess[str]
+
+
+def selected_tests(request: pytest.FixtureRequest) -> Iterator[pytest.Function]:
+    """The tests of the requesting module that this session runs (what its children to
+    start are read from)."""
+    for item in request.session.items:
+        if isinstance(item, pytest.Function) and item.module is request.module:
+            yield item
 
 
 class ChildRuns:

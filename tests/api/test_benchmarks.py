@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from child_runs import ChildRuns
+from child_runs import ChildRuns, selected_tests
 from conftest import without_a_gpu
 
 from mmcache import FeatureCache
@@ -131,9 +131,7 @@ def children(
     the host has cores to spare: tests/child_runs.py)."""
     made = Children(tmp_path_factory.mktemp("benchmarks"))
     keys: list[str] = []
-    for item in request.session.items:
-        if not isinstance(item, pytest.Function) or item.module is not request.module:
-            continue
+    for item in selected_tests(request):
         if item.originalname == "test_benchmark_runs_without_a_gpu":
             keys.append(str(item.callspec.params["name"]))
         elif item.originalname in _TEST_RUNS:

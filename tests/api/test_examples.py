@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from child_runs import ChildRuns
+from child_runs import ChildRuns, selected_tests
 from conftest import without_a_gpu
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -60,10 +60,8 @@ def examples(request: pytest.FixtureRequest) -> Iterator[ChildRuns]:
     runs.start(
         [
             str(item.callspec.params["name"])
-            for item in request.session.items
-            if isinstance(item, pytest.Function)
-            and item.module is request.module
-            and item.originalname == "test_example_runs_on_the_simulator"
+            for item in selected_tests(request)
+            if item.originalname == "test_example_runs_on_the_simulator"
             and _not_runnable(str(item.callspec.params["name"])) is None
             and item.callspec.params["name"] not in ENGINE_MODULES  # its test may skip
         ]
