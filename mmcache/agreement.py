@@ -201,9 +201,9 @@ class Agreement:
         part: what then starts (get_or_compute's computation on an agreed miss) starts on
         every rank, whether or not the caller is still there."""
         self._check_usable(call)
-        if self.size == 1:
+        if self.size == 1:  # nobody to meet: the same answers, no collective
             try:
-                found: list[_T | None] = [*await read()]
+                found = await self._read_here(call, keys, read)
             except Refused as refusal:
                 raise refusal.error from None
             return then(found)
@@ -247,16 +247,7 @@ class Agreement:
             self._check_usable(call)
             found: list[_T | None]
             try:
-                found = [*await read()]
-            except (CopyFailedError, DeviceOutOfMemoryError) as exc:
-                log.warning(
-                    "%s: %s of %d key(s) failed here (%s); a miss on every rank",
-                    self._where,
-                    call,
-                    len(keys),
-                    str(exc),
-                )
-                found = [None] * len(keys)
+                found = await self._read_here(call, keys, read)
             except Refused as refusal:
                 # Every rank fails this call: the others with GroupError, this one with its
                 # caller's error; their next calls pair.
@@ -282,6 +273,23 @@ class Agreement:
                 self.misses += lost
                 self._series.misses.inc(lost)
             return then(found)
+
+    async def _read_here(
+        self, call: str, keys: Sequence[Hashable], read: Callable[[], Awaitable[list[_T]]]
+    ) -> list[_T | None]:
+        """read()'s results; a copy that failed, or no device memory for it, is this rank's
+        miss of every key of the call (a group of one answers as a larger one would)."""
+        try:
+            return [*await read()]
+        except (CopyFailedError, DeviceOutOfMemoryError) as exc:
+            log.warning(
+                "%s: %s of %d key(s) failed here (%s); a miss on every rank",
+                self._where,
+                call,
+                len(keys),
+                str(exc),
+            )
+            return [None] * len(keys)
 
     async def _meet(
         self, call: str, keys: Sequence[Hashable], hits: list[bool], *, refused: bool = False
