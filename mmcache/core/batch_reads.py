@@ -26,6 +26,25 @@ UPLOAD_ALIGNMENT = 256
 _Upload = tuple[int, Entry, Member | None]
 
 
+#: a flat device buffer viewed as each dtype, with the view's storage offset (in items)
+_Typed = dict[torch.dtype, tuple[torch.Tensor, int]]
+
+
+def _typed_view(
+    buffer: torch.Tensor, typed: _Typed, shape: tuple[int, ...], dtype: torch.dtype, offset: int
+) -> torch.Tensor:
+    """A contiguous tensor of shape and dtype over buffer's bytes (flat uint8) from offset,
+    a multiple of dtype's size: one view op (a slice and two views cost 2.5 times as much,
+    and a turn makes dozens), with buffer as dtype made once per dtype in typed."""
+    as_dtype = typed.get(dtype)
+    if as_dtype is None:
+        view = buffer.view(dtype)
+        as_dtype = typed[dtype] = (view, int(view.storage_offset()))
+    return as_dtype[0].as_strided(
+        shape, contiguous_strides(shape), as_dtype[1] + offset // dtype.itemsize
+    )
+
+
 class _Copies(NamedTuple):
     """The uploads of one destination: the host bytes each reads, and the distinct
     offload fences those bytes were written behind."""
@@ -263,18 +282,10 @@ class BatchReads:
             raise
         entries: list[Entry] = []
         moved = 0  # the features' bytes, padding left out
-        typed: dict[torch.dtype, tuple[torch.Tensor, int]] = {}  # the buffer as each dtype
+        typed: _Typed = {}
         for (i, entry, member), src, offset in zip(uploads, srcs, offsets, strict=True):
             shape = entry.shape if member is None else member.shape
-            dtype = entry.dtype
-            as_dtype = typed.get(dtype)
-            if as_dtype is None:  # offsets are aligned: the buffer is whole items of dtype
-                view = buffer.view(dtype)
-                as_dtype = typed[dtype] = (view, int(view.storage_offset()))
-            view, base = as_dtype
-            out[i] = view.as_strided(
-                shape, contiguous_strides(shape), base + offset // dtype.itemsize
-            )
+            out[i] = _typed_view(buffer, typed, shape, entry.dtype, offset)
             entries.append(entry)
             moved += src.numel()
         del srcs
@@ -304,7 +315,8 @@ class BatchReads:
         srcs = copies.srcs
         dsts: list[torch.Tensor] = []
         owned: list[torch.Tensor] = []  # allocations of ours, released if queuing fails
-        buffer = piece = None
+        buffer = None
+        typed: _Typed = {}
         try:
             try:
                 buffer = device.empty((shared,), torch.uint8) if shared else None
@@ -312,25 +324,25 @@ class BatchReads:
                     owned.append(buffer)
                 offset = 0
                 for (_, entry, member), src, promote in zip(uploads, srcs, promoted, strict=True):
-                    nbytes = src.numel()
                     shape = entry.shape if member is None else member.shape
+                    dtype = entry.dtype
                     if promote or buffer is None:
                         # The tier will own it: its own memory, typed, not a view of another.
-                        dsts.append(device.empty(shape, entry.dtype))
+                        dsts.append(device.empty(shape, dtype))
                         owned.append(dsts[-1])
-                    else:
-                        piece = buffer[offset : offset + nbytes]
-                        dsts.append(piece.view(entry.dtype).view(shape))
-                        offset += -(-nbytes // UPLOAD_ALIGNMENT) * UPLOAD_ALIGNMENT
+                        continue
+                    dsts.append(_typed_view(buffer, typed, shape, dtype, offset))
+                    offset += -(-src.numel() // UPLOAD_ALIGNMENT) * UPLOAD_ALIGNMENT
             except DeviceOutOfMemoryError:
                 self._counters.alloc_failed()
                 raise
             fence = device.submit(CopyPlan("h2d", srcs, dsts, after=copies.after))
         except BaseException:
             del dsts
+            typed.clear()
             while owned:  # emptied: the traceback keeps this frame, and must not keep them
                 device.release(owned.pop(), after=())  # nothing was queued: nothing reads it
-            buffer = piece = None
+            buffer = None
             raise
         del srcs
         nbytes_all = 0

@@ -288,21 +288,28 @@ class CudaCopies:
     ) -> CudaFence:
         """copy_h2d of several pairs on the H2D stream: one ordering, one fence for all."""
         self.check_open()
-        pairs = [
-            self._operands(dst, src, device_src=False) for src, dst in zip(srcs, dsts, strict=True)
-        ]
+        device = self._device
+        nbytes = 0
+        for src, dst in zip(srcs, dsts, strict=True):
+            # The checks of _operands without its flat views, which only torch's copies
+            # need: a turn's batch checks dozens of pairs.
+            if not (
+                dst.device == device
+                and src.device.type == "cpu"
+                and dst.is_contiguous()
+                and src.is_contiguous()
+                and dst.nbytes == src.nbytes
+            ):
+                self._operands(dst, src, device_src=False)  # raises what is wrong
+            nbytes += src.nbytes
         stream = self._h2d
-        nbytes = sum(dst_bytes.numel() for dst_bytes, _ in pairs)
         try:
             with OnStream(stream):
                 order_after(stream, after)
-                if not self._by_driver.upload(
-                    [src_bytes for _, src_bytes in pairs],
-                    [dst_bytes.data_ptr() for dst_bytes, _ in pairs],
-                    stream,
-                ):
-                    for dst_bytes, src_bytes in pairs:
-                        self.copy_bytes(dst_bytes, src_bytes, host=src_bytes)
+                if not self._by_driver.upload(srcs, [dst.data_ptr() for dst in dsts], stream):
+                    for src, dst in zip(srcs, dsts, strict=True):
+                        src_bytes = flat_bytes(src, "source")
+                        self.copy_bytes(flat_bytes(dst, "destination"), src_bytes, host=src_bytes)
                 keep_blocks(dsts, stream)
                 return self.record_on(stream)
         except RuntimeError as exc:

@@ -76,7 +76,7 @@ class DriverCopies:
     def upload(
         self, srcs: Sequence[torch.Tensor], dsts: Sequence[int], stream: torch.cuda.Stream
     ) -> bool:
-        """Queue host copies (flat bytes) to device addresses dsts (room for each, checked)
+        """Queue host copies (contiguous) to device addresses dsts (room for each, checked)
         as one batch on stream, each split where it crosses an arena chunk; False where
         torch copies them instead: fewer than two, a source outside the arena (the node's
         shared tier, a caller's memory), no batched uploads, or a refused batch."""
