@@ -28,7 +28,7 @@ from prometheus_client import CollectorRegistry
 from mmcache.agreement import Agreement, check_group
 from mmcache.closing import CloseOnce, off_the_loop
 from mmcache.core.machine import check_budgets_fit
-from mmcache.core.thread_hits import ThreadHits
+from mmcache.core.thread_hits import DRAIN_DELAY_S, ThreadHits
 from mmcache.core.tiers import Tiers
 from mmcache.device import Device, Fence, resolve_device
 from mmcache.errors import CacheClosedError, CopyTimeoutError, WrongLoopError
@@ -134,7 +134,14 @@ class Lifecycle:
         loop = asyncio.get_running_loop()
         self.loop = self.serving = loop
         self.thread = threading.get_ident()
-        self.thread_hits.bind(functools.partial(loop.call_soon_threadsafe, self.thread_hits.apply))
+        # The first hit of a burst has the loop drain them DRAIN_DELAY_S later, not at once:
+        # a loop that drained each hit as it came would take the GIL from the reading
+        # thread once per hit (6 µs a resident hit became 33 on an H100 host).
+        self.thread_hits.bind(
+            functools.partial(
+                loop.call_soon_threadsafe, loop.call_later, DRAIN_DELAY_S, self.thread_hits.apply
+            )
+        )
         self.gauges.bind(loop)
         core = self.core
         core.producers.bind(loop)

@@ -38,8 +38,8 @@ hand-over orders memory):
   `wait_on`, a cudaStreamWaitEvent, thread-safe); elsewhere the hand-off awaits it. A
   failed one goes to the hand-off, which raises.
 - The hit's count and recency touch are not applied here: the entry goes on a deque
-  (append and popleft are atomic) that the loop drains in `apply()`: woken once per
-  burst of hits, before every eviction plan, and before stats() (`apply_from`, which a
+  (append and popleft are atomic) that the loop drains in `apply()`: DRAIN_DELAY_S after
+  the first hit of a burst, before every eviction plan, and before stats() (`apply_from`, which a
   thread other than the loop's asks of the loop). The stats' counts of hits are exact
   once the loop has drained it.
 
@@ -64,10 +64,14 @@ from mmcache.core.index import KeyIndex
 from mmcache.core.policy import EvictionPolicy
 from mmcache.device import Device, Stream
 
-__all__ = ["GIL_ENABLED", "ThreadHits"]
+__all__ = ["DRAIN_DELAY_S", "GIL_ENABLED", "ThreadHits"]
 
 #: whether this interpreter runs with the GIL, which the lock-free reads rely on
 GIL_ENABLED: Final[bool] = bool(getattr(sys, "_is_gil_enabled", lambda: True)())
+
+#: how long after the first hit of a burst the loop applies the burst's hits (seconds):
+#: one loop wake-up per burst, and the counters behind by at most this much
+DRAIN_DELAY_S: Final = 0.01
 
 _GPU: Final = State.GPU
 _D2H: Final = State.D2H

@@ -623,3 +623,39 @@ def test_sglang_threads_never_pair_a_tensor_with_another_values_shell(
         assert wrong == [], wrong[:10]
         assert hits[0] > 200
         assert cache.feature_cache.stats().leaked_bytes == 0
+
+
+async def test_a_burst_of_thread_hits_wakes_the_loop_once_not_once_a_hit(
+    sim_rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A loop that drained each hit as it came took the GIL from the reading thread once a
+    # hit: a resident hit went from 6 to 33 µs on an H100 host.
+    from mmcache.core.thread_hits import DRAIN_DELAY_S, ThreadHits
+
+    drains: list[int] = []
+    real_apply = ThreadHits.apply
+
+    def counted(self: ThreadHits) -> None:
+        drains.append(len(self.unapplied))
+        real_apply(self)
+
+    monkeypatch.setattr(ThreadHits, "apply", counted)
+    cache = make(sim_rig)
+    await cache.start()
+    await cache.put("k", value(1))
+    stream = cache.device.current_stream()
+    hits = 400
+
+    def burst() -> float:
+        started = time.perf_counter()
+        for _ in range(hits):
+            assert cache.get_resident_threadsafe("k", stream=stream) is not None
+            time.sleep(0)  # the loop's thread may run between two hits, as in an engine
+        return time.perf_counter() - started
+
+    took = await asyncio.to_thread(burst)
+    await asyncio.sleep(3 * DRAIN_DELAY_S)  # the last burst's drain
+    assert sum(drains) == hits and cache.stats().hits_gpu == hits
+    # One drain per DRAIN_DELAY_S the burst lasted, at most (and a spare).
+    assert len(drains) <= took / DRAIN_DELAY_S + 2, (len(drains), took)
+    await cache.close()
