@@ -405,7 +405,7 @@ class FeatureCache:
         it was read, or this is the loop's thread, or the cache is closed or not started,
         or it has a group): call get_threadsafe then, which hands the read to the loop. A
         None is not a miss, and counts nothing; a hit counts as get's does once the loop
-        next turns (stats() sees it at once).
+        drains the thread hits (within 10 ms; stats() sees it at once).
         """
         if stream is None:
             stream = self._device.current_stream()

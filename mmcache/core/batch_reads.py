@@ -37,12 +37,16 @@ def _typed_view(
     a multiple of dtype's size: one view op (a slice and two views cost 2.5 times as much,
     and a turn makes dozens), with buffer as dtype made once per dtype in typed."""
     as_dtype = typed.get(dtype)
-    if as_dtype is None:
-        view = buffer.view(dtype)
-        as_dtype = typed[dtype] = (view, int(view.storage_offset()))
-    return as_dtype[0].as_strided(
-        shape, contiguous_strides(shape), as_dtype[1] + offset // dtype.itemsize
-    )
+    try:
+        if as_dtype is None:
+            view = buffer.view(dtype)
+            as_dtype = typed[dtype] = (view, int(view.storage_offset()))
+        return as_dtype[0].as_strided(
+            shape, contiguous_strides(shape), as_dtype[1] + offset // dtype.itemsize
+        )
+    except BaseException:
+        buffer = view = as_dtype = None  # type: ignore[assignment]  # the traceback keeps this frame
+        raise
 
 
 class _Copies(NamedTuple):

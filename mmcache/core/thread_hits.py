@@ -3,7 +3,7 @@
 A thread that calls the cache (an engine's scheduler) would otherwise hand every get to
 the loop's thread and wait for it: two thread switches for a hit that needs no await.
 Here it reads a resident feature itself, without a lock, and the loop applies the hit's
-count and recency on its next turn. Where anything could go differently (the feature is
+count and recency soon after (DRAIN_DELAY_S). Where anything could go differently (the feature is
 not resident, its fence not done where the device cannot order on streams, or the entry
 changed while it was read) it answers None and the caller takes the hand-off.
 
@@ -170,9 +170,14 @@ class ThreadHits:
                     wake()
         return out
 
+    def drain(self) -> None:
+        """The wake-up's apply(), on the loop: a hit appended from here on wakes it again
+        (other callers of apply() leave a scheduled drain to come)."""
+        self._woken = False
+        self.apply()
+
     def apply(self) -> None:
         """On the loop: count the hits served off it and touch their entries' recency."""
-        self._woken = False  # before draining: a hit appended from here on wakes again
         pending = self.unapplied
         if not pending:
             return

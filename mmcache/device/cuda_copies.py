@@ -298,6 +298,7 @@ class CudaCopies:
                 and src.device.type == "cpu"
                 and dst.is_contiguous()
                 and src.is_contiguous()
+                and not (dst.is_conj() or dst.is_neg() or src.is_conj() or src.is_neg())
                 and dst.nbytes == src.nbytes
             ):
                 self._operands(dst, src, device_src=False)  # raises what is wrong

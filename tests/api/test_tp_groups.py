@@ -186,8 +186,9 @@ async def _random_operations(
     }
 
 
-#: NCCL needs a GPU a rank: the cases of two ranks run where two GPUs are; one rank's
-#: group runs the same mask path (to the GPU, all_reduce on its stream, back) on one.
+#: NCCL needs a GPU a rank: the cases of two ranks run where two GPUs are. A group of one
+#: meets nobody (no collective runs): its case checks a cache on the GPU taking an NCCL
+#: group, and a group of one answering as a larger one would.
 _TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs two GPUs")
 _ONE_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="NCCL needs a GPU")
 
