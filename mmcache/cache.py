@@ -72,6 +72,7 @@ class FeatureCache:
         self._reads = core.reads
         self._turn_reads = core.turn_reads
         self._thread_hits = life.thread_hits
+        self._unapplied = life.thread_hits.unapplied  # read by every call: one attribute
         # Off with a group (a get is a collective) and without the GIL (see thread_hits).
         self._thread_reads = group is None and GIL_ENABLED
         self._lookups = Lookups(core, life.remote)
@@ -164,6 +165,8 @@ class FeatureCache:
         """
         if stream is None:
             stream = self._device.current_stream()  # read before any await: it is per thread
+        if self._unapplied and self._life.serving is asyncio.get_running_loop():
+            self._thread_hits.apply()  # hits served to threads first: their recency is older
         check_key(key)
         if cost is not None:
             cost = _checked_cost(cost)
@@ -199,6 +202,8 @@ class FeatureCache:
         """
         if stream is None:
             stream = self._device.current_stream()
+        if self._unapplied and self._life.serving is asyncio.get_running_loop():
+            self._thread_hits.apply()  # hits served to threads first: their recency is older
         batch = list(items)
         del items  # the caller's container must not outlive the values the cache now owns
         check_items(batch)
@@ -231,6 +236,8 @@ class FeatureCache:
         """
         if stream is None:
             stream = self._device.current_stream()
+        if self._unapplied and self._life.serving is asyncio.get_running_loop():
+            self._thread_hits.apply()  # hits served to threads first: their recency is older
         keys, rows = self._core.put_checks.check_split(keys, value, split_sizes)
         holder = [value]
         del value  # the cache owns it now: no frame of ours keeps it alive past its release
@@ -256,6 +263,8 @@ class FeatureCache:
         """
         if stream is None:
             stream = self._device.current_stream()
+        if self._unapplied and self._life.serving is asyncio.get_running_loop():
+            self._thread_hits.apply()  # hits served to threads first: their recency is older
         if self._group_lookups is not None:  # a collective: no await before its place is taken
             return await self._group_lookups.get(key, device, rows, stream)
         to_host = False if device is None else self._reads.wants_host(device)
@@ -292,6 +301,8 @@ class FeatureCache:
         """
         if stream is None:
             stream = self._device.current_stream()
+        if self._unapplied and self._life.serving is asyncio.get_running_loop():
+            self._thread_hits.apply()  # hits served to threads first: their recency is older
         if self._group_lookups is not None:  # a collective: no await before its place is taken
             return await self._group_lookups.get_many(keys, device, stream)
         batch = key_list(keys, "get_many")
@@ -433,6 +444,8 @@ class FeatureCache:
         """key's entry in this cache's own tiers (open, on its loop, a valid key), or None."""
         self._life.check_open()
         self._life.check_loop()
+        if self._unapplied:
+            self._thread_hits.apply()  # hits served to threads first: their recency is older
         check_key(key)
         return self._entries.get(key)
 
@@ -458,6 +471,8 @@ class FeatureCache:
         """
         stream = self._device.current_stream()
         await self._life.ready_to_serve()
+        if self._unapplied:
+            self._thread_hits.apply()  # hits served to threads first: their recency is older
         check_key(key)
         found = self._entries.get(key)
         if found is None or not self._reads.can_borrow(found):

@@ -26,27 +26,33 @@ UPLOAD_ALIGNMENT = 256
 _Upload = tuple[int, Entry, Member | None]
 
 
-#: a flat device buffer viewed as each dtype, with the view's storage offset (in items)
-_Typed = dict[torch.dtype, tuple[torch.Tensor, int]]
+#: where a feature lies in a flat device buffer: its shape, dtype and byte offset
+_Part = tuple[tuple[int, ...], torch.dtype, int]
 
 
-def _typed_view(
-    buffer: torch.Tensor, typed: _Typed, shape: tuple[int, ...], dtype: torch.dtype, offset: int
-) -> torch.Tensor:
-    """A contiguous tensor of shape and dtype over buffer's bytes (flat uint8) from offset,
-    a multiple of dtype's size: one view op (a slice and two views cost 2.5 times as much,
-    and a turn makes dozens), with buffer as dtype made once per dtype in typed."""
-    as_dtype = typed.get(dtype)
+def _typed_views(buffer: torch.Tensor, parts: list[_Part]) -> list[torch.Tensor]:
+    """A contiguous tensor of each part's shape and dtype over buffer's bytes (flat uint8)
+    from its offset, a multiple of its dtype's size: one view op each (a slice and two
+    views cost 2.5 times as much), the buffer viewed as each dtype once, one call a batch."""
+    typed: dict[torch.dtype, tuple[torch.Tensor, int]] = {}
+    views: list[torch.Tensor] = []
     try:
-        if as_dtype is None:
-            view = buffer.view(dtype)
-            as_dtype = typed[dtype] = (view, int(view.storage_offset()))
-        return as_dtype[0].as_strided(
-            shape, contiguous_strides(shape), as_dtype[1] + offset // dtype.itemsize
-        )
+        for shape, dtype, offset in parts:
+            as_dtype = typed.get(dtype)
+            if as_dtype is None:
+                view = buffer.view(dtype)
+                as_dtype = typed[dtype] = (view, int(view.storage_offset()))
+            views.append(
+                as_dtype[0].as_strided(
+                    shape, contiguous_strides(shape), as_dtype[1] + offset // dtype.itemsize
+                )
+            )
     except BaseException:
-        buffer = view = as_dtype = None  # type: ignore[assignment]  # the traceback keeps this frame
+        typed.clear()  # the traceback keeps this frame: it must not keep the buffer
+        views.clear()
+        buffer = view = as_dtype = None  # type: ignore[assignment]
         raise
+    return views
 
 
 class _Copies(NamedTuple):
@@ -286,10 +292,19 @@ class BatchReads:
             raise
         entries: list[Entry] = []
         moved = 0  # the features' bytes, padding left out
-        typed: _Typed = {}
+        # The views made here, not by _typed_views: one call fewer on get_many's path.
+        typed: dict[torch.dtype, tuple[torch.Tensor, int]] = {}  # the buffer as each dtype
         for (i, entry, member), src, offset in zip(uploads, srcs, offsets, strict=True):
             shape = entry.shape if member is None else member.shape
-            out[i] = _typed_view(buffer, typed, shape, entry.dtype, offset)
+            dtype = entry.dtype
+            as_dtype = typed.get(dtype)
+            if as_dtype is None:  # offsets are aligned: the buffer is whole items of dtype
+                view = buffer.view(dtype)
+                as_dtype = typed[dtype] = (view, int(view.storage_offset()))
+            view, base = as_dtype
+            out[i] = view.as_strided(
+                shape, contiguous_strides(shape), base + offset // dtype.itemsize
+            )
             entries.append(entry)
             moved += src.numel()
         del srcs
@@ -320,7 +335,8 @@ class BatchReads:
         dsts: list[torch.Tensor] = []
         owned: list[torch.Tensor] = []  # allocations of ours, released if queuing fails
         buffer = None
-        typed: _Typed = {}
+        parts: list[_Part] = []  # the features that share the buffer
+        at: list[int] = []  # and their places in dsts
         try:
             try:
                 buffer = device.empty((shared,), torch.uint8) if shared else None
@@ -335,15 +351,21 @@ class BatchReads:
                         dsts.append(device.empty(shape, dtype))
                         owned.append(dsts[-1])
                         continue
-                    dsts.append(_typed_view(buffer, typed, shape, dtype, offset))
+                    at.append(len(dsts))
+                    dsts.append(buffer)  # its view's place, filled below
+                    parts.append((shape, dtype, offset))
                     offset += -(-src.numel() // UPLOAD_ALIGNMENT) * UPLOAD_ALIGNMENT
+                if parts:
+                    assert buffer is not None
+                    for place, view in zip(at, _typed_views(buffer, parts), strict=True):
+                        dsts[place] = view
+                    del view  # dsts holds them, and goes if queuing fails
             except DeviceOutOfMemoryError:
                 self._counters.alloc_failed()
                 raise
             fence = device.submit(CopyPlan("h2d", srcs, dsts, after=copies.after))
         except BaseException:
             del dsts
-            typed.clear()
             while owned:  # emptied: the traceback keeps this frame, and must not keep them
                 device.release(owned.pop(), after=())  # nothing was queued: nothing reads it
             buffer = None

@@ -659,3 +659,22 @@ async def test_a_burst_of_thread_hits_wakes_the_loop_once_not_once_a_hit(
     # One drain per DRAIN_DELAY_S the burst lasted, at most (and a spare).
     assert len(drains) <= took / DRAIN_DELAY_S + 2, (len(drains), took)
     await cache.close()
+
+
+async def test_a_threads_hits_precede_the_loops_next_calls_in_recency(sim_rig: Rig) -> None:
+    # A thread's hits wait on the loop for up to DRAIN_DELAY_S; a call the loop serves
+    # meanwhile (a hand-off of the same thread, as the SGLang adapter makes) must not count
+    # as older than them.
+    cache = make(sim_rig, gpu_kib=16)  # four 4 KiB features
+    await cache.start()
+    cache._thread_hits.bind(lambda: None)  # the drain never comes on its own
+    for k in range(4):
+        await cache.put(k, value(k))
+    assert await resident(cache, 0) is not None  # then 1 on the loop: 2, 3, 0, 1
+    assert await cache.get(1) is not None
+    for k in range(4, 7):  # evicts three: 2, 3 and 0 (not 1)
+        await cache.put(k, value(k))
+    await cache.drain()
+    assert await served_from(cache, 0) == "cpu"
+    assert await served_from(cache, 1) == "gpu"
+    await cache.close()
