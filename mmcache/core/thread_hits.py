@@ -39,9 +39,10 @@ hand-over orders memory):
   failed one goes to the hand-off, which raises.
 - The hit's count and recency touch are not applied here: the entry goes on a deque
   (append and popleft are atomic) that the loop drains in `apply()`: DRAIN_DELAY_S after
-  the first hit of a burst, before every eviction plan, and before stats() (`apply_from`, which a
-  thread other than the loop's asks of the loop). The stats' counts of hits are exact
-  once the loop has drained it.
+  the first hit of a burst, at the start of every call the loop serves (so a thread's hits
+  stay older than its next hand-off), before every eviction plan, and before stats()
+  (`apply_from`, which a thread other than the loop's asks of the loop). The stats'
+  counts of hits are exact once the loop has drained it.
 
 A free-threaded build (no GIL) has none of these guarantees: there the thread path is off.
 """
