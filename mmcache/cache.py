@@ -394,12 +394,8 @@ class FeatureCache:
             out = self.get_resident_threadsafe(key, rows=rows, stream=stream)
             if out is not None:
                 return out
-        return run_threadsafe(
-            self._life.loop,
-            self._life.closed,
-            self.get(key, device=device, rows=rows, stream=stream),
-            timeout,
-        )
+        coro = self.get(key, device=device, rows=rows, stream=stream)
+        return run_threadsafe(self._life.loop, self._life.closed, coro, timeout)
 
     def get_resident_threadsafe(
         self,
@@ -421,11 +417,8 @@ class FeatureCache:
         if stream is None:
             stream = self._device.current_stream()
         check_key(key)
-        if (
-            not self._thread_reads
-            or self._life.serving is None
-            or threading.get_ident() == self._life.thread
-        ):
+        life = self._life
+        if not self._thread_reads or life.serving is None or threading.get_ident() == life.thread:
             return None
         return self._thread_hits.serve(key, rows, stream)
 
