@@ -116,7 +116,8 @@ class BatchReads:
     ) -> tuple[list[torch.Tensor | None], list[Fence], list[torch.Tensor]]:
         """get_many up to its first await: every key looked up, every alias taken and every
         host hit's copy queued. Returns the outputs (usable on stream once wait() has
-        ordered them), the fences they depend on and the device memory they use.
+        ordered them), the fences they depend on and the device memory uploaded for them
+        (wait() marks it used on stream; a GPU hit's block is marked here, once a stream).
 
         A key given twice is read once; count_repeats: each is a lookup all the same
         (the keys of several calls), else one (get_many's). With blame (the keys of
@@ -125,7 +126,8 @@ class BatchReads:
         behind it, so that only the callers of those keys fail."""
         out: list[torch.Tensor | None] = [None] * len(keys)
         waits: list[Fence] = []
-        used: list[torch.Tensor] = []  # one tensor per block of device memory served
+        used: list[torch.Tensor] = []  # one tensor per block of device memory uploaded
+        marked: list[torch.Tensor] = []  # the GPU hits whose blocks stream has not used yet
         uploads: list[_Upload] = []
         first: dict[Hashable, int] = {}
         repeats: list[tuple[int, int]] = []
@@ -161,7 +163,9 @@ class BatchReads:
                 assert tensor is not None
                 alias = tensor.detach() if member is None else tensor[member.start : member.stop]
                 out[i] = alias
-                used.append(alias)
+                if entry.used_on is not stream:  # its block not yet marked used on stream
+                    entry.used_on = stream
+                    marked.append(alias)
                 if not entry.ready.ok():  # one call in the common case: done and good
                     waits.append(entry.ready)
                     if blame is not None:
@@ -169,6 +173,8 @@ class BatchReads:
             else:
                 touch_host(entry.key)
                 uploads.append((i, entry, member))
+        if marked:  # now, before anything can fail: each marked entry's block is recorded
+            self._device.use_all_on(marked, stream)
         host_hits = len(uploads)
         if repeats and count_repeats:
             host_at = {i for i, _, _ in uploads}

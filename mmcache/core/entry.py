@@ -68,6 +68,10 @@ class Entry:
     #: changed them (halvings since are shifts)
     frequency: int = 0
     frequency_epoch: int = -1
+    #: the stream the device tensor's block was last marked used on by a loop read
+    #: (record_stream): once is enough, the allocator records its event at the block's
+    #: free; None for a new tensor
+    used_on: Stream | None = None
 
     # Every change of state, tensor, block, fences or members goes through one of the
     # methods below, which refuses a transition the lifecycle does not have: the parts
@@ -116,6 +120,7 @@ class Entry:
         # sees HOST and hands off (the other order served the new tensor with the old fence).
         self.ready = ready
         self.tensor = tensor
+        self.used_on = None  # a new block: no stream has used it yet
         self.state = State.GPU
 
     def demote(self) -> torch.Tensor:

@@ -117,7 +117,7 @@ class Reads:
                 if state is State.D2H:
                     return await self.read_host(entry, span)
                 return await self.download(entry.tensor, entry.ready, span, entry)
-            return await self.serve_device(entry.tensor, entry.ready, span, stream)
+            return await self.serve_device(entry.tensor, entry.ready, span, stream, entry)
         self._counters.hit_cpu()
         self._host_order.touch(entry.key)
         if to_host:
@@ -182,9 +182,15 @@ class Reads:
         return await wait_fences(fences, self.copy_timeout)
 
     async def serve_device(
-        self, tensor: torch.Tensor, ready: Fence, span: tuple[int, int] | None, stream: Stream
+        self,
+        tensor: torch.Tensor,
+        ready: Fence,
+        span: tuple[int, int] | None,
+        stream: Stream,
+        entry: Entry | None = None,
     ) -> torch.Tensor:
-        """A fresh alias (or row view) of a device tensor, ordered after ready on stream."""
+        """A fresh alias (or row view) of a device tensor, ordered after ready on stream;
+        entry: the one whose tensor it is, its block marked used on stream once."""
         # The alias exists before any wait: a reader holds what it will read, so a release
         # that lands meanwhile cannot recycle it.
         out = tensor.detach() if span is None else tensor[span[0] : span[1]]
@@ -206,7 +212,12 @@ class Reads:
                 except BaseException:
                     del out  # a cancelled read must not keep it alive through its traceback
                     raise
-        self._device.use_on(out, stream)
+        if entry is None:
+            self._device.use_on(out, stream)
+        elif entry.used_on is not stream:
+            self._device.use_on(out, stream)
+            if entry.tensor is tensor:  # still the entry's block after any wait
+                entry.used_on = stream
         return out
 
     async def download(

@@ -135,6 +135,10 @@ KNOWN = {
     # path; the state folds the count into its sketch when it compares entries.
     "core/batch_reads.py: assigns Entry.hits of entry",
     "core/reads.py: assigns Entry.hits of entry",
+    # A read notes the stream it marked the entry's block used on (record_stream), with
+    # no call on its hot path: the allocator's bookkeeping, not the tier state.
+    "core/batch_reads.py: assigns Entry.used_on of entry",
+    "core/reads.py: assigns Entry.used_on of entry",
     # Entry records a reader stream on a batch's entries in one call: its own field,
     # reader bookkeeping, no transition.
     "core/entry.py: assigns Entry.host_streams of entry",
