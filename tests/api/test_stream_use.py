@@ -54,7 +54,12 @@ async def test_gpu_hits_on_one_stream_mark_a_block_once(
     reader = reader_stream(rig)
     marks = count_marks(rig, monkeypatch)
     mine = rig.device.current_stream()
-    blocks = [(await cache.get(key)).untyped_storage().data_ptr() for key in range(2)]
+    blocks = []
+    for key in range(2):
+        got = await cache.get(key)
+        assert got is not None
+        blocks.append(got.untyped_storage().data_ptr())
+    del got
     for _ in range(3):
         assert await cache.get(0) is not None
         assert all(t is not None for t in await cache.get_many([0, 1]))
