@@ -89,17 +89,6 @@ class BatchReads:
         self._gpu_order = state.gpu_order
         self._host_order = state.host_order
 
-    def any_on_host(self, keys: Sequence[Hashable]) -> bool:
-        """Whether any of keys is a host-tier hit now (a read of it queues a copy)."""
-        index = self._index
-        for key in keys:
-            found = index.get(key)
-            if found is not None:
-                entry = found.group if isinstance(found, Member) else found
-                if entry.state is State.HOST:
-                    return True
-        return False
-
     async def get_many(self, keys: Sequence[Hashable], stream: Stream) -> list[torch.Tensor | None]:
         """The features of keys on the device, usable on stream; None for a miss."""
         out, waits, used = self.queue(keys, stream)
@@ -113,6 +102,7 @@ class BatchReads:
         *,
         count_repeats: bool = False,
         blame: dict[Fence, list[Hashable]] | None = None,
+        deferred: list[int] | None = None,
     ) -> tuple[list[torch.Tensor | None], list[Fence], list[torch.Tensor]]:
         """get_many up to its first await: every key looked up, every alias taken and every
         host hit's copy queued. Returns the outputs (usable on stream once wait() has
@@ -123,7 +113,9 @@ class BatchReads:
         (the keys of several calls), else one (get_many's). With blame (the keys of
         several calls), a feature whose copy failed already is not an error here: blame
         maps each fence the outputs depend on (but those done and good) to the keys read
-        behind it, so that only the callers of those keys fail."""
+        behind it, so that only the callers of those keys fail. With deferred, host-tier
+        hits are neither read nor counted: their positions are appended to it and their
+        outputs left None (TurnReads reads them with its turn's other reads)."""
         out: list[torch.Tensor | None] = [None] * len(keys)
         waits: list[Fence] = []
         used: list[torch.Tensor] = []  # one tensor per block of device memory uploaded
@@ -170,9 +162,11 @@ class BatchReads:
                     waits.append(entry.ready)
                     if blame is not None:
                         blame.setdefault(entry.ready, []).append(key)
-            else:
+            elif deferred is None:
                 touch_host(entry.key)
                 uploads.append((i, entry, member))
+            else:
+                deferred.append(i)
         if marked:  # now, before anything can fail: each marked entry's block is recorded
             self._device.use_all_on(marked, stream)
         host_hits = len(uploads)
@@ -185,7 +179,8 @@ class BatchReads:
                     missed += 1
                 else:
                     gpu_hits += 1
-        self._counters.looked_up(gpu_hits, host_hits, missed)
+        if gpu_hits or host_hits or missed:  # not a call where every key was deferred
+            self._counters.looked_up(gpu_hits, host_hits, missed)
         if blame is None:
             for fence in waits:  # a feature whose producing copy failed: an error, no copies
                 if fence.done():

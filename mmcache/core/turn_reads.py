@@ -100,11 +100,25 @@ class TurnReads:
         gets where one of them is a host hit: each feature on the device, usable on
         stream; None for a miss."""
         unique = list(dict.fromkeys(keys))
-        if self._batch.any_on_host(unique):
-            future, output = self._queue(unique, stream)
+        # The resident features are read now, as get reads them; the host hits, if any,
+        # with the turn's other reads (one copy batch for all).
+        on_host: list[int] = []
+        batch = self._batch
+        output, waits, used = batch.queue(unique, stream, deferred=on_host)
+        if not (waits or used):  # the common case: every fence done and good, none to wait on
+            pass
+        elif self._device.stream_ordered_reads:
+            batch.order(waits, used, stream)
+        else:
+            await batch.wait(waits, used, stream)
+        if on_host:
+            host_keys: list[Hashable] = []
+            for i in on_host:  # a loop, not a comprehension: no frame of its own
+                host_keys.append(unique[i])
+            future, uploaded = self._queue(host_keys, stream)
             await future
-        else:  # no copy to share with the turn's other reads: read now, as get does
-            output = await self._batch.get_many(unique, stream)
+            for i, tensor in zip(on_host, uploaded, strict=True):
+                output[i] = tensor
         if len(unique) == len(keys):
             return output
         return each_position(keys, unique, output)

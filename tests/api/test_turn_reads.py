@@ -192,6 +192,33 @@ async def test_a_get_many_with_no_host_hit_is_served_at_once_as_get_is(
     assert (after.hits_gpu - before.hits_gpu, after.misses - before.misses) == (2, 1)
 
 
+async def test_a_get_manys_resident_features_are_read_at_once_its_host_hits_with_the_turn(
+    rig: Rig, make_cache: CacheFactory
+) -> None:
+    """Only the host hits of a get_many wait for the turn's copy batch: its resident
+    features are looked up, counted and held on its first step, as get's are."""
+    cache = make_cache(gpu_mb=2 * FEATURE_KIB / KiB, cpu_mb=1, promote_on_hit=False)
+    want = await host_resident(rig, cache, 2)  # 0 and 1 on the host tier, 2 and 3 resident
+    assert _in_tier(cache, 2) == "gpu"
+    resident = await cache.get(2)
+    assert resident is not None
+    expected = resident.cpu().clone()
+    del resident
+    before = cache.stats()
+    call = asyncio.ensure_future(cache.get_many([2, 0]))
+    await asyncio.sleep(0)  # its first step ran; the turn is not served yet
+    during = cache.stats()
+    assert (during.hits_gpu - before.hits_gpu, during.hits_cpu - before.hits_cpu) == (1, 0)
+    assert cache.discard(2)  # after its read: the call holds what it read
+    got = await call
+    assert_exact(got[0], expected)
+    assert_exact(got[1], want[0])
+    assert cache.stats().hits_cpu - before.hits_cpu == 1
+    del got
+    await cache.drain()
+    assert cache.stats().leaked_bytes == 0
+
+
 async def test_a_cancelled_get_many_leaves_the_others_of_its_turn(
     rig: Rig, make_cache: CacheFactory
 ) -> None:
