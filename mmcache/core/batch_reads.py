@@ -120,6 +120,7 @@ class BatchReads:
         waits: list[Fence] = []
         used: list[torch.Tensor] = []  # one tensor per block of device memory uploaded
         marked: list[torch.Tensor] = []  # the GPU hits whose blocks stream has not used yet
+        marking: list[Entry] = []  # their entries
         uploads: list[_Upload] = []
         first: dict[Hashable, int] = {}
         repeats: list[tuple[int, int]] = []
@@ -156,8 +157,8 @@ class BatchReads:
                 alias = tensor.detach() if member is None else tensor[member.start : member.stop]
                 out[i] = alias
                 if entry.used_on is not stream:  # its block not yet marked used on stream
-                    entry.used_on = stream
                     marked.append(alias)
+                    marking.append(entry)
                 if not entry.ready.ok():  # one call in the common case: done and good
                     waits.append(entry.ready)
                     if blame is not None:
@@ -167,8 +168,10 @@ class BatchReads:
                 uploads.append((i, entry, member))
             else:
                 deferred.append(i)
-        if marked:  # now, before anything can fail: each marked entry's block is recorded
+        if marked:  # now, before anything can fail; noted once recorded
             self._device.use_all_on(marked, stream)
+            for entry in marking:
+                entry.used_on = stream
         host_hits = len(uploads)
         if repeats and count_repeats:
             host_at = {i for i, _, _ in uploads}

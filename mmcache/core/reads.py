@@ -214,9 +214,10 @@ class Reads:
                     raise
         if entry is None:
             self._device.use_on(out, stream)
-        elif entry.used_on is not stream:
+        elif entry.used_on is not stream or entry.tensor is not tensor:
+            # (after a wait, the entry may hold a newer block, marked by another read)
             self._device.use_on(out, stream)
-            if entry.tensor is tensor:  # still the entry's block after any wait
+            if entry.tensor is tensor:
                 entry.used_on = stream
         return out
 

@@ -58,8 +58,8 @@ _Turn = tuple[Stream, list[_Get]]
 
 @final
 class TurnReads:
-    """Single gets of host-tier hits, and get_many calls, in one loop iteration, served as
-    one batch.
+    """The host-tier hits of single gets and of get_many calls, in one loop iteration,
+    served as one batch.
 
     A scheduler's concurrent requests each call get (or get_many); the host hits among
     them would each pay an allocation, a copy, a fence and a stream wait. Queued here
@@ -96,29 +96,35 @@ class TurnReads:
         return output.pop()
 
     async def read_many(self, keys: list[Hashable], stream: Stream) -> list[torch.Tensor | None]:
-        """get_many of keys (a key given twice is read once), read with the turn's other
-        gets where one of them is a host hit: each feature on the device, usable on
-        stream; None for a miss."""
+        """get_many of keys (a key given twice is read once): each feature on the device,
+        usable on stream; None for a miss. The resident ones are read at once, the host
+        hits with the turn's other reads."""
         unique = list(dict.fromkeys(keys))
         # The resident features are read now, as get reads them; the host hits, if any,
         # with the turn's other reads (one copy batch for all).
         on_host: list[int] = []
         batch = self._batch
         output, waits, used = batch.queue(unique, stream, deferred=on_host)
-        if not (waits or used):  # the common case: every fence done and good, none to wait on
-            pass
-        elif self._device.stream_ordered_reads:
-            batch.order(waits, used, stream)
-        else:
-            await batch.wait(waits, used, stream)
-        if on_host:
-            host_keys: list[Hashable] = []
-            for i in on_host:  # a loop, not a comprehension: no frame of its own
-                host_keys.append(unique[i])
-            future, uploaded = self._queue(host_keys, stream)
-            await future
-            for i, tensor in zip(on_host, uploaded, strict=True):
-                output[i] = tensor
+        try:
+            if not (waits or used):  # the common case: every fence done and good
+                pass
+            elif self._device.stream_ordered_reads:
+                batch.order(waits, used, stream)
+            else:
+                await batch.wait(waits, used, stream)
+            if on_host:
+                host_keys: list[Hashable] = []
+                for i in on_host:  # a loop, not a comprehension: no frame of its own
+                    host_keys.append(unique[i])
+                future, uploaded = self._queue(host_keys, stream)
+                await future
+                for i, tensor in zip(on_host, uploaded, strict=True):
+                    output[i] = tensor
+        except BaseException:
+            # Failed or cancelled: the traceback keeps this frame, which must not keep the
+            # features already read alive.
+            output.clear()
+            raise
         if len(unique) == len(keys):
             return output
         return each_position(keys, unique, output)

@@ -282,7 +282,7 @@ class CudaDevice(Device):
 
     def use_on(self, tensor: torch.Tensor, stream: Stream) -> None:
         """record_stream: the allocator keeps tensor's block until stream's queued work is done."""
-        record_use(tensor, as_cuda_stream(stream))  # every GPU hit: no frame in between
+        record_use(tensor, as_cuda_stream(stream))  # a read's: no frame in between
 
     def use_all_on(self, tensors: Iterable[torch.Tensor], stream: Stream) -> None:
         """use_on of each of tensors, the stream resolved once (a batch's outputs)."""

@@ -79,6 +79,29 @@ async def test_gpu_hits_on_one_stream_mark_a_block_once(
     assert sorted(marks) == sorted((block, id(mine)) for block in blocks)
 
 
+async def test_a_mark_that_could_not_be_made_is_made_by_the_next_read(
+    rig: Rig, make_cache: CacheFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = make_cache(gpu_mb=1, cpu_mb=1)
+    for key in range(2):
+        await put_feature(cache, rig, key, FEATURE_KIB, seed=key)
+    device = rig.device
+
+    def refuse(tensors: Iterable[torch.Tensor], stream: Stream) -> None:
+        raise RuntimeError("record_stream refused")
+
+    with monkeypatch.context() as refusing:
+        refusing.setattr(device, "use_on", refuse)
+        refusing.setattr(device, "use_all_on", refuse)
+        with pytest.raises(RuntimeError, match="refused"):
+            await cache.get_many([0, 1])
+        with pytest.raises(RuntimeError, match="refused"):
+            await cache.get(0)
+    marks = count_marks(rig, monkeypatch)
+    assert all(t is not None for t in await cache.get_many([0, 1]))
+    assert len(marks) == 2, "the blocks not marked then are marked now"
+
+
 async def test_a_block_promoted_again_is_marked_again(
     rig: Rig, make_cache: CacheFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -219,6 +219,46 @@ async def test_a_get_manys_resident_features_are_read_at_once_its_host_hits_with
     assert cache.stats().leaked_bytes == 0
 
 
+def _tensors_held_by(error: BaseException) -> list[str]:
+    """The frames of error's traceback, and of the errors it was raised in, whose locals
+    hold a tensor (alone or in a list)."""
+    held: list[str] = []
+    seen: BaseException | None = error
+    while seen is not None:
+        tb = seen.__traceback__
+        while tb is not None:
+            for name, local in tb.tb_frame.f_locals.items():
+                items = local if isinstance(local, list) else [local]
+                if any(isinstance(item, torch.Tensor) for item in items):
+                    held.append(f"{tb.tb_frame.f_code.co_name}: {name}")
+            tb = tb.tb_next
+        seen = seen.__context__
+    return held
+
+
+@pytest.mark.parametrize("how", ["cancelled", "failed"])
+async def test_a_get_many_that_fails_waiting_for_its_turn_keeps_nothing_it_read(
+    rig: Rig, make_cache: CacheFactory, how: str
+) -> None:
+    if how == "failed" and not isinstance(rig.device, SimDevice):
+        pytest.skip("injects a failed copy into the simulator")
+    cache = make_cache(gpu_mb=2 * FEATURE_KIB / KiB, cpu_mb=1, promote_on_hit=False)
+    await host_resident(rig, cache, 2)  # 0 and 1 on the host tier, 2 and 3 resident
+    if how == "failed":
+        assert isinstance(rig.device, SimDevice)
+        rig.device.inject("copy_fails", 1)
+    call = asyncio.ensure_future(cache.get_many([2, 0]))
+    await asyncio.sleep(0)  # its resident feature read, its host hit queued for the turn
+    if how == "cancelled":
+        call.cancel()
+    with pytest.raises((asyncio.CancelledError, CopyFailedError)) as raised:
+        await call
+    assert _tensors_held_by(raised.value) == []
+    del call, raised
+    await cache.drain()
+    assert cache.stats().leaked_bytes == 0
+
+
 async def test_a_cancelled_get_many_leaves_the_others_of_its_turn(
     rig: Rig, make_cache: CacheFactory
 ) -> None:
