@@ -212,12 +212,11 @@ class Reads:
                 except BaseException:
                     del out  # a cancelled read must not keep it alive through its traceback
                     raise
-        if entry is None:
+        # Marked once a stream (after a wait, the entry may hold a newer block, marked by
+        # another read: then this one is marked again, and the mark left to the newer).
+        if entry is None or entry.used_on is not stream or entry.tensor is not tensor:
             self._device.use_on(out, stream)
-        elif entry.used_on is not stream or entry.tensor is not tensor:
-            # (after a wait, the entry may hold a newer block, marked by another read)
-            self._device.use_on(out, stream)
-            if entry.tensor is tensor:
+            if entry is not None and entry.tensor is tensor:
                 entry.used_on = stream
         return out
 

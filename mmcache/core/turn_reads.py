@@ -106,11 +106,7 @@ class TurnReads:
         batch = self._batch
         output, waits, used = batch.queue(unique, stream, deferred=on_host)
         try:
-            if not (waits or used):  # the common case: every fence done and good
-                pass
-            elif self._device.stream_ordered_reads:
-                batch.order(waits, used, stream)
-            else:
+            if waits or used:  # a fence pending or failed (none in the common case)
                 await batch.wait(waits, used, stream)
             if on_host:
                 host_keys: list[Hashable] = []
