@@ -158,6 +158,13 @@ def assert_exact(got: torch.Tensor | None, want: torch.Tensor) -> None:
     assert torch.equal(a, b)
 
 
+def reader_stream(rig: Rig) -> Any:
+    """A stream of the reader's own, not the cache's copy streams."""
+    if isinstance(rig.device, SimDevice):
+        return rig.device.stream("reader")
+    return torch.cuda.Stream(device=rig.device.name)  # type: ignore[no-untyped-call]
+
+
 def needs_hold(rig: Rig) -> None:
     """Skip where copies cannot be held back on demand (a GPU only delays them)."""
     if rig.kind != "sim":

@@ -7,7 +7,6 @@ host block records a fence there, so the block is reused only after the copy rea
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ from conftest import (
     assert_exact,
     needs_hold,
     put_feature,
+    reader_stream,
     served_from,
     stall,
 )
@@ -27,13 +27,6 @@ from mmcache.device import SimDevice
 pytestmark = pytest.mark.usefixtures("no_collection_during_reports")
 
 FEATURE_KIB = 128
-
-
-def reader_stream(rig: Rig) -> Any:
-    """A stream of the reader's own, not the cache's copy streams."""
-    if isinstance(rig.device, SimDevice):
-        return rig.device.stream("reader")
-    return torch.cuda.Stream(device=rig.device.name)  # type: ignore[no-untyped-call]
 
 
 @pytest.mark.parametrize("many", [False, True], ids=["get", "get_many"])

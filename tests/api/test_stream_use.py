@@ -10,19 +10,22 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import CacheFactory, KiB, Rig, put_feature, stall
+from conftest import CacheFactory, KiB, Rig, put_feature, reader_stream, stall
 
-from mmcache.device import SimDevice, Stream
+from mmcache import FeatureCache
+from mmcache.device import Stream
 
 pytestmark = pytest.mark.usefixtures("no_collection_during_reports")
 
 FEATURE_KIB = 64
 
 
-def reader_stream(rig: Rig) -> Any:
-    if isinstance(rig.device, SimDevice):
-        return rig.device.stream("reader")
-    return torch.cuda.Stream(device=rig.device.name)  # type: ignore[no-untyped-call]
+async def two_resident(rig: Rig, make_cache: CacheFactory) -> FeatureCache:
+    """A cache with features 0 and 1 on its GPU tier."""
+    cache = make_cache(gpu_mb=1, cpu_mb=1)
+    for key in range(2):
+        await put_feature(cache, rig, key, FEATURE_KIB, seed=key)
+    return cache
 
 
 def count_marks(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
@@ -48,9 +51,7 @@ def count_marks(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, in
 async def test_gpu_hits_on_one_stream_mark_a_block_once(
     rig: Rig, make_cache: CacheFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    cache = make_cache(gpu_mb=1, cpu_mb=1)
-    for key in range(2):
-        await put_feature(cache, rig, key, FEATURE_KIB, seed=key)
+    cache = await two_resident(rig, make_cache)
     reader = reader_stream(rig)
     marks = count_marks(rig, monkeypatch)
     mine = rig.device.current_stream()
@@ -82,9 +83,7 @@ async def test_gpu_hits_on_one_stream_mark_a_block_once(
 async def test_a_mark_that_could_not_be_made_is_made_by_the_next_read(
     rig: Rig, make_cache: CacheFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    cache = make_cache(gpu_mb=1, cpu_mb=1)
-    for key in range(2):
-        await put_feature(cache, rig, key, FEATURE_KIB, seed=key)
+    cache = await two_resident(rig, make_cache)
     device = rig.device
 
     def refuse(tensors: Iterable[torch.Tensor], stream: Stream) -> None:

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from prometheus_client import CollectorRegistry
 from ranks import Report, run_ranks, same_bytes, value
+from tracebacks import tensors_held_by
 
 from mmcache import CacheSettings, FeatureCache, GroupError, InvalidValueError
 from mmcache.agreement import Agreement
@@ -613,7 +614,7 @@ async def _lose_a_peer(rank: int, control: Any, how: str) -> Report:
         raised = ""
     except GroupError as exc:
         raised = str(exc)
-        held = _tensors_held_by(exc)
+        held = tensors_held_by(exc)
     took = time.monotonic() - started
     try:
         await cache.get_many([1])
@@ -632,19 +633,6 @@ async def _lose_a_peer(rank: int, control: Any, how: str) -> Report:
         "again_took": again_took,
         "close_took": time.monotonic() - closing,
     }
-
-
-def _tensors_held_by(error: BaseException) -> list[str]:
-    """The frames of error's traceback whose locals hold a tensor (alone or in a list)."""
-    held = []
-    tb = error.__traceback__
-    while tb is not None:
-        for name, local in tb.tb_frame.f_locals.items():
-            items = local if isinstance(local, list) else [local]
-            if any(isinstance(item, torch.Tensor) for item in items):
-                held.append(f"{tb.tb_frame.f_code.co_name}: {name}")
-        tb = tb.tb_next
-    return held
 
 
 @pytest.mark.parametrize("how", ["killed", "stuck"])

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import CacheFactory, KiB, Rig, assert_exact, put_feature
+from tracebacks import tensors_held_by
 
 from mmcache.device import CopyPlan, NewCopyPlan, SimDevice
 from mmcache.errors import CopyFailedError, CopyTimeoutError
@@ -219,23 +220,6 @@ async def test_a_get_manys_resident_features_are_read_at_once_its_host_hits_with
     assert cache.stats().leaked_bytes == 0
 
 
-def _tensors_held_by(error: BaseException) -> list[str]:
-    """The frames of error's traceback, and of the errors it was raised in, whose locals
-    hold a tensor (alone or in a list)."""
-    held: list[str] = []
-    seen: BaseException | None = error
-    while seen is not None:
-        tb = seen.__traceback__
-        while tb is not None:
-            for name, local in tb.tb_frame.f_locals.items():
-                items = local if isinstance(local, list) else [local]
-                if any(isinstance(item, torch.Tensor) for item in items):
-                    held.append(f"{tb.tb_frame.f_code.co_name}: {name}")
-            tb = tb.tb_next
-        seen = seen.__context__
-    return held
-
-
 @pytest.mark.parametrize("how", ["cancelled", "failed"])
 async def test_a_get_many_that_fails_waiting_for_its_turn_keeps_nothing_it_read(
     rig: Rig, make_cache: CacheFactory, how: str
@@ -253,7 +237,7 @@ async def test_a_get_many_that_fails_waiting_for_its_turn_keeps_nothing_it_read(
         call.cancel()
     with pytest.raises((asyncio.CancelledError, CopyFailedError)) as raised:
         await call
-    assert _tensors_held_by(raised.value) == []
+    assert tensors_held_by(raised.value, chained=True) == []
     del call, raised
     await cache.drain()
     assert cache.stats().leaked_bytes == 0
